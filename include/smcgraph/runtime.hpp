@@ -1,0 +1,156 @@
+// RAII device and pinned host buffers, streams, events and NVTX ranges.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/error.hpp"
+
+namespace smcgraph {
+
+/// Owns `count` elements of device memory (cudaMalloc). Move-only.
+///
+///   smcgraph::DeviceBuffer<float> d_logits(rows * vocab);
+///   d_logits.copy_from_host(h_logits.data(), h_logits.size(), stream);
+template <class T> class DeviceBuffer {
+public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t count) : count_(count) {
+    if (count_ > 0) SMCGRAPH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    DeviceBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (data_) cudaFree(data_); // a destructor must not throw; a failed free leaves nothing to recover
+  }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  size_t size() const noexcept { return count_; }
+  size_t bytes() const noexcept { return count_ * sizeof(T); }
+
+  void copy_from_host(const T* h_source, size_t count, cudaStream_t stream) {
+    require(count <= count_, "DeviceBuffer::copy_from_host", "count", count, "exceeds the buffer size");
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(data_, h_source, count * sizeof(T), cudaMemcpyHostToDevice, stream));
+  }
+  void copy_to_host(T* h_destination, size_t count, cudaStream_t stream) const {
+    require(count <= count_, "DeviceBuffer::copy_to_host", "count", count, "exceeds the buffer size");
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(h_destination, data_, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
+  }
+  /// Sets every byte to `byte` (tests use 0xff to poison outputs).
+  void fill_bytes(int byte, cudaStream_t stream) {
+    if (count_ > 0) SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream));
+  }
+  void swap(DeviceBuffer& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+  }
+
+private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+/// Owns `count` elements of page-locked host memory (cudaMallocHost), for asynchronous copies.
+template <class T> class PinnedBuffer {
+public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t count) : count_(count) {
+    if (count_ > 0) SMCGRAPH_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& other) noexcept { swap(other); }
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept {
+    PinnedBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~PinnedBuffer() {
+    if (data_) cudaFreeHost(data_);
+  }
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  size_t size() const noexcept { return count_; }
+  T& operator[](size_t i) noexcept { return data_[i]; }
+  const T& operator[](size_t i) const noexcept { return data_[i]; }
+  void swap(PinnedBuffer& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+  }
+
+private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+/// A non-blocking CUDA stream.
+class Stream {
+public:
+  Stream() { SMCGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  cudaStream_t get() const noexcept { return stream_; }
+  operator cudaStream_t() const noexcept { return stream_; }
+  void synchronize() const { SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+private:
+  cudaStream_t stream_ = nullptr;
+};
+
+/// A CUDA event; `timing` enables cudaEventElapsedTime.
+class Event {
+public:
+  explicit Event(bool timing = false) {
+    SMCGRAPH_CUDA_CHECK(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (event_) cudaEventDestroy(event_);
+  }
+  cudaEvent_t get() const noexcept { return event_; }
+  void record(cudaStream_t stream) { SMCGRAPH_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+  void synchronize() const { SMCGRAPH_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  /// True when all work before the record has completed (never blocks).
+  bool ready() const;
+  /// Milliseconds between `start` and this event (both recorded with timing enabled).
+  float elapsed_ms_since(const Event& start) const;
+
+private:
+  cudaEvent_t event_ = nullptr;
+};
+
+/// An NVTX range that lasts for the scope (shows up in Nsight timelines; costs nothing without a tool).
+class NvtxRange {
+public:
+  explicit NvtxRange(const char* name);
+  ~NvtxRange();
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+/// Device facts the launchers size their grids with (cached per device; no synchronization).
+struct DeviceInfo {
+  int device = 0;
+  int multiprocessors = 0;
+  int compute_major = 0;
+  int compute_minor = 0;
+};
+const DeviceInfo& current_device_info();
+
+/// Number of CUDA devices, 0 when none is usable (never throws for "no device").
+int cuda_device_count();
+
+} // namespace smcgraph

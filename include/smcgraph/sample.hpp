@@ -1,0 +1,120 @@
+// Graph-safe sampling and scoring from logits (DESIGN.md §2 steps 2-5, §4).
+//
+// One read of the logits per (row, position): an online log-sum-exp and an exponential race (the
+// Gumbel-max trick in ratio form) share a single pass, so sampling costs what reading the logits costs.
+// The vocabulary is split across CTAs when there are few rows; the last CTA of a row combines the
+// partial results (a ticket counter that it resets, so a captured graph replays without host help).
+//
+//   smcgraph::SampleWorkspace workspace(max_rows, vocab);                 // once, before capture
+//   smcgraph::LogitsView logits{d_logits, smcgraph::DType::kBFloat16, rows, 1, vocab, vocab, vocab};
+//   smcgraph::RowParams params{d_temperature, d_alpha};                   // per row, device memory
+//   smcgraph::RowRandom random{d_seeds, d_draw_counters, /*particles_per_request=*/1};
+//   smcgraph::SampleOutputs out{d_tokens, d_logprobs, d_logz, d_row_flags, d_status};
+//   smcgraph::sample(logits, params, random, smcgraph::philox_stream(smcgraph::Salt::kUser, 0), out,
+//                    workspace, stream);
+//   smcgraph::advance_draw_counters(d_draw_counters, requests, stream);  // fresh numbers next time
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/philox.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph {
+
+/// Logits `[rows, positions, vocab]`: element (r, p, v) at data + r * row_stride + p * position_stride + v
+/// (strides in elements).
+struct LogitsView {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int rows = 0;
+  int positions = 1;
+  int vocab = 0;
+  int64_t row_stride = 0;
+  int64_t position_stride = 0;
+};
+
+/// Per-row sampling parameters, read from device memory at run time (so a graph replays with new values).
+struct RowParams {
+  const float* temperature = nullptr; ///< [rows]; 0 means greedy argmax
+  const float* alpha = nullptr;       ///< [rows] power of the target distribution; nullptr means 1
+};
+
+/// Where a row's random numbers come from (philox.hpp): row r belongs to request r / particles_per_request
+/// and is particle r % particles_per_request of it.
+struct RowRandom {
+  const uint64_t* seeds = nullptr;         ///< [requests] Philox keys
+  const uint32_t* draw_counters = nullptr; ///< [requests] advanced by advance_draw_counters
+  int particles_per_request = 1;
+};
+
+/// Outputs of sample(), one per row. Rows that fail (row_flags != 0) get token kInvalidToken,
+/// logprob -inf and logz 0.
+struct SampleOutputs {
+  int32_t* tokens = nullptr;    ///< [rows] sampled token
+  float* logprobs = nullptr;    ///< [rows] log softmax(alpha * l / T)[token]
+  float* logz = nullptr;        ///< [rows] lse(alpha * l / T) - alpha * lse(l / T); 0 when alpha = 1 or T = 0
+  uint32_t* row_flags = nullptr; ///< [rows] RowFlag bits (written, not accumulated)
+  uint32_t* status = nullptr;   ///< [1] OR-accumulated RowFlag bits of all rows (the caller clears it)
+};
+
+/// Outputs of score(): logits `[rows, P, V]`, tokens `[rows, P - 1]`.
+struct ScoreOutputs {
+  float* token_logprobs = nullptr; ///< [rows, P - 1] log softmax(l / T)[token] at positions < P - 1
+  int32_t* bonus_tokens = nullptr; ///< [rows] sampled from softmax(alpha * l / T) at position P - 1
+  float* bonus_logprobs = nullptr; ///< [rows]
+  float* logz = nullptr;           ///< [rows] lse(alpha * l / T) - alpha * lse(l / T) at position P - 1
+  uint32_t* row_flags = nullptr;   ///< [rows] RowFlag bits (written, not accumulated)
+  uint32_t* status = nullptr;      ///< [1] OR-accumulated
+};
+
+/// Scratch for the split-vocabulary combine, sized for the largest launch it will serve. Allocated and
+/// zeroed once (outside any capture); launches leave it zeroed again.
+class SampleWorkspace {
+public:
+  SampleWorkspace() = default;
+  SampleWorkspace(int max_jobs, int max_vocab);
+  ~SampleWorkspace();
+  SampleWorkspace(SampleWorkspace&& other) noexcept;
+  SampleWorkspace& operator=(SampleWorkspace&& other) noexcept;
+  SampleWorkspace(const SampleWorkspace&) = delete;
+  SampleWorkspace& operator=(const SampleWorkspace&) = delete;
+
+  int max_jobs() const noexcept { return max_jobs_; }
+  int max_vocab() const noexcept { return max_vocab_; }
+  size_t bytes() const noexcept { return bytes_; }
+  void* partials() const noexcept { return partials_; }
+  uint32_t* tickets() const noexcept { return tickets_; }
+  int max_partials() const noexcept { return max_partials_; }
+
+private:
+  int max_jobs_ = 0, max_vocab_ = 0, max_partials_ = 0;
+  size_t bytes_ = 0;
+  void* partials_ = nullptr;
+  uint32_t* tickets_ = nullptr;
+};
+
+/// Samples one token per row from softmax(alpha * logits / T) with keyed Gumbel noise (stream = the
+/// counter word w, see philox_stream). Never allocates or synchronizes: capturable.
+void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
+            const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream);
+
+/// One pass over `[rows, P, V]`: log-probs of the given tokens at positions < P - 1 under softmax(l / T)
+/// and a bonus sample (as sample()) at position P - 1. `tokens` has row stride `token_row_stride`.
+void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_stride, const RowParams& params,
+           const RowRandom& random, uint32_t stream_word, const ScoreOutputs& out, SampleWorkspace& workspace,
+           cudaStream_t stream);
+
+/// draw_counters[i] += 1 for i < count (one launch; put it in the graph after the draws of a cycle).
+void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stream);
+
+/// Fills out[i] = Philox word for (seeds[0], element = i, counter fields) — a device/host cross-check.
+void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word, uint32_t* out,
+                  int count, cudaStream_t stream);
+
+/// Number of vocabulary splits the launchers use for `jobs` (row, position) pairs of `vocab` logits.
+int sample_splits(int jobs, int vocab);
+
+} // namespace smcgraph

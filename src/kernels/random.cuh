@@ -1,0 +1,26 @@
+// Device side of the stateless Philox keying (include/smcgraph/philox.hpp has the layout and limits).
+#pragma once
+
+#include <cstdint>
+
+#include <curand_kernel.h>
+
+#include "smcgraph/philox.hpp"
+
+namespace smcgraph::device {
+
+/// Philox4x32-10 of the counter {element / 4, draw_counter, particle, stream_word} under `seed`; the
+/// four words are the draws of elements 4 * group .. 4 * group + 3.
+__device__ __forceinline__ uint4 philox_group(uint64_t seed, uint32_t group, uint32_t draw_counter,
+                                              uint32_t particle, uint32_t stream_word) {
+  const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return curand_Philox4x32_10(make_uint4(group, draw_counter, particle, stream_word), key);
+}
+
+/// Same value as smcgraph::uniform_open01 ((2k + 1) * 2^-24 from the top 23 bits), without an int->float
+/// conversion: 1 + k * 2^-23 built from bits, minus (1 - 2^-24), is exact (Sterbenz).
+__device__ __forceinline__ float uniform_open01(uint32_t word) {
+  return __uint_as_float(0x3f800000u | (word >> 9)) - 0.99999994039535522f;
+}
+
+} // namespace smcgraph::device

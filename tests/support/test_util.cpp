@@ -1,0 +1,124 @@
+#include "support/test_util.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace smcgraph::test {
+
+static uint64_t fresh_seed() {
+  if (const char* fixed = std::getenv("SMCGRAPH_TEST_SEED")) return std::strtoull(fixed, nullptr, 0);
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+Rng::Rng() : seed_(fresh_seed()), engine_(seed_) {}
+
+uint16_t float_to_bf16(float value) {
+  const __nv_bfloat16 converted = __float2bfloat16_rn(value);
+  uint16_t bits;
+  std::memcpy(&bits, &converted, sizeof(bits));
+  return bits;
+}
+float bf16_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+uint16_t float_to_fp16(float value) {
+  const __half converted = __float2half_rn(value);
+  uint16_t bits;
+  std::memcpy(&bits, &converted, sizeof(bits));
+  return bits;
+}
+float fp16_to_float(uint16_t bits) {
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+float round_to(DType dtype, float value) {
+  switch (dtype) {
+  case DType::kFloat32: return value;
+  case DType::kBFloat16: return bf16_to_float(float_to_bf16(value));
+  case DType::kFloat16: return fp16_to_float(float_to_fp16(value));
+  }
+  return value;
+}
+
+HostLogits encode_logits(DType dtype, const std::vector<float>& values) {
+  HostLogits out;
+  out.dtype = dtype;
+  out.values.resize(values.size());
+  out.bytes.resize(values.size() * dtype_bytes(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    out.values[i] = round_to(dtype, values[i]);
+    if (dtype == DType::kFloat32) {
+      std::memcpy(out.bytes.data() + 4 * i, &values[i], 4);
+    } else {
+      const uint16_t bits = dtype == DType::kBFloat16 ? float_to_bf16(values[i]) : float_to_fp16(values[i]);
+      std::memcpy(out.bytes.data() + 2 * i, &bits, 2);
+    }
+  }
+  return out;
+}
+
+void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
+  if (!captured) {
+    work(stream);
+    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  cudaGraph_t graph = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    work(stream);
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// Regularized upper incomplete gamma Q(a, x) via series / continued fraction (Numerical Recipes 6.2).
+static double upper_regularized_gamma(double a, double x) {
+  if (x <= 0.0) return 1.0;
+  const double log_prefactor = -x + a * std::log(x) - std::lgamma(a);
+  if (x < a + 1.0) {
+    double term = 1.0 / a, sum = term;
+    for (int n = 1; n < 100000; ++n) {
+      term *= x / (a + n);
+      sum += term;
+      if (std::abs(term) < std::abs(sum) * 1e-15) break;
+    }
+    return 1.0 - sum * std::exp(log_prefactor);
+  }
+  double b = x + 1.0 - a, c = 1.0 / 1e-300, d = 1.0 / b, h = d;
+  for (int i = 1; i < 100000; ++i) {
+    const double an = -i * (i - a);
+    b += 2.0;
+    d = an * d + b;
+    if (std::abs(d) < 1e-300) d = 1e-300;
+    c = b + an / c;
+    if (std::abs(c) < 1e-300) c = 1e-300;
+    d = 1.0 / d;
+    const double delta = d * c;
+    h *= delta;
+    if (std::abs(delta - 1.0) < 1e-15) break;
+  }
+  return std::exp(log_prefactor) * h;
+}
+
+double chi_square_p_value(double statistic, double dof) { return upper_regularized_gamma(dof / 2.0, statistic / 2.0); }
+
+} // namespace smcgraph::test

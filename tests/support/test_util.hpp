@@ -1,0 +1,81 @@
+// Helpers shared by the test suites: fresh random inputs (seed printed so a failure reproduces), low
+// precision conversions, poisoning, and running the same work eagerly and inside a captured graph.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::test {
+
+/// A generator seeded freshly per run unless SMCGRAPH_TEST_SEED is set; the seed is printed via MESSAGE
+/// by callers through `seed()`.
+class Rng {
+public:
+  Rng();
+  explicit Rng(uint64_t seed) : seed_(seed), engine_(seed) {}
+  uint64_t seed() const { return seed_; }
+  std::mt19937_64& engine() { return engine_; }
+  double uniform(double lo = 0.0, double hi = 1.0) { return std::uniform_real_distribution<double>(lo, hi)(engine_); }
+  double normal(double mean = 0.0, double stddev = 1.0) {
+    return std::normal_distribution<double>(mean, stddev)(engine_);
+  }
+  int64_t integer(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(engine_); }
+  uint64_t bits() { return engine_(); }
+
+private:
+  uint64_t seed_;
+  std::mt19937_64 engine_;
+};
+
+/// float -> bf16 / fp16 (round to nearest even) and back; `round_to` returns the float the device will see.
+uint16_t float_to_bf16(float value);
+float bf16_to_float(uint16_t bits);
+uint16_t float_to_fp16(float value);
+float fp16_to_float(uint16_t bits);
+float round_to(DType dtype, float value);
+
+/// Host logits stored in `dtype` (bytes ready to copy to the device) plus the floats they represent.
+struct HostLogits {
+  DType dtype = DType::kFloat32;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+};
+HostLogits encode_logits(DType dtype, const std::vector<float>& values);
+
+/// Runs `work` on `stream` eagerly (captured = false) or captured into a graph and replayed once.
+void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
+
+/// Copies a device array to a host vector (synchronizing the stream).
+template <class T> std::vector<T> to_host(const T* d_data, size_t count, cudaStream_t stream) {
+  std::vector<T> host(count);
+  if (count > 0) {
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(host.data(), d_data, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
+  }
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host;
+}
+template <class T> DeviceBuffer<T> to_device(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer<T> buffer(host.size());
+  if (!host.empty()) buffer.copy_from_host(host.data(), host.size(), stream);
+  return buffer;
+}
+
+/// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
+inline bool close_to(double a, double b, double tol) {
+  if (a == b) return true; // also equal infinities
+  const double scale = std::max(1.0, std::abs(b));
+  return std::abs(a - b) <= tol * scale;
+}
+
+/// Upper tail probability of a chi-square variable with `dof` degrees of freedom.
+double chi_square_p_value(double statistic, double dof);
+
+} // namespace smcgraph::test
