@@ -2,8 +2,8 @@
 //
 // One read of the logits per (row, position): an online log-sum-exp and an exponential race (the
 // Gumbel-max trick in ratio form) share a single pass, so sampling costs what reading the logits costs.
-// The vocabulary is split across CTAs when there are few rows; the last CTA of a row combines the
-// partial results (a ticket counter that it resets, so a captured graph replays without host help).
+// The vocabulary is split across CTAs in fixed-size splits; the last CTA of a row combines the partial
+// results (a ticket counter that it resets, so a captured graph replays without host help).
 //
 //   smcgraph::SampleWorkspace workspace(max_rows, vocab);                 // once, before capture
 //   smcgraph::LogitsView logits{d_logits, smcgraph::DType::kBFloat16, rows, 1, vocab, vocab, vocab};
@@ -114,7 +114,9 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
 void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word, uint32_t* out,
                   int count, cudaStream_t stream);
 
-/// Number of vocabulary splits the launchers use for `jobs` (row, position) pairs of `vocab` logits.
-int sample_splits(int jobs, int vocab);
+/// CTAs per (row, position) the launchers use: ceil(vocab / split length), where a split is 4096 fp32 or
+/// 8192 bf16/fp16 logits. It depends on the vocabulary and dtype only, so a row's reduction order (and its
+/// results, bit for bit) does not depend on the batch it is in.
+int sample_splits(int vocab, DType dtype);
 
 } // namespace smcgraph

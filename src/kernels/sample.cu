@@ -1,0 +1,122 @@
+// sample(): one token per row from softmax(alpha * logits / T), its log-prob and log Z, in one read of the
+// logits. The kernel itself lives in logits_pass.cuh (shared with score()).
+#include "kernels/logits_pass.cuh"
+
+#include <algorithm>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
+
+namespace smcgraph {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+} // namespace
+
+int sample_splits(int vocab, DType dtype) {
+  require(vocab >= 1, "sample_splits", "vocab", vocab, "must be >= 1");
+  const int split_length = dtype == DType::kFloat32 ? detail::kSplitLength<DType::kFloat32>
+                                                     : detail::kSplitLength<DType::kBFloat16>;
+  return static_cast<int>(ceil_div(vocab, split_length));
+}
+
+SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab) : max_jobs_(max_jobs), max_vocab_(max_vocab) {
+  require(max_jobs >= 1, "SampleWorkspace", "max_jobs", max_jobs, "must be >= 1");
+  require(max_vocab >= 1, "SampleWorkspace", "max_vocab", max_vocab, "must be >= 1");
+  const int64_t partials = static_cast<int64_t>(max_jobs) * sample_splits(max_vocab, DType::kFloat32);
+  require(partials < (int64_t{1} << 31), "SampleWorkspace", "max_jobs * splits", partials, "must be < 2^31");
+  max_partials_ = static_cast<int>(partials);
+  bytes_ = static_cast<size_t>(max_partials_) * sizeof(detail::PassState) + static_cast<size_t>(max_jobs) * 4;
+  SMCGRAPH_CUDA_CHECK(cudaMalloc(&partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState)));
+  SMCGRAPH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&tickets_), static_cast<size_t>(max_jobs) * 4));
+  SMCGRAPH_CUDA_CHECK(cudaMemset(tickets_, 0, static_cast<size_t>(max_jobs) * 4));
+}
+
+SampleWorkspace::~SampleWorkspace() {
+  if (partials_) cudaFree(partials_);
+  if (tickets_) cudaFree(tickets_);
+}
+
+SampleWorkspace::SampleWorkspace(SampleWorkspace&& other) noexcept { *this = std::move(other); }
+
+SampleWorkspace& SampleWorkspace::operator=(SampleWorkspace&& other) noexcept {
+  if (this != &other) {
+    std::swap(max_jobs_, other.max_jobs_);
+    std::swap(max_vocab_, other.max_vocab_);
+    std::swap(max_partials_, other.max_partials_);
+    std::swap(bytes_, other.bytes_);
+    std::swap(partials_, other.partials_);
+    std::swap(tickets_, other.tickets_);
+  }
+  return *this;
+}
+
+namespace detail {
+
+void launch_logits_pass(const char* where, PassArgs args, DType dtype, SampleWorkspace& workspace,
+                        cudaStream_t stream) {
+  require(args.logits != nullptr, where, "logits.data", "null", "must be a device pointer");
+  require(args.rows >= 1, where, "logits.rows", args.rows, "must be >= 1");
+  require(args.positions >= 1, where, "logits.positions", args.positions, "must be >= 1");
+  require(args.vocab >= 1, where, "logits.vocab", args.vocab, "must be >= 1");
+  require(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16, where, "logits.dtype",
+          static_cast<int>(dtype), "must be fp32, bf16 or fp16");
+  require(args.positions == 1 || args.position_stride >= args.vocab, where, "logits.position_stride",
+          args.position_stride, "must be >= vocab");
+  require(args.rows == 1 || args.row_stride >= (args.positions - 1) * args.position_stride + args.vocab, where,
+          "logits.row_stride", args.row_stride, "must cover positions * vocab logits");
+  require(args.params.temperature != nullptr, where, "params.temperature", "null", "must be a device pointer");
+  require(args.random.seeds != nullptr, where, "random.seeds", "null", "must be a device pointer");
+  require(args.random.draw_counters != nullptr, where, "random.draw_counters", "null", "must be a device pointer");
+  require(args.random.particles_per_request >= 1, where, "random.particles_per_request",
+          args.random.particles_per_request, "must be >= 1");
+  require(args.row_flags != nullptr, where, "row_flags", "null", "must be a device pointer");
+  require(args.status != nullptr, where, "status", "null", "must be a device pointer");
+  const int64_t jobs = static_cast<int64_t>(args.rows) * args.positions;
+  require(jobs <= workspace.max_jobs(), where, "rows * positions", jobs,
+          "exceeds the workspace (SampleWorkspace max_jobs)");
+
+  args.splits = sample_splits(args.vocab, dtype);
+  require(jobs * args.splits <= workspace.max_partials(), where, "rows * positions * splits", jobs * args.splits,
+          "exceeds the workspace");
+  args.partials = static_cast<PassState*>(workspace.partials());
+  args.tickets = workspace.tickets();
+
+  const dim3 grid(static_cast<unsigned>(jobs * args.splits));
+  switch (dtype) {
+  case DType::kFloat32: LogitsPassKernel<DType::kFloat32><<<grid, kPassThreads, 0, stream>>>(args); break;
+  case DType::kBFloat16: LogitsPassKernel<DType::kBFloat16><<<grid, kPassThreads, 0, stream>>>(args); break;
+  case DType::kFloat16: LogitsPassKernel<DType::kFloat16><<<grid, kPassThreads, 0, stream>>>(args); break;
+  }
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace detail
+
+void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
+            const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream) {
+  constexpr const char* kWhere = "smcgraph::sample";
+  require(logits.positions == 1, kWhere, "logits.positions", logits.positions, "must be 1 (use score())");
+  require(out.tokens != nullptr, kWhere, "out.tokens", "null", "must be a device pointer");
+  require(out.logprobs != nullptr, kWhere, "out.logprobs", "null", "must be a device pointer");
+  require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
+  detail::PassArgs args{};
+  args.logits = logits.data;
+  args.rows = logits.rows;
+  args.positions = 1;
+  args.vocab = logits.vocab;
+  args.row_stride = logits.row_stride;
+  args.position_stride = logits.position_stride;
+  args.params = params;
+  args.random = random;
+  args.stream_word = stream_word;
+  args.sample_tokens = out.tokens;
+  args.sample_logprobs = out.logprobs;
+  args.sample_logz = out.logz;
+  args.row_flags = out.row_flags;
+  args.status = out.status;
+  detail::launch_logits_pass(kWhere, args, logits.dtype, workspace, stream);
+}
+
+} // namespace smcgraph

@@ -1,0 +1,44 @@
+// score(): for logits [rows, P, V] and tokens [rows, P - 1], the tempered log-prob of each given token at
+// positions < P - 1 and a bonus sample at position P - 1, all in one launch and one read of the logits
+// (the pass kernel in logits_pass.cuh, instantiated in sample.cu).
+#include "kernels/logits_pass.cuh"
+
+#include "smcgraph/error.hpp"
+
+namespace smcgraph {
+
+void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_stride, const RowParams& params,
+           const RowRandom& random, uint32_t stream_word, const ScoreOutputs& out, SampleWorkspace& workspace,
+           cudaStream_t stream) {
+  constexpr const char* kWhere = "smcgraph::score";
+  if (logits.positions > 1) {
+    require(tokens != nullptr, kWhere, "tokens", "null", "must be a device pointer when positions > 1");
+    require(token_row_stride >= logits.positions - 1, kWhere, "token_row_stride", token_row_stride,
+            "must be >= positions - 1");
+    require(out.token_logprobs != nullptr, kWhere, "out.token_logprobs", "null", "must be a device pointer");
+  }
+  require(out.bonus_tokens != nullptr, kWhere, "out.bonus_tokens", "null", "must be a device pointer");
+  require(out.bonus_logprobs != nullptr, kWhere, "out.bonus_logprobs", "null", "must be a device pointer");
+  require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
+  detail::PassArgs args{};
+  args.logits = logits.data;
+  args.rows = logits.rows;
+  args.positions = logits.positions;
+  args.vocab = logits.vocab;
+  args.row_stride = logits.row_stride;
+  args.position_stride = logits.position_stride;
+  args.params = params;
+  args.random = random;
+  args.stream_word = stream_word;
+  args.tokens = tokens;
+  args.token_row_stride = token_row_stride;
+  args.token_logprobs = out.token_logprobs;
+  args.sample_tokens = out.bonus_tokens;
+  args.sample_logprobs = out.bonus_logprobs;
+  args.sample_logz = out.logz;
+  args.row_flags = out.row_flags;
+  args.status = out.status;
+  detail::launch_logits_pass(kWhere, args, logits.dtype, workspace, stream);
+}
+
+} // namespace smcgraph

@@ -1,0 +1,502 @@
+// sample() and score() on the GPU against the double-precision host reference, eagerly and in graphs.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <vector>
+
+#include "reference/sample_ref.hpp"
+#include "smcgraph/philox.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/sample.hpp"
+#include "support/test_util.hpp"
+
+using smcgraph::DeviceBuffer;
+using smcgraph::DType;
+namespace test = smcgraph::test;
+namespace reference = smcgraph::reference;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr uint32_t kStream = smcgraph::philox_stream(smcgraph::Salt::kUser, 5);
+
+/// One batch of rows for sample(): host inputs, device buffers, outputs.
+struct Batch {
+  DType dtype = DType::kFloat32;
+  int rows = 0, vocab = 0;
+  int64_t row_stride = 0;
+  int particles = 1;
+  std::vector<float> logits; // [rows, row_stride] values as the device sees them (after rounding)
+  std::vector<float> temperature, alpha;
+  std::vector<uint64_t> seeds;     // [rows / particles]
+  std::vector<uint32_t> counters;  // [rows / particles]
+};
+
+struct Outputs {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs, logz;
+  std::vector<uint32_t> flags;
+  uint32_t status = 0;
+  bool bitwise_equal(const Outputs& other) const {
+    return tokens == other.tokens && flags == other.flags && status == other.status &&
+           std::memcmp(logprobs.data(), other.logprobs.data(), logprobs.size() * 4) == 0 &&
+           std::memcmp(logz.data(), other.logz.data(), logz.size() * 4) == 0;
+  }
+};
+
+Batch random_batch(test::Rng& rng, DType dtype, int rows, int vocab, int64_t row_stride, double mask_fraction) {
+  Batch batch;
+  batch.dtype = dtype;
+  batch.rows = rows;
+  batch.vocab = vocab;
+  batch.row_stride = row_stride;
+  batch.logits.assign(static_cast<size_t>(rows) * row_stride, 0.0f);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int r = 0; r < rows; ++r) {
+    float* row = batch.logits.data() + static_cast<size_t>(r) * row_stride;
+    for (int v = 0; v < vocab; ++v) row[v] = test::round_to(dtype, normal(rng.engine()));
+    if (vocab > 1)
+      for (int v = 0; v < vocab; ++v)
+        if (unit(rng.engine()) < mask_fraction) row[v] = -kInf;
+    row[rng.integer(0, vocab - 1)] = test::round_to(dtype, 6.0f + normal(rng.engine())); // a clear favourite
+  }
+  const float temperatures[] = {0.0f, 0.5f, 1.0f, 1.7f};
+  for (int r = 0; r < rows; ++r) {
+    batch.temperature.push_back(temperatures[rng.integer(0, 3)]);
+    batch.alpha.push_back(rng.integer(0, 1) ? 2.0f : 1.0f);
+    batch.seeds.push_back(rng.bits());
+    batch.counters.push_back(static_cast<uint32_t>(rng.integer(0, 1000000)));
+  }
+  return batch;
+}
+
+std::vector<uint8_t> encode(const Batch& batch) {
+  return test::encode_logits(batch.dtype, batch.logits).bytes;
+}
+
+/// Device copies of a batch plus output buffers; run() launches sample() eagerly or in a graph.
+struct DeviceBatch {
+  const Batch& batch;
+  smcgraph::Stream stream;
+  DeviceBuffer<uint8_t> logits;
+  DeviceBuffer<float> temperature, alpha;
+  DeviceBuffer<uint64_t> seeds;
+  DeviceBuffer<uint32_t> counters;
+  DeviceBuffer<int32_t> tokens;
+  DeviceBuffer<float> logprobs, logz;
+  DeviceBuffer<uint32_t> flags, status;
+  smcgraph::SampleWorkspace workspace;
+
+  explicit DeviceBatch(const Batch& b)
+      : batch(b), temperature(test::to_device(b.temperature, stream)), alpha(test::to_device(b.alpha, stream)),
+        seeds(test::to_device(b.seeds, stream)), counters(test::to_device(b.counters, stream)), tokens(b.rows),
+        logprobs(b.rows), logz(b.rows), flags(b.rows), status(1), workspace(b.rows, b.vocab) {
+    const std::vector<uint8_t> bytes = encode(b);
+    logits = DeviceBuffer<uint8_t>(bytes.size());
+    logits.copy_from_host(bytes.data(), bytes.size(), stream);
+  }
+
+  void launch(cudaStream_t s) {
+    const smcgraph::LogitsView view{logits.data(), batch.dtype, batch.rows, 1, batch.vocab, batch.row_stride,
+                                    batch.row_stride};
+    smcgraph::sample(view, {temperature.data(), alpha.data()}, {seeds.data(), counters.data(), batch.particles},
+                     kStream, {tokens.data(), logprobs.data(), logz.data(), flags.data(), status.data()}, workspace, s);
+  }
+
+  Outputs run(bool captured) {
+    tokens.fill_bytes(0xff, stream); // poison: every output must be written
+    logprobs.fill_bytes(0xff, stream);
+    logz.fill_bytes(0xff, stream);
+    flags.fill_bytes(0, stream);
+    status.fill_bytes(0, stream);
+    test::run_on_stream(captured, stream, [&](cudaStream_t s) { launch(s); });
+    Outputs out;
+    out.tokens = test::to_host(tokens.data(), batch.rows, stream);
+    out.logprobs = test::to_host(logprobs.data(), batch.rows, stream);
+    out.logz = test::to_host(logz.data(), batch.rows, stream);
+    out.flags = test::to_host(flags.data(), batch.rows, stream);
+    out.status = test::to_host(status.data(), 1, stream)[0];
+    return out;
+  }
+};
+
+struct Tally {
+  long checked = 0, near_ties = 0, mismatches = 0;
+};
+
+/// Compares row r of `out` with the reference; returns false on a hard failure (already reported).
+void check_row(const Batch& batch, const Outputs& out, int r, Tally& tally) {
+  const int request = r / batch.particles;
+  const auto expected = reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.row_stride,
+                                          batch.vocab, batch.temperature[r], batch.alpha[r], batch.seeds[request],
+                                          batch.counters[request], static_cast<uint32_t>(r % batch.particles),
+                                          kStream);
+  ++tally.checked;
+  INFO("row " << r << " of " << batch.rows << ", V " << batch.vocab << ", " << smcgraph::dtype_name(batch.dtype)
+              << ", T " << batch.temperature[r] << ", alpha " << batch.alpha[r]);
+  REQUIRE(out.flags[r] == expected.flags);
+  if (expected.flags) {
+    CHECK(out.tokens[r] == smcgraph::kInvalidToken);
+    return;
+  }
+  if (batch.temperature[r] == 0.0f) { // greedy is exact, ties go to the smallest id
+    CHECK(out.tokens[r] == expected.token);
+    CHECK(out.logprobs[r] == 0.0f);
+    CHECK(out.logz[r] == 0.0f);
+    return;
+  }
+  if (out.tokens[r] != expected.token) {
+    if (expected.near_tie()) {
+      ++tally.near_ties;
+    } else {
+      ++tally.mismatches;
+      MESSAGE("token " << out.tokens[r] << " vs reference " << expected.token << " (scores " << expected.best_score
+                       << ", " << expected.runner_up_score << ")");
+    }
+    return;
+  }
+  CHECK(test::close_to(out.logprobs[r], expected.logprob, 1e-5));
+  CHECK(test::close_to(out.logz[r], expected.logz, 1e-5));
+}
+
+} // namespace
+
+TEST_CASE("device Philox equals the host implementation bit for bit") {
+  smcgraph::Stream stream;
+  const int count = 100003;
+  DeviceBuffer<uint32_t> words(count);
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (int trial = 0; trial < 4; ++trial) {
+    const uint64_t seed = rng.bits();
+    const uint32_t counter = static_cast<uint32_t>(rng.bits()), particle = static_cast<uint32_t>(rng.integer(0, 63));
+    const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kDraft, static_cast<uint32_t>(trial));
+    words.fill_bytes(0xff, stream);
+    smcgraph::philox_words(seed, counter, particle, stream_word, words.data(), count, stream);
+    const auto device = test::to_host(words.data(), count, stream);
+    for (int i = 0; i < count; ++i)
+      REQUIRE(device[i] == smcgraph::philox_word(seed, static_cast<uint64_t>(i), counter, particle, stream_word));
+  }
+}
+
+TEST_CASE("sample() matches the host reference across dtypes, vocabularies and row counts") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  Tally tally;
+  struct Shape {
+    int vocab, rows;
+  };
+  std::vector<Shape> shapes;
+  for (int vocab : {1, 7, 32000, 32001, 128256, 151936, 262144})
+    for (int rows : {1, 3, 64}) shapes.push_back({vocab, rows});
+  for (int vocab : {7, 1000, 32001}) shapes.push_back({vocab, 1024});
+  for (int vocab : {32000, 128256}) shapes.push_back({vocab, 256});
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (const Shape& shape : shapes) {
+      // Contiguous rows (misaligned whenever V * bytes is not a multiple of 16) and, for some, a padded stride.
+      const int64_t stride = (shape.vocab % 16 == 0 || shape.rows != 3) ? shape.vocab : (shape.vocab + 15) / 16 * 16;
+      Batch batch = random_batch(rng, dtype, shape.rows, shape.vocab, stride, 0.01);
+      DeviceBatch device(batch);
+      const Outputs eager = device.run(false);
+      const Outputs graphed = device.run(true);
+      CAPTURE(shape.vocab);
+      CAPTURE(shape.rows);
+      REQUIRE(eager.bitwise_equal(graphed));
+      CHECK(eager.status == 0);
+      // Check every row of small launches, a sample of the rest.
+      const int stride_rows = std::max(1, shape.rows / 24);
+      for (int r = 0; r < shape.rows; r += stride_rows) check_row(batch, eager, r, tally);
+      check_row(batch, eager, shape.rows - 1, tally);
+    }
+  }
+  MESSAGE("rows checked " << tally.checked << ", near ties " << tally.near_ties << ", other mismatches "
+                          << tally.mismatches);
+  CHECK(tally.mismatches * 10000 <= tally.checked);
+}
+
+TEST_CASE("sample() tokens match the reference on >= 10^4 rows (near-tie rate)") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  Tally tally;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Batch batch = random_batch(rng, dtype, 8192, 2000, 2000, 0.0);
+    for (float& t : batch.temperature) t = 1.0f;
+    DeviceBatch device(batch);
+    const Outputs out = device.run(true);
+    for (int r = 0; r < batch.rows; ++r) check_row(batch, out, r, tally);
+  }
+  MESSAGE("rows checked " << tally.checked << ", near ties " << tally.near_ties << ", other mismatches "
+                          << tally.mismatches);
+  CHECK(tally.checked >= 10000);
+  CHECK(tally.mismatches * 10000 <= tally.checked);
+}
+
+TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draws") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const int rows = 8192, launches = 123; // 1,007,616 draws per setting
+  for (int vocab : {2, 64, 1000}) {
+    for (float temperature : {0.5f, 1.0f, 1.7f}) {
+      for (float alpha : {1.0f, 2.0f}) {
+        Batch batch = random_batch(rng, DType::kFloat32, rows, vocab, vocab, 0.0);
+        std::vector<float> row(vocab);
+        for (float& l : row) l = static_cast<float>(rng.normal(0.0, 1.0));
+        for (int r = 0; r < rows; ++r) std::copy(row.begin(), row.end(), batch.logits.begin() + r * vocab);
+        std::fill(batch.temperature.begin(), batch.temperature.end(), temperature);
+        std::fill(batch.alpha.begin(), batch.alpha.end(), alpha);
+        DeviceBatch device(batch);
+        std::vector<double> counts(vocab, 0.0);
+        for (int launch = 0; launch < launches; ++launch) {
+          device.launch(device.stream);
+          smcgraph::advance_draw_counters(device.counters.data(), rows, device.stream);
+          const auto tokens = test::to_host(device.tokens.data(), rows, device.stream);
+          for (int32_t t : tokens) {
+            REQUIRE(t >= 0);
+            REQUIRE(t < vocab);
+            counts[t] += 1.0;
+          }
+        }
+        std::vector<double> p(vocab);
+        double norm = 0.0, max_l = *std::max_element(row.begin(), row.end());
+        for (int v = 0; v < vocab; ++v) norm += p[v] = std::exp(alpha * (row[v] - max_l) / temperature);
+        const double draws = static_cast<double>(rows) * launches;
+        // Pool bins with expected count < 5 into one.
+        double chi2 = 0.0, pooled_expected = 0.0, pooled_count = 0.0;
+        int bins = 0;
+        for (int v = 0; v < vocab; ++v) {
+          const double expected = draws * p[v] / norm;
+          if (expected < 5.0) {
+            pooled_expected += expected;
+            pooled_count += counts[v];
+            continue;
+          }
+          chi2 += (counts[v] - expected) * (counts[v] - expected) / expected;
+          ++bins;
+        }
+        if (pooled_expected > 0.0) {
+          chi2 += (pooled_count - pooled_expected) * (pooled_count - pooled_expected) / std::max(pooled_expected, 1.0);
+          ++bins;
+        }
+        const double p_value = test::chi_square_p_value(chi2, bins - 1);
+        INFO("V " << vocab << " T " << temperature << " alpha " << alpha << " chi2 " << chi2 << " bins " << bins);
+        CHECK(p_value > 1e-4);
+      }
+    }
+  }
+}
+
+TEST_CASE("a row's result does not depend on its batch, its row index, or graph vs eager") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    for (int vocab : {32000, 128256}) {
+      Batch alone = random_batch(rng, dtype, 1, vocab, vocab, 0.01);
+      alone.temperature[0] = 0.7f;
+      alone.alpha[0] = 2.0f;
+      Outputs reference_out = DeviceBatch(alone).run(false);
+      REQUIRE(reference_out.flags[0] == 0);
+      for (int rows : {1024, 64}) {
+        const int index = rows == 1024 ? 517 : 3;
+        Batch crowd = random_batch(rng, dtype, rows, vocab, vocab, 0.01);
+        std::copy(alone.logits.begin(), alone.logits.end(), crowd.logits.begin() + static_cast<size_t>(index) * vocab);
+        crowd.temperature[index] = alone.temperature[0];
+        crowd.alpha[index] = alone.alpha[0];
+        crowd.seeds[index] = alone.seeds[0];
+        crowd.counters[index] = alone.counters[0];
+        DeviceBatch device(crowd);
+        for (bool captured : {false, true}) {
+          const Outputs out = device.run(captured);
+          CAPTURE(rows);
+          CAPTURE(captured);
+          CHECK(out.tokens[index] == reference_out.tokens[0]);
+          CHECK(std::memcmp(&out.logprobs[index], &reference_out.logprobs[0], 4) == 0);
+          CHECK(std::memcmp(&out.logz[index], &reference_out.logz[0], 4) == 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the counters are reset") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  Batch batch = random_batch(rng, DType::kBFloat16, 64, 32000, 32000, 0.0);
+  std::fill(batch.temperature.begin(), batch.temperature.end(), 1.0f);
+  for (int r = 0; r < batch.rows; ++r) // flat rows: every draw is a fresh guess
+    for (int v = 0; v < batch.vocab; ++v) batch.logits[static_cast<size_t>(r) * batch.vocab + v] = 0.0f;
+  DeviceBatch device(batch);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(device.stream, cudaStreamCaptureModeThreadLocal));
+  device.launch(device.stream);
+  smcgraph::advance_draw_counters(device.counters.data(), batch.rows, device.stream);
+  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(device.stream, &graph));
+  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<std::vector<int32_t>> replays;
+  for (int i = 0; i < 3; ++i) {
+    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, device.stream));
+    replays.push_back(test::to_host(device.tokens.data(), batch.rows, device.stream));
+  }
+  int differing = 0;
+  for (int r = 0; r < batch.rows; ++r) differing += replays[0][r] != replays[1][r];
+  CHECK(differing > batch.rows / 2);
+  // Replay k used draw counter c + k: the host reference agrees.
+  for (int r = 0; r < batch.rows; ++r) {
+    const auto expected = reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.vocab, batch.vocab,
+                                            1.0f, batch.alpha[r], batch.seeds[r], batch.counters[r] + 2, 0, kStream);
+    CHECK(replays[2][r] == expected.token);
+  }
+  device.counters.copy_from_host(batch.counters.data(), batch.counters.size(), device.stream);
+  SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, device.stream));
+  CHECK(test::to_host(device.tokens.data(), batch.rows, device.stream) == replays[0]);
+  const auto counters = test::to_host(device.counters.data(), batch.rows, device.stream);
+  for (int r = 0; r < batch.rows; ++r) CHECK(counters[r] == batch.counters[r] + 1);
+  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST_CASE("bad rows get flags and sentinels; the other rows are untouched") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const int vocab = 20000, rows = 16;
+    Batch clean = random_batch(rng, dtype, rows, vocab, vocab, 0.0);
+    for (float& t : clean.temperature) t = t == 0.0f ? 0.8f : t;
+    Batch faulty = clean;
+    auto row = [&](int r) { return faulty.logits.begin() + static_cast<size_t>(r) * vocab; };
+    row(1)[1234] = nan;                                 // NaN logit
+    std::fill(row(3), row(3) + vocab, -kInf);           // all masked
+    row(5)[vocab - 1] = kInf;                           // +inf logit
+    faulty.temperature[7] = -1.0f;                      // bad temperature
+    faulty.temperature[9] = nan;
+    faulty.alpha[11] = 0.0f;                            // bad alpha
+    faulty.temperature[13] = 0.0f;                      // greedy row with a NaN
+    row(13)[17] = nan;
+    const std::map<int, uint32_t> expected_flags = {
+        {1, smcgraph::kFlagNanLogit},      {3, smcgraph::kFlagAllMasked},     {5, smcgraph::kFlagNanLogit},
+        {7, smcgraph::kFlagBadParameter},  {9, smcgraph::kFlagBadParameter},  {11, smcgraph::kFlagBadParameter},
+        {13, smcgraph::kFlagNanLogit}};
+    const Outputs good = DeviceBatch(clean).run(false);
+    for (bool captured : {false, true}) {
+      const Outputs out = DeviceBatch(faulty).run(captured);
+      uint32_t status = 0;
+      for (int r = 0; r < rows; ++r) {
+        CAPTURE(r);
+        const auto it = expected_flags.find(r);
+        if (it != expected_flags.end()) {
+          CHECK(out.flags[r] == it->second);
+          CHECK(out.tokens[r] == smcgraph::kInvalidToken);
+          CHECK(out.logprobs[r] == -kInf);
+          CHECK(out.logz[r] == 0.0f);
+          status |= it->second;
+        } else {
+          CHECK(out.flags[r] == 0);
+          CHECK(out.tokens[r] == good.tokens[r]);
+          CHECK(std::memcmp(&out.logprobs[r], &good.logprobs[r], 4) == 0);
+        }
+      }
+      CHECK(out.status == status);
+    }
+  }
+}
+
+TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (int positions : {1, 2, 5, 9}) {
+      const int rows = 12, vocab = 32001, particles = 4;
+      const int64_t row_stride = static_cast<int64_t>(positions) * vocab;
+      Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
+      batch.particles = particles;
+      // Per row (not per position) parameters and per request keys.
+      std::vector<float> temperature(rows), alpha(rows);
+      for (int r = 0; r < rows; ++r) {
+        temperature[r] = batch.temperature[r];
+        alpha[r] = batch.alpha[r];
+      }
+      std::vector<uint64_t> seeds(rows / particles);
+      std::vector<uint32_t> counters(rows / particles);
+      for (size_t q = 0; q < seeds.size(); ++q) {
+        seeds[q] = rng.bits();
+        counters[q] = static_cast<uint32_t>(rng.bits());
+      }
+      const int token_stride = std::max(1, positions - 1);
+      std::vector<int32_t> tokens(static_cast<size_t>(rows) * token_stride);
+      for (int32_t& t : tokens) t = static_cast<int32_t>(rng.integer(0, vocab - 1));
+      if (positions > 1) tokens[token_stride * 2] = vocab; // out of range: row 2 flagged
+      smcgraph::Stream stream;
+      const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
+      DeviceBuffer<uint8_t> d_logits(bytes.size());
+      d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
+      auto d_temperature = test::to_device(temperature, stream);
+      auto d_alpha = test::to_device(alpha, stream);
+      auto d_seeds = test::to_device(seeds, stream);
+      auto d_counters = test::to_device(counters, stream);
+      auto d_tokens = test::to_device(tokens, stream);
+      DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows), logz(rows);
+      DeviceBuffer<int32_t> bonus(rows);
+      DeviceBuffer<uint32_t> flags(rows), status(1);
+      smcgraph::SampleWorkspace workspace(rows * positions, vocab);
+      const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
+      for (bool captured : {false, true}) {
+        token_logprobs.fill_bytes(0xff, stream);
+        bonus_logprobs.fill_bytes(0xff, stream);
+        logz.fill_bytes(0xff, stream);
+        bonus.fill_bytes(0xff, stream);
+        flags.fill_bytes(0, stream);
+        status.fill_bytes(0, stream);
+        test::run_on_stream(captured, stream, [&](cudaStream_t s) {
+          smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab}, d_tokens.data(),
+                          token_stride, {d_temperature.data(), d_alpha.data()},
+                          {d_seeds.data(), d_counters.data(), particles}, stream_word,
+                          {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(), flags.data(),
+                           status.data()},
+                          workspace, s);
+        });
+        const auto h_token_logprobs = test::to_host(token_logprobs.data(), token_logprobs.size(), stream);
+        const auto h_bonus = test::to_host(bonus.data(), rows, stream);
+        const auto h_bonus_logprobs = test::to_host(bonus_logprobs.data(), rows, stream);
+        const auto h_flags = test::to_host(flags.data(), rows, stream);
+        for (int r = 0; r < rows; ++r) {
+          CAPTURE(r);
+          CAPTURE(positions);
+          uint32_t row_flags = 0;
+          for (int p = 0; p + 1 < positions; ++p) {
+            uint32_t f = 0;
+            const double expected = reference::token_logprob(
+                batch.logits.data() + (static_cast<size_t>(r) * positions + p) * vocab, vocab, temperature[r],
+                tokens[r * token_stride + p], &f);
+            row_flags |= f;
+            const float got = h_token_logprobs[r * (positions - 1) + p];
+            if (f) {
+              CHECK(got == -kInf);
+            } else if (std::isinf(expected)) {
+              CHECK(got == -kInf);
+            } else {
+              CHECK(test::close_to(got, expected, 1e-5));
+            }
+          }
+          const auto expected_bonus = reference::sample(
+              batch.logits.data() + (static_cast<size_t>(r) * positions + positions - 1) * vocab, vocab,
+              temperature[r], alpha[r], seeds[r / particles], counters[r / particles],
+              static_cast<uint32_t>(r % particles), stream_word);
+          row_flags |= expected_bonus.flags;
+          CHECK(h_flags[r] == row_flags);
+          if (!expected_bonus.flags && !expected_bonus.near_tie()) {
+            CHECK(h_bonus[r] == expected_bonus.token);
+            if (h_bonus[r] == expected_bonus.token && temperature[r] > 0.0f)
+              CHECK(test::close_to(h_bonus_logprobs[r], expected_bonus.logprob, 1e-5));
+          }
+        }
+        if (positions > 1) CHECK((h_flags[2] & smcgraph::kFlagTokenOutOfRange) != 0);
+      }
+    }
+  }
+}
