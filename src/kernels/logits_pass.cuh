@@ -39,14 +39,15 @@ struct PassState {
   float max;         ///< max raw logit seen (NaN once a NaN was seen)
   float sum;         ///< sum 2^((l - max) c)
   float sum_power;   ///< sum 2^(alpha (l - max) c)
-  float best;        ///< race: log2 of the best ratio e / E relative to max (linear while folding)
+  float best;        ///< race: log2 of the best ratio e / E relative to max (while folding: e)
+  float best_denominator; ///< while folding: E of the best (the ratio is best / best_denominator)
   float best_logit;  ///< raw logit of the best element
   int best_index;    ///< -1 when none
   uint32_t flags;    ///< RowFlag bits
 };
 
 __device__ __forceinline__ PassState empty_state() {
-  return PassState{-INFINITY, 0.0f, 0.0f, -INFINITY, -INFINITY, -1, 0u};
+  return PassState{-INFINITY, 0.0f, 0.0f, -INFINITY, 1.0f, -INFINITY, -1, 0u};
 }
 
 template <DType DTYPE> struct DTypeTraits;
@@ -101,11 +102,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
-__device__ __forceinline__ float fast_log2(float x) {
-  float r;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 
 /// What a job needs to know about its row, read from device memory at run time.
 struct JobContext {
@@ -117,41 +113,44 @@ struct JobContext {
   uint32_t stream_word;
 };
 
+/// Sum of N values as a fixed pairwise tree (short dependency chains, same order everywhere).
+template <int N> __device__ __forceinline__ float tree_sum(const float (&x)[N]) {
+  float partial[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) partial[i] = x[i];
+#pragma unroll
+  for (int width = N / 2; width >= 1; width /= 2) {
+#pragma unroll
+    for (int i = 0; i < width; ++i) partial[i] = partial[i] + partial[i + width];
+  }
+  return partial[0];
+}
+
 /// Folds up to N consecutive logits starting at vocab id `first` (a multiple of 4) into `state`.
-/// `count` < N only at the end of a row; missing elements count as -inf.
+/// `count` < N only at the end of a row; missing elements count as -inf. The per-element work (the
+/// exponentials, the Philox words, the approximate logs) is independent across the N elements; the race
+/// compares them all against the best ratio at chunk start with a cheap bound, and only a chunk with a
+/// possible winner (rare after the first few) takes the serial path with exact logs.
 template <PassMode MODE, int N>
 __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logits)[N], int first, int count,
                                            const JobContext& job) {
+  float l[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) l[i] = i < count ? logits[i] : -INFINITY;
   if constexpr (MODE == PassMode::kGreedy) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const float l = i < count ? logits[i] : -INFINITY;
-      if (l != l) state.flags |= kFlagNanLogit;
-      if (l > state.max) {
-        state.max = l;
+      if (l[i] != l[i]) state.flags |= kFlagNanLogit;
+      if (l[i] > state.max) {
+        state.max = l[i];
         state.best_index = first + i;
       }
     }
     return;
   } else {
-    float chunk_max = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < N; ++i) chunk_max = max_nan(chunk_max, i < count ? logits[i] : -INFINITY);
-    if (!(chunk_max <= state.max)) { // a new maximum, or NaN: rescale what was summed so far
-      const float shift = state.max == -INFINITY ? -INFINITY : (state.max - chunk_max) * job.c;
-      state.sum *= fast_exp2(shift);
-      if constexpr (MODE == PassMode::kRacePower) {
-        const float scale_power = fast_exp2(job.alpha * shift);
-        state.sum_power *= scale_power;
-        state.best *= scale_power; // while folding, best is the linear ratio e / E relative to max
-      } else if constexpr (MODE == PassMode::kRace) {
-        state.best *= fast_exp2(shift);
-      }
-      state.max = chunk_max;
-    }
-    if (state.max == -INFINITY) return; // everything so far is masked
+    constexpr bool kRaces = MODE == PassMode::kRace || MODE == PassMode::kRacePower;
     uint32_t words[N];
-    if constexpr (MODE == PassMode::kRace || MODE == PassMode::kRacePower) {
+    if constexpr (kRaces) { // issued first: independent of everything below
 #pragma unroll
       for (int g = 0; g < N / 4; ++g) {
         const uint4 w = device::philox_group(job.seed, static_cast<uint32_t>((first >> 2) + g), job.draw_counter,
@@ -162,25 +161,60 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
         words[4 * g + 3] = w.w;
       }
     }
+    float chunk_max = l[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) chunk_max = max_nan(chunk_max, l[i]);
+    if (!(chunk_max <= state.max)) { // a new maximum, or NaN: rescale what was summed so far
+      const float shift = state.max == -INFINITY ? -INFINITY : (state.max - chunk_max) * job.c;
+      state.sum *= fast_exp2(shift);
+      if constexpr (MODE == PassMode::kRacePower) {
+        const float scale_power = fast_exp2(job.alpha * shift);
+        state.sum_power *= scale_power;
+        state.best *= scale_power; // the ratio's numerator, relative to max
+      } else if constexpr (MODE == PassMode::kRace) {
+        state.best *= fast_exp2(shift);
+      }
+      state.max = chunk_max;
+    }
+    if (state.max == -INFINITY) return; // everything so far is masked
+    float e[N], e_power[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const float l = i < count ? logits[i] : -INFINITY;
-      const float scaled = (l - state.max) * job.c; // <= 0; -inf for masked; NaN poisons the sums
-      const float e = fast_exp2(scaled);
-      state.sum += e;
-      if constexpr (MODE == PassMode::kRace || MODE == PassMode::kRacePower) {
-        float e_power = e;
-        if constexpr (MODE == PassMode::kRacePower) {
-          e_power = fast_exp2(job.alpha * scaled);
-          state.sum_power += e_power;
+      const float scaled = (l[i] - state.max) * job.c; // <= 0; -inf for masked; NaN poisons the sums
+      e[i] = fast_exp2(scaled);
+      e_power[i] = MODE == PassMode::kRacePower ? fast_exp2(job.alpha * scaled) : e[i];
+    }
+    state.sum += tree_sum<N>(e);
+    if constexpr (MODE == PassMode::kRacePower) state.sum_power += tree_sum<N>(e_power);
+    if constexpr (kRaces) {
+      // Ratios e / E, E = -log2 u, compared as fractions (no division): a fixed pairwise tree over the
+      // chunk, then against the running best. log2f, not lg2.approx: winners have u near 1 where the
+      // approximation's 2^-22 absolute error is a large relative error of E.
+      float numerator[N], denominator[N], logit[N];
+      int index[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        numerator[i] = e_power[i];
+        denominator[i] = -log2f(device::uniform_open01(words[i]));
+        logit[i] = l[i];
+        index[i] = first + i;
+      }
+#pragma unroll
+      for (int width = N / 2; width >= 1; width /= 2) {
+#pragma unroll
+        for (int i = 0; i < width; ++i) { // strictly better only: ties keep the smaller vocab id
+          const bool right = numerator[i + width] * denominator[i] > numerator[i] * denominator[i + width];
+          numerator[i] = right ? numerator[i + width] : numerator[i];
+          denominator[i] = right ? denominator[i + width] : denominator[i];
+          logit[i] = right ? logit[i + width] : logit[i];
+          index[i] = right ? index[i + width] : index[i];
         }
-        const float log2_u = fast_log2(device::uniform_open01(words[i])); // -E, E = -log2 u > 0
-        // e_power / E > best  <=>  e_power + best * log2_u > 0: no division unless it wins (rarely)
-        if (fmaf(state.best, log2_u, e_power) > 0.0f) {
-          state.best = e_power / -log2_u;
-          state.best_index = first + i;
-          state.best_logit = l;
-        }
+      }
+      if (numerator[0] * state.best_denominator > state.best * denominator[0]) {
+        state.best = numerator[0];
+        state.best_denominator = denominator[0];
+        state.best_logit = logit[0];
+        state.best_index = index[0];
       }
     }
   }
@@ -272,7 +306,10 @@ __device__ __forceinline__ uint4 load_vector(const typename DTypeTraits<DTYPE>::
 /// Logits a split (one CTA) folds: kUnrollVectors 16-byte vectors per thread. A function of the dtype
 /// only, so the reduction tree of a row does not depend on how many rows share the launch: a row's
 /// results are bit-identical alone or in a batch, at any row index, eager or graphed.
-inline constexpr int kUnrollVectors = 4;
+#ifndef SMCGRAPH_PASS_VECTORS_PER_THREAD
+#define SMCGRAPH_PASS_VECTORS_PER_THREAD 4
+#endif
+inline constexpr int kUnrollVectors = SMCGRAPH_PASS_VECTORS_PER_THREAD;
 template <DType DTYPE> inline constexpr int kSplitLength = kPassThreads * kUnrollVectors * DTypeTraits<DTYPE>::kPerVector;
 
 /// Folds the logits [begin, end) of one job: thread t takes vectors t, t + 256, t + 512, t + 768 in order.
@@ -281,7 +318,7 @@ __device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE
                                                 bool aligned, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   PassState state = empty_state();
-  state.best = 0.0f; // linear ratio while folding; converted to log2 at the end
+  state.best = 0.0f; // a fraction best / best_denominator while folding; log2 of it at the end
   const int vectors = (end - begin + kPerVector - 1) / kPerVector;
   for (int base = 0; base < vectors; base += kUnrollVectors * kPassThreads) {
     uint4 raw[kUnrollVectors];
@@ -307,7 +344,7 @@ __device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE
       state.flags |= kFlagNanLogit;
   }
   if (state.max == INFINITY) state.flags |= kFlagNanLogit;
-  state.best = state.best_index >= 0 ? fast_log2(state.best) : -INFINITY;
+  state.best = state.best_index >= 0 ? log2f(state.best) - log2f(state.best_denominator) : -INFINITY;
   return state;
 }
 
@@ -372,6 +409,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
       other.sum = __ldcg(&p->sum);
       other.sum_power = __ldcg(&p->sum_power);
       other.best = __ldcg(&p->best);
+      other.best_denominator = 1.0f;
       other.best_logit = __ldcg(&p->best_logit);
       other.best_index = __ldcg(&p->best_index);
       other.flags = __ldcg(&p->flags);
@@ -426,7 +464,11 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
 }
 
 /// grid.x = jobs * splits; block = kPassThreads.
-template <DType DTYPE> __global__ void __launch_bounds__(kPassThreads) LogitsPassKernel(const PassArgs args) {
+#ifndef SMCGRAPH_PASS_MIN_BLOCKS
+#define SMCGRAPH_PASS_MIN_BLOCKS 3
+#endif
+template <DType DTYPE>
+__global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   const int split = blockIdx.x % args.splits;
   const int job_index = blockIdx.x / args.splits;
   const int row = job_index / args.positions;
