@@ -1,0 +1,230 @@
+#include "bench_util.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
+
+namespace smcgraph::bench {
+namespace {
+
+/// Median / min / p90 of per-launch times (microseconds).
+Timing summarize(std::vector<double> us) {
+  require(!us.empty(), "smcgraph::bench::summarize", "samples", 0, "need at least one timing");
+  std::sort(us.begin(), us.end());
+  const size_t n = us.size();
+  const double median = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
+  const size_t p90_index = std::min(n - 1, static_cast<size_t>(std::ceil(0.9 * static_cast<double>(n))) - 1);
+  return Timing{median, us.front(), us[p90_index]};
+}
+
+/// Times `repetitions` calls of `issue` with events recorded back to back between them: event i+1 - event i
+/// is call i's device time as long as the host keeps ahead of the GPU. No sync between warm-up and timing,
+/// so the first timed call does not start on an idle stream and absorb the host's launch latency.
+Timing time_issues(const std::function<void()>& issue, cudaStream_t stream, int repetitions, int warmup,
+                   double launches_per_issue) {
+  require(repetitions >= 1, "smcgraph::bench timing", "repetitions", repetitions, "must be >= 1");
+  require(warmup >= 0, "smcgraph::bench timing", "warmup", warmup, "must be >= 0");
+  for (int i = 0; i < warmup; ++i)
+    issue();
+  std::deque<Event> events; // Event is neither copyable nor movable; a deque never relocates elements
+  for (int i = 0; i <= repetitions; ++i)
+    events.emplace_back(true);
+  events[0].record(stream);
+  for (int i = 0; i < repetitions; ++i) {
+    issue();
+    events[i + 1].record(stream);
+  }
+  events.back().synchronize();
+  SMCGRAPH_CUDA_CHECK(cudaGetLastError());
+  std::vector<double> us(repetitions);
+  for (int i = 0; i < repetitions; ++i) {
+    us[i] = 1000.0 * static_cast<double>(events[i + 1].elapsed_ms_since(events[i])) / launches_per_issue;
+  }
+  return summarize(std::move(us));
+}
+
+struct GraphOwner {
+  cudaGraph_t graph = nullptr;
+  ~GraphOwner() {
+    if (graph)
+      cudaGraphDestroy(graph);
+  }
+};
+struct GraphExecOwner {
+  cudaGraphExec_t exec = nullptr;
+  ~GraphExecOwner() {
+    if (exec)
+      cudaGraphExecDestroy(exec);
+  }
+};
+
+/// Captures `work` `launches` times into a graph; on any failure ends the capture so the stream stays usable.
+void capture(const std::function<void(cudaStream_t)>& work, cudaStream_t stream, int launches,
+             GraphOwner& owner) {
+  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    for (int i = 0; i < launches; ++i)
+      work(stream);
+  } catch (...) {
+    cudaGraph_t partial = nullptr;
+    cudaStreamEndCapture(stream, &partial); // may itself fail (an invalidated capture); nothing to add
+    if (partial)
+      cudaGraphDestroy(partial);
+    cudaGetLastError();
+    throw;
+  }
+  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &owner.graph));
+}
+
+/// An empty `__global__` as hand-written PTX, loaded through the runtime's library API (these benches are
+/// compiled by the host compiler, so they cannot define kernels). PTX 7.0 / sm_70 JIT-compiles on any
+/// driver that runs an H100 or later.
+constexpr const char* kEmptyKernelPtx = R"(.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry smcgraph_bench_empty_kernel()
+{
+	ret;
+}
+)";
+
+class EmptyKernel {
+public:
+  EmptyKernel() {
+    SMCGRAPH_CUDA_CHECK(
+        cudaLibraryLoadData(&library_, kEmptyKernelPtx, nullptr, nullptr, 0, nullptr, nullptr, 0));
+    SMCGRAPH_CUDA_CHECK(cudaLibraryGetKernel(&kernel_, library_, "smcgraph_bench_empty_kernel"));
+  }
+  ~EmptyKernel() {
+    if (library_)
+      cudaLibraryUnload(library_);
+  }
+  EmptyKernel(const EmptyKernel&) = delete;
+  EmptyKernel& operator=(const EmptyKernel&) = delete;
+
+  void launch(cudaStream_t stream) const {
+    // A cudaKernel_t cast to a function pointer is accepted by cudaLaunchKernel (CUDA >= 12.0).
+    SMCGRAPH_CUDA_CHECK(
+        cudaLaunchKernel(reinterpret_cast<const void*>(kernel_), dim3(1), dim3(1), nullptr, 0, stream));
+  }
+
+private:
+  cudaLibrary_t library_ = nullptr;
+  cudaKernel_t kernel_ = nullptr;
+};
+
+} // namespace
+
+double measure_copy_bandwidth_gbs(cudaStream_t stream) {
+  constexpr size_t kBytes = size_t{1} << 30;
+  constexpr int kWarmup = 3, kRepetitions = 20;
+  DeviceBuffer<unsigned char> d_source(kBytes), d_destination(kBytes);
+  // Non-zero bytes in both, so every page is backed and nothing can be elided as zeros.
+  d_source.fill_bytes(0x5a, stream);
+  d_destination.fill_bytes(0xa5, stream);
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto copy = [&] {
+    SMCGRAPH_CUDA_CHECK(
+        cudaMemcpyAsync(d_destination.data(), d_source.data(), kBytes, cudaMemcpyDeviceToDevice, stream));
+  };
+  const Timing timing = time_issues(copy, stream, kRepetitions, kWarmup, 1.0);
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return 2.0 * static_cast<double>(kBytes) / (timing.median_us * 1e3); // read + written, 1e9 B/s
+}
+
+Timing time_graph(const std::function<void(cudaStream_t)>& work, cudaStream_t stream, int launches_per_graph,
+                  int repetitions, int warmup) {
+  require(launches_per_graph >= 1, "smcgraph::bench::time_graph", "launches_per_graph", launches_per_graph,
+          "must be >= 1");
+  GraphOwner graph;
+  capture(work, stream, launches_per_graph, graph);
+  GraphExecOwner exec;
+  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec.exec, graph.graph, 0));
+  SMCGRAPH_CUDA_CHECK(cudaGraphUpload(exec.exec, stream));
+  const auto replay = [&] { SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec.exec, stream)); };
+  const Timing timing = time_issues(replay, stream, repetitions, warmup, launches_per_graph);
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return timing;
+}
+
+Timing time_eager(const std::function<void(cudaStream_t)>& work, cudaStream_t stream, int repetitions,
+                  int warmup) {
+  const auto call = [&] { work(stream); };
+  const Timing timing = time_issues(call, stream, repetitions, warmup, 1.0);
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return timing;
+}
+
+double node_floor_us(cudaStream_t stream) {
+  static const EmptyKernel empty_kernel; // loaded once per process
+  // One eager launch first: with lazy module loading the first launch loads the code, outside any capture.
+  empty_kernel.launch(stream);
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return time_graph([](cudaStream_t s) { empty_kernel.launch(s); }, stream, 100, 50, 5).median_us;
+}
+
+std::string device_name() {
+  int device = 0;
+  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp properties{};
+  SMCGRAPH_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+  return properties.name;
+}
+
+Csv::Csv(const std::string& path) : path_(path) {
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(parent, error);
+    if (error)
+      throw Error("smcgraph::bench::Csv: cannot create directory " + parent.string() + ": " +
+                  error.message());
+  }
+  out_.open(path, std::ios::out | std::ios::trunc);
+  if (!out_)
+    throw Error("smcgraph::bench::Csv: cannot open " + path + " for writing");
+}
+
+void Csv::row(const std::vector<std::string>& cells) {
+  std::string line;
+  for (size_t i = 0; i < cells.size(); ++i) {
+    if (i > 0)
+      line += ',';
+    const std::string& cell = cells[i];
+    if (cell.find_first_of(",\"\n\r") == std::string::npos) {
+      line += cell;
+    } else {
+      line += '"';
+      for (const char c : cell) {
+        if (c == '"')
+          line += '"';
+        line += c;
+      }
+      line += '"';
+    }
+  }
+  line += '\n';
+  out_ << line;
+  out_.flush();
+  if (!out_)
+    throw Error("smcgraph::bench::Csv: write to " + path_ + " failed");
+}
+
+std::string format(double value, int decimals) {
+  if (std::isnan(value))
+    return "nan";
+  if (std::isinf(value))
+    return value > 0 ? "inf" : "-inf";
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", std::clamp(decimals, 0, 17), value);
+  return text;
+}
+
+} // namespace smcgraph::bench

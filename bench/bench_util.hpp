@@ -1,0 +1,70 @@
+// Shared pieces of the benchmarks: the bandwidth and launch floors, graph and eager timing with CUDA
+// events, the device name and a tiny CSV writer.
+//
+// Every bench validates its output first, then times, then prints the fraction of its floor:
+//
+//   smcgraph::Stream stream;
+//   const double copy_gbs = smcgraph::bench::measure_copy_bandwidth_gbs(stream);
+//   const auto timing = smcgraph::bench::time_graph([&](cudaStream_t s) { my_launcher(..., s); }, stream);
+//   const double gbs = bytes_read / (timing.median_us * 1e3);  // 1 GB/s = 1e9 B/s
+//   std::printf("%.1f%% of copy bandwidth\n", 100 * gbs / copy_gbs);
+//
+// Functions throw smcgraph::Error on any CUDA failure; none of them exits.
+#pragma once
+
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace smcgraph::bench {
+
+/// Device-to-device cudaMemcpyAsync of 1 GiB (source filled with non-zero bytes), counting bytes read plus
+/// bytes written (2 GiB per copy); median of 20 copies after warm-up. GB/s = 1e9 B/s. A kernel that only
+/// reads N bytes at the same total DRAM throughput would reach N / time = this number, so
+/// `bytes_read / time / copy_gbs` is its fraction of the bandwidth floor.
+double measure_copy_bandwidth_gbs(cudaStream_t stream);
+
+/// Per-launch times in microseconds.
+struct Timing {
+  double median_us, min_us, p90_us;
+};
+
+/// Captures `work` launches_per_graph times (in order, one call after the other) into one graph,
+/// instantiates it, replays it `warmup` times, then times `repetitions` replays with CUDA events (issued
+/// back to back so the GPU does not wait for the host) and reports replay time / launches_per_graph.
+/// `work` is called during capture only, so a lambda with a counter can rotate among buffers.
+/// `stream` must not be the legacy default stream.
+Timing time_graph(const std::function<void(cudaStream_t)>& work, cudaStream_t stream,
+                  int launches_per_graph = 20, int repetitions = 50, int warmup = 5);
+
+/// Calls `work` eagerly `warmup` times, then times `repetitions` calls with CUDA events between them (so a
+/// call whose kernels are shorter than the host launch cost reports the launch-bound rate).
+Timing time_eager(const std::function<void(cudaStream_t)>& work, cudaStream_t stream, int repetitions = 50,
+                  int warmup = 5);
+
+/// Per-node time of a graph of 100 empty-kernel nodes in a chain (median): the floor of any kernel that
+/// moves almost nothing.
+double node_floor_us(cudaStream_t stream);
+
+/// The current device's name ("NVIDIA H200").
+std::string device_name();
+
+/// A CSV file: the constructor creates the parent directories and truncates the file; the first row()
+/// written is the header. Cells holding ',' '"' or a newline are quoted. Every row is flushed.
+class Csv {
+public:
+  explicit Csv(const std::string& path);
+  void row(const std::vector<std::string>& cells);
+
+private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+/// `value` with `decimals` digits after the point ("nan" / "inf" / "-inf" for non-finite values).
+std::string format(double value, int decimals);
+
+} // namespace smcgraph::bench
