@@ -1,0 +1,129 @@
+// The SMC cycle recipe (DESIGN.md §2, deferred bonus): which stages run, in which order, on which buffers.
+// The same function is captured once per bucket and run eagerly for debugging; nothing in it allocates,
+// synchronizes or reads a host value that changes between replays.
+//
+//   alloc -> draft head (2 tokens) -> sample d_1 -> K - 1 x (draft step -> sample d_{s+1}) -> target verify
+//   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights -> commit -> resample -> reshuffle ->
+//   advance draw counters -> pack outputs
+//
+// The commit precedes resample/reshuffle (DESIGN.md lists it last): reshuffle copies whole rows, so the
+// copy must already hold this cycle's tokens and slots.
+#include "runtime/engine_state.hpp"
+
+#include "smcgraph/smc_kernels.hpp"
+#include "smcgraph/slots.hpp"
+
+namespace smcgraph::detail {
+namespace {
+
+/// Names the stage being enqueued (a failed capture reports it) and marks it in NVTX timelines.
+class Stage {
+public:
+  Stage(Engine::State& state, const char* name) : range_(name) { state.stage = name; }
+
+private:
+  NvtxRange range_;
+};
+
+} // namespace
+
+void enqueue_smc_cycle(Engine::State& s, int bucket_requests, cudaStream_t stream) {
+  const int N = s.config.particles, K = s.steps, V = s.vocab;
+  const int rows = bucket_requests * N;
+  const CycleBuffers& b = s.buffers;
+  RowTablesView tables = b.tables;
+  tables.rows = rows; // the bucket's rows only
+  const DType dtype = s.draft->logits_dtype();
+  const int element_bytes = dtype_bytes(dtype);
+
+  s.stage = "smc.reset_status";
+  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), stream));
+  {
+    Stage stage(s, "smc.alloc");
+    alloc_cycle_slots(b.pool, tables, N, K + 1, b.cycle_slots, b.row_flags, b.status, stream);
+    prepare_draft_inputs(b, rows, stream);
+  }
+  const RowParams draft_params{b.draft_temperature, nullptr};
+  const RowRandom random{b.seeds, b.draw_counters, N};
+  {
+    Stage stage(s, "smc.draft");
+    ForwardArgs head{rows, 2, b.head_tokens, b.head_positions, b.tables.slot_table, b.head_seq_lens,
+                     b.head_out_slots, b.tables.live, s.draft_logits.data()};
+    s.draft->forward(head, stream);
+    // d_1 from the head's last column: rows of [2, V], the second position.
+    const LogitsView head_last{s.draft_logits.data() + static_cast<size_t>(V) * element_bytes, dtype, rows, 1, V,
+                               2 * static_cast<int64_t>(V), V};
+    sample(head_last, draft_params, random, philox_stream(Salt::kDraft, 0),
+           {b.draft_tokens, b.draft_logprobs, b.scratch_logz, b.row_flags, b.status}, s.workspace, stream);
+    for (int step = 1; step < K; ++step) {
+      const size_t offset = static_cast<size_t>(step - 1) * s.rows;
+      ForwardArgs one{rows,
+                      1,
+                      b.draft_tokens + offset,
+                      b.step_positions + offset,
+                      b.tables.slot_table,
+                      b.step_seq_lens + offset,
+                      b.step_out_slots + offset,
+                      b.tables.live,
+                      s.draft_logits.data()};
+      s.draft->forward(one, stream);
+      const LogitsView logits{s.draft_logits.data(), dtype, rows, 1, V, V, V};
+      sample(logits, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
+             {b.draft_tokens + offset + s.rows, b.draft_logprobs + offset + s.rows, b.scratch_logz, b.row_flags,
+              b.status},
+             s.workspace, stream);
+    }
+  }
+  {
+    Stage stage(s, "smc.verify");
+    prepare_verify_inputs(b, rows, stream);
+    ForwardArgs verify{rows, K + 1, b.verify_tokens, b.verify_positions, b.tables.slot_table, b.verify_seq_lens,
+                       b.verify_out_slots, b.tables.live, s.target_logits.data()};
+    s.target->forward(verify, stream);
+  }
+  {
+    Stage stage(s, "smc.score");
+    const LogitsView logits{s.target_logits.data(), s.target->logits_dtype(), rows, K + 1, V,
+                            static_cast<int64_t>(K + 1) * V, V};
+    score(logits, b.verify_tokens + 1, K + 1, {b.target_temperature, b.alpha}, random,
+          philox_stream(Salt::kBonus, 0),
+          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status}, s.workspace,
+          stream);
+  }
+  {
+    Stage stage(s, "smc.weights");
+    WeightInputs in;
+    in.draft_logprobs = {b.draft_logprobs, 1, s.rows};
+    in.target_logprobs = {b.target_logprobs, K, 1};
+    in.logz = b.bonus_logz;
+    in.draft_tokens = {b.draft_tokens, 1, s.rows};
+    in.alpha = b.alpha;
+    in.live = b.tables.live;
+    in.rows = rows;
+    in.steps = K;
+    in.eos_id = s.config.eos_id;
+    accumulate_weights(in, b.logw, b.finished, b.first_eos, stream);
+  }
+  {
+    Stage stage(s, "smc.commit");
+    commit_cycle(b, rows, stream);
+  }
+  {
+    Stage stage(s, "smc.resample");
+    const ResampleInputs in{b.tables.live, b.tau, b.seeds, b.draw_counters, bucket_requests, N};
+    const ResampleOutputs out{b.ancestor, b.ess, b.resampled, b.log_evidence};
+    resample(in, b.logw, out, stream);
+  }
+  {
+    Stage stage(s, "smc.reshuffle");
+    reshuffle(b.pool, tables, b.ancestor, b.finished, stream);
+    collect_freed_slots(b.pool, stream); // freed slots back in id order: slot ids stay deterministic
+  }
+  {
+    Stage stage(s, "smc.outputs");
+    advance_draw_counters(b.draw_counters, bucket_requests, stream);
+    pack_outputs(b, rows, s.outputs_device.data(), stream);
+  }
+}
+
+} // namespace smcgraph::detail

@@ -1,0 +1,149 @@
+// The engine a host inference server drives: admit requests, replay one captured cycle per step(), read
+// results asynchronously (DESIGN.md §2, §5).
+//
+//   smcgraph::EngineConfig config;                  // SMC: N particles, K draft tokens per cycle
+//   config.vocab = 128256; config.particles = 8; config.draft_steps = 4; config.max_requests = 64;
+//   smcgraph::ToyModelPair models = smcgraph::ToyModel::pair(toy_config, 0.3f);
+//   smcgraph::Engine engine(config, *models.draft, *models.target);   // allocates, warms up, captures
+//   auto id = engine.admit(prompt_tokens, {.seed = 42});
+//   engine.step();                                    // cycle t: one graph launch, returns at once
+//   while (engine.live_requests() > 0) {
+//     engine.step();                                  // cycle t + 1 is queued ...
+//     for (const smcgraph::RequestUpdate& update : engine.poll())   // ... while cycle t is read
+//       if (update.finished || update.failed) { auto result = engine.result(update.id); engine.release(update.id); }
+//   }
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/model.hpp"
+
+namespace smcgraph {
+
+enum class CycleKind : uint8_t {
+  kSmc = 0,         ///< SMC speculative decoding: N particles, every cycle commits K + 1 tokens per particle
+  kSpeculative = 1, ///< rejection-based speculative decoding (N = 1)
+};
+
+struct EngineConfig {
+  CycleKind kind = CycleKind::kSmc;
+  int vocab = 32000;                ///< must equal both models' vocab()
+  int draft_steps = 4;              ///< K >= 1
+  int particles = 4;                ///< N >= 1 (1 for kSpeculative)
+  int max_requests = 16;            ///< request slots; the largest bucket
+  std::vector<int> buckets;         ///< request-slot counts to capture; empty: powers of two up to max_requests
+  int max_seq_len = 2048;           ///< prompt + generated tokens per row; must equal both models' max_seq_len()
+  int slot_pool_size = 1 << 16;     ///< KV slots shared by draft and target (slot 0 is the padding dummy)
+  float draft_temperature = 0.7f;   ///< T_d > 0
+  float target_temperature = 1.0f;  ///< T_t >= 0 (0: greedy)
+  float alpha = 1.0f;               ///< power of the target distribution, > 0
+  float tau = 0.5f;                 ///< resample when ESS < tau * N; in [0, 1]
+  int eos_id = -1;                  ///< -1: no EOS token
+  bool use_graphs = true;           ///< false (or SMCGRAPH_DISABLE_GRAPHS=1): run the same recipe eagerly
+};
+
+/// Throws smcgraph::Error naming the first bad field and its value.
+void validate_engine_config(const EngineConfig& config);
+
+/// Per-request settings; negative values take the engine's defaults.
+struct RequestParams {
+  uint64_t seed = 0;
+  float draft_temperature = -1.0f;
+  float target_temperature = -1.0f;
+  float alpha = -1.0f;
+  float tau = -1.0f;
+  int max_new_tokens = -1; ///< -1: until max_seq_len
+};
+
+using RequestId = int64_t;
+
+/// What one cycle did to one request (poll()).
+struct RequestUpdate {
+  RequestId id = -1;
+  int cycle = 0;                             ///< the request's cycle index (0 for its first cycle)
+  std::vector<std::vector<int32_t>> tokens;  ///< [N][tokens committed this cycle], cut after an EOS
+  std::vector<int32_t> ancestors;            ///< [N] particle each particle descends from after resampling
+  bool resampled = false;
+  double ess = 0.0;
+  bool finished = false;                     ///< every particle reached EOS, max_new_tokens or max_seq_len
+  bool failed = false;
+  std::string reason;                        ///< why it failed ("nan or +inf logit", ...) or finished
+};
+
+/// A finished (or running) request's output (result()).
+struct RequestResult {
+  RequestId id = -1;
+  std::vector<std::vector<int32_t>> particles; ///< [N] generated tokens of each particle (prompt excluded)
+  std::vector<double> log_weights;             ///< [N]
+  int chosen = 0;                              ///< particle drawn by weight with a keyed uniform
+  std::vector<int32_t> tokens;                 ///< particles[chosen]
+  double log_evidence = 0.0;                   ///< log Z-hat
+  bool finished = false, failed = false;
+  std::string reason;
+};
+
+/// Per-bucket facts (for benchmarks and tests).
+struct BucketInfo {
+  int requests = 0;        ///< request slots the bucket covers
+  double capture_ms = 0.0; ///< capture + instantiation time
+  size_t graph_nodes = 0;
+};
+
+class Engine {
+public:
+  /// Validates, allocates everything for the largest bucket, warms up eagerly and captures one graph per
+  /// bucket (largest first). A capture that fails names the step and the CUDA error; with
+  /// config.use_graphs the engine then throws, unless SMCGRAPH_GRAPH_FALLBACK=1, which runs eagerly.
+  Engine(const EngineConfig& config, Model& draft, Model& target);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Eager prefill of both models over the prompt, the first token from the target's power distribution,
+  /// fan-out to N particles sharing the prompt's slots. Throws for an empty / too long / out-of-vocabulary
+  /// prompt or when every request slot is taken. Never synchronizes with cycles in flight.
+  RequestId admit(const std::vector<int32_t>& prompt, const RequestParams& params = {});
+
+  /// One cycle for every live request: one graph launch (or the eager recipe). Returns without waiting.
+  void step();
+
+  /// Updates of the oldest cycle not yet polled (waits for it); empty when none is outstanding.
+  std::vector<RequestUpdate> poll();
+
+  /// Tokens, weights and the chosen particle of a request (synchronizes the stream).
+  RequestResult result(RequestId id);
+
+  /// Frees the request's rows and slots (on the device, stream-ordered). Throws for unknown ids.
+  void release(RequestId id);
+
+  /// Moves live requests into the lowest request slots (device row copies) so a smaller bucket covers them.
+  void compact();
+
+  /// Runs the next step() eagerly (kernel by kernel) instead of replaying a graph (debugging, comparisons).
+  void set_eager(bool eager);
+  bool eager() const;
+
+  int live_requests() const;
+  int current_bucket() const; ///< request slots the next step() covers (0 when nothing is live)
+  const std::vector<BucketInfo>& buckets() const;
+  const EngineConfig& config() const;
+  cudaStream_t stream() const;
+  /// Device bytes the engine allocated (buffers for the largest bucket, graphs excluded).
+  size_t device_bytes() const;
+  /// Waits for everything enqueued so far.
+  void synchronize();
+
+  /// Test access to the engine's device state (slot pool, tables, weights); see engine_state.hpp.
+  struct State;
+  State& state();
+
+private:
+  std::unique_ptr<State> state_;
+};
+
+} // namespace smcgraph

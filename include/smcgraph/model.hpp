@@ -1,0 +1,42 @@
+// The model interface smcgraph captures into its cycle graphs (DESIGN.md §6).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/types.hpp"
+
+namespace smcgraph {
+
+/// One forward pass over `tokens_per_row` tokens of each of `rows` rows. Every pointer is device memory
+/// and stays fixed across graph replays; the values behind them change between replays.
+///
+///   smcgraph::ForwardArgs args{rows, /*tokens_per_row=*/1, d_tokens, d_positions, d_slot_table,
+///                              d_seq_lens, d_out_slots, d_live, d_logits};
+///   model.forward(args, stream);   // capturable: no allocation, no synchronization
+struct ForwardArgs {
+  int rows = 0;                        ///< bucket rows (live and padding)
+  int tokens_per_row = 0;              ///< 2 (draft head), 1 (draft step) or K + 1 (target verify)
+  const int32_t* tokens = nullptr;     ///< [rows, tokens_per_row]
+  const int32_t* positions = nullptr;  ///< [rows, tokens_per_row]
+  const int32_t* slot_table = nullptr; ///< [rows, max_seq_len()] slot id of each position of the row
+  const int32_t* seq_lens = nullptr;   ///< [rows] tokens whose KV the model may read (= last position + 1)
+  const int32_t* out_slots = nullptr;  ///< [rows, tokens_per_row] where this forward writes KV
+  const uint8_t* live = nullptr;       ///< [rows] 0 marks a padding row
+  void* logits = nullptr;              ///< [rows, tokens_per_row, vocab()] in logits_dtype()
+};
+
+/// A model whose forward pass can be captured into a CUDA graph: `forward` enqueues work on `stream`
+/// only (no allocation, no synchronization, no host read of device values) and throws smcgraph::Error
+/// for arguments it cannot serve.
+class Model {
+public:
+  virtual ~Model() = default;
+  virtual void forward(const ForwardArgs& args, cudaStream_t stream) = 0;
+  virtual int vocab() const = 0;
+  virtual DType logits_dtype() const = 0;
+  virtual int max_seq_len() const = 0;
+};
+
+} // namespace smcgraph

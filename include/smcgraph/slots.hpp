@@ -1,0 +1,183 @@
+// The device KV slot pool and the per-row slot/token tables (DESIGN.md §2 steps 1 and 8, admission and
+// retirement).
+//
+// A slot is one token's KV location (page size 1). Free slots sit on a device stack; a slot referenced by
+// k rows (shared prompt prefix, resampled siblings) has refcount k and goes back on the stack when the
+// last reference is dropped. Slot 0 is the reserved dummy that padding rows and refused rows write to: it
+// is never on the free stack and never refcounted.
+//
+// A row references slot_table[r][0 .. seq_len[r]) whether or not it is live: a row refused by
+// alloc_cycle_slots (pool exhausted, max length) turns non-live but keeps its slots until release_rows.
+// Rows nobody uses have seq_len 0.
+//
+//   smcgraph::SlotPoolView pool{d_free_stack, d_free_count, d_refcount, pool_size};
+//   smcgraph::RowTablesView tables{d_slot_table, d_token_table, d_seq_len, d_live, rows, max_seq_len};
+//   smcgraph::init_slot_pool(pool, stream);                                      // once
+//   smcgraph::alloc_cycle_slots(pool, tables, n, k + 1, d_out_slots, d_row_flags, d_status, stream);
+//   ...
+//   smcgraph::release_rows(pool, tables, d_release_mask, stream);               // retirement
+//   assert(smcgraph::check_slot_invariants_device(pool, tables, stream).ok);    // debugging / tests
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace smcgraph {
+
+/// The slot pool, all device memory. free_stack[0 .. *free_count) are the free slot ids (the top of the
+/// stack is the end); free_stack has room for pool_size - 1 ids, refcount for pool_size.
+struct SlotPoolView {
+  int32_t* free_stack = nullptr;
+  int32_t* free_count = nullptr;
+  int32_t* refcount = nullptr;
+  int pool_size = 0;
+  /// Optional bitmap [ceil(pool_size / 32)], zeroed: when set, a slot whose last reference drops is marked
+  /// here instead of pushed at once, and collect_freed_slots pushes the marked slots in ascending id order.
+  /// Concurrent pushes land in whatever order the atomics resolve; the bitmap makes the free stack, and so
+  /// every later slot id, a deterministic function of the inputs (graph and eager runs give identical tables).
+  uint32_t* freed = nullptr;
+};
+
+/// Per-row tables, all device memory, sized once for the largest bucket. Row r belongs to request
+/// r / particles_per_request; all particles of a request have the same length.
+struct RowTablesView {
+  int32_t* slot_table = nullptr;  ///< [rows, max_seq_len] slot ids in position order
+  int32_t* token_table = nullptr; ///< [rows, max_seq_len] token ids in position order
+  int32_t* seq_len = nullptr;     ///< [rows] L: positions 0 .. L - 1 are referenced
+  uint8_t* live = nullptr;        ///< [rows] 1 for rows being decoded
+  int rows = 0;
+  int max_seq_len = 0;
+};
+
+/// Empties the pool: free stack = [pool_size - 1, ..., 1] (so slot 1 is popped first), every refcount 0,
+/// free_count = pool_size - 1. Does not touch any table.
+void init_slot_pool(const SlotPoolView& pool, cudaStream_t stream);
+
+/// The bulk pop of a cycle (DESIGN.md §2 step 1), one CTA, no host involvement.
+///
+/// Every live row needs `slots_per_row` new slots for positions L .. L + slots_per_row - 1, granted all or
+/// nothing per request (its live rows together). Requests are served in increasing request order through
+/// a device prefix sum, and service STOPS at the first request the free slots cannot cover: every later
+/// request that needs slots is refused too (first come, first served: a large request is never starved
+/// by smaller ones behind it). A request whose rows would pass max_seq_len is refused on its own (it
+/// needs nothing, so it blocks nobody).
+///
+/// Granted rows: out_slots[r, j] = slot_table[r][L + j] = the popped slot, refcount 1; seq_len is NOT
+/// advanced (the commit does that) and token_table is untouched. Refused rows: kFlagSlotsExhausted or
+/// kFlagMaxLength is OR-ed into row_flags[r] and status[0], live[r] = 0, out_slots[r, *] = 0 (dummy).
+/// Non-live rows: out_slots[r, *] = 0. free_count drops by the number granted.
+void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
+                       int slots_per_row, int32_t* out_slots, uint32_t* row_flags, uint32_t* status,
+                       cudaStream_t stream);
+
+/// refcount[slots[i]] -= 1 for every i < count with mask_or_null[i] != 0 (all i when null); a slot that
+/// reaches 0 is pushed on the free stack. Slot id 0 (and any id outside the pool) is ignored.
+void dec_ref_slots(const SlotPoolView& pool, const int32_t* slots, const uint8_t* mask_or_null, int count,
+                   cudaStream_t stream);
+
+/// refcount[slots[i]] += 1, same selection rules as dec_ref_slots.
+void inc_ref_slots(const SlotPoolView& pool, const int32_t* slots, const uint8_t* mask_or_null, int count,
+                   cudaStream_t stream);
+
+/// Pushes every slot marked in pool.freed onto the free stack in ascending id order and clears the marks
+/// (one CTA; a no-op when pool.freed is null). Launch it after the kernels that release slots.
+void collect_freed_slots(const SlotPoolView& pool, cudaStream_t stream);
+
+/// Retirement: for every row with release_mask[r] != 0 (live or not), dec_ref slot_table[r][0 .. L), then
+/// live = 0 and seq_len = 0. One CTA per row (static grid).
+void release_rows(const SlotPoolView& pool, const RowTablesView& tables, const uint8_t* release_mask,
+                  cudaStream_t stream);
+
+/// Admission fan-out: for every request q with request_mask[q] != 0, rows q * N + 1 .. q * N + N - 1 become
+/// copies of row q * N (slot_table and token_table up to its length, seq_len, live) and each copied slot
+/// gains a reference (a prompt's slots end with refcount N). Whatever a destination row referenced before
+/// is released. `request_mask` has rows / N entries.
+void fan_out_rows(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
+                  const uint8_t* request_mask, cudaStream_t stream);
+
+/// Result of the slot invariant check.
+struct SlotCheck {
+  bool ok = true;
+  std::string problem; ///< the first violation found, empty when ok
+  int free = 0;        ///< free_count
+  int referenced = 0;  ///< distinct slots referenced by the tables
+};
+
+/// Host check of the pool against the tables: ids in range; no id twice on the free stack; slot 0 never
+/// free, never referenced, refcount 0; every slot's refcount equals the number of references to it
+/// (slot_table[r][0 .. seq_len[r]) over all rows); free slots have refcount 0; free + referenced ==
+/// pool_size - 1 (no slot leaked). `slot_table` is [rows, max_seq_len]; `free_stack` holds at least
+/// free_count ids.
+SlotCheck check_slot_invariants(const std::vector<int32_t>& free_stack, int free_count,
+                                const std::vector<int32_t>& refcount, const std::vector<int32_t>& slot_table,
+                                const std::vector<int32_t>& seq_len, const std::vector<uint8_t>& live,
+                                int rows, int max_seq_len, int pool_size);
+
+/// Copies pool and tables to the host (synchronizing `stream`) and runs check_slot_invariants. For tests
+/// and debugging; not capturable.
+SlotCheck check_slot_invariants_device(const SlotPoolView& pool, const RowTablesView& tables,
+                                       cudaStream_t stream);
+
+#if defined(__CUDACC__)
+namespace device {
+
+/// Adds a reference to `slot` (ignores the dummy 0 and ids outside the pool).
+__device__ __forceinline__ void acquire_slot(const SlotPoolView& pool, int32_t slot) {
+  if (slot > 0 && slot < pool.pool_size)
+    atomicAdd(&pool.refcount[slot], 1);
+}
+
+/// Drops a reference to `slot`; the thread that takes it to 0 pushes it on the free stack (the atomicAdd on
+/// free_count hands out distinct positions). Never called in a kernel that also pops.
+__device__ __forceinline__ void release_slot(const SlotPoolView& pool, int32_t slot) {
+  if (slot <= 0 || slot >= pool.pool_size)
+    return;
+  if (atomicSub(&pool.refcount[slot], 1) == 1) {
+    if (pool.freed != nullptr) { // deferred: collect_freed_slots pushes in id order
+      atomicOr(&pool.freed[slot >> 5], 1u << (slot & 31));
+      return;
+    }
+    const int position = atomicAdd(pool.free_count, 1);
+    if (position < pool.pool_size - 1)
+      pool.free_stack[position] = slot; // full only if the pool is corrupt
+  }
+}
+
+/// Called by every thread of a CTA: row `dst` becomes a copy of row `source` (slots and tokens up to the
+/// source's length, seq_len, live) with the references moved accordingly. Each position acquires its new
+/// slot before releasing its old one, and `source` itself keeps its references throughout, so a slot shared
+/// by both rows never transiently drops to 0. `source` must not be written by anyone meanwhile.
+__device__ __forceinline__ void copy_row_refcounted(const SlotPoolView& pool, const RowTablesView& tables,
+                                                    int source, int dst) {
+  const int max_len = tables.max_seq_len;
+  const int source_len = min(max(tables.seq_len[source], 0), max_len);
+  const int dst_len = min(max(tables.seq_len[dst], 0), max_len);
+  int32_t* dst_slots = tables.slot_table + static_cast<int64_t>(dst) * max_len;
+  int32_t* dst_tokens = tables.token_table + static_cast<int64_t>(dst) * max_len;
+  const int32_t* source_slots = tables.slot_table + static_cast<int64_t>(source) * max_len;
+  const int32_t* source_tokens = tables.token_table + static_cast<int64_t>(source) * max_len;
+  for (int j = threadIdx.x; j < max(source_len, dst_len); j += blockDim.x) {
+    const int32_t old_slot = dst_slots[j];
+    if (j < source_len) {
+      const int32_t new_slot = source_slots[j];
+      acquire_slot(pool, new_slot);
+      dst_slots[j] = new_slot;
+      dst_tokens[j] = source_tokens[j];
+    }
+    if (j < dst_len)
+      release_slot(pool, old_slot);
+  }
+  __syncthreads(); // every thread has read dst's old length before it changes
+  if (threadIdx.x == 0) {
+    tables.seq_len[dst] = source_len;
+    tables.live[dst] = tables.live[source];
+  }
+}
+
+} // namespace device
+#endif
+
+} // namespace smcgraph

@@ -1,0 +1,99 @@
+// Small kernels that move data between the engine's tables and the model/sampler buffers of a cycle:
+// admission (row init, prompt slots, first token), forward inputs, commit and the per-cycle output block.
+// Internal to the library (graphs/ and src/runtime/ use them).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/slots.hpp"
+
+namespace smcgraph::detail {
+
+/// Device buffers every cycle kernel reads or writes (fixed addresses, sized for the largest bucket).
+struct CycleBuffers {
+  SlotPoolView pool;
+  RowTablesView tables; ///< rows = the largest bucket's rows
+  int particles = 1;    ///< N
+  int steps = 1;        ///< K
+  int max_rows = 0;     ///< rows of the largest bucket (= tables.rows)
+  // per row
+  float* draft_temperature = nullptr;
+  float* target_temperature = nullptr;
+  float* alpha = nullptr;
+  uint8_t* finished = nullptr;
+  double* logw = nullptr;
+  uint32_t* row_flags = nullptr;
+  // per request
+  uint64_t* seeds = nullptr;
+  uint32_t* draw_counters = nullptr;
+  float* tau = nullptr;
+  double* ess = nullptr;
+  uint8_t* resampled = nullptr;
+  double* log_evidence = nullptr;
+  uint32_t* status = nullptr; ///< [1]
+  // forward inputs
+  int32_t* head_tokens = nullptr;      ///< [rows, 2]
+  int32_t* head_positions = nullptr;   ///< [rows, 2]
+  int32_t* head_out_slots = nullptr;   ///< [rows, 2]
+  int32_t* head_seq_lens = nullptr;    ///< [rows]
+  int32_t* step_positions = nullptr;   ///< [K - 1, rows]
+  int32_t* step_out_slots = nullptr;   ///< [K - 1, rows]
+  int32_t* step_seq_lens = nullptr;    ///< [K - 1, rows]
+  int32_t* verify_tokens = nullptr;    ///< [rows, K + 1]: x_{L-1}, d_1 .. d_K
+  int32_t* verify_positions = nullptr; ///< [rows, K + 1]
+  int32_t* verify_out_slots = nullptr; ///< [rows, K + 1]
+  int32_t* verify_seq_lens = nullptr;  ///< [rows]
+  // sampler / scorer outputs
+  int32_t* cycle_slots = nullptr;      ///< [rows, K + 1] popped by alloc
+  int32_t* draft_tokens = nullptr;     ///< [K, rows]
+  float* draft_logprobs = nullptr;     ///< [K, rows]
+  float* scratch_logz = nullptr;       ///< [rows] (draft samples' logZ, unused: alpha = 1 for the draft)
+  float* target_logprobs = nullptr;    ///< [rows, K]
+  int32_t* bonus_tokens = nullptr;     ///< [rows]
+  float* bonus_logprobs = nullptr;     ///< [rows]
+  float* bonus_logz = nullptr;         ///< [rows]
+  int32_t* first_eos = nullptr;        ///< [rows]
+  int32_t* ancestor = nullptr;         ///< [rows]
+  int32_t* cycle_tokens = nullptr;     ///< [rows, K + 1] tokens committed this cycle
+};
+
+/// Byte layout of the per-cycle output block for `rows` rows / `requests` requests (what poll() reads).
+struct OutputLayout {
+  size_t tokens = 0;      ///< int32 [rows, K + 1]
+  size_t first_eos = 0;   ///< int32 [rows]
+  size_t ancestor = 0;    ///< int32 [rows]
+  size_t row_flags = 0;   ///< uint32 [rows]
+  size_t seq_len = 0;     ///< int32 [rows]
+  size_t finished = 0;    ///< uint8 [rows]
+  size_t live = 0;        ///< uint8 [rows]
+  size_t resampled = 0;   ///< uint8 [requests]
+  size_t ess = 0;         ///< double [requests]
+  size_t status = 0;      ///< uint32
+  size_t bytes = 0;
+};
+OutputLayout output_layout(int rows, int requests, int steps);
+
+// Admission (eager).
+void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float draft_temperature,
+                       float target_temperature, float alpha, float tau, cudaStream_t stream);
+/// Pops prompt_length + 1 slots for `row` (positions 0 .. P) if the pool has them: seq_len = P + 1;
+/// else kFlagSlotsExhausted and live = 0.
+void admit_alloc(const CycleBuffers& b, int row, int prompt_length, cudaStream_t stream);
+/// token_table[row][P] = *first_token, or live = 0 if the sample failed.
+void admit_finish(const CycleBuffers& b, int row, int prompt_length, const int32_t* first_token,
+                  cudaStream_t stream);
+void set_int(int32_t* destination, int value, cudaStream_t stream);
+
+// The cycle.
+void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
+void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
+/// fault flag non-live (their request fails).
+void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
+void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
+
+} // namespace smcgraph::detail

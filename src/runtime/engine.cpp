@@ -1,0 +1,654 @@
+// Engine: buffers for the largest bucket, capture per bucket, admission, replay, asynchronous outputs.
+#include "runtime/engine_state.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/philox.hpp"
+#include "smcgraph/slots.hpp"
+#include "smcgraph/smc_kernels.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph {
+namespace {
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
+constexpr const char* kConfig = "EngineConfig";
+
+std::string join(const std::vector<int>& values) {
+  std::string text = "[";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
+
+} // namespace
+
+void validate_engine_config(const EngineConfig& c) {
+  require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind", static_cast<int>(c.kind),
+          "must be kSmc or kSpeculative");
+  require(c.kind == CycleKind::kSmc, kConfig, "kind", "kSpeculative",
+          "the speculative cycle is not built yet; use kSmc");
+  require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
+  require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps, "must be in [1, 64]");
+  require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
+          "must be in [1, 256]");
+  require(c.max_requests >= 1 && c.max_requests <= 4096, kConfig, "max_requests", c.max_requests,
+          "must be in [1, 4096]");
+  require(c.max_seq_len >= c.draft_steps + 4, kConfig, "max_seq_len", c.max_seq_len,
+          "must be >= draft_steps + 4 (a 1-token prompt, its first token and one cycle)");
+  require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size, "must be >= 2 (slot 0 is the dummy)");
+  require(std::isfinite(c.draft_temperature) && c.draft_temperature > 0.0f, kConfig, "draft_temperature",
+          c.draft_temperature, "must be finite and > 0");
+  require(std::isfinite(c.target_temperature) && c.target_temperature >= 0.0f, kConfig, "target_temperature",
+          c.target_temperature, "must be finite and >= 0");
+  require(std::isfinite(c.alpha) && c.alpha > 0.0f, kConfig, "alpha", c.alpha, "must be finite and > 0");
+  require(c.tau >= 0.0f && c.tau <= 1.0f, kConfig, "tau", c.tau, "must be in [0, 1]");
+  require(c.eos_id >= -1 && c.eos_id < c.vocab, kConfig, "eos_id", c.eos_id, "must be -1 or in [0, vocab)");
+  for (size_t i = 0; i < c.buckets.size(); ++i) {
+    require(c.buckets[i] >= 1 && c.buckets[i] <= c.max_requests, kConfig, "buckets", join(c.buckets),
+            "every bucket must be in [1, max_requests]");
+    require(i == 0 || c.buckets[i] > c.buckets[i - 1], kConfig, "buckets", join(c.buckets),
+            "must be strictly increasing (sorted, no duplicates)");
+  }
+  require(c.buckets.empty() || c.buckets.back() == c.max_requests, kConfig, "buckets", join(c.buckets),
+          "the largest bucket must equal max_requests");
+}
+
+SlotPoolView Engine::State::pool_view() {
+  return {free_stack.data(), free_count.data(), refcount.data(), config.slot_pool_size, freed_bitmap.data()};
+}
+
+RowTablesView Engine::State::tables_view() {
+  return {slot_table.data(), token_table.data(), seq_len.data(), live.data(), rows, config.max_seq_len};
+}
+
+size_t Engine::State::logits_bytes(int row_count, int tokens) const {
+  return static_cast<size_t>(row_count) * tokens * vocab * dtype_bytes(draft->logits_dtype());
+}
+
+namespace {
+
+template <class T> void allocate(DeviceBuffer<T>& buffer, size_t count, size_t& total) {
+  buffer = DeviceBuffer<T>(std::max<size_t>(count, 1));
+  total += buffer.bytes();
+}
+
+void zero_all(Engine::State& s) {
+  auto zero = [&](auto& buffer) { buffer.fill_bytes(0, s.stream); };
+  zero(s.free_stack), zero(s.free_count), zero(s.refcount), zero(s.freed_bitmap), zero(s.slot_table), zero(s.token_table);
+  zero(s.seq_len), zero(s.live), zero(s.finished), zero(s.resampled), zero(s.release_mask), zero(s.request_mask);
+  zero(s.draft_temperature), zero(s.target_temperature), zero(s.alpha), zero(s.tau), zero(s.logw), zero(s.ess);
+  zero(s.log_evidence), zero(s.row_flags), zero(s.status), zero(s.draw_counters), zero(s.seeds);
+  zero(s.draft_logits), zero(s.target_logits), zero(s.prefill_logits), zero(s.outputs_device);
+  zero(s.draft_tokens), zero(s.bonus_tokens), zero(s.first_eos), zero(s.ancestor), zero(s.cycle_tokens);
+}
+
+} // namespace
+
+Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_(std::make_unique<State>()) {
+  validate_engine_config(config);
+  State& s = *state_;
+  s.config = config;
+  if (env_flag("SMCGRAPH_DISABLE_GRAPHS")) s.config.use_graphs = false;
+  require(draft.vocab() == config.vocab, "Engine", "draft.vocab()", draft.vocab(), "must equal config.vocab");
+  require(target.vocab() == config.vocab, "Engine", "target.vocab()", target.vocab(), "must equal config.vocab");
+  require(draft.max_seq_len() == config.max_seq_len, "Engine", "draft.max_seq_len()", draft.max_seq_len(),
+          "must equal config.max_seq_len");
+  require(target.max_seq_len() == config.max_seq_len, "Engine", "target.max_seq_len()", target.max_seq_len(),
+          "must equal config.max_seq_len");
+  require(draft.logits_dtype() == target.logits_dtype(), "Engine", "draft.logits_dtype()",
+          dtype_name(draft.logits_dtype()), "must equal target.logits_dtype()");
+  s.draft = &draft;
+  s.target = &target;
+  s.rows = config.max_requests * config.particles;
+  s.steps = config.draft_steps;
+  s.vocab = config.vocab;
+  s.prefill_chunk = std::min(128, config.max_seq_len);
+  s.eager = !s.config.use_graphs;
+
+  const int R = s.rows, K = s.steps, Q = config.max_requests, S = config.max_seq_len;
+  size_t& total = s.device_bytes;
+  allocate(s.free_stack, config.slot_pool_size, total);
+  allocate(s.free_count, 1, total);
+  allocate(s.refcount, config.slot_pool_size, total);
+  allocate(s.freed_bitmap, (config.slot_pool_size + 31) / 32, total);
+  allocate(s.slot_table, static_cast<size_t>(R) * S, total);
+  allocate(s.token_table, static_cast<size_t>(R) * S, total);
+  allocate(s.seq_len, R, total);
+  allocate(s.live, R, total);
+  allocate(s.finished, R, total);
+  allocate(s.resampled, Q, total);
+  allocate(s.release_mask, R, total);
+  allocate(s.request_mask, Q, total);
+  allocate(s.draft_temperature, R, total);
+  allocate(s.target_temperature, R, total);
+  allocate(s.alpha, R, total);
+  allocate(s.tau, Q, total);
+  allocate(s.logw, R, total);
+  allocate(s.ess, Q, total);
+  allocate(s.log_evidence, Q, total);
+  allocate(s.row_flags, R, total);
+  allocate(s.status, 1, total);
+  allocate(s.draw_counters, Q, total);
+  allocate(s.seeds, Q, total);
+  allocate(s.head_tokens, 2 * R, total);
+  allocate(s.head_positions, 2 * R, total);
+  allocate(s.head_out_slots, 2 * R, total);
+  allocate(s.head_seq_lens, R, total);
+  allocate(s.step_positions, static_cast<size_t>(std::max(K - 1, 1)) * R, total);
+  allocate(s.step_out_slots, static_cast<size_t>(std::max(K - 1, 1)) * R, total);
+  allocate(s.step_seq_lens, static_cast<size_t>(std::max(K - 1, 1)) * R, total);
+  allocate(s.verify_tokens, static_cast<size_t>(R) * (K + 1), total);
+  allocate(s.verify_positions, static_cast<size_t>(R) * (K + 1), total);
+  allocate(s.verify_out_slots, static_cast<size_t>(R) * (K + 1), total);
+  allocate(s.verify_seq_lens, R, total);
+  allocate(s.cycle_slots, static_cast<size_t>(R) * (K + 1), total);
+  allocate(s.draft_tokens, static_cast<size_t>(K) * R, total);
+  allocate(s.draft_logprobs, static_cast<size_t>(K) * R, total);
+  allocate(s.scratch_logz, R, total);
+  allocate(s.target_logprobs, static_cast<size_t>(R) * K, total);
+  allocate(s.bonus_tokens, R, total);
+  allocate(s.bonus_logprobs, R, total);
+  allocate(s.bonus_logz, R, total);
+  allocate(s.first_eos, R, total);
+  allocate(s.ancestor, R, total);
+  allocate(s.cycle_tokens, static_cast<size_t>(R) * (K + 1), total);
+  allocate(s.draft_logits, s.logits_bytes(R, 2), total);
+  allocate(s.target_logits, s.logits_bytes(R, K + 1), total);
+  allocate(s.prefill_logits, s.logits_bytes(1, s.prefill_chunk), total);
+  allocate(s.positions_iota, S, total);
+  allocate(s.admit_scalars, 4, total);
+  allocate(s.admit_floats, 4, total);
+  allocate(s.outputs_device, detail::output_layout(R, Q, K).bytes, total);
+  const size_t output_bytes = detail::output_layout(R, Q, K).bytes;
+  for (int p = 0; p < 2; ++p) {
+    s.outputs_host[p] = PinnedBuffer<uint8_t>(output_bytes);
+    s.outputs_ready[p] = std::make_unique<Event>();
+  }
+  // The sampler serves K + 1 positions of every row (score) at most.
+  s.workspace = SampleWorkspace(R * (K + 1), config.vocab);
+  total += s.workspace.bytes();
+
+  detail::CycleBuffers& b = s.buffers;
+  b.pool = s.pool_view();
+  b.tables = s.tables_view();
+  b.particles = config.particles;
+  b.steps = K;
+  b.max_rows = R;
+  b.draft_temperature = s.draft_temperature.data();
+  b.target_temperature = s.target_temperature.data();
+  b.alpha = s.alpha.data();
+  b.finished = s.finished.data();
+  b.logw = s.logw.data();
+  b.row_flags = s.row_flags.data();
+  b.seeds = s.seeds.data();
+  b.draw_counters = s.draw_counters.data();
+  b.tau = s.tau.data();
+  b.ess = s.ess.data();
+  b.resampled = s.resampled.data();
+  b.log_evidence = s.log_evidence.data();
+  b.status = s.status.data();
+  b.head_tokens = s.head_tokens.data();
+  b.head_positions = s.head_positions.data();
+  b.head_out_slots = s.head_out_slots.data();
+  b.head_seq_lens = s.head_seq_lens.data();
+  b.step_positions = s.step_positions.data();
+  b.step_out_slots = s.step_out_slots.data();
+  b.step_seq_lens = s.step_seq_lens.data();
+  b.verify_tokens = s.verify_tokens.data();
+  b.verify_positions = s.verify_positions.data();
+  b.verify_out_slots = s.verify_out_slots.data();
+  b.verify_seq_lens = s.verify_seq_lens.data();
+  b.cycle_slots = s.cycle_slots.data();
+  b.draft_tokens = s.draft_tokens.data();
+  b.draft_logprobs = s.draft_logprobs.data();
+  b.scratch_logz = s.scratch_logz.data();
+  b.target_logprobs = s.target_logprobs.data();
+  b.bonus_tokens = s.bonus_tokens.data();
+  b.bonus_logprobs = s.bonus_logprobs.data();
+  b.bonus_logz = s.bonus_logz.data();
+  b.first_eos = s.first_eos.data();
+  b.ancestor = s.ancestor.data();
+  b.cycle_tokens = s.cycle_tokens.data();
+
+  zero_all(s);
+  {
+    std::vector<int32_t> iota(S);
+    for (int i = 0; i < S; ++i) iota[i] = i;
+    s.positions_iota.copy_from_host(iota.data(), iota.size(), s.stream);
+  }
+  init_slot_pool(s.pool_view(), s.stream);
+  s.slot_owner.assign(Q, -1);
+
+  s.bucket_requests = config.buckets;
+  if (s.bucket_requests.empty()) {
+    for (int b_requests = 1; b_requests < Q; b_requests *= 2) s.bucket_requests.push_back(b_requests);
+    s.bucket_requests.push_back(Q);
+  }
+  s.graphs.resize(s.bucket_requests.size());
+  s.bucket_info.resize(s.bucket_requests.size());
+  for (size_t i = 0; i < s.bucket_requests.size(); ++i) s.bucket_info[i].requests = s.bucket_requests[i];
+
+  // Eager warm-up at the largest bucket (nothing is live: every row is padding), then capture largest first.
+  detail::enqueue_smc_cycle(s, Q, s.stream);
+  s.stream.synchronize();
+  if (!s.config.use_graphs) return;
+  for (int i = static_cast<int>(s.bucket_requests.size()) - 1; i >= 0; --i) {
+    const int requests = s.bucket_requests[i];
+    const auto start = std::chrono::steady_clock::now();
+    for (int parity = 0; parity < 2; ++parity) {
+      CapturedCycle& captured = s.graphs[i][parity];
+      SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+      std::string failure;
+      cudaError_t failure_code = cudaSuccess;
+      try {
+        detail::enqueue_smc_cycle(s, requests, s.stream);
+        s.stage = "smc.copy_outputs";
+        SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
+                                            detail::output_layout(requests * config.particles, requests, K).bytes,
+                                            cudaMemcpyDeviceToHost, s.stream));
+      } catch (const Error& e) {
+        failure = e.what();
+        failure_code = e.cuda_error();
+      }
+      cudaGraph_t graph = nullptr;
+      const cudaError_t end = cudaStreamEndCapture(s.stream, &graph);
+      if (failure.empty() && end != cudaSuccess) {
+        failure = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+        failure_code = end;
+      }
+      if (!failure.empty()) {
+        if (graph) cudaGraphDestroy(graph);
+        cudaGetLastError();
+        const std::string message = "Engine: capture of bucket " + std::to_string(requests) + " failed at step " +
+                                    s.stage + ": " + failure;
+        if (env_flag("SMCGRAPH_GRAPH_FALLBACK")) {
+          s.config.use_graphs = false;
+          s.eager = true;
+          s.stream.synchronize();
+          return;
+        }
+        throw Error(message, failure_code);
+      }
+      captured.graph = graph;
+      SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&captured.exec, graph, 0));
+      SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &s.bucket_info[i].graph_nodes));
+    }
+    s.bucket_info[i].capture_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  }
+  // Upload so the first replay pays no lazy setup.
+  for (auto& pair : s.graphs)
+    for (auto& captured : pair) SMCGRAPH_CUDA_CHECK(cudaGraphUpload(captured.exec, s.stream));
+  s.stream.synchronize();
+}
+
+Engine::~Engine() {
+  if (!state_) return;
+  cudaStreamSynchronize(state_->stream); // no throw from a destructor; buffers free after the work drains
+  for (auto& pair : state_->graphs) {
+    for (auto& captured : pair) {
+      if (captured.exec) cudaGraphExecDestroy(captured.exec);
+      if (captured.graph) cudaGraphDestroy(captured.graph);
+    }
+  }
+}
+
+RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams& params) {
+  State& s = *state_;
+  const EngineConfig& c = s.config;
+  constexpr const char* kWhere = "Engine::admit";
+  require(!prompt.empty(), kWhere, "prompt.size()", 0, "the prompt must hold at least one token");
+  const int P = static_cast<int>(prompt.size());
+  require(P + 1 + (s.steps + 1) <= c.max_seq_len, kWhere, "prompt.size()", P,
+          "leaves no room for one cycle (needs prompt + draft_steps + 2 <= max_seq_len)");
+  for (int i = 0; i < P; ++i) {
+    if (prompt[i] < 0 || prompt[i] >= c.vocab)
+      throw Error(std::string(kWhere) + ": prompt[" + std::to_string(i) + "] = " + std::to_string(prompt[i]) +
+                  ": token out of range [0, " + std::to_string(c.vocab) + ")");
+  }
+  const float draft_temperature = params.draft_temperature < 0.0f ? c.draft_temperature : params.draft_temperature;
+  const float target_temperature =
+      params.target_temperature < 0.0f ? c.target_temperature : params.target_temperature;
+  const float alpha = params.alpha < 0.0f ? c.alpha : params.alpha;
+  const float tau = params.tau < 0.0f ? c.tau : params.tau;
+  require(std::isfinite(draft_temperature) && draft_temperature > 0.0f, kWhere, "params.draft_temperature",
+          draft_temperature, "must be finite and > 0");
+  require(std::isfinite(target_temperature), kWhere, "params.target_temperature", target_temperature,
+          "must be finite and >= 0");
+  require(std::isfinite(alpha) && alpha > 0.0f, kWhere, "params.alpha", alpha, "must be finite and > 0");
+  require(tau <= 1.0f, kWhere, "params.tau", tau, "must be in [0, 1]");
+  require(params.max_new_tokens == -1 || params.max_new_tokens >= 1, kWhere, "params.max_new_tokens",
+          params.max_new_tokens, "must be -1 or >= 1");
+  const auto free_slot = std::find(s.slot_owner.begin(), s.slot_owner.end(), RequestId{-1});
+  require(free_slot != s.slot_owner.end(), kWhere, "live requests", c.max_requests,
+          "every request slot is taken (max_requests); release or wait");
+  const int q = static_cast<int>(free_slot - s.slot_owner.begin());
+  const int row = q * c.particles;
+  const detail::CycleBuffers& b = s.buffers;
+  cudaStream_t stream = s.stream;
+
+  NvtxRange range("smc.admit");
+  detail::init_request_rows(b, q, params.seed, draft_temperature, target_temperature, alpha, tau, stream);
+  int32_t* token_row = s.token_table.data() + static_cast<size_t>(row) * c.max_seq_len;
+  SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
+  detail::admit_alloc(b, row, P, stream);
+  // Prefill both models in chunks (KV for positions < P); keep the target's logits of the last position.
+  const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
+  int last_chunk_length = 0;
+  for (int begin = 0; begin < P; begin += s.prefill_chunk) {
+    const int length = std::min(s.prefill_chunk, P - begin);
+    detail::set_int(s.admit_scalars.data(), begin + length, stream);
+    for (Model* model : {s.draft, s.target}) {
+      ForwardArgs args{1,
+                       length,
+                       token_row + begin,
+                       s.positions_iota.data() + begin,
+                       slot_row,
+                       s.admit_scalars.data(),
+                       slot_row + begin,
+                       s.live.data() + row,
+                       s.prefill_logits.data()};
+      model->forward(args, stream);
+    }
+    last_chunk_length = length;
+  }
+  // x_P from the target's power distribution softmax(alpha l / T_t) (salt kAdmission, particle 0).
+  const size_t element_bytes = dtype_bytes(s.target->logits_dtype());
+  const LogitsView last{s.prefill_logits.data() + static_cast<size_t>(last_chunk_length - 1) * s.vocab * element_bytes,
+                        s.target->logits_dtype(), 1, 1, s.vocab, s.vocab, s.vocab};
+  sample(last, {s.target_temperature.data() + row, s.alpha.data() + row}, {s.seeds.data() + q, s.draw_counters.data() + q, 1},
+         philox_stream(Salt::kAdmission, 0),
+         {s.admit_scalars.data() + 1, s.admit_floats.data(), s.admit_floats.data() + 1, s.row_flags.data() + row,
+          s.status.data()},
+         s.workspace, stream);
+  detail::admit_finish(b, row, P, s.admit_scalars.data() + 1, stream);
+  if (c.particles > 1) {
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.request_mask.data() + q, 1, 1, stream));
+    fan_out_rows(s.pool_view(), s.tables_view(), c.particles, s.request_mask.data(), stream);
+    collect_freed_slots(s.pool_view(), stream);
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.request_mask.data() + q, 0, 1, stream));
+  }
+
+  HostRequest request;
+  request.id = s.next_id++;
+  request.slot = q;
+  request.prompt_length = P;
+  request.length = P + 1;
+  request.max_new_tokens = params.max_new_tokens;
+  request.seed = params.seed;
+  s.slot_owner[q] = request.id;
+  s.requests[request.id] = request;
+  return request.id;
+}
+
+namespace {
+
+int bucket_index_for(const Engine::State& s) {
+  int highest = -1;
+  for (int q = 0; q < static_cast<int>(s.slot_owner.size()); ++q)
+    if (s.slot_owner[q] >= 0) highest = q;
+  if (highest < 0) return -1;
+  for (size_t i = 0; i < s.bucket_requests.size(); ++i)
+    if (s.bucket_requests[i] > highest) return static_cast<int>(i);
+  return static_cast<int>(s.bucket_requests.size()) - 1;
+}
+
+/// Turns one finished cycle's output block into per-request updates and updates the host bookkeeping.
+std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& cycle) {
+  s.outputs_ready[cycle.parity]->synchronize();
+  const EngineConfig& c = s.config;
+  const int N = c.particles, K = s.steps;
+  const int rows = cycle.bucket_requests * N;
+  const detail::OutputLayout layout = detail::output_layout(rows, cycle.bucket_requests, K);
+  const uint8_t* out = s.outputs_host[cycle.parity].data();
+  auto ints = [&](size_t offset) { return reinterpret_cast<const int32_t*>(out + offset); };
+  const int32_t* tokens = ints(layout.tokens);
+  const int32_t* first_eos = ints(layout.first_eos);
+  const int32_t* ancestor = ints(layout.ancestor);
+  const uint32_t* flags = reinterpret_cast<const uint32_t*>(out + layout.row_flags);
+  const int32_t* seq_len = ints(layout.seq_len);
+  const double* ess = reinterpret_cast<const double*>(out + layout.ess);
+
+  std::vector<RequestUpdate> updates;
+  for (int q = 0; q < cycle.bucket_requests; ++q) {
+    const RequestId id = cycle.slot_ids[q];
+    if (id < 0) continue;
+    auto it = s.requests.find(id);
+    if (it == s.requests.end()) continue; // released since
+    HostRequest& request = it->second;
+    if (request.finished || request.failed) continue;
+    RequestUpdate update;
+    update.id = id;
+    update.cycle = request.cycles++;
+    uint32_t request_flags = 0;
+    bool all_finished = true, any_live = false;
+    update.tokens.resize(N);
+    update.ancestors.resize(N);
+    for (int i = 0; i < N; ++i) {
+      const int r = q * N + i;
+      request_flags |= flags[r];
+      all_finished = all_finished && out[layout.finished + r] != 0;
+      any_live = any_live || out[layout.live + r] != 0;
+      update.ancestors[i] = ancestor[r] - q * N;
+      // first_eos: -1 = nothing counted this cycle; K = no EOS; else the EOS column (kept).
+      const int counted = first_eos[r] < 0 ? 0 : (first_eos[r] >= K ? K + 1 : first_eos[r] + 1);
+      if (out[layout.live + r] || first_eos[r] >= 0)
+        update.tokens[i].assign(tokens + r * (K + 1), tokens + r * (K + 1) + counted);
+    }
+    update.resampled = out[layout.resampled + q] != 0;
+    update.ess = ess[q];
+    request.length = seq_len[q * N];
+    constexpr uint32_t kFaults =
+        kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange | kFlagSlotsExhausted;
+    if (request_flags & kFaults) {
+      update.failed = request.failed = true;
+      update.reason = request.reason = describe_flags(request_flags & kFaults);
+      update.tokens.assign(N, {});
+    } else if (request_flags & kFlagMaxLength) {
+      update.finished = request.finished = true;
+      update.reason = request.reason = "max sequence length";
+    } else if (all_finished) {
+      update.finished = request.finished = true;
+      update.reason = request.reason = "eos";
+    } else if (request.max_new_tokens > 0 && request.length - request.prompt_length >= request.max_new_tokens) {
+      update.finished = request.finished = true;
+      update.reason = request.reason = "max_new_tokens";
+    } else if (!any_live) {
+      update.failed = request.failed = true;
+      update.reason = request.reason = "rows not live";
+    }
+    updates.push_back(std::move(update));
+  }
+  return updates;
+}
+
+} // namespace
+
+void Engine::step() {
+  State& s = *state_;
+  const int bucket = bucket_index_for(s);
+  if (bucket < 0) return; // nothing is live
+  const int parity = s.cycles_launched % 2;
+  // Both output buffers busy: the older cycle is read now and its updates wait for the next poll().
+  if (s.in_flight.size() >= 2) {
+    std::vector<RequestUpdate> updates = process_cycle(s, s.in_flight.front());
+    s.in_flight.pop_front();
+    for (auto& update : updates) s.pending_updates.push_back(std::move(update));
+  }
+  InFlightCycle cycle;
+  cycle.parity = parity;
+  cycle.bucket_requests = s.bucket_requests[bucket];
+  cycle.slot_ids.assign(s.slot_owner.begin(), s.slot_owner.begin() + cycle.bucket_requests);
+  if (s.eager) {
+    NvtxRange range("smc.cycle.eager");
+    detail::enqueue_smc_cycle(s, cycle.bucket_requests, s.stream);
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(
+        s.outputs_host[parity].data(), s.outputs_device.data(),
+        detail::output_layout(cycle.bucket_requests * s.config.particles, cycle.bucket_requests, s.steps).bytes,
+        cudaMemcpyDeviceToHost, s.stream));
+  } else {
+    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
+  }
+  s.outputs_ready[parity]->record(s.stream);
+  s.in_flight.push_back(std::move(cycle));
+  ++s.cycles_launched;
+}
+
+std::vector<RequestUpdate> Engine::poll() {
+  State& s = *state_;
+  if (!s.pending_updates.empty()) {
+    std::vector<RequestUpdate> updates = std::move(s.pending_updates);
+    s.pending_updates.clear();
+    return updates;
+  }
+  if (s.in_flight.empty()) return {};
+  std::vector<RequestUpdate> updates = process_cycle(s, s.in_flight.front());
+  s.in_flight.pop_front();
+  return updates;
+}
+
+RequestResult Engine::result(RequestId id) {
+  State& s = *state_;
+  auto it = s.requests.find(id);
+  require(it != s.requests.end(), "Engine::result", "id", id, "unknown or released request");
+  const HostRequest& request = it->second;
+  const int N = s.config.particles, S = s.config.max_seq_len, q = request.slot;
+  s.stream.synchronize();
+  RequestResult result;
+  result.id = id;
+  result.finished = request.finished;
+  result.failed = request.failed;
+  result.reason = request.reason;
+  std::vector<int32_t> tokens(static_cast<size_t>(N) * S), lengths(N);
+  std::vector<double> logw(N);
+  double log_evidence = 0.0;
+  SMCGRAPH_CUDA_CHECK(cudaMemcpy(tokens.data(), s.token_table.data() + static_cast<size_t>(q) * N * S,
+                                 tokens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  SMCGRAPH_CUDA_CHECK(cudaMemcpy(lengths.data(), s.seq_len.data() + q * N, N * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost));
+  SMCGRAPH_CUDA_CHECK(cudaMemcpy(logw.data(), s.logw.data() + q * N, N * sizeof(double), cudaMemcpyDeviceToHost));
+  SMCGRAPH_CUDA_CHECK(
+      cudaMemcpy(&log_evidence, s.log_evidence.data() + q, sizeof(double), cudaMemcpyDeviceToHost));
+  result.particles.resize(N);
+  for (int i = 0; i < N; ++i) {
+    const int32_t* row = tokens.data() + static_cast<size_t>(i) * S;
+    for (int position = request.prompt_length; position < lengths[i]; ++position) {
+      result.particles[i].push_back(row[position]);
+      if (row[position] == s.config.eos_id) break; // EOS is absorbing: nothing after it counts
+    }
+    if (request.max_new_tokens > 0 && static_cast<int>(result.particles[i].size()) > request.max_new_tokens)
+      result.particles[i].resize(request.max_new_tokens);
+  }
+  result.log_weights = logw;
+  // The returned particle: drawn by normalised weight with a keyed uniform (salt kResult).
+  const double max_logw = *std::max_element(logw.begin(), logw.end());
+  std::vector<double> weights(N);
+  double total = 0.0;
+  for (int i = 0; i < N; ++i) total += weights[i] = std::isfinite(max_logw) ? std::exp(logw[i] - max_logw) : 1.0;
+  const double u = uniform_open01(philox_word(request.seed, 0, static_cast<uint32_t>(request.cycles), 0,
+                                              philox_stream(Salt::kResult, 0)));
+  double cumulative = 0.0;
+  result.chosen = N - 1;
+  for (int i = 0; i < N; ++i) {
+    cumulative += weights[i] / total;
+    if (u < cumulative) {
+      result.chosen = i;
+      break;
+    }
+  }
+  result.tokens = result.particles[result.chosen];
+  result.log_evidence = log_evidence + (std::isfinite(max_logw) ? max_logw + std::log(total / N) : max_logw);
+  return result;
+}
+
+void Engine::release(RequestId id) {
+  State& s = *state_;
+  auto it = s.requests.find(id);
+  require(it != s.requests.end(), "Engine::release", "id", id, "unknown or already released request");
+  const int q = it->second.slot, N = s.config.particles;
+  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.release_mask.data() + q * N, 1, N, s.stream));
+  release_rows(s.pool_view(), s.tables_view(), s.release_mask.data(), s.stream);
+  collect_freed_slots(s.pool_view(), s.stream);
+  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.release_mask.data() + q * N, 0, N, s.stream));
+  s.slot_owner[q] = -1;
+  s.requests.erase(it);
+}
+
+void Engine::compact() {
+  State& s = *state_;
+  const int N = s.config.particles, S = s.config.max_seq_len;
+  cudaStream_t stream = s.stream;
+  auto move_rows = [&](auto& buffer, int from, int to, int per_row) {
+    using T = std::remove_reference_t<decltype(*buffer.data())>;
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(buffer.data() + static_cast<size_t>(to) * per_row,
+                                        buffer.data() + static_cast<size_t>(from) * per_row,
+                                        sizeof(T) * per_row, cudaMemcpyDeviceToDevice, stream));
+  };
+  int low = 0;
+  for (int high = static_cast<int>(s.slot_owner.size()) - 1; high > low; --high) {
+    if (s.slot_owner[high] < 0) continue;
+    while (low < high && s.slot_owner[low] >= 0) ++low;
+    if (low >= high) break;
+    // Rows move by copy: no refcount changes; the old rows are emptied.
+    move_rows(s.slot_table, high, low, N * S);
+    move_rows(s.token_table, high, low, N * S);
+    for (auto* per_row : {&s.seq_len}) move_rows(*per_row, high, low, N);
+    move_rows(s.live, high, low, N);
+    move_rows(s.finished, high, low, N);
+    move_rows(s.logw, high, low, N);
+    move_rows(s.row_flags, high, low, N);
+    move_rows(s.draft_temperature, high, low, N);
+    move_rows(s.target_temperature, high, low, N);
+    move_rows(s.alpha, high, low, N);
+    move_rows(s.seeds, high, low, 1);
+    move_rows(s.draw_counters, high, low, 1);
+    move_rows(s.tau, high, low, 1);
+    move_rows(s.ess, high, low, 1);
+    move_rows(s.resampled, high, low, 1);
+    move_rows(s.log_evidence, high, low, 1);
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.live.data() + high * N, 0, N, stream));
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.seq_len.data() + high * N, 0, sizeof(int32_t) * N, stream));
+    const RequestId id = s.slot_owner[high];
+    s.slot_owner[low] = id;
+    s.slot_owner[high] = -1;
+    s.requests[id].slot = low;
+  }
+}
+
+void Engine::set_eager(bool eager) {
+  require(!eager ? state_->config.use_graphs : true, "Engine::set_eager", "eager", eager,
+          "graphs are disabled for this engine");
+  state_->eager = eager;
+}
+bool Engine::eager() const { return state_->eager; }
+
+int Engine::live_requests() const {
+  int count = 0;
+  for (const auto& [id, request] : state_->requests) count += !request.finished && !request.failed;
+  return count;
+}
+
+int Engine::current_bucket() const {
+  const int index = bucket_index_for(*state_);
+  return index < 0 ? 0 : state_->bucket_requests[index];
+}
+
+const std::vector<BucketInfo>& Engine::buckets() const { return state_->bucket_info; }
+const EngineConfig& Engine::config() const { return state_->config; }
+cudaStream_t Engine::stream() const { return state_->stream; }
+size_t Engine::device_bytes() const { return state_->device_bytes; }
+void Engine::synchronize() { state_->stream.synchronize(); }
+Engine::State& Engine::state() { return *state_; }
+
+} // namespace smcgraph

@@ -1,0 +1,107 @@
+// The engine's device state and host bookkeeping (internal; tests reach it through Engine::state()).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cycle_io.hpp"
+#include "smcgraph/engine.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/sample.hpp"
+
+namespace smcgraph {
+
+/// One captured cycle: a graph per bucket and output parity (two pinned output buffers alternate so the
+/// host can read cycle t while cycle t + 1 runs).
+struct CapturedCycle {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+};
+
+struct HostRequest {
+  RequestId id = -1;
+  int slot = -1;            ///< request slot: rows slot * N .. slot * N + N - 1
+  int prompt_length = 0;
+  int length = 0;           ///< L as of the last polled cycle
+  int cycles = 0;           ///< cycles polled
+  int max_new_tokens = -1;
+  uint64_t seed = 0;
+  bool finished = false, failed = false;
+  std::string reason;
+};
+
+/// What one launched cycle needs for poll(): which output buffer, which bucket, who was in which slot.
+struct InFlightCycle {
+  int parity = 0;
+  int bucket_requests = 0;
+  std::vector<RequestId> slot_ids; ///< [bucket_requests], -1 for empty slots
+};
+
+struct Engine::State {
+  EngineConfig config;
+  Model* draft = nullptr;
+  Model* target = nullptr;
+  Stream stream;
+  int rows = 0;     ///< max_requests * N
+  int steps = 0;    ///< K
+  int vocab = 0;
+  int prefill_chunk = 0;
+
+  // Device memory (sized for the largest bucket).
+  DeviceBuffer<int32_t> free_stack, free_count, refcount;
+  DeviceBuffer<uint32_t> freed_bitmap; ///< deferred frees, pushed in id order (slots.hpp)
+  DeviceBuffer<int32_t> slot_table, token_table, seq_len;
+  DeviceBuffer<uint8_t> live, finished, resampled, release_mask, request_mask;
+  DeviceBuffer<float> draft_temperature, target_temperature, alpha, tau;
+  DeviceBuffer<double> logw, ess, log_evidence;
+  DeviceBuffer<uint32_t> row_flags, status, draw_counters;
+  DeviceBuffer<uint64_t> seeds;
+  DeviceBuffer<int32_t> head_tokens, head_positions, head_out_slots, head_seq_lens;
+  DeviceBuffer<int32_t> step_positions, step_out_slots, step_seq_lens;
+  DeviceBuffer<int32_t> verify_tokens, verify_positions, verify_out_slots, verify_seq_lens;
+  DeviceBuffer<int32_t> cycle_slots, draft_tokens, bonus_tokens, first_eos, ancestor, cycle_tokens;
+  DeviceBuffer<float> draft_logprobs, scratch_logz, target_logprobs, bonus_logprobs, bonus_logz;
+  DeviceBuffer<uint8_t> draft_logits, target_logits, prefill_logits; ///< model dtype
+  DeviceBuffer<int32_t> positions_iota, admit_scalars;                ///< [max_seq_len], [4]
+  DeviceBuffer<float> admit_floats;                                   ///< [4]
+  DeviceBuffer<uint8_t> outputs_device;
+  std::array<PinnedBuffer<uint8_t>, 2> outputs_host;
+  std::array<std::unique_ptr<Event>, 2> outputs_ready;
+  SampleWorkspace workspace;
+  detail::CycleBuffers buffers;
+  size_t device_bytes = 0;
+
+  // Buckets and graphs.
+  std::vector<int> bucket_requests; ///< sorted ascending
+  std::vector<BucketInfo> bucket_info;
+  std::vector<std::array<CapturedCycle, 2>> graphs; ///< [bucket][parity]
+  bool eager = false;
+  const char* stage = ""; ///< the cycle stage being enqueued (named by a failed capture)
+
+  // Host bookkeeping.
+  std::vector<RequestId> slot_owner; ///< [max_requests], -1 when free
+  std::map<RequestId, HostRequest> requests;
+  RequestId next_id = 0;
+  int cycles_launched = 0;
+  std::deque<InFlightCycle> in_flight;
+  std::vector<RequestUpdate> pending_updates; ///< processed by step() when both buffers were busy
+
+  SlotPoolView pool_view();
+  RowTablesView tables_view(); ///< all rows
+  size_t logits_bytes(int rows, int tokens) const;
+};
+
+namespace detail {
+/// The SMC cycle recipe (graphs/smc_cycle.cpp): every stage of DESIGN.md §2 for `bucket_requests` request
+/// slots, enqueued on `stream` (captured or eager), outputs packed into `outputs` (device).
+void enqueue_smc_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream);
+} // namespace detail
+
+} // namespace smcgraph

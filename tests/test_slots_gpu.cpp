@@ -1,0 +1,521 @@
+// Slot pool kernels against the host reference, eagerly and inside a captured graph, plus a randomized
+// multi-round run (admit / alloc / commit / resample / reshuffle / release) checked after every step.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "reference/slots_ref.hpp"
+#include "reference/smc_ref.hpp"
+#include "smcgraph/smc_kernels.hpp"
+#include "smcgraph/slots.hpp"
+#include "smcgraph/types.hpp"
+#include "support/test_util.hpp"
+
+using namespace smcgraph;
+using reference::DeviceSlots;
+using reference::HostSlots;
+using test::run_on_stream;
+using test::to_device;
+using test::to_host;
+
+namespace {
+
+constexpr bool kModes[] = {false, true}; // eager, captured
+
+#define REQUIRE_SAME(expected, actual, exact_order)                                                          \
+  do {                                                                                                       \
+    const std::string difference_ = reference::compare_slots((expected), (actual), (exact_order));           \
+    REQUIRE_MESSAGE(difference_.empty(), difference_);                                                       \
+  } while (0)
+
+#define REQUIRE_INVARIANTS(state)                                                                            \
+  do {                                                                                                       \
+    const SlotCheck check_ = (state).check();                                                                \
+    REQUIRE_MESSAGE(check_.ok, check_.problem);                                                              \
+  } while (0)
+
+// The live part of the free stack below `old_count` must not move when a kernel only pushes.
+void require_stack_prefix_kept(const HostSlots& before, const HostSlots& after) {
+  for (int i = 0; i < std::min(before.free_count, after.free_count); ++i) {
+    REQUIRE(after.free_stack[i] == before.free_stack[i]);
+  }
+}
+
+struct AllocResult {
+  HostSlots state;
+  std::vector<int32_t> out_slots;
+  std::vector<uint32_t> row_flags;
+  uint32_t status = 0;
+};
+
+// Runs alloc_cycle_slots on a fresh upload of `initial` with poisoned out_slots.
+AllocResult device_alloc(const HostSlots& initial, int particles, int slots_per_row,
+                         const std::vector<uint32_t>& row_flags, uint32_t status, bool captured,
+                         Stream& stream) {
+  DeviceSlots device(initial.pool_size, initial.rows, initial.max_seq_len);
+  device.upload(initial, stream);
+  DeviceBuffer<int32_t> d_out(static_cast<size_t>(initial.rows) * slots_per_row);
+  d_out.fill_bytes(0xff, stream);
+  DeviceBuffer<uint32_t> d_flags = to_device(row_flags, stream);
+  DeviceBuffer<uint32_t> d_status = to_device(std::vector<uint32_t>{status}, stream);
+  run_on_stream(captured, stream, [&](cudaStream_t s) {
+    alloc_cycle_slots(device.pool(), device.tables(), particles, slots_per_row, d_out.data(), d_flags.data(),
+                      d_status.data(), s);
+  });
+  AllocResult result;
+  result.state = device.download(stream);
+  result.out_slots = to_host(d_out.data(), d_out.size(), stream);
+  result.row_flags = to_host(d_flags.data(), d_flags.size(), stream);
+  result.status = to_host(d_status.data(), 1, stream)[0];
+  return result;
+}
+
+void check_alloc_against_reference(const HostSlots& initial, int particles, int slots_per_row, test::Rng& rng,
+                                   Stream& stream) {
+  std::vector<uint32_t> row_flags(initial.rows);
+  for (auto& flags : row_flags)
+    flags = rng.uniform() < 0.2 ? kFlagNanLogit : kFlagNone;
+  const uint32_t status = rng.uniform() < 0.5 ? kFlagTokenOutOfRange : kFlagNone;
+  HostSlots expected = initial;
+  std::vector<int32_t> expected_out;
+  std::vector<uint32_t> expected_flags = row_flags;
+  uint32_t expected_status = status;
+  reference::alloc_cycle_slots_ref(expected, particles, slots_per_row, expected_out, expected_flags,
+                                   expected_status);
+  for (const bool captured : kModes) {
+    CAPTURE(captured);
+    const AllocResult actual =
+        device_alloc(initial, particles, slots_per_row, row_flags, status, captured, stream);
+    REQUIRE_SAME(expected, actual.state, /*exact_order=*/true); // pops only: the stack is untouched
+    REQUIRE(actual.out_slots == expected_out);
+    REQUIRE(actual.row_flags == expected_flags);
+    REQUIRE(actual.status == expected_status);
+    HostSlots committed = actual.state;
+    reference::fake_commit_ref(committed, slots_per_row, rng.engine());
+    REQUIRE_INVARIANTS(committed);
+  }
+}
+
+} // namespace
+
+TEST_CASE("init_slot_pool matches the reference") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  for (const int pool_size : {1, 2, 3, 257, static_cast<int>(rng.integer(2, 100000))}) {
+    CAPTURE(pool_size);
+    HostSlots junk(pool_size, 3, 5);
+    std::fill(junk.free_stack.begin(), junk.free_stack.end(), -1); // as 0xff poison
+    std::fill(junk.refcount.begin(), junk.refcount.end(), -1);
+    junk.free_count = -1;
+    for (int32_t& cell : junk.slot_table)
+      cell = static_cast<int32_t>(rng.integer(-5, 5));
+    HostSlots expected = junk;
+    reference::init_slot_pool_ref(expected);
+    for (const bool captured : kModes) {
+      CAPTURE(captured);
+      DeviceSlots device(pool_size, 3, 5);
+      device.upload(junk, stream);
+      run_on_stream(captured, stream, [&](cudaStream_t s) { init_slot_pool(device.pool(), s); });
+      REQUIRE_SAME(expected, device.download(stream), true);
+    }
+  }
+}
+
+TEST_CASE("alloc_cycle_slots matches the reference on random states") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int requests = static_cast<int>(rng.integer(1, 40));
+    const int particles = std::vector<int>{1, 2, 3, 4, 8}[rng.integer(0, 4)];
+    const int max_seq_len = static_cast<int>(rng.integer(4, 64));
+    const int slots_per_row = static_cast<int>(rng.integer(1, std::min(9, max_seq_len)));
+    const int pool_size = static_cast<int>(rng.integer(1, requests * particles * max_seq_len / 3 + 2));
+    CAPTURE(trial);
+    CAPTURE(requests);
+    CAPTURE(particles);
+    CAPTURE(slots_per_row);
+    CAPTURE(pool_size);
+    const HostSlots initial =
+        reference::random_slot_state(rng.engine(), requests, particles, max_seq_len, pool_size);
+    REQUIRE_INVARIANTS(initial);
+    check_alloc_against_reference(initial, particles, slots_per_row, rng, stream);
+  }
+}
+
+TEST_CASE("alloc_cycle_slots serves more requests than one CTA pass (several tiles)") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  // 2500 requests x 2 and 3000 x 1: three passes of 1024; the pool runs out in the second or third pass.
+  for (const auto& [requests, particles] : {std::pair{2500, 2}, std::pair{3000, 1}}) {
+    CAPTURE(requests);
+    const int max_seq_len = 12;
+    HostSlots initial(requests * particles * 5, requests * particles, max_seq_len);
+    for (int request = 0; request < requests; ++request) {
+      if (rng.uniform() < 0.8)
+        reference::admit_ref(initial, particles, request, static_cast<int>(rng.integer(1, 4)), rng.engine());
+    }
+    for (int request = 0; request < requests; ++request) { // a few at max length, a few refused-but-holding
+      const double coin = rng.uniform();
+      if (coin < 0.02) {
+        for (int p = 0; p < particles; ++p)
+          initial.seq_len[request * particles + p] = max_seq_len - 1;
+      } else if (coin < 0.04) {
+        for (int p = 0; p < particles; ++p)
+          initial.live[request * particles + p] = 0;
+      }
+    }
+    // Lengths were bumped without slots and part of the stack is hidden (run out mid-way): not a consistent
+    // state, but alloc only reads lengths, live flags and the live part of the stack.
+    initial.free_count = std::min(initial.free_count, requests * particles * 3 / 2);
+    for (int i = initial.free_count; i < initial.pool_size - 1; ++i)
+      initial.free_stack[i] = -7;
+    const int slots_per_row = 3;
+    std::vector<uint32_t> row_flags(initial.rows, 0);
+    HostSlots expected = initial;
+    std::vector<int32_t> expected_out;
+    uint32_t expected_status = 0;
+    reference::alloc_cycle_slots_ref(expected, particles, slots_per_row, expected_out, row_flags,
+                                     expected_status);
+    CHECK((expected_status & kFlagSlotsExhausted) != 0);
+    for (const bool captured : kModes) {
+      CAPTURE(captured);
+      const AllocResult actual = device_alloc(initial, particles, slots_per_row,
+                                              std::vector<uint32_t>(initial.rows, 0), 0, captured, stream);
+      REQUIRE_SAME(expected, actual.state, true);
+      REQUIRE(actual.out_slots == expected_out);
+      REQUIRE(actual.row_flags == row_flags);
+      REQUIRE(actual.status == expected_status);
+    }
+  }
+}
+
+TEST_CASE("pool exhaustion: starved requests are flagged, earlier ones get their slots") {
+  test::Rng rng;
+  Stream stream;
+  constexpr int kRequests = 6, kN = 4, kSlotsPerRow = 5, kMaxLen = 64;
+  // Requests 0, 2, 3: prompt 3, need 20 each. Request 1: prompt 62 (62 + 5 > 64: max length, needs
+  // nothing). Request 4: needs 20 with 7 left: exhausted. Request 5: one live row, needs 5 <= 7, but service
+  // stopped at request 4: exhausted too.
+  const int prompt_slots = 5 * 3 + 62; // shared by each request's particles
+  const int pool_size = 1 + prompt_slots + 3 * 20 + 7;
+  HostSlots initial(pool_size, kRequests * kN, kMaxLen);
+  for (int request = 0; request < kRequests; ++request) {
+    REQUIRE(reference::admit_ref(initial, kN, request, request == 1 ? 62 : 3, rng.engine()));
+  }
+  std::vector<uint8_t> release(kRequests * kN, 0);
+  for (int p = 1; p < kN; ++p)
+    release[5 * kN + p] = 1;
+  reference::release_rows_ref(initial, release);
+  REQUIRE_INVARIANTS(initial);
+  REQUIRE(initial.free_count == 3 * 20 + 7); // the released rows shared their prompt: nothing came back
+  for (const bool captured : kModes) {
+    CAPTURE(captured);
+    const AllocResult actual = device_alloc(initial, kN, kSlotsPerRow,
+                                            std::vector<uint32_t>(kRequests * kN, 0), 0, captured, stream);
+    CHECK(actual.state.free_count == 7);
+    CHECK(actual.status == (kFlagMaxLength | kFlagSlotsExhausted));
+    std::set<int32_t> granted;
+    for (int row = 0; row < kRequests * kN; ++row) {
+      const int request = row / kN;
+      CAPTURE(row);
+      const bool gets_slots = request == 0 || request == 2 || request == 3;
+      const uint32_t expected_flag = request == 1    ? kFlagMaxLength
+                                     : request == 4  ? kFlagSlotsExhausted
+                                     : row == 5 * kN ? kFlagSlotsExhausted
+                                                     : kFlagNone;
+      CHECK(actual.row_flags[row] == expected_flag);
+      CHECK(actual.state.live[row] == (gets_slots ? 1 : 0));
+      for (int j = 0; j < kSlotsPerRow; ++j) {
+        const int32_t slot = actual.out_slots[row * kSlotsPerRow + j];
+        if (gets_slots) {
+          CHECK(slot > 0);
+          CHECK(granted.insert(slot).second);
+          CHECK(actual.state.slot(row, 3 + j) == slot);
+          CHECK(actual.state.refcount[slot] == 1);
+        } else {
+          CHECK(slot == 0);
+        }
+      }
+    }
+    CHECK(granted.size() == 60);
+  }
+}
+
+TEST_CASE("dec_ref_slots and inc_ref_slots match the reference") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  for (int trial = 0; trial < 30; ++trial) {
+    const int requests = static_cast<int>(rng.integer(1, 30));
+    const int particles = static_cast<int>(rng.integer(1, 8));
+    const int max_seq_len = static_cast<int>(rng.integer(4, 48));
+    const int pool_size =
+        static_cast<int>(rng.integer(requests * particles * 2, requests * particles * max_seq_len));
+    CAPTURE(trial);
+    const HostSlots initial =
+        reference::random_slot_state(rng.engine(), requests, particles, max_seq_len, pool_size);
+    // Each referenced slot up to refcount times (so several threads of one launch may free the same slot
+    // together), with dummies and out-of-pool ids mixed in; shuffled.
+    std::vector<int32_t> slots;
+    for (int slot = 1; slot < pool_size; ++slot) {
+      const int copies = static_cast<int>(rng.integer(0, initial.refcount[slot]));
+      for (int c = 0; c < copies; ++c)
+        slots.push_back(slot);
+    }
+    for (int extra = 0; extra < 5; ++extra)
+      slots.push_back(rng.uniform() < 0.5 ? 0 : pool_size + 3);
+    std::shuffle(slots.begin(), slots.end(), rng.engine());
+    std::vector<uint8_t> mask(slots.size());
+    for (auto& bit : mask)
+      bit = rng.uniform() < 0.8;
+    const bool use_mask = rng.uniform() < 0.5;
+    DeviceBuffer<int32_t> d_slots = to_device(slots, stream);
+    DeviceBuffer<uint8_t> d_mask = to_device(mask, stream);
+    const int count = static_cast<int>(slots.size());
+
+    HostSlots expected_dec = initial, expected_inc = initial;
+    reference::dec_ref_slots_ref(expected_dec, slots, use_mask ? &mask : nullptr);
+    reference::inc_ref_slots_ref(expected_inc, slots, use_mask ? &mask : nullptr);
+    for (const bool captured : kModes) {
+      CAPTURE(captured);
+      DeviceSlots device(pool_size, initial.rows, max_seq_len);
+      device.upload(initial, stream);
+      run_on_stream(captured, stream, [&](cudaStream_t s) {
+        dec_ref_slots(device.pool(), d_slots.data(), use_mask ? d_mask.data() : nullptr, count, s);
+      });
+      const HostSlots after_dec = device.download(stream);
+      REQUIRE_SAME(expected_dec, after_dec, false);
+      require_stack_prefix_kept(initial, after_dec);
+
+      device.upload(initial, stream);
+      run_on_stream(captured, stream, [&](cudaStream_t s) {
+        inc_ref_slots(device.pool(), d_slots.data(), use_mask ? d_mask.data() : nullptr, count, s);
+      });
+      REQUIRE_SAME(expected_inc, device.download(stream), true);
+    }
+  }
+}
+
+TEST_CASE("release_rows and fan_out_rows match the reference") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  for (int trial = 0; trial < 30; ++trial) {
+    const int requests = static_cast<int>(rng.integer(1, 30));
+    const int particles = static_cast<int>(rng.integer(1, 8));
+    const int max_seq_len = static_cast<int>(rng.integer(4, 200)); // > 128: CTAs loop over positions
+    const int pool_size =
+        static_cast<int>(rng.integer(requests * particles * 2, requests * particles * max_seq_len));
+    CAPTURE(trial);
+    const HostSlots initial =
+        reference::random_slot_state(rng.engine(), requests, particles, max_seq_len, pool_size);
+    std::vector<uint8_t> release_mask(initial.rows), request_mask(requests);
+    for (auto& bit : release_mask)
+      bit = rng.uniform() < 0.4;
+    for (auto& bit : request_mask)
+      bit = rng.uniform() < 0.5;
+    DeviceBuffer<uint8_t> d_release = to_device(release_mask, stream);
+    DeviceBuffer<uint8_t> d_requests = to_device(request_mask, stream);
+    HostSlots expected_release = initial, expected_fan_out = initial;
+    reference::release_rows_ref(expected_release, release_mask);
+    reference::fan_out_rows_ref(expected_fan_out, particles, request_mask);
+    for (const bool captured : kModes) {
+      CAPTURE(captured);
+      DeviceSlots device(pool_size, initial.rows, max_seq_len);
+      device.upload(initial, stream);
+      run_on_stream(captured, stream, [&](cudaStream_t s) {
+        release_rows(device.pool(), device.tables(), d_release.data(), s);
+      });
+      HostSlots actual = device.download(stream);
+      REQUIRE_SAME(expected_release, actual, false);
+      require_stack_prefix_kept(initial, actual);
+      REQUIRE_INVARIANTS(actual);
+
+      device.upload(initial, stream);
+      run_on_stream(captured, stream, [&](cudaStream_t s) {
+        fan_out_rows(device.pool(), device.tables(), particles, d_requests.data(), s);
+      });
+      actual = device.download(stream);
+      REQUIRE_SAME(expected_fan_out, actual, false);
+      require_stack_prefix_kept(initial, actual);
+      REQUIRE_INVARIANTS(actual);
+      const SlotCheck device_check = check_slot_invariants_device(device.pool(), device.tables(), stream);
+      CHECK(device_check.ok);
+    }
+  }
+}
+
+TEST_CASE(
+    "randomized rounds of admit / alloc / commit / resample / reshuffle / release keep the invariants") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  constexpr int kRequests = 7, kN = 4, kRows = kRequests * kN, kMaxLen = 48, kSlotsPerRow = 3, kRounds = 300;
+  constexpr int kPoolSize = 260; // tight: exhaustion and max length both happen
+  DeviceSlots device(kPoolSize, kRows, kMaxLen);
+  HostSlots initial(kPoolSize, kRows, kMaxLen);
+  for (int32_t& cell : initial.slot_table)
+    cell = static_cast<int32_t>(rng.integer(-3, kPoolSize + 3));
+  device.upload(initial, stream);
+
+  DeviceBuffer<int32_t> d_out_slots(kRows * kSlotsPerRow);
+  DeviceBuffer<uint32_t> d_row_flags(kRows), d_status(1), d_draw_counters(kRequests);
+  DeviceBuffer<uint8_t> d_mask(kRows), d_finished(kRows), d_resampled(kRequests);
+  DeviceBuffer<double> d_logw(kRows), d_ess(kRequests), d_evidence(kRequests);
+  DeviceBuffer<int32_t> d_ancestor(kRows);
+  DeviceBuffer<float> d_tau(kRequests);
+  DeviceBuffer<uint64_t> d_seeds(kRequests);
+  std::vector<uint64_t> seeds(kRequests);
+  for (auto& seed : seeds)
+    seed = rng.bits();
+  d_seeds.copy_from_host(seeds.data(), kRequests, stream);
+  int admitted = 0, exhausted = 0, too_long = 0, resampled_requests = 0;
+
+  for (int round = 0; round < kRounds; ++round) {
+    CAPTURE(round);
+    const bool captured = round % 2 == 1;
+
+    // Admission: the host pops a prompt into an empty request's first row, the device fans it out.
+    HostSlots state = device.download(stream);
+    std::vector<uint8_t> request_mask(kRequests, 0);
+    for (int request = 0; request < kRequests; ++request) {
+      bool empty = true;
+      for (int p = 0; p < kN; ++p)
+        empty = empty && state.seq_len[request * kN + p] == 0;
+      if (empty && rng.uniform() < 0.5 &&
+          reference::admit_ref(state, kN, request, static_cast<int>(rng.integer(1, 12)), rng.engine(),
+                               false)) {
+        request_mask[request] = 1;
+        ++admitted;
+      }
+    }
+    device.upload(state, stream);
+    HostSlots expected = state;
+    reference::fan_out_rows_ref(expected, kN, request_mask);
+    DeviceBuffer<uint8_t> d_request_mask = to_device(request_mask, stream);
+    run_on_stream(captured, stream, [&](cudaStream_t s) {
+      fan_out_rows(device.pool(), device.tables(), kN, d_request_mask.data(), s);
+    });
+    state = device.download(stream);
+    REQUIRE_SAME(expected, state, false);
+    REQUIRE_INVARIANTS(state);
+
+    // Alloc (poisoned outputs), then the commit on the host.
+    std::vector<int32_t> expected_out;
+    std::vector<uint32_t> expected_flags(kRows, 0);
+    uint32_t expected_status = 0;
+    expected = state;
+    reference::alloc_cycle_slots_ref(expected, kN, kSlotsPerRow, expected_out, expected_flags,
+                                     expected_status);
+    d_out_slots.fill_bytes(0xff, stream);
+    d_row_flags.fill_bytes(0, stream);
+    d_status.fill_bytes(0, stream);
+    run_on_stream(captured, stream, [&](cudaStream_t s) {
+      alloc_cycle_slots(device.pool(), device.tables(), kN, kSlotsPerRow, d_out_slots.data(),
+                        d_row_flags.data(), d_status.data(), s);
+    });
+    state = device.download(stream);
+    REQUIRE_SAME(expected, state, true);
+    REQUIRE(to_host(d_out_slots.data(), d_out_slots.size(), stream) == expected_out);
+    REQUIRE(to_host(d_row_flags.data(), kRows, stream) == expected_flags);
+    REQUIRE(to_host(d_status.data(), 1, stream)[0] == expected_status);
+    exhausted += (expected_status & kFlagSlotsExhausted) ? 1 : 0;
+    too_long += (expected_status & kFlagMaxLength) ? 1 : 0;
+    reference::fake_commit_ref(state, kSlotsPerRow, rng.engine());
+    REQUIRE_INVARIANTS(state);
+    device.upload(state, stream);
+
+    // Resample on random weights, then reshuffle with the device's plan.
+    std::vector<double> logw(kRows), evidence(kRequests);
+    std::vector<float> tau(kRequests);
+    std::vector<uint32_t> counters(kRequests, static_cast<uint32_t>(round));
+    std::vector<uint8_t> finished(kRows);
+    const double spread = rng.uniform(0.1, 4.0);
+    for (auto& w : logw)
+      w = rng.normal(0.0, spread);
+    for (auto& t : tau)
+      t = std::vector<float>{0.0f, 0.5f, 1.0f, 2.0f}[rng.integer(0, 3)];
+    for (auto& e : evidence)
+      e = rng.normal();
+    for (auto& f : finished)
+      f = rng.uniform() < 0.2;
+    d_logw.copy_from_host(logw.data(), kRows, stream);
+    d_tau.copy_from_host(tau.data(), kRequests, stream);
+    d_draw_counters.copy_from_host(counters.data(), kRequests, stream);
+    d_evidence.copy_from_host(evidence.data(), kRequests, stream);
+    d_finished.copy_from_host(finished.data(), kRows, stream);
+    d_ancestor.fill_bytes(0xff, stream);
+    d_ess.fill_bytes(0xff, stream);
+    d_resampled.fill_bytes(0xff, stream);
+    std::vector<int32_t> expected_ancestor;
+    std::vector<double> expected_ess;
+    std::vector<uint8_t> expected_resampled;
+    reference::resample_ref(state.live, tau, seeds, counters, kRequests, kN, logw, expected_ancestor,
+                            expected_ess, expected_resampled, evidence);
+    expected = state;
+    std::vector<uint8_t> expected_finished = finished;
+    reference::reshuffle_ref(expected, expected_ancestor, expected_finished);
+    const RowTablesView tables = device.tables();
+    run_on_stream(captured, stream, [&](cudaStream_t s) {
+      resample({tables.live, d_tau.data(), d_seeds.data(), d_draw_counters.data(), kRequests, kN},
+               d_logw.data(), {d_ancestor.data(), d_ess.data(), d_resampled.data(), d_evidence.data()}, s);
+    });
+    REQUIRE(to_host(d_ancestor.data(), kRows, stream) == expected_ancestor);
+    REQUIRE(to_host(d_resampled.data(), kRequests, stream) == expected_resampled);
+    const std::vector<double> ess = to_host(d_ess.data(), kRequests, stream);
+    const std::vector<double> evidence_after = to_host(d_evidence.data(), kRequests, stream);
+    const std::vector<double> logw_after = to_host(d_logw.data(), kRows, stream);
+    for (int request = 0; request < kRequests; ++request) {
+      REQUIRE(test::close_to(ess[request], expected_ess[request], 1e-12));
+      REQUIRE(test::close_to(evidence_after[request], evidence[request], 1e-12));
+      resampled_requests += expected_resampled[request];
+    }
+    for (int row = 0; row < kRows; ++row)
+      REQUIRE(test::close_to(logw_after[row], logw[row], 1e-12));
+
+    run_on_stream(captured, stream, [&](cudaStream_t s) {
+      reshuffle(device.pool(), device.tables(), d_ancestor.data(), d_finished.data(), s);
+    });
+    state = device.download(stream);
+    REQUIRE_SAME(expected, state, false);
+    REQUIRE(to_host(d_finished.data(), kRows, stream) == expected_finished);
+    REQUIRE_INVARIANTS(state);
+
+    // Retirement: requests refused this cycle, and now and then a live one.
+    std::vector<uint8_t> release_mask(kRows, 0);
+    for (int request = 0; request < kRequests; ++request) {
+      const int row = request * kN;
+      const bool refused = !state.live[row] && state.seq_len[row] > 0;
+      if (refused || (state.live[row] && rng.uniform() < 0.05)) {
+        for (int p = 0; p < kN; ++p)
+          release_mask[row + p] = 1;
+      }
+    }
+    expected = state;
+    reference::release_rows_ref(expected, release_mask);
+    d_mask.copy_from_host(release_mask.data(), kRows, stream);
+    run_on_stream(captured, stream,
+                  [&](cudaStream_t s) { release_rows(device.pool(), device.tables(), d_mask.data(), s); });
+    state = device.download(stream);
+    REQUIRE_SAME(expected, state, false);
+    REQUIRE_INVARIANTS(state);
+  }
+
+  std::vector<uint8_t> everything(kRows, 1);
+  d_mask.copy_from_host(everything.data(), kRows, stream);
+  run_on_stream(false, stream,
+                [&](cudaStream_t s) { release_rows(device.pool(), device.tables(), d_mask.data(), s); });
+  const SlotCheck final_check = check_slot_invariants_device(device.pool(), device.tables(), stream);
+  REQUIRE_MESSAGE(final_check.ok, final_check.problem);
+  CHECK(final_check.free == kPoolSize - 1); // nothing leaked
+  CHECK(final_check.referenced == 0);
+  MESSAGE("admitted " << admitted << ", rounds with exhaustion " << exhausted << ", with max length "
+                      << too_long << ", resampled requests " << resampled_requests);
+  CHECK(exhausted > 0);
+  CHECK(too_long > 0);
+  CHECK(resampled_requests > 0);
+}
