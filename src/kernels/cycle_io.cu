@@ -121,6 +121,9 @@ __global__ void PrepareVerifyInputsKernel(CycleBuffers b, int rows) {
   out[0] = live ? b.tables.token_table[static_cast<int64_t>(r) * b.tables.max_seq_len + L - 1] : 0;
   for (int k = 0; k < b.steps; ++k)
     out[1 + k] = live ? b.draft_tokens[k * b.max_rows + r] : 0;
+  if (b.draft_logprobs_rows != nullptr)
+    for (int k = 0; k < b.steps; ++k)
+      b.draft_logprobs_rows[r * b.steps + k] = b.draft_logprobs[k * b.max_rows + r];
 }
 
 constexpr uint32_t kFaultFlags = kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange;
@@ -142,8 +145,51 @@ __global__ void CommitCycleKernel(CycleBuffers b, int rows) {
     cycle[k] = tokens[L + k] = b.draft_tokens[k * b.max_rows + r];
   cycle[b.steps] = tokens[L + b.steps] = b.bonus_tokens[r];
   b.tables.seq_len[r] = L + stride;
+  // first_eos (from the weights): -1 nothing counts (finished before), K none, else the EOS column.
+  const int eos = b.first_eos[r];
+  b.committed[r] = eos < 0 ? 0 : (eos >= b.steps ? stride : eos + 1);
   if (b.row_flags[r] & kFaultFlags)
     b.tables.live[r] = 0; // the request fails; its rows stop here
+}
+
+__global__ void CommitSpeculativeKernel(CycleBuffers b, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
+  const int stride = b.steps + 1;
+  int32_t* cycle = b.cycle_tokens + r * stride;
+  if (!b.tables.live[r]) {
+    for (int k = 0; k < stride; ++k)
+      cycle[k] = kInvalidToken;
+    b.committed[r] = 0;
+    b.first_eos[r] = -1;
+    return;
+  }
+  const int L = b.tables.seq_len[r];
+  const int accepted = min(max(b.accepted[r], 0), b.steps);
+  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  int eos = -1;
+  for (int k = 0; k <= accepted; ++k) {
+    const int32_t token = k < accepted ? b.draft_tokens[k * b.max_rows + r] : b.next_tokens[r];
+    cycle[k] = tokens[L + k] = token;
+    if (eos < 0 && token == b.eos_id)
+      eos = k;
+  }
+  for (int k = accepted + 1; k < stride; ++k)
+    cycle[k] = kInvalidToken;
+  // The slots of rejected positions go back (the KV written there is stale and never read).
+  for (int position = L + accepted + 1; position <= L + b.steps; ++position)
+    device::release_slot(b.pool, slots[position]);
+  b.tables.seq_len[r] = L + accepted + 1;
+  b.committed[r] = eos < 0 ? accepted + 1 : eos + 1;
+  b.first_eos[r] = eos < 0 ? b.steps : eos;
+  if (eos >= 0) {
+    b.finished[r] = 1;
+    b.tables.live[r] = 0; // a finished speculative row stops decoding
+  }
+  if (b.row_flags[r] & kFaultFlags)
+    b.tables.live[r] = 0;
 }
 
 __global__ void PackOutputsKernel(CycleBuffers b, int rows, uint8_t* out, OutputLayout layout) {
@@ -155,9 +201,11 @@ __global__ void PackOutputsKernel(CycleBuffers b, int rows, uint8_t* out, Output
     for (int k = 0; k < stride; ++k)
       tokens[k] = b.cycle_tokens[r * stride + k];
     reinterpret_cast<int32_t*>(out + layout.first_eos)[r] = b.first_eos[r];
-    reinterpret_cast<int32_t*>(out + layout.ancestor)[r] = b.ancestor[r];
+    reinterpret_cast<int32_t*>(out + layout.ancestor)[r] = b.particles > 1 ? b.ancestor[r] : r;
     reinterpret_cast<uint32_t*>(out + layout.row_flags)[r] = b.row_flags[r];
     reinterpret_cast<int32_t*>(out + layout.seq_len)[r] = b.tables.seq_len[r];
+    reinterpret_cast<int32_t*>(out + layout.committed)[r] = b.committed[r];
+    reinterpret_cast<int32_t*>(out + layout.accepted)[r] = b.accepted != nullptr ? b.accepted[r] : 0;
     out[layout.finished + r] = b.finished[r];
     out[layout.live + r] = b.tables.live[r];
   }
@@ -186,6 +234,8 @@ OutputLayout output_layout(int rows, int requests, int steps) {
   layout.ancestor = take(sizeof(int32_t) * rows, 4);
   layout.row_flags = take(sizeof(uint32_t) * rows, 4);
   layout.seq_len = take(sizeof(int32_t) * rows, 4);
+  layout.committed = take(sizeof(int32_t) * rows, 4);
+  layout.accepted = take(sizeof(int32_t) * rows, 4);
   layout.status = take(sizeof(uint32_t), 4);
   layout.finished = take(rows, 1);
   layout.live = take(rows, 1);
@@ -229,6 +279,11 @@ void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream)
 
 void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
   CommitCycleKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  CommitSpeculativeKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

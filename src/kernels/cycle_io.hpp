@@ -58,6 +58,16 @@ struct CycleBuffers {
   int32_t* first_eos = nullptr;        ///< [rows]
   int32_t* ancestor = nullptr;         ///< [rows]
   int32_t* cycle_tokens = nullptr;     ///< [rows, K + 1] tokens committed this cycle
+  int32_t* committed = nullptr;        ///< [rows] how many of them count (EOS cut; accepted + 1 for spec)
+  int eos_id = -1;
+  // speculative cycle
+  float* draft_logprobs_rows = nullptr; ///< [rows, K] log q(d_k), row-major copy for the verifier
+  int32_t* accepted = nullptr;          ///< [rows] draft tokens accepted
+  int32_t* next_tokens = nullptr;       ///< [rows] correction or bonus token
+  int32_t* packed_offsets = nullptr;    ///< [rows] exclusive offsets of the packed accepted tokens
+  int32_t* packed_total = nullptr;      ///< [1]
+  int32_t* packed_tokens = nullptr;     ///< [rows * K] accepted draft tokens, packed
+  float* packed_logprobs = nullptr;     ///< [rows * K] their target log-probs, packed
 };
 
 /// Byte layout of the per-cycle output block for `rows` rows / `requests` requests (what poll() reads).
@@ -69,6 +79,8 @@ struct OutputLayout {
   size_t seq_len = 0;     ///< int32 [rows]
   size_t finished = 0;    ///< uint8 [rows]
   size_t live = 0;        ///< uint8 [rows]
+  size_t committed = 0;   ///< int32 [rows]
+  size_t accepted = 0;    ///< int32 [rows] (speculative)
   size_t resampled = 0;   ///< uint8 [requests]
   size_t ess = 0;         ///< double [requests]
   size_t status = 0;      ///< uint32
@@ -93,6 +105,9 @@ void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream)
 /// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
 /// fault flag non-live (their request fails).
 void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// Speculative commit: d_1 .. d_k and the next token into the table, L += k + 1, the slots of the
+/// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
+void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
 

@@ -36,9 +36,9 @@ std::string join(const std::vector<int>& values) {
 void validate_engine_config(const EngineConfig& c) {
   require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind", static_cast<int>(c.kind),
           "must be kSmc or kSpeculative");
-  require(c.kind == CycleKind::kSmc, kConfig, "kind", "kSpeculative",
-          "the speculative cycle is not built yet; use kSmc");
   require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
+  require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
+          "must be 1 for the speculative cycle");
   require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps, "must be in [1, 64]");
   require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
           "must be in [1, 256]");
@@ -47,8 +47,13 @@ void validate_engine_config(const EngineConfig& c) {
   require(c.max_seq_len >= c.draft_steps + 4, kConfig, "max_seq_len", c.max_seq_len,
           "must be >= draft_steps + 4 (a 1-token prompt, its first token and one cycle)");
   require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size, "must be >= 2 (slot 0 is the dummy)");
-  require(std::isfinite(c.draft_temperature) && c.draft_temperature > 0.0f, kConfig, "draft_temperature",
-          c.draft_temperature, "must be finite and > 0");
+  // SMC weights divide by q, so its draft must sample (T_d > 0); speculative decoding may draft greedily.
+  if (c.kind == CycleKind::kSmc)
+    require(std::isfinite(c.draft_temperature) && c.draft_temperature > 0.0f, kConfig, "draft_temperature",
+            c.draft_temperature, "must be finite and > 0 for the SMC cycle");
+  else
+    require(std::isfinite(c.draft_temperature) && c.draft_temperature >= 0.0f, kConfig, "draft_temperature",
+            c.draft_temperature, "must be finite and >= 0");
   require(std::isfinite(c.target_temperature) && c.target_temperature >= 0.0f, kConfig, "target_temperature",
           c.target_temperature, "must be finite and >= 0");
   require(std::isfinite(c.alpha) && c.alpha > 0.0f, kConfig, "alpha", c.alpha, "must be finite and > 0");
@@ -91,6 +96,7 @@ void zero_all(Engine::State& s) {
   zero(s.log_evidence), zero(s.row_flags), zero(s.status), zero(s.draw_counters), zero(s.seeds);
   zero(s.draft_logits), zero(s.target_logits), zero(s.prefill_logits), zero(s.outputs_device);
   zero(s.draft_tokens), zero(s.bonus_tokens), zero(s.first_eos), zero(s.ancestor), zero(s.cycle_tokens);
+  zero(s.committed), zero(s.draft_step_logits), zero(s.accepted), zero(s.next_tokens);
 }
 
 } // namespace
@@ -163,6 +169,19 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   allocate(s.first_eos, R, total);
   allocate(s.ancestor, R, total);
   allocate(s.cycle_tokens, static_cast<size_t>(R) * (K + 1), total);
+  allocate(s.committed, R, total);
+  if (config.kind == CycleKind::kSpeculative) {
+    allocate(s.draft_step_logits, s.logits_bytes(R, K), total);
+    allocate(s.draft_logprobs_rows, static_cast<size_t>(R) * K, total);
+    allocate(s.packed_logprobs, static_cast<size_t>(R) * K, total);
+    allocate(s.packed_tokens, static_cast<size_t>(R) * K, total);
+    allocate(s.accepted, R, total);
+    allocate(s.next_tokens, R, total);
+    allocate(s.packed_offsets, R, total);
+    allocate(s.packed_total, 1, total);
+    s.pack_workspace = PackWorkspace(R);
+    total += s.pack_workspace.bytes();
+  }
   allocate(s.draft_logits, s.logits_bytes(R, 2), total);
   allocate(s.target_logits, s.logits_bytes(R, K + 1), total);
   allocate(s.prefill_logits, s.logits_bytes(1, s.prefill_chunk), total);
@@ -220,6 +239,17 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   b.first_eos = s.first_eos.data();
   b.ancestor = s.ancestor.data();
   b.cycle_tokens = s.cycle_tokens.data();
+  b.committed = s.committed.data();
+  b.eos_id = config.eos_id;
+  if (config.kind == CycleKind::kSpeculative) {
+    b.draft_logprobs_rows = s.draft_logprobs_rows.data();
+    b.accepted = s.accepted.data();
+    b.next_tokens = s.next_tokens.data();
+    b.packed_offsets = s.packed_offsets.data();
+    b.packed_total = s.packed_total.data();
+    b.packed_tokens = s.packed_tokens.data();
+    b.packed_logprobs = s.packed_logprobs.data();
+  }
 
   zero_all(s);
   {
@@ -240,7 +270,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   for (size_t i = 0; i < s.bucket_requests.size(); ++i) s.bucket_info[i].requests = s.bucket_requests[i];
 
   // Eager warm-up at the largest bucket (nothing is live: every row is padding), then capture largest first.
-  detail::enqueue_smc_cycle(s, Q, s.stream);
+  detail::enqueue_cycle(s, Q, s.stream);
   s.stream.synchronize();
   if (!s.config.use_graphs) return;
   for (int i = static_cast<int>(s.bucket_requests.size()) - 1; i >= 0; --i) {
@@ -252,7 +282,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
       std::string failure;
       cudaError_t failure_code = cudaSuccess;
       try {
-        detail::enqueue_smc_cycle(s, requests, s.stream);
+        detail::enqueue_cycle(s, requests, s.stream);
         s.stage = "smc.copy_outputs";
         SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
                                             detail::output_layout(requests * config.particles, requests, K).bytes,
@@ -322,8 +352,9 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
       params.target_temperature < 0.0f ? c.target_temperature : params.target_temperature;
   const float alpha = params.alpha < 0.0f ? c.alpha : params.alpha;
   const float tau = params.tau < 0.0f ? c.tau : params.tau;
-  require(std::isfinite(draft_temperature) && draft_temperature > 0.0f, kWhere, "params.draft_temperature",
-          draft_temperature, "must be finite and > 0");
+  require(std::isfinite(draft_temperature) &&
+              (draft_temperature > 0.0f || (draft_temperature == 0.0f && c.kind == CycleKind::kSpeculative)),
+          kWhere, "params.draft_temperature", draft_temperature, "must be finite and > 0 (>= 0 for speculative)");
   require(std::isfinite(target_temperature), kWhere, "params.target_temperature", target_temperature,
           "must be finite and >= 0");
   require(std::isfinite(alpha) && alpha > 0.0f, kWhere, "params.alpha", alpha, "must be finite and > 0");
@@ -414,7 +445,7 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
   const uint8_t* out = s.outputs_host[cycle.parity].data();
   auto ints = [&](size_t offset) { return reinterpret_cast<const int32_t*>(out + offset); };
   const int32_t* tokens = ints(layout.tokens);
-  const int32_t* first_eos = ints(layout.first_eos);
+  const int32_t* committed = ints(layout.committed);
   const int32_t* ancestor = ints(layout.ancestor);
   const uint32_t* flags = reinterpret_cast<const uint32_t*>(out + layout.row_flags);
   const int32_t* seq_len = ints(layout.seq_len);
@@ -441,10 +472,8 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
       all_finished = all_finished && out[layout.finished + r] != 0;
       any_live = any_live || out[layout.live + r] != 0;
       update.ancestors[i] = ancestor[r] - q * N;
-      // first_eos: -1 = nothing counted this cycle; K = no EOS; else the EOS column (kept).
-      const int counted = first_eos[r] < 0 ? 0 : (first_eos[r] >= K ? K + 1 : first_eos[r] + 1);
-      if (out[layout.live + r] || first_eos[r] >= 0)
-        update.tokens[i].assign(tokens + r * (K + 1), tokens + r * (K + 1) + counted);
+      const int counted = std::clamp(committed[r], 0, K + 1); // EOS-cut count (accepted + 1 for spec)
+      update.tokens[i].assign(tokens + r * (K + 1), tokens + r * (K + 1) + counted);
     }
     update.resampled = out[layout.resampled + q] != 0;
     update.ess = ess[q];
@@ -491,8 +520,8 @@ void Engine::step() {
   cycle.bucket_requests = s.bucket_requests[bucket];
   cycle.slot_ids.assign(s.slot_owner.begin(), s.slot_owner.begin() + cycle.bucket_requests);
   if (s.eager) {
-    NvtxRange range("smc.cycle.eager");
-    detail::enqueue_smc_cycle(s, cycle.bucket_requests, s.stream);
+    NvtxRange range("cycle.eager");
+    detail::enqueue_cycle(s, cycle.bucket_requests, s.stream);
     SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(
         s.outputs_host[parity].data(), s.outputs_device.data(),
         detail::output_layout(cycle.bucket_requests * s.config.particles, cycle.bucket_requests, s.steps).bytes,

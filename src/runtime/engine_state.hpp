@@ -15,6 +15,7 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/sample.hpp"
+#include "smcgraph/verify.hpp"
 
 namespace smcgraph {
 
@@ -69,6 +70,10 @@ struct Engine::State {
   DeviceBuffer<int32_t> cycle_slots, draft_tokens, bonus_tokens, first_eos, ancestor, cycle_tokens;
   DeviceBuffer<float> draft_logprobs, scratch_logz, target_logprobs, bonus_logprobs, bonus_logz;
   DeviceBuffer<uint8_t> draft_logits, target_logits, prefill_logits; ///< model dtype
+  DeviceBuffer<uint8_t> draft_step_logits; ///< speculative: [K, rows, V], q at every draft position
+  DeviceBuffer<float> draft_logprobs_rows, packed_logprobs;
+  DeviceBuffer<int32_t> committed, accepted, next_tokens, packed_offsets, packed_total, packed_tokens;
+  PackWorkspace pack_workspace;
   DeviceBuffer<int32_t> positions_iota, admit_scalars;                ///< [max_seq_len], [4]
   DeviceBuffer<float> admit_floats;                                   ///< [4]
   DeviceBuffer<uint8_t> outputs_device;
@@ -99,9 +104,35 @@ struct Engine::State {
 };
 
 namespace detail {
+/// Names the stage being enqueued (a failed capture reports it) and marks it in NVTX timelines.
+class Stage {
+public:
+  Stage(Engine::State& state, const char* name) : range_(name) { state.stage = name; }
+
+private:
+  NvtxRange range_;
+};
+
+/// Alloc, forward inputs, draft head and steps with their samples, and the target verify forward: the
+/// part both cycle kinds share (graphs/smc_cycle.cpp).
+void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, cudaStream_t stream);
+
 /// The SMC cycle recipe (graphs/smc_cycle.cpp): every stage of DESIGN.md §2 for `bucket_requests` request
 /// slots, enqueued on `stream` (captured or eager), outputs packed into `outputs` (device).
 void enqueue_smc_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream);
+
+/// The speculative cycle recipe (graphs/spec_cycle.cpp).
+void enqueue_spec_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream);
+
+/// The recipe of the engine's cycle kind.
+inline void enqueue_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream) {
+  if (state.config.kind == CycleKind::kSpeculative)
+    enqueue_spec_cycle(state, bucket_requests, stream);
+  else
+    enqueue_smc_cycle(state, bucket_requests, stream);
+}
+
+
 } // namespace detail
 
 } // namespace smcgraph

@@ -1,0 +1,71 @@
+// The speculative (rejection) cycle recipe (DESIGN.md §3), N = 1, rows are requests with their own lengths:
+//
+//   alloc -> draft head + K - 1 steps with samples (shared with SMC; q of every position kept) -> target
+//   verify forward (K + 1 tokens) -> score (log p(d_k) under T_t) -> stochastic verification (accept with
+//   min(1, p/q), residual max(0, p - q) by Gumbel-max, bonus from p; T_t = 0 makes it exact greedy
+//   verification) -> fused pack of the accepted tokens and their log-probs (offsets and total on the device)
+//   -> commit (tokens, L += k + 1, rejected positions' slots released) -> collect freed slots -> advance the
+//   draw counters -> pack outputs
+//
+// Row lengths differ after a cycle; they live in device memory, so the same graph replays.
+#include "runtime/engine_state.hpp"
+
+#include "smcgraph/slots.hpp"
+#include "smcgraph/verify.hpp"
+
+namespace smcgraph::detail {
+
+void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stream) {
+  const int K = s.steps, V = s.vocab;
+  const int rows = bucket_requests; // N = 1
+  const CycleBuffers& b = s.buffers;
+  const RowRandom random{b.seeds, b.draw_counters, 1};
+  const DType dtype = s.target->logits_dtype();
+  enqueue_draft_and_verify(s, bucket_requests, stream);
+  {
+    Stage stage(s, "spec.score");
+    const LogitsView logits{s.target_logits.data(), dtype, rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
+    score(logits, b.verify_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
+          philox_stream(Salt::kBonus, 0),
+          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status}, s.workspace,
+          stream);
+  }
+  {
+    Stage stage(s, "spec.verify");
+    StochasticVerifyInputs in;
+    in.draft_tokens = b.verify_tokens + 1;
+    in.draft_token_row_stride = K + 1;
+    in.draft_logprobs = b.draft_logprobs_rows;
+    in.draft_logprob_row_stride = K;
+    in.target_logprobs = b.target_logprobs;
+    in.target_logprob_row_stride = K;
+    // Draft logits are position-major [K, rows, V]; target logits row-major [rows, K + 1, V].
+    in.draft_logits = {s.draft_step_logits.data(), dtype, rows, K, V, V, static_cast<int64_t>(s.rows) * V};
+    in.target_logits = {s.target_logits.data(), dtype, rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
+    in.draft_temperature = b.draft_temperature;
+    in.target_temperature = b.target_temperature;
+    in.random = random;
+    in.gamma = K;
+    verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, stream);
+  }
+  {
+    Stage stage(s, "spec.pack");
+    AcceptedRows accepted{b.accepted, rows, K, b.verify_tokens + 1, K + 1, nullptr};
+    const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
+    const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets, b.packed_total,
+                          b.packed_tokens};
+    pack_accepted(accepted, payload, false, out, s.pack_workspace, stream);
+  }
+  {
+    Stage stage(s, "spec.commit");
+    commit_speculative(b, rows, stream);
+    collect_freed_slots(b.pool, stream);
+  }
+  {
+    Stage stage(s, "spec.outputs");
+    advance_draw_counters(b.draw_counters, bucket_requests, stream);
+    pack_outputs(b, rows, s.outputs_device.data(), stream);
+  }
+}
+
+} // namespace smcgraph::detail
