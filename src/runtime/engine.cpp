@@ -290,6 +290,10 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
       } catch (const Error& e) {
         failure = e.what();
         failure_code = e.cuda_error();
+      } catch (const std::exception& e) { // a model's own exception: still end the capture cleanly
+        failure = std::string("exception: ") + e.what();
+      } catch (...) {
+        failure = "unknown exception";
       }
       cudaGraph_t graph = nullptr;
       const cudaError_t end = cudaStreamEndCapture(s.stream, &graph);

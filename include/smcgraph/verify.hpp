@@ -1,0 +1,219 @@
+// The rejection-based speculative cycle's verification (DESIGN.md §3) and the fused verify-and-pack.
+//
+// verify_greedy      one warp per row, ceil(gamma / 32) warp ballots whatever the outcome, first mismatch by
+//                    __ffs: accepted length k, mismatch flag, next token (target[k]: the correction, or the
+//                    bonus target[gamma] when everything matched).
+// verify_stochastic  exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept d_j with
+//                    probability min(1, p(d_j) / q(d_j)) by a keyed Philox coin; at the first rejection
+//                    sample max(0, p - q) normalised by Gumbel-max in log space, in one pass over that
+//                    position's target and draft logits (the residual is never materialised); on full
+//                    acceptance sample the bonus from p at position gamma.
+// verify_and_pack    greedy verification + exclusive offsets of the packed counts + the packed payload in ONE
+//                    launch: a static grid of (row tile x split) CTAs, decoupled look-back across tiles,
+//                    16-byte copies spread over the whole GPU, no host sync, any number of rows.
+// pack_accepted      the same pack, taking accepted counts that an earlier verify wrote to device memory.
+//
+// Every launcher validates its arguments (smcgraph::Error names the parameter and the value), takes the
+// stream last, never allocates or synchronizes (so it can be captured), and reads everything that changes
+// between graph replays (tokens, log-probs, temperatures, seeds, draw counters, counts) from device memory.
+//
+//   // greedy, seed 000's interface: draft [B, gamma], target [B, gamma + 1], draft KV [B, gamma, D] fp16
+//   smcgraph::PackWorkspace workspace(max_rows);                        // once, before capture
+//   smcgraph::TokenVerifyInputs in{d_draft, gamma, d_target, gamma + 1, rows, gamma, vocab};
+//   smcgraph::PayloadView kv{d_kv, smcgraph::DType::kFloat16, kv_dim, int64_t{gamma} * kv_dim};
+//   smcgraph::VerifyOutputs verdict{d_accepted, d_next_tokens, d_mismatch};
+//   smcgraph::PackOutputs packed{d_packed_kv, int64_t{rows} * gamma, d_offsets, d_total};
+//   smcgraph::verify_and_pack(in, kv, /*include_next=*/false, verdict, packed, workspace, stream);
+//
+// Row failures (DESIGN.md §7) never throw: they set RowFlag bits, OR-ed into `row_flags` (the caller clears
+// them, as for sample()) and into `status`, and the row's outputs stay well defined and in bounds:
+//   kFlagTokenOutOfRange  the first rejected position holds a draft id outside [0, vocab) (e.g. -1 padding):
+//                         it counts as a mismatch there; or the target's token to emit is out of range (next
+//                         token kInvalidToken).
+//   kFlagNanLogit         stochastic: a NaN / +inf log-prob at the first rejected position, or a NaN /
+//                         +inf logit in the row the next token is drawn from (next token kInvalidToken).
+//   kFlagAllMasked        stochastic: nothing to draw the next token from (next token kInvalidToken).
+//   kFlagBadParameter     stochastic: a temperature < 0 or not finite (accepted 0, next token kInvalidToken).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/sample.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph {
+
+/// Draft tokens `[rows, gamma]` and the target's tokens `[rows, gamma + 1]` (greedy: the target's argmax at
+/// each verified position; column gamma is the bonus). Row strides are in elements.
+struct TokenVerifyInputs {
+  const int32_t* draft_tokens = nullptr;
+  int64_t draft_row_stride = 0; ///< >= gamma
+  const int32_t* target_tokens = nullptr;
+  int64_t target_row_stride = 0; ///< >= gamma + 1
+  int rows = 0;
+  int gamma = 0; ///< draft tokens per row, 1 .. kMaxGamma
+  int vocab = 0; ///< ids outside [0, vocab) are out of range
+
+  /// Throws Error naming the first bad field (`where` prefixes the message).
+  void validate(const char* where) const;
+};
+
+/// Largest gamma any verifier accepts: the bonus's Philox step (gamma) and the ballot scan's rejection code
+/// (position << 8) both hold 24 bits.
+inline constexpr int kMaxGamma = static_cast<int>(kMaxStep) - 1;
+
+/// Per-row results of a verification.
+struct VerifyOutputs {
+  int32_t* accepted = nullptr;    ///< [rows] k: leading draft tokens accepted, 0 .. gamma
+  int32_t* next_tokens = nullptr; ///< [rows] token committed after them (correction or bonus)
+  uint8_t* mismatch = nullptr;    ///< optional [rows] 1 when k < gamma (a draft token was rejected), else 0
+  uint32_t* row_flags = nullptr;  ///< optional [rows] RowFlag bits, OR-ed in (the caller clears them)
+  uint32_t* status = nullptr;     ///< optional [1] OR of every row's flags (the caller clears it)
+
+  void validate(const char* where) const;
+};
+
+/// Greedy verification. rows / 8 CTAs of 8 warps; ceil(gamma / 32) ballots per row whatever the outcome.
+void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream);
+
+/// Inputs of exact speculative sampling. Row r belongs to request r / particles_per_request (its seed and
+/// draw counter), as in sample(). The coin of position j is Philox word 0 of counter
+/// {0, draw counter, particle, philox_stream(kAcceptCoin, j)}; the Gumbel noise of vocab id v at the drawn
+/// position j (j = gamma for the bonus) is word v % 4 of {v / 4, draw counter, particle,
+/// philox_stream(kResidual, j)}, g = -log(-log u). Advance the draw counters between cycles.
+///
+/// p = softmax(target_logits / T_t), q = softmax(draft_logits / T_d). The coins need only log p(d_j) and
+/// log q(d_j) (what score() and sample() already wrote); the drawn position also reads its target and draft
+/// logits rows once, recovering each log-sum-exp from the given log-prob of the draft token there
+/// (lse = l[d] / T - log p(d); a separate reduction over the row only when that is not finite, e.g.
+/// p(d) = 0). T = 0 means greedy: p (or q) is one-hot at the target's argmax (at the draft token).
+struct StochasticVerifyInputs {
+  const int32_t* draft_tokens = nullptr; ///< [rows, gamma]
+  int64_t draft_token_row_stride = 0;
+  const float* draft_logprobs = nullptr; ///< [rows, gamma] log q(d_j) (sample()'s logprobs)
+  int64_t draft_logprob_row_stride = 0;
+  const float* target_logprobs = nullptr; ///< [rows, gamma] log p(d_j) (score()'s token_logprobs)
+  int64_t target_logprob_row_stride = 0;
+  LogitsView draft_logits;  ///< [rows, >= gamma, V] or position-major; row_stride 0 repeats one row
+  LogitsView target_logits; ///< [rows, >= gamma + 1, V]; same dtype rules, same V
+  const float* draft_temperature = nullptr;  ///< [rows] T_d >= 0
+  const float* target_temperature = nullptr; ///< [rows] T_t >= 0
+  RowRandom random;
+  int gamma = 0;
+};
+
+/// Exact speculative sampling, one CTA per row (a warp ballot scan of the coins, then one pass over the
+/// drawn position). rows = target_logits.rows, vocab = target_logits.vocab.
+void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream);
+
+/// A payload `[rows, positions, width]` to pack (KV slices, hidden states): element (i, j, e) at
+/// data + i * row_stride + j * width + e (positions dense within a row; row_stride in elements).
+struct PayloadView {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat16; ///< only its size matters: the copy moves bits
+  int width = 0;                 ///< D
+  int64_t row_stride = 0;        ///< >= packed positions per row (gamma, or gamma + 1) * width
+};
+
+/// Outputs of the pack. Row i's packed positions are j = 0 .. k_i - 1, plus j = k_i when include_next;
+/// they land at packed rows offsets[i] .. offsets[i] + count_i - 1, rows in order.
+struct PackOutputs {
+  void* packed = nullptr;           ///< [capacity_rows, width] in the payload's dtype
+  int64_t capacity_rows = 0;        ///< >= rows * (gamma + include_next), the worst case
+  int32_t* offsets = nullptr;       ///< [rows] exclusive prefix sum of the packed counts
+  int32_t* total = nullptr;         ///< [1] packed rows written
+  int32_t* packed_tokens = nullptr; ///< optional [capacity_rows]: d_j for j < k_i, the next token at j = k_i
+
+  void validate(const char* where, int64_t required_rows) const;
+};
+
+/// Scratch of the cross-tile look-back: an exit counter, a generation and one status word per row tile.
+/// Allocated and zeroed once, outside any capture; every launch leaves it ready for the next one (graph
+/// replays need no memset). Launches that share a workspace must be ordered (one stream or one graph).
+class PackWorkspace {
+public:
+  PackWorkspace() = default;
+  explicit PackWorkspace(int max_rows);
+  int max_rows() const noexcept { return max_rows_; }
+  unsigned long long* words() noexcept { return words_.data(); }
+  size_t bytes() const noexcept { return words_.bytes(); }
+
+private:
+  int max_rows_ = 0;
+  DeviceBuffer<unsigned long long> words_;
+};
+
+/// Greedy verification and pack in one launch. `payload` has >= gamma (+1 with include_next) positions;
+/// include_next = false packs seed 000's kv[i, 0:k_i]; true also packs position k_i (e.g. the target's hidden
+/// state of the last committed token). `verdict.mismatch / row_flags / status` stay optional.
+void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
+                     const VerifyOutputs& verdict, const PackOutputs& out, PackWorkspace& workspace,
+                     cudaStream_t stream);
+
+/// Accepted counts (and what packed_tokens needs) that an earlier verify wrote to device memory.
+struct AcceptedRows {
+  const int32_t* accepted = nullptr; ///< [rows]; values are clamped to [0, gamma]
+  int rows = 0;
+  int gamma = 0;
+  const int32_t* draft_tokens = nullptr; ///< [rows, gamma]; only with out.packed_tokens
+  int64_t draft_row_stride = 0;
+  const int32_t* next_tokens = nullptr; ///< [rows]; only with out.packed_tokens and include_next
+};
+
+/// The pack of verify_and_pack for counts already in device memory (e.g. verify_stochastic's output): the
+/// graph-friendly stage the speculative cycle runs after its verify node.
+void pack_accepted(const AcceptedRows& accepted, const PayloadView& payload, bool include_next,
+                   const PackOutputs& out, PackWorkspace& workspace, cudaStream_t stream);
+
+/// How the pack launchers cut the work (exposed for tests and benches): rows per tile, tiles, and CTAs per
+/// tile (splits); grid = tiles * splits. tiles > 1 means the launch chains tiles through the workspace.
+struct PackLaunchShape {
+  int rows_per_tile = 0;
+  int tiles = 0;
+  int splits = 0;
+};
+PackLaunchShape pack_launch_shape(int rows, int gamma, int width, DType dtype, bool include_next,
+                                  bool counts_given);
+
+} // namespace smcgraph
+
+#if defined(__CUDACC__)
+namespace smcgraph::device {
+
+/// No rejection in a ballot window (larger than any encoded rejection).
+inline constexpr uint32_t kNoRejection = 0xffffffffu;
+
+// Device pieces shared by verify.cu and pack.cu (compiled only by nvcc).
+
+/// One ballot round of a verification scan. Lane l of the calling warp
+/// reports whether position base + l rejects and why (RowFlag bits < 256); every lane gets the first
+/// rejection of the window encoded as position << 8 | reason, or kNoRejection. The minimum over windows is
+/// the row's first rejection. All 32 lanes must call it.
+__device__ __forceinline__ uint32_t first_rejection(bool reject, uint32_t reason, int base) {
+  const unsigned rejecting = __ballot_sync(0xffffffffu, reject);
+  const int lane = __ffs(rejecting) - 1;
+  const uint32_t first_reason = __shfl_sync(0xffffffffu, reason, lane < 0 ? 0 : lane);
+  return rejecting == 0 ? kNoRejection : (static_cast<uint32_t>(base + lane) << 8) | (first_reason & 0xffu);
+}
+
+/// Writes one row's verdict (its only writer) and ORs its flags into row_flags and status.
+__device__ __forceinline__ void write_verdict(const VerifyOutputs& out, int row, int accepted, int gamma,
+                                              int32_t next_token, uint32_t flags) {
+  out.accepted[row] = accepted;
+  out.next_tokens[row] = next_token;
+  if (out.mismatch)
+    out.mismatch[row] = accepted < gamma ? 1 : 0;
+  if (flags) {
+    if (out.row_flags)
+      atomicOr(&out.row_flags[row], flags);
+    if (out.status)
+      atomicOr(out.status, flags);
+  }
+}
+
+} // namespace smcgraph::device
+#endif

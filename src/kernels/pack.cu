@@ -1,0 +1,479 @@
+// verify_and_pack() and pack_accepted(): the fused verify-and-pack of the speculative cycle (DESIGN.md §3).
+//
+// One launch, a static grid of tiles x splits CTAs. A tile is a run of rows (<= 32); each of its `splits`
+// CTAs computes the tile's accepted counts itself (a greedy ballot scan of <= 256 draft positions, or a
+// read of given counts), scans them in-tile, and copies its 1/splits share of the tile's packed bytes.
+// Tiles are chained by a decoupled look-back (Merrill & Garland 2016): split 0 of each tile publishes the
+// tile's count, then its inclusive prefix; a CTA needs its tile's exclusive prefix only to store, so the
+// first batch of loads is in flight while it looks back. A tile's packed rows are contiguous in the output,
+// so a CTA's share maps to one contiguous destination range.
+//
+// Grid sizing: a tile covers <= 256 draft positions (one per thread), the splits give every CTA >= 16 KiB
+// (one batch of 256 threads x 4 x 16-byte copies) and, for big payloads, about total / (4 x SMs), so the
+// copy spreads over the whole GPU whatever the batch size.
+//
+// Graph safety: tile statuses carry the launch's generation; the last CTA to finish (an exit counter)
+// resets the counter and advances the generation, so a replay finds the workspace ready and stale statuses
+// never match. A single-tile launch touches no workspace at all. Forward progress relies on CTAs being
+// dispatched in blockIdx order, as CUB's single-pass scan does: a CTA only waits for lower-indexed ones.
+#include <algorithm>
+#include <cstdint>
+
+#include <cub/warp/warp_reduce.cuh>
+#include <cub/warp/warp_scan.cuh>
+#include <cuda/atomic>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/verify.hpp"
+
+namespace smcgraph {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------------------
+
+constexpr int kPackThreads = 256;
+constexpr int kPackWarps = kPackThreads / 32;
+constexpr int kMaxRowsPerTile = 32; // the in-tile scan is one warp
+constexpr int kTilePositions = 256; // draft positions a tile verifies: one per thread
+constexpr int kVerifyBatch = 4;     // (row, window) items per warp whose loads are issued together
+constexpr int kCopyUnroll = 4;      // vectors in flight per thread
+constexpr int kCtasPerSm = 4;       // CTAs per SM the copy aims at for big payloads
+constexpr int64_t kMinChunkBytes = int64_t{kPackThreads} * kCopyUnroll * 16;
+static_assert(kMaxRowsPerTile == 32, "the in-tile scan is one full warp");
+static_assert(kTilePositions % kPackThreads == 0, "a tile's positions map onto the CTA's threads");
+
+// Workspace words: the exit counter, the generation, then one status word per tile:
+// generation << 32 | flag << 30 | value (value = the tile's count or inclusive prefix, < 2^30).
+constexpr int kExitWord = 0;
+constexpr int kGenerationWord = 1;
+constexpr int kStatusWords = 2;
+constexpr int kValueBits = 30;
+constexpr uint32_t kValueMask = (1u << kValueBits) - 1u;
+constexpr uint32_t kTileAggregate = 1;
+constexpr uint32_t kTileInclusive = 2;
+constexpr int64_t kMaxPackedRows = kValueMask;
+
+using Word = unsigned long long;
+using DeviceAtomicWord = cuda::atomic_ref<Word, cuda::thread_scope_device>;
+
+template <int BYTES> struct VectorOf;
+template <> struct VectorOf<16> { using type = uint4; };
+template <> struct VectorOf<8> { using type = uint2; };
+template <> struct VectorOf<4> { using type = uint32_t; };
+template <> struct VectorOf<2> { using type = uint16_t; };
+
+struct PackArgs {
+  TokenVerifyInputs verify;              ///< greedy mode: what to verify
+  VerifyOutputs verdict;                 ///< greedy mode: where the verdict goes
+  const int32_t* accepted_in = nullptr;  ///< counts mode
+  const int32_t* next_in = nullptr;      ///< counts mode, packed tokens with include_next
+  const int32_t* draft_tokens = nullptr; ///< packed tokens
+  int64_t draft_row_stride = 0;
+  int rows = 0, gamma = 0, include_next = 0;
+  const char* payload = nullptr;
+  int64_t payload_row_stride_bytes = 0, position_bytes = 0;
+  PackOutputs out;
+  int rows_per_tile = 0, tiles = 0, splits = 0;
+  Word* workspace = nullptr;
+};
+
+__device__ __forceinline__ void publish(Word* status, uint32_t generation, uint32_t flag, uint32_t value) {
+  DeviceAtomicWord(*status).store((Word{generation} << 32) | (Word{flag} << kValueBits) | value,
+                                  cuda::memory_order_relaxed);
+}
+
+/// The exclusive prefix of `tile`: the calling warp reads the statuses of the 32 preceding tiles at a time,
+/// waits until each has at least its count, and sums back to the nearest inclusive prefix.
+__device__ uint32_t look_back(Word* statuses, int tile, uint32_t generation,
+                              typename cub::WarpReduce<uint32_t>::TempStorage& storage) {
+  const int lane = threadIdx.x % 32;
+  uint32_t exclusive = 0;
+  for (int window_end = tile;; window_end -= 32) {
+    const int predecessor = window_end - 1 - lane;
+    uint32_t flag = kTileInclusive, value = 0; // before tile 0: an inclusive 0
+    if (predecessor >= 0) {
+      DeviceAtomicWord status(statuses[predecessor]);
+      Word word = status.load(cuda::memory_order_relaxed);
+      while ((word >> 32) != generation || ((word >> kValueBits) & 3u) == 0) {
+        __nanosleep(32);
+        word = status.load(cuda::memory_order_relaxed);
+      }
+      flag = static_cast<uint32_t>(word >> kValueBits) & 3u;
+      value = static_cast<uint32_t>(word) & kValueMask;
+    }
+    const unsigned inclusive = __ballot_sync(0xffffffffu, flag == kTileInclusive);
+    const int stop = inclusive ? __ffs(inclusive) - 1 : 31; // lane 0 is the nearest predecessor
+    const uint32_t sum = cub::WarpReduce<uint32_t>(storage).Sum(lane <= stop ? value : 0u);
+    exclusive += __shfl_sync(0xffffffffu, sum, 0);
+    __syncwarp();
+    if (inclusive)
+      return exclusive;
+  }
+}
+
+/// The tile row holding packed unit `unit`: the last r with prefix[r] * units_per_position <= unit.
+__device__ __forceinline__ int row_of(const int32_t* prefix, int tile_rows, int64_t unit,
+                                      int64_t units_per_position) {
+  int low = 0, high = tile_rows - 1;
+  while (low < high) {
+    const int middle = (low + high + 1) / 2;
+    if (int64_t{prefix[middle]} * units_per_position <= unit) {
+      low = middle;
+    } else {
+      high = middle - 1;
+    }
+  }
+  return low;
+}
+
+template <int VECTOR_BYTES, bool COUNTS_GIVEN>
+__global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs args) {
+  using Vector = typename VectorOf<VECTOR_BYTES>::type;
+  using WarpScan = cub::WarpScan<int32_t>;
+  using WarpReduce = cub::WarpReduce<uint32_t>;
+  __shared__ uint32_t first_rejected[kMaxRowsPerTile]; // per tile row: position << 8 | reason
+  __shared__ int32_t prefix[kMaxRowsPerTile + 1]; // in-tile exclusive prefix of packed counts; [32] = tile's
+  __shared__ int32_t next_token[kMaxRowsPerTile];
+  __shared__ typename WarpScan::TempStorage scan_storage;
+  __shared__ typename WarpReduce::TempStorage reduce_storage[kPackWarps];
+  __shared__ uint32_t generation;
+
+  const int tile = blockIdx.x / args.splits;
+  const int split = blockIdx.x - tile * args.splits;
+  const bool leader = split == 0;
+  const bool chained = args.tiles > 1;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int row0 = tile * args.rows_per_tile;
+  const int tile_rows = min(args.rows_per_tile, args.rows - row0);
+  Word* const statuses = args.workspace + kStatusWords;
+
+  if (chained && threadIdx.x == 0)
+    generation = static_cast<uint32_t>(
+        DeviceAtomicWord(args.workspace[kGenerationWord]).load(cuda::memory_order_relaxed));
+
+  // 1. The tile's first rejections: one ballot per (row, 32-position window), loads batched per warp.
+  if constexpr (!COUNTS_GIVEN) {
+    const TokenVerifyInputs& in = args.verify;
+    if (threadIdx.x < kMaxRowsPerTile)
+      first_rejected[threadIdx.x] = device::kNoRejection;
+    __syncthreads();
+    const int windows = (in.gamma + 31) / 32;
+    const int items = tile_rows * windows;
+    for (int batch = warp; batch < items; batch += kPackWarps * kVerifyBatch) { // warp-uniform
+      int32_t draft[kVerifyBatch], target[kVerifyBatch];
+#pragma unroll
+      for (int b = 0; b < kVerifyBatch; ++b) {
+        const int item = batch + b * kPackWarps;
+        const int r = item / windows;
+        const int j = (item - r * windows) * 32 + lane;
+        const bool inside = item < items && j < in.gamma;
+        draft[b] = inside ? in.draft_tokens[(row0 + r) * in.draft_row_stride + j] : 0;
+        target[b] = inside ? in.target_tokens[(row0 + r) * in.target_row_stride + j] : 0;
+      }
+#pragma unroll
+      for (int b = 0; b < kVerifyBatch; ++b) {
+        const int item = batch + b * kPackWarps;
+        if (item >= items)
+          break; // warp-uniform: one ballot per window
+        const int r = item / windows;
+        const int base = (item - r * windows) * 32;
+        const bool inside = base + lane < in.gamma;
+        const bool bad = inside && (draft[b] < 0 || draft[b] >= in.vocab);
+        const bool reject = inside && (bad || draft[b] != target[b]);
+        const uint32_t found = device::first_rejection(reject, bad ? kFlagTokenOutOfRange : 0u, base);
+        if (lane == 0 && found != device::kNoRejection)
+          atomicMin(&first_rejected[r], found);
+      }
+    }
+    __syncthreads();
+  }
+
+  // 2. In-tile exclusive scan of the packed counts (k + include_next); split 0 publishes the tile's count.
+  if (warp == 0) {
+    int32_t count = 0;
+    if (lane < tile_rows) {
+      int accepted;
+      if constexpr (COUNTS_GIVEN) {
+        accepted = min(max(args.accepted_in[row0 + lane], 0), args.gamma);
+      } else {
+        const uint32_t first = first_rejected[lane];
+        accepted = first == device::kNoRejection ? args.gamma : static_cast<int>(first >> 8);
+      }
+      count = accepted + args.include_next;
+    }
+    int32_t exclusive, aggregate;
+    WarpScan(scan_storage).ExclusiveSum(count, exclusive, aggregate);
+    prefix[lane] = exclusive;
+    if (lane == 0) {
+      prefix[kMaxRowsPerTile] = aggregate;
+      if (chained && leader)
+        publish(statuses + tile, generation, tile == 0 ? kTileInclusive : kTileAggregate,
+                static_cast<uint32_t>(aggregate));
+    }
+  }
+  __syncthreads();
+
+  // 3. This CTA's share of the tile's packed units: loads, (first batch only) the look-back, stores.
+  const int32_t tile_count = prefix[kMaxRowsPerTile];
+  const int64_t units_per_position = args.position_bytes / VECTOR_BYTES;
+  const int64_t tile_units = int64_t{tile_count} * units_per_position;
+  const int64_t begin = tile_units * split / args.splits;
+  const int64_t end = tile_units * (split + 1) / args.splits;
+  const char* const tile_payload = args.payload + row0 * args.payload_row_stride_bytes;
+  bool have_offset = !chained || tile == 0;
+  uint32_t tile_offset = 0;
+  const auto find_offset = [&] { // warp-collective
+    if (have_offset)
+      return;
+    tile_offset = look_back(statuses, tile, generation, reduce_storage[warp]);
+    have_offset = true;
+    if (leader && warp == 0 && lane == 0)
+      publish(statuses + tile, generation, kTileInclusive, tile_offset + static_cast<uint32_t>(tile_count));
+  };
+  for (int64_t batch = begin; batch < end; batch += kPackThreads * kCopyUnroll) { // CTA-uniform
+    Vector data[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t unit = batch + u * kPackThreads + threadIdx.x;
+      if (unit < end) {
+        const int r = row_of(prefix, tile_rows, unit, units_per_position);
+        const int64_t in_row = unit - int64_t{prefix[r]} * units_per_position;
+        data[u] = *reinterpret_cast<const Vector*>(tile_payload + r * args.payload_row_stride_bytes +
+                                                   in_row * VECTOR_BYTES);
+      }
+    }
+    find_offset(); // the loads above are in flight meanwhile
+    char* const destination =
+        static_cast<char*>(args.out.packed) + int64_t{tile_offset} * args.position_bytes;
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t unit = batch + u * kPackThreads + threadIdx.x;
+      if (unit < end)
+        *reinterpret_cast<Vector*>(destination + unit * VECTOR_BYTES) = data[u];
+    }
+  }
+  if (leader)
+    find_offset(); // split 0 publishes the inclusive prefix and writes offsets even with nothing to copy
+
+  // 4. Split 0 writes the per-row outputs, the total and the packed tokens.
+  if (leader) {
+    if (warp == 0 && lane < tile_rows) {
+      const int row = row0 + lane;
+      const int accepted = prefix[lane + 1] - prefix[lane] - args.include_next;
+      args.out.offsets[row] = static_cast<int32_t>(tile_offset) + prefix[lane];
+      int32_t next = kInvalidToken;
+      if constexpr (!COUNTS_GIVEN) {
+        const uint32_t first = first_rejected[lane];
+        uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
+        next = args.verify.target_tokens[row * args.verify.target_row_stride + accepted];
+        if (next < 0 || next >= args.verify.vocab) {
+          flags |= kFlagTokenOutOfRange;
+          next = kInvalidToken;
+        }
+        device::write_verdict(args.verdict, row, accepted, args.gamma, next, flags);
+      } else if (args.next_in != nullptr) {
+        next = args.next_in[row];
+      }
+      next_token[lane] = next;
+    }
+    if (tile == args.tiles - 1 && threadIdx.x == 0)
+      *args.out.total = static_cast<int32_t>(tile_offset) + tile_count;
+    if (args.out.packed_tokens != nullptr) { // CTA-uniform
+      __syncthreads();
+      for (int index = threadIdx.x; index < tile_count; index += kPackThreads) {
+        const int r = row_of(prefix, tile_rows, index, 1);
+        const int j = index - prefix[r];
+        const int accepted = prefix[r + 1] - prefix[r] - args.include_next;
+        args.out.packed_tokens[tile_offset + index] =
+            j < accepted ? args.draft_tokens[(row0 + r) * args.draft_row_stride + j] : next_token[r];
+      }
+    }
+  }
+
+  // 5. The last CTA out leaves the workspace ready for the next launch.
+  if (chained) {
+    __syncthreads(); // every warp is done with the statuses
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const Word done = atomicAdd(args.workspace + kExitWord, Word{1});
+      if (done == gridDim.x - 1) {
+        args.workspace[kExitWord] = 0;
+        args.workspace[kGenerationWord] = static_cast<uint32_t>(generation + 1u);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------------------
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+PackLaunchShape shape_for(int rows, int gamma, int positions, int64_t position_bytes, bool counts_given,
+                          int multiprocessors) {
+  PackLaunchShape shape;
+  shape.rows_per_tile =
+      counts_given ? kMaxRowsPerTile : std::clamp(kTilePositions / gamma, 1, kMaxRowsPerTile);
+  shape.tiles = static_cast<int>(ceil_div(rows, shape.rows_per_tile));
+  const int64_t tile_bytes = int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
+  const int64_t total_bytes = int64_t{rows} * positions * position_bytes;
+  const int64_t chunk_bytes =
+      std::max(kMinChunkBytes, ceil_div(total_bytes, int64_t{multiprocessors} * kCtasPerSm));
+  shape.splits = static_cast<int>(std::max<int64_t>(1, ceil_div(tile_bytes, chunk_bytes)));
+  return shape;
+}
+
+/// Widest copy unit (16, 8, 4 or 2 bytes) that divides a position and keeps every access aligned.
+int vector_bytes_for(const void* payload, const void* packed, int64_t position_bytes,
+                     int64_t row_stride_bytes) {
+  for (int bytes : {16, 8, 4}) {
+    if (position_bytes % bytes == 0 && row_stride_bytes % bytes == 0 &&
+        reinterpret_cast<uintptr_t>(payload) % bytes == 0 && reinterpret_cast<uintptr_t>(packed) % bytes == 0)
+      return bytes;
+  }
+  return 2;
+}
+
+template <bool COUNTS_GIVEN> void launch(int vector_bytes, const PackArgs& args, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(int64_t{args.tiles} * args.splits));
+  switch (vector_bytes) {
+  case 16:
+    VerifyPackKernel<16, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    break;
+  case 8:
+    VerifyPackKernel<8, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    break;
+  case 4:
+    VerifyPackKernel<4, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    break;
+  default:
+    VerifyPackKernel<2, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    break;
+  }
+}
+
+void validate_payload(const char* where, const PayloadView& payload, int positions) {
+  require(payload.data != nullptr, where, "payload.data", "null", "must be a device pointer");
+  require(payload.dtype == DType::kFloat32 || payload.dtype == DType::kBFloat16 ||
+              payload.dtype == DType::kFloat16,
+          where, "payload.dtype", static_cast<int>(payload.dtype), "must be fp32, bf16 or fp16");
+  require(payload.width >= 1, where, "payload.width", payload.width, "must be >= 1");
+  require(payload.row_stride >= int64_t{positions} * payload.width, where, "payload.row_stride",
+          payload.row_stride, "must be >= (gamma + include_next) * width");
+  require(reinterpret_cast<uintptr_t>(payload.data) % dtype_bytes(payload.dtype) == 0, where, "payload.data",
+          payload.data, "must be aligned to its element size");
+}
+
+/// Shared tail of both launchers: outputs, workspace, shape, launch.
+template <bool COUNTS_GIVEN>
+void launch_pack(const char* where, PackArgs args, const PayloadView& payload, const PackOutputs& out,
+                 PackWorkspace& workspace, cudaStream_t stream) {
+  const int positions = args.gamma + args.include_next;
+  const int64_t worst_rows = int64_t{args.rows} * positions;
+  require(worst_rows <= kMaxPackedRows, where, "rows * (gamma + include_next)", worst_rows, "must be < 2^30");
+  validate_payload(where, payload, positions);
+  out.validate(where, worst_rows);
+  require(reinterpret_cast<uintptr_t>(out.packed) % dtype_bytes(payload.dtype) == 0, where, "out.packed",
+          out.packed, "must be aligned to the payload's element size");
+  require(workspace.max_rows() >= args.rows, where, "workspace.max_rows", workspace.max_rows(),
+          "must be >= rows");
+
+  const int element_bytes = dtype_bytes(payload.dtype);
+  args.payload = static_cast<const char*>(payload.data);
+  args.position_bytes = int64_t{payload.width} * element_bytes;
+  args.payload_row_stride_bytes = payload.row_stride * element_bytes;
+  args.out = out;
+  args.workspace = workspace.words();
+  const PackLaunchShape shape = shape_for(args.rows, args.gamma, positions, args.position_bytes, COUNTS_GIVEN,
+                                          current_device_info().multiprocessors);
+  require(int64_t{shape.tiles} * shape.splits <= INT32_MAX, where, "grid (tiles * splits)",
+          int64_t{shape.tiles} * shape.splits, "must be < 2^31");
+  args.rows_per_tile = shape.rows_per_tile;
+  args.tiles = shape.tiles;
+  args.splits = shape.splits;
+  launch<COUNTS_GIVEN>(
+      vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes), args,
+      stream);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace
+
+void PackOutputs::validate(const char* where, int64_t required_rows) const {
+  require(packed != nullptr, where, "out.packed", "null", "must be a device pointer");
+  require(capacity_rows >= required_rows, where, "out.capacity_rows", capacity_rows,
+          "must be >= rows * (gamma + include_next)");
+  require(offsets != nullptr, where, "out.offsets", "null", "must be a device pointer");
+  require(total != nullptr, where, "out.total", "null", "must be a device pointer");
+}
+
+PackWorkspace::PackWorkspace(int max_rows) : max_rows_(max_rows) {
+  require(max_rows >= 1, "smcgraph::PackWorkspace", "max_rows", max_rows, "must be >= 1");
+  words_ =
+      DeviceBuffer<unsigned long long>(static_cast<size_t>(kStatusWords) + static_cast<size_t>(max_rows));
+  SMCGRAPH_CUDA_CHECK(cudaMemset(words_.data(), 0, words_.bytes()));
+}
+
+PackLaunchShape pack_launch_shape(int rows, int gamma, int width, DType dtype, bool include_next,
+                                  bool counts_given) {
+  constexpr const char* kWhere = "smcgraph::pack_launch_shape";
+  require(rows >= 1, kWhere, "rows", rows, "must be >= 1");
+  require(gamma >= 1 && gamma <= kMaxGamma, kWhere, "gamma", gamma, "must be in [1, kMaxGamma]");
+  require(width >= 1, kWhere, "width", width, "must be >= 1");
+  return shape_for(rows, gamma, gamma + (include_next ? 1 : 0), int64_t{width} * dtype_bytes(dtype),
+                   counts_given, current_device_info().multiprocessors);
+}
+
+void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
+                     const VerifyOutputs& verdict, const PackOutputs& out, PackWorkspace& workspace,
+                     cudaStream_t stream) {
+  constexpr const char* kWhere = "smcgraph::verify_and_pack";
+  inputs.validate(kWhere);
+  verdict.validate(kWhere);
+  const NvtxRange range("verify_and_pack");
+  PackArgs args;
+  args.verify = inputs;
+  args.verdict = verdict;
+  args.draft_tokens = inputs.draft_tokens;
+  args.draft_row_stride = inputs.draft_row_stride;
+  args.rows = inputs.rows;
+  args.gamma = inputs.gamma;
+  args.include_next = include_next ? 1 : 0;
+  launch_pack<false>(kWhere, args, payload, out, workspace, stream);
+}
+
+void pack_accepted(const AcceptedRows& accepted, const PayloadView& payload, bool include_next,
+                   const PackOutputs& out, PackWorkspace& workspace, cudaStream_t stream) {
+  constexpr const char* kWhere = "smcgraph::pack_accepted";
+  require(accepted.rows >= 1, kWhere, "accepted.rows", accepted.rows, "must be >= 1");
+  require(accepted.gamma >= 1 && accepted.gamma <= kMaxGamma, kWhere, "accepted.gamma", accepted.gamma,
+          "must be in [1, kMaxGamma]");
+  require(accepted.accepted != nullptr, kWhere, "accepted.accepted", "null", "must be a device pointer");
+  if (out.packed_tokens != nullptr) {
+    require(accepted.draft_tokens != nullptr, kWhere, "accepted.draft_tokens", "null",
+            "must be a device pointer when out.packed_tokens is given");
+    require(accepted.draft_row_stride >= accepted.gamma, kWhere, "accepted.draft_row_stride",
+            accepted.draft_row_stride, "must be >= gamma");
+    require(!include_next || accepted.next_tokens != nullptr, kWhere, "accepted.next_tokens", "null",
+            "must be a device pointer when out.packed_tokens and include_next are given");
+  }
+  const NvtxRange range("pack_accepted");
+  PackArgs args;
+  args.accepted_in = accepted.accepted;
+  args.next_in = accepted.next_tokens;
+  args.draft_tokens = accepted.draft_tokens;
+  args.draft_row_stride = accepted.draft_row_stride;
+  args.rows = accepted.rows;
+  args.gamma = accepted.gamma;
+  args.include_next = include_next ? 1 : 0;
+  launch_pack<true>(kWhere, args, payload, out, workspace, stream);
+}
+
+} // namespace smcgraph

@@ -1,0 +1,514 @@
+// verify_greedy() and verify_stochastic(): the verify stage of the speculative cycle (DESIGN.md §3).
+//
+// Both scan a row's draft positions with warp ballots (ceil(gamma / 32) of them whatever the outcome, so
+// lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
+// from one position of the row (the residual max(0, p - q) at the first rejection, or p at position gamma)
+// by Gumbel-max in log space, in one pass over that position's logits.
+#include "kernels/logits_pass.cuh"
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <cub/block/block_reduce.cuh>
+
+#include "kernels/random.cuh"
+#include "smcgraph/error.hpp"
+#include "smcgraph/philox.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/verify.hpp"
+
+namespace smcgraph {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------------------
+
+constexpr int kGreedyThreads = 256;
+constexpr int kGreedyWarps = kGreedyThreads / 32;
+constexpr int kWindowsPerBatch = 4; // ballot windows whose loads are issued together
+
+__device__ __forceinline__ bool out_of_range(int32_t token, int vocab) {
+  return token < 0 || token >= vocab;
+}
+
+struct GreedyArgs {
+  TokenVerifyInputs in;
+  VerifyOutputs out;
+};
+
+/// One warp per row. The loads of kWindowsPerBatch windows are issued before their ballots, so a long row
+/// (gamma = 256: 8 windows) waits for memory twice, not eight times.
+__global__ void __launch_bounds__(kGreedyThreads) GreedyVerifyKernel(const GreedyArgs args) {
+  const TokenVerifyInputs& in = args.in;
+  const int row = blockIdx.x * kGreedyWarps + static_cast<int>(threadIdx.x) / 32;
+  if (row >= in.rows)
+    return; // warp-uniform
+  const int lane = threadIdx.x % 32;
+  const int32_t* draft = in.draft_tokens + row * in.draft_row_stride;
+  const int32_t* target = in.target_tokens + row * in.target_row_stride;
+
+  uint32_t first = device::kNoRejection;
+  for (int batch = 0; batch < in.gamma; batch += 32 * kWindowsPerBatch) {
+    int32_t draft_token[kWindowsPerBatch], target_token[kWindowsPerBatch];
+#pragma unroll
+    for (int w = 0; w < kWindowsPerBatch; ++w) {
+      const int j = batch + 32 * w + lane;
+      draft_token[w] = j < in.gamma ? draft[j] : 0;
+      target_token[w] = j < in.gamma ? target[j] : 0;
+    }
+#pragma unroll
+    for (int w = 0; w < kWindowsPerBatch; ++w) {
+      const int base = batch + 32 * w;
+      if (base >= in.gamma)
+        break; // warp-uniform: exactly ceil(gamma / 32) ballots per row
+      const bool inside = base + lane < in.gamma;
+      const bool bad = inside && out_of_range(draft_token[w], in.vocab);
+      const bool reject = inside && (bad || draft_token[w] != target_token[w]);
+      first = min(first, device::first_rejection(reject, bad ? kFlagTokenOutOfRange : 0u, base));
+    }
+  }
+  if (lane != 0)
+    return;
+  const int accepted = first == device::kNoRejection ? in.gamma : static_cast<int>(first >> 8);
+  uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
+  int32_t next_token = target[accepted];
+  if (out_of_range(next_token, in.vocab)) {
+    flags |= kFlagTokenOutOfRange;
+    next_token = kInvalidToken;
+  }
+  device::write_verdict(args.out, row, accepted, in.gamma, next_token, flags);
+}
+
+// --- stochastic ------------------------------------------------------------------------------------------
+
+/// Largest Gumbel noise a Philox uniform can give: u <= 1 - 2^-24, so -log(-log u) <= 16.6355. An element
+/// whose log-weight is this far below the best score so far cannot win, and skips its noise.
+constexpr float kMaxGumbel = 16.64f;
+
+/// How the next token is drawn from one position.
+enum class Draw : int {
+  kResidual,     ///< max(0, p - q): score log(p_v - q_v) + Gumbel_v
+  kTarget,       ///< p (the bonus, and the residual's fallback): score l_v / T_t + Gumbel_v
+  kTargetExcept, ///< p without `excluded` (the residual when q is one-hot at the draft token, T_d = 0)
+  kArgmax,       ///< T_t = 0: p is one-hot at the target's argmax, whatever q is
+};
+
+/// What a draw needs besides the logits (read from device memory by the kernel).
+struct DrawContext {
+  uint64_t seed;
+  uint32_t draw_counter, particle, stream_word;
+  float inverse_target_t, target_lse; // log p_v = l_t[v] * inverse_target_t - target_lse
+  float inverse_draft_t, draft_lse;   // log q_v likewise
+  int excluded;
+  int vocab;
+};
+
+struct Candidate {
+  float score;
+  int index; ///< INT_MAX when none
+};
+
+struct BetterCandidate { // larger score; ties to the smaller vocab id
+  __device__ __forceinline__ Candidate operator()(const Candidate& a, const Candidate& b) const {
+    if (a.score != b.score)
+      return a.score > b.score ? a : b;
+    return a.index <= b.index ? a : b;
+  }
+};
+
+struct LogSumExp {
+  float max, sum; ///< sum of exp(x - max)
+};
+
+struct MergeLogSumExp {
+  __device__ __forceinline__ LogSumExp operator()(const LogSumExp& a, const LogSumExp& b) const {
+    const float m = detail::max_nan(a.max, b.max);
+    if (m == -INFINITY || m != m)
+      return {m, m == -INFINITY ? 0.0f : NAN};
+    const float sum_a = a.max == -INFINITY ? 0.0f : a.sum * expf(a.max - m);
+    const float sum_b = b.max == -INFINITY ? 0.0f : b.sum * expf(b.max - m);
+    return {m, sum_a + sum_b};
+  }
+};
+
+/// log(1 - e^x) for x <= 0, accurate at both ends (Maechler 2012).
+__device__ __forceinline__ float log1mexp(float x) {
+  return x > -0.693147182f ? logf(-expm1f(x)) : log1pf(-expf(x));
+}
+
+__device__ __forceinline__ bool bad_value(float x) {
+  return x != x || x == INFINITY;
+}
+
+template <DType DTYPE, int THREADS> struct RowPass {
+  using Traits = detail::DTypeTraits<DTYPE>;
+  using Scalar = typename Traits::Scalar;
+  static constexpr int kPerVector = Traits::kPerVector;
+  static constexpr int kUnroll = detail::kUnrollVectors;
+  using CandidateReduce = cub::BlockReduce<Candidate, THREADS>;
+  using LseReduce = cub::BlockReduce<LogSumExp, THREADS>;
+  union TempStorage {
+    typename CandidateReduce::TempStorage candidate;
+    typename LseReduce::TempStorage lse;
+  };
+
+  static __device__ bool aligned(const Scalar* row) {
+    return reinterpret_cast<uintptr_t>(row) % detail::kVectorBytes == 0;
+  }
+
+  /// log-sum-exp of row * inverse_temperature; every thread gets it. A second read of the row, taken only
+  /// when the log-sum-exp cannot be recovered from the given log-prob (p(d) = 0, an out-of-range draft id).
+  static __device__ float log_sum_exp(const Scalar* row, float inverse_temperature, int vocab,
+                                      TempStorage& temp, float* broadcast) {
+    const bool row_aligned = aligned(row);
+    const MergeLogSumExp merge;
+    LogSumExp state{-INFINITY, 0.0f};
+    for (int first = threadIdx.x * kPerVector; first < vocab; first += THREADS * kPerVector) {
+      float values[kPerVector];
+      detail::unpack<DTYPE>(
+          detail::load_vector<DTYPE>(row, first, min(kPerVector, vocab - first), row_aligned), values);
+#pragma unroll
+      for (int i = 0; i < kPerVector; ++i)
+        state = merge(state, LogSumExp{values[i] * inverse_temperature, 1.0f});
+    }
+    state = LseReduce(temp.lse).Reduce(state, merge);
+    if (threadIdx.x == 0)
+      *broadcast = state.max == -INFINITY ? -INFINITY : state.max + logf(state.sum);
+    __syncthreads();
+    const float result = *broadcast;
+    __syncthreads(); // temp and broadcast are reused
+    return result;
+  }
+
+  /// One pass over the drawn position: the best Gumbel score over the row, reduced over the CTA (valid in
+  /// thread 0). `saw_bad_logit` (every thread) reports a NaN or +inf logit among those read.
+  template <Draw DRAW>
+  static __device__ Candidate draw(const Scalar* target_row, const Scalar* draft_row,
+                                   const DrawContext& context, TempStorage& temp, bool& saw_bad_logit) {
+    constexpr bool kReadsDraft = DRAW == Draw::kResidual;
+    constexpr bool kNoise = DRAW != Draw::kArgmax;
+    const bool target_aligned = aligned(target_row);
+    const bool draft_aligned = kReadsDraft && aligned(draft_row);
+    Candidate best{-INFINITY, INT_MAX};
+    bool bad = false;
+    const int vectors = (context.vocab + kPerVector - 1) / kPerVector;
+    for (int base = 0; base < vectors; base += kUnroll * THREADS) {
+      uint4 raw_target[kUnroll], raw_draft[kUnroll];
+      int firsts[kUnroll], counts[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) { // all loads first: several in flight per thread
+        firsts[u] = (base + u * THREADS + static_cast<int>(threadIdx.x)) * kPerVector;
+        counts[u] = max(0, min(kPerVector, context.vocab - firsts[u]));
+        if (counts[u] > 0) {
+          raw_target[u] = detail::load_vector<DTYPE>(target_row, firsts[u], counts[u], target_aligned);
+          if constexpr (kReadsDraft)
+            raw_draft[u] = detail::load_vector<DTYPE>(draft_row, firsts[u], counts[u], draft_aligned);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (counts[u] <= 0)
+          continue;
+        float target_logit[kPerVector], draft_logit[kPerVector];
+        detail::unpack<DTYPE>(raw_target[u], target_logit); // elements past the vocabulary read as -inf
+        if constexpr (kReadsDraft)
+          detail::unpack<DTYPE>(raw_draft[u], draft_logit);
+        uint4 words = make_uint4(0, 0, 0, 0);
+        int words_group = -1;
+#pragma unroll
+        for (int i = 0; i < kPerVector; ++i) {
+          const int v = firsts[u] + i;
+          const float x = target_logit[i];
+          bad |= bad_value(x);
+          float score;
+          if constexpr (DRAW == Draw::kArgmax) {
+            score = x;
+          } else if constexpr (DRAW == Draw::kTarget) {
+            score = x * context.inverse_target_t;
+          } else if constexpr (DRAW == Draw::kTargetExcept) {
+            score = v == context.excluded ? -INFINITY : x * context.inverse_target_t;
+          } else {
+            const float y = draft_logit[i];
+            bad |= bad_value(y);
+            const float log_p = x * context.inverse_target_t - context.target_lse;
+            const float log_q = y * context.inverse_draft_t - context.draft_lse;
+            // log(p - q) = log p + log(1 - q / p) where p > q; no residual mass (or NaN) otherwise. q = 0
+            // (log_q = -inf) gives log p exactly; p = 0 never passes.
+            score = log_p > log_q ? log_p + log1mexp(log_q - log_p) : -INFINITY;
+          }
+          if (!(score > -INFINITY))
+            continue; // masked, NaN, or no residual mass: never drawn
+          if constexpr (kNoise) {
+            if (score + kMaxGumbel <= best.score)
+              continue; // cannot win: skip the noise
+            const int group = v >> 2;
+            if (group != words_group) {
+              words = device::philox_group(context.seed, static_cast<uint32_t>(group), context.draw_counter,
+                                           context.particle, context.stream_word);
+              words_group = group;
+            }
+            const uint32_t word = (i & 3) == 0   ? words.x
+                                  : (i & 3) == 1 ? words.y
+                                  : (i & 3) == 2 ? words.z
+                                                 : words.w;
+            score += -logf(-logf(device::uniform_open01(word)));
+          }
+          if (score > best.score)
+            best = Candidate{score, v}; // ids grow within a thread: ties keep the first
+        }
+      }
+    }
+    saw_bad_logit = __syncthreads_or(bad) != 0;
+    best = CandidateReduce(temp.candidate).Reduce(best, BetterCandidate{});
+    __syncthreads(); // temp is reused
+    return best;
+  }
+};
+
+struct StochasticArgs {
+  StochasticVerifyInputs in;
+  VerifyOutputs out;
+  int vocab;
+};
+
+/// One CTA per row: the coins by warp ballots (windows spread over the warps), then one draw.
+template <DType DTYPE, int THREADS>
+__global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const StochasticArgs args) {
+  using Pass = RowPass<DTYPE, THREADS>;
+  using Scalar = typename Pass::Scalar;
+  __shared__ typename Pass::TempStorage temp;
+  __shared__ uint32_t row_first_rejection;
+  __shared__ int drawn_index;
+  __shared__ float broadcast;
+
+  const StochasticVerifyInputs& in = args.in;
+  const int row = blockIdx.x;
+  const int gamma = in.gamma;
+  const int vocab = args.vocab;
+  const int particles = in.random.particles_per_request;
+  const int request = row / particles;
+  DrawContext context{};
+  context.seed = in.random.seeds[request];
+  context.draw_counter = in.random.draw_counters[request];
+  context.particle = static_cast<uint32_t>(row % particles);
+  context.vocab = vocab;
+  const float target_t = in.target_temperature[row];
+  const float draft_t = in.draft_temperature[row];
+  if (!(target_t >= 0.0f) || isinf(target_t) || !(draft_t >= 0.0f) || isinf(draft_t)) { // CTA-uniform
+    if (threadIdx.x == 0)
+      device::write_verdict(args.out, row, 0, gamma, kInvalidToken, kFlagBadParameter);
+    return;
+  }
+
+  const int32_t* tokens = in.draft_tokens + row * in.draft_token_row_stride;
+  const float* target_logprobs = in.target_logprobs + row * in.target_logprob_row_stride;
+  const float* draft_logprobs = in.draft_logprobs + row * in.draft_logprob_row_stride;
+  if (threadIdx.x == 0)
+    row_first_rejection = device::kNoRejection;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  for (int base = static_cast<int>(threadIdx.x) - lane; base < gamma; base += THREADS) { // warp-uniform
+    const int j = base + lane;
+    bool reject = false;
+    uint32_t reason = 0;
+    if (j < gamma) {
+      const int32_t token = tokens[j];
+      const float log_p = target_logprobs[j], log_q = draft_logprobs[j];
+      if (out_of_range(token, vocab)) {
+        reject = true;
+        reason = kFlagTokenOutOfRange;
+      } else if (bad_value(log_p) || bad_value(log_q)) {
+        reject = true;
+        reason = kFlagNanLogit;
+      } else if (log_p == -INFINITY) { // p(d) = 0: d is never emitted
+        reject = true;
+      } else if (log_p < log_q) { // accept with probability p / q < 1
+        const uint32_t word = device::philox_group(context.seed, 0u, context.draw_counter, context.particle,
+                                                   philox_stream(Salt::kAcceptCoin, static_cast<uint32_t>(j)))
+                                  .x;
+        reject = !(device::uniform_open01(word) < expf(log_p - log_q));
+      }
+    }
+    const uint32_t found = device::first_rejection(reject, reason, base);
+    if (lane == 0 && found != device::kNoRejection)
+      atomicMin(&row_first_rejection, found);
+  }
+  __syncthreads();
+  const uint32_t first = row_first_rejection;
+  const int accepted = first == device::kNoRejection ? gamma : static_cast<int>(first >> 8);
+  uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
+
+  int32_t next_token = kInvalidToken;
+  if (!(flags & kFlagNanLogit)) { // CTA-uniform from here on
+    const LogitsView& target = in.target_logits;
+    const LogitsView& draft = in.draft_logits;
+    const Scalar* target_row =
+        static_cast<const Scalar*>(target.data) + row * target.row_stride + accepted * target.position_stride;
+    context.stream_word = philox_stream(Salt::kResidual, static_cast<uint32_t>(accepted));
+    context.inverse_target_t = target_t > 0.0f ? 1.0f / target_t : 0.0f;
+    bool saw_bad_logit = false;
+    Candidate best;
+    if (target_t == 0.0f) {
+      best = Pass::template draw<Draw::kArgmax>(target_row, nullptr, context, temp, saw_bad_logit);
+    } else if (accepted == gamma) {
+      best = Pass::template draw<Draw::kTarget>(target_row, nullptr, context, temp, saw_bad_logit);
+    } else if (draft_t == 0.0f) {
+      context.excluded = tokens[accepted]; // an out-of-range id excludes nothing
+      best = Pass::template draw<Draw::kTargetExcept>(target_row, nullptr, context, temp, saw_bad_logit);
+    } else {
+      const Scalar* draft_row =
+          static_cast<const Scalar*>(draft.data) + row * draft.row_stride + accepted * draft.position_stride;
+      context.inverse_draft_t = 1.0f / draft_t;
+      const int32_t token = tokens[accepted];
+      float target_lse = NAN, draft_lse = NAN;
+      if (!out_of_range(token, vocab)) { // lse = l[d] / T - log p(d), from what the score pass computed
+        target_lse =
+            Pass::Traits::to_float(target_row[token]) * context.inverse_target_t - target_logprobs[accepted];
+        draft_lse =
+            Pass::Traits::to_float(draft_row[token]) * context.inverse_draft_t - draft_logprobs[accepted];
+      }
+      if (!isfinite(target_lse))
+        target_lse = Pass::log_sum_exp(target_row, context.inverse_target_t, vocab, temp, &broadcast);
+      if (!isfinite(draft_lse))
+        draft_lse = Pass::log_sum_exp(draft_row, context.inverse_draft_t, vocab, temp, &broadcast);
+      context.target_lse = target_lse;
+      context.draft_lse = draft_lse;
+      best = Pass::template draw<Draw::kResidual>(target_row, draft_row, context, temp, saw_bad_logit);
+      if (threadIdx.x == 0)
+        drawn_index = best.index;
+      __syncthreads();
+      // p ~= q to float precision leaves no residual mass although a coin rejected: draw from p instead.
+      if (drawn_index == INT_MAX && !saw_bad_logit)
+        best = Pass::template draw<Draw::kTarget>(target_row, nullptr, context, temp, saw_bad_logit);
+    }
+    if (saw_bad_logit) {
+      flags |= kFlagNanLogit;
+    } else if (best.index == INT_MAX) {
+      flags |= kFlagAllMasked; // (thread 0's view; only thread 0 writes)
+    } else {
+      next_token = best.index;
+    }
+  }
+  if (threadIdx.x == 0)
+    device::write_verdict(args.out, row, accepted, gamma, next_token, flags);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------------------
+
+template <int THREADS> void launch_stochastic(DType dtype, const StochasticArgs& args, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(args.in.target_logits.rows));
+  switch (dtype) {
+  case DType::kFloat32:
+    StochasticVerifyKernel<DType::kFloat32, THREADS><<<grid, THREADS, 0, stream>>>(args);
+    break;
+  case DType::kBFloat16:
+    StochasticVerifyKernel<DType::kBFloat16, THREADS><<<grid, THREADS, 0, stream>>>(args);
+    break;
+  case DType::kFloat16:
+    StochasticVerifyKernel<DType::kFloat16, THREADS><<<grid, THREADS, 0, stream>>>(args);
+    break;
+  }
+}
+
+void validate_logits(const char* where, const char* name, const LogitsView& view, int min_positions,
+                     const char* positions_requirement) {
+  const std::string field = name;
+  require(view.data != nullptr, where, (field + ".data").c_str(), "null", "must be a device pointer");
+  require(view.dtype == DType::kFloat32 || view.dtype == DType::kBFloat16 || view.dtype == DType::kFloat16,
+          where, (field + ".dtype").c_str(), static_cast<int>(view.dtype), "must be fp32, bf16 or fp16");
+  require(view.rows >= 1, where, (field + ".rows").c_str(), view.rows, "must be >= 1");
+  require(view.vocab >= 1, where, (field + ".vocab").c_str(), view.vocab, "must be >= 1");
+  require(view.positions >= min_positions, where, (field + ".positions").c_str(), view.positions,
+          positions_requirement);
+  require(view.position_stride >= view.vocab, where, (field + ".position_stride").c_str(),
+          view.position_stride, "must be >= vocab");
+  // Rows may nest positions ([rows, positions, V]) or positions may nest rows ([positions, rows, V], how a
+  // cycle keeps its K draft steps' logits); either way no two (row, position) pairs overlap.
+  const bool row_major = view.row_stride >= (view.positions - 1) * view.position_stride + view.vocab;
+  const bool position_major =
+      view.row_stride >= view.vocab && view.position_stride >= (view.rows - 1) * view.row_stride + view.vocab;
+  require(view.row_stride == 0 || row_major || position_major, where, (field + ".row_stride").c_str(),
+          view.row_stride, "must be 0 (one shared row) or lay rows and positions out without overlap");
+}
+
+} // namespace
+
+void TokenVerifyInputs::validate(const char* where) const {
+  require(rows >= 1, where, "rows", rows, "must be >= 1");
+  require(gamma >= 1 && gamma <= kMaxGamma, where, "gamma", gamma, "must be in [1, kMaxGamma]");
+  require(vocab >= 1, where, "vocab", vocab, "must be >= 1");
+  require(draft_tokens != nullptr, where, "draft_tokens", "null", "must be a device pointer");
+  require(target_tokens != nullptr, where, "target_tokens", "null", "must be a device pointer");
+  require(draft_row_stride >= gamma, where, "draft_row_stride", draft_row_stride, "must be >= gamma");
+  require(target_row_stride > gamma, where, "target_row_stride", target_row_stride, "must be >= gamma + 1");
+}
+
+void VerifyOutputs::validate(const char* where) const {
+  require(accepted != nullptr, where, "out.accepted", "null", "must be a device pointer");
+  require(next_tokens != nullptr, where, "out.next_tokens", "null", "must be a device pointer");
+}
+
+void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream) {
+  constexpr const char* kWhere = "smcgraph::verify_greedy";
+  inputs.validate(kWhere);
+  out.validate(kWhere);
+  const NvtxRange range("verify_greedy");
+  const dim3 grid(static_cast<unsigned>((inputs.rows + kGreedyWarps - 1) / kGreedyWarps));
+  GreedyVerifyKernel<<<grid, kGreedyThreads, 0, stream>>>(GreedyArgs{inputs, out});
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream) {
+  constexpr const char* kWhere = "smcgraph::verify_stochastic";
+  const int gamma = inputs.gamma;
+  require(gamma >= 1 && gamma <= kMaxGamma, kWhere, "gamma", gamma, "must be in [1, kMaxGamma]");
+  validate_logits(kWhere, "target_logits", inputs.target_logits, gamma + 1, "must be >= gamma + 1");
+  validate_logits(kWhere, "draft_logits", inputs.draft_logits, gamma, "must be >= gamma");
+  const int rows = inputs.target_logits.rows;
+  const int vocab = inputs.target_logits.vocab;
+  require(inputs.draft_logits.rows == rows, kWhere, "draft_logits.rows", inputs.draft_logits.rows,
+          "must equal target_logits.rows");
+  require(inputs.draft_logits.vocab == vocab, kWhere, "draft_logits.vocab", inputs.draft_logits.vocab,
+          "must equal target_logits.vocab");
+  require(inputs.draft_logits.dtype == inputs.target_logits.dtype, kWhere, "draft_logits.dtype",
+          dtype_name(inputs.draft_logits.dtype), "must equal target_logits.dtype");
+  require(inputs.draft_tokens != nullptr, kWhere, "draft_tokens", "null", "must be a device pointer");
+  require(inputs.draft_token_row_stride >= gamma, kWhere, "draft_token_row_stride",
+          inputs.draft_token_row_stride, "must be >= gamma");
+  require(inputs.draft_logprobs != nullptr, kWhere, "draft_logprobs", "null", "must be a device pointer");
+  require(inputs.draft_logprob_row_stride >= gamma, kWhere, "draft_logprob_row_stride",
+          inputs.draft_logprob_row_stride, "must be >= gamma");
+  require(inputs.target_logprobs != nullptr, kWhere, "target_logprobs", "null", "must be a device pointer");
+  require(inputs.target_logprob_row_stride >= gamma, kWhere, "target_logprob_row_stride",
+          inputs.target_logprob_row_stride, "must be >= gamma");
+  require(inputs.draft_temperature != nullptr, kWhere, "draft_temperature", "null",
+          "must be a device pointer");
+  require(inputs.target_temperature != nullptr, kWhere, "target_temperature", "null",
+          "must be a device pointer");
+  require(inputs.random.seeds != nullptr, kWhere, "random.seeds", "null", "must be a device pointer");
+  require(inputs.random.draw_counters != nullptr, kWhere, "random.draw_counters", "null",
+          "must be a device pointer");
+  require(inputs.random.particles_per_request >= 1, kWhere, "random.particles_per_request",
+          inputs.random.particles_per_request, "must be >= 1");
+  out.validate(kWhere);
+
+  const NvtxRange range("verify_stochastic");
+  const StochasticArgs args{inputs, out, vocab};
+  // Threads by vocabulary: every thread gets >= a few 16-byte vectors (small V serves the statistics tests
+  // with ~10^6 tiny rows; large V wants many loads in flight per SM).
+  if (vocab > 16384) {
+    launch_stochastic<512>(inputs.target_logits.dtype, args, stream);
+  } else if (vocab > 1024) {
+    launch_stochastic<128>(inputs.target_logits.dtype, args, stream);
+  } else {
+    launch_stochastic<32>(inputs.target_logits.dtype, args, stream);
+  }
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace smcgraph

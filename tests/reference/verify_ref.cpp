@@ -1,0 +1,304 @@
+// Included by path (not only through the test library): the benches compile it in to validate before timing.
+#include "verify_ref.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "smcgraph/philox.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::reference {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+bool out_of_range(int32_t token, int vocab) {
+  return token < 0 || token >= vocab;
+}
+bool bad_value(float x) {
+  return std::isnan(x) || x == std::numeric_limits<float>::infinity();
+}
+
+void resize(Verdict& verdict, int rows) {
+  verdict.accepted.assign(rows, 0);
+  verdict.next_tokens.assign(rows, kInvalidToken);
+  verdict.mismatch.assign(rows, 0);
+  verdict.row_flags.assign(rows, 0);
+  verdict.status = 0;
+}
+
+void record(Verdict& verdict, int row, int accepted, int gamma, int32_t next_token, uint32_t flags) {
+  verdict.accepted[row] = accepted;
+  verdict.next_tokens[row] = next_token;
+  verdict.mismatch[row] = accepted < gamma ? 1 : 0;
+  verdict.row_flags[row] |= flags;
+  verdict.status |= flags;
+}
+
+/// log(1 - e^x), x <= 0.
+double log1mexp(double x) {
+  return x > -std::log(2.0) ? std::log(-std::expm1(x)) : std::log1p(-std::exp(x));
+}
+
+double log_sum_exp(const float* row, int vocab, double scale) {
+  double m = -kInf;
+  for (int v = 0; v < vocab; ++v)
+    m = std::max(m, row[v] * scale);
+  if (m == -kInf)
+    return -kInf;
+  double sum = 0.0;
+  for (int v = 0; v < vocab; ++v)
+    sum += std::exp(row[v] * scale - m);
+  return m + std::log(sum);
+}
+
+/// The best and second best scores of a draw (ties to the smaller id, as on the device).
+struct Race {
+  double best = -kInf, second = -kInf;
+  int32_t best_index = -1, second_index = -1;
+  void offer(double score, int32_t index) {
+    if (score > best) {
+      second = best;
+      second_index = best_index;
+      best = score;
+      best_index = index;
+    } else if (score > second) {
+      second = score;
+      second_index = index;
+    }
+  }
+};
+
+enum class Draw { kResidual, kTarget, kTargetExcept, kArgmax };
+
+struct DrawInputs {
+  const float* target_row;
+  const float* draft_row;
+  double inverse_target_t, target_lse, inverse_draft_t, draft_lse;
+  int32_t excluded;
+  int vocab;
+  uint64_t seed;
+  uint32_t draw_counter, particle, stream_word;
+};
+
+Race draw(Draw mode, const DrawInputs& in) {
+  Race race;
+  for (int v = 0; v < in.vocab; ++v) {
+    const float x = in.target_row[v];
+    double score;
+    switch (mode) {
+    case Draw::kArgmax:
+      score = x;
+      break;
+    case Draw::kTarget:
+      score = x * in.inverse_target_t;
+      break;
+    case Draw::kTargetExcept:
+      score = v == in.excluded ? -kInf : x * in.inverse_target_t;
+      break;
+    case Draw::kResidual: {
+      const double log_p = x * in.inverse_target_t - in.target_lse;
+      const double log_q = in.draft_row[v] * in.inverse_draft_t - in.draft_lse;
+      score = log_p > log_q ? log_p + log1mexp(log_q - log_p) : -kInf;
+      break;
+    }
+    }
+    if (!(score > -kInf))
+      continue;
+    if (mode != Draw::kArgmax) {
+      const double u = uniform_open01(
+          philox_word(in.seed, static_cast<uint64_t>(v), in.draw_counter, in.particle, in.stream_word));
+      score += -std::log(-std::log(u));
+    }
+    race.offer(score, v);
+  }
+  return race;
+}
+
+bool any_bad(const float* row, int vocab) {
+  for (int v = 0; v < vocab; ++v)
+    if (bad_value(row[v]))
+      return true;
+  return false;
+}
+
+} // namespace
+
+Verdict verify_greedy(const int32_t* draft, int64_t draft_row_stride, const int32_t* target,
+                      int64_t target_row_stride, int rows, int gamma, int vocab) {
+  Verdict verdict;
+  resize(verdict, rows);
+  for (int row = 0; row < rows; ++row) {
+    const int32_t* d = draft + row * draft_row_stride;
+    const int32_t* t = target + row * target_row_stride;
+    int accepted = gamma;
+    uint32_t flags = 0;
+    for (int j = 0; j < gamma; ++j) {
+      const bool bad = out_of_range(d[j], vocab);
+      if (bad || d[j] != t[j]) {
+        accepted = j;
+        if (bad)
+          flags |= kFlagTokenOutOfRange;
+        break;
+      }
+    }
+    int32_t next = t[accepted];
+    if (out_of_range(next, vocab)) {
+      flags |= kFlagTokenOutOfRange;
+      next = kInvalidToken;
+    }
+    record(verdict, row, accepted, gamma, next, flags);
+  }
+  return verdict;
+}
+
+bool StochasticVerdict::near_tie(int row, double coin_tolerance, double gap_tolerance) const {
+  return coin_margin[row] < coin_tolerance || draw_gap[row] < gap_tolerance;
+}
+
+StochasticVerdict verify_stochastic(const StochasticProblem& p) {
+  StochasticVerdict verdict;
+  resize(verdict, p.rows);
+  verdict.coin_margin.assign(p.rows, kInf);
+  verdict.draw_gap.assign(p.rows, kInf);
+  verdict.runner_up.assign(p.rows, -1);
+  for (int row = 0; row < p.rows; ++row) {
+    const int request = row / p.particles_per_request;
+    const uint64_t seed = p.seeds[request];
+    const uint32_t draw_counter = p.draw_counters[request];
+    const uint32_t particle = static_cast<uint32_t>(row % p.particles_per_request);
+    const float target_t = p.target_temperature[row];
+    const float draft_t = p.draft_temperature[row];
+    if (!(target_t >= 0.0f) || std::isinf(target_t) || !(draft_t >= 0.0f) || std::isinf(draft_t)) {
+      record(verdict, row, 0, p.gamma, kInvalidToken, kFlagBadParameter);
+      continue;
+    }
+    const int32_t* tokens = p.draft_tokens + row * p.draft_token_row_stride;
+    const float* target_logprobs = p.target_logprobs + row * p.target_logprob_row_stride;
+    const float* draft_logprobs = p.draft_logprobs + row * p.draft_logprob_row_stride;
+
+    int accepted = p.gamma;
+    uint32_t flags = 0;
+    for (int j = 0; j < p.gamma; ++j) {
+      const float log_p = target_logprobs[j], log_q = draft_logprobs[j];
+      if (out_of_range(tokens[j], p.vocab)) {
+        accepted = j;
+        flags |= kFlagTokenOutOfRange;
+        break;
+      }
+      if (bad_value(log_p) || bad_value(log_q)) {
+        accepted = j;
+        flags |= kFlagNanLogit;
+        break;
+      }
+      if (log_p == -std::numeric_limits<float>::infinity()) {
+        accepted = j;
+        break;
+      }
+      if (log_p < log_q) {
+        const double u = uniform_open01(philox_word(
+            seed, 0, draw_counter, particle, philox_stream(Salt::kAcceptCoin, static_cast<uint32_t>(j))));
+        const double log_ratio = static_cast<double>(log_p) - static_cast<double>(log_q);
+        verdict.coin_margin[row] = std::min(verdict.coin_margin[row], std::abs(std::log(u) - log_ratio));
+        if (!(std::log(u) < log_ratio)) {
+          accepted = j;
+          break;
+        }
+      }
+    }
+
+    int32_t next = kInvalidToken;
+    if (!(flags & kFlagNanLogit)) {
+      DrawInputs in{};
+      in.target_row = p.target_logits + row * p.target_row_stride + accepted * p.target_position_stride;
+      in.draft_row = p.draft_logits + row * p.draft_row_stride + accepted * p.draft_position_stride;
+      in.inverse_target_t = target_t > 0.0f ? 1.0 / target_t : 0.0;
+      in.inverse_draft_t = draft_t > 0.0f ? 1.0 / draft_t : 0.0;
+      in.vocab = p.vocab;
+      in.seed = seed;
+      in.draw_counter = draw_counter;
+      in.particle = particle;
+      in.stream_word = philox_stream(Salt::kResidual, static_cast<uint32_t>(accepted));
+      bool bad = any_bad(in.target_row, p.vocab);
+      Race race;
+      if (target_t == 0.0f) {
+        race = draw(Draw::kArgmax, in);
+      } else if (accepted == p.gamma) {
+        race = draw(Draw::kTarget, in);
+      } else if (draft_t == 0.0f) {
+        in.excluded = tokens[accepted];
+        race = draw(Draw::kTargetExcept, in);
+      } else {
+        bad = bad || any_bad(in.draft_row, p.vocab);
+        in.target_lse = log_sum_exp(in.target_row, p.vocab, in.inverse_target_t);
+        in.draft_lse = log_sum_exp(in.draft_row, p.vocab, in.inverse_draft_t);
+        race = draw(Draw::kResidual, in);
+        if (race.best_index < 0)
+          race = draw(Draw::kTarget, in); // no residual mass: p
+      }
+      if (bad) {
+        flags |= kFlagNanLogit;
+      } else if (race.best_index < 0) {
+        flags |= kFlagAllMasked;
+      } else {
+        next = race.best_index;
+        verdict.draw_gap[row] = race.second_index < 0 ? kInf : race.best - race.second;
+        verdict.runner_up[row] = race.second_index;
+      }
+    }
+    record(verdict, row, accepted, p.gamma, next, flags);
+  }
+  return verdict;
+}
+
+Packed pack(const int32_t* accepted, const int32_t* next_tokens, const int32_t* draft_tokens,
+            int64_t draft_row_stride, const uint8_t* payload, int64_t payload_row_stride, int rows, int gamma,
+            int width, int element_bytes, bool include_next) {
+  Packed packed;
+  packed.offsets.resize(rows);
+  const int64_t position_bytes = static_cast<int64_t>(width) * element_bytes;
+  for (int row = 0; row < rows; ++row) {
+    const int k = std::clamp(accepted[row], 0, gamma);
+    const int count = k + (include_next ? 1 : 0);
+    packed.offsets[row] = packed.total;
+    const uint8_t* source = payload + row * payload_row_stride * element_bytes;
+    packed.bytes.insert(packed.bytes.end(), source, source + count * position_bytes);
+    for (int j = 0; j < count; ++j) {
+      const int32_t next = next_tokens ? next_tokens[row] : kInvalidToken;
+      packed.tokens.push_back(
+          j < k ? (draft_tokens ? draft_tokens[row * draft_row_stride + j] : kInvalidToken) : next);
+    }
+    packed.total += count;
+  }
+  return packed;
+}
+
+OracleBatch make_oracle_batch(std::mt19937_64& engine, int rows, int gamma, int vocab, double alpha) {
+  OracleBatch batch;
+  batch.rows = rows;
+  batch.gamma = gamma;
+  batch.vocab = vocab;
+  batch.draft.resize(static_cast<size_t>(rows) * gamma);
+  batch.target.resize(static_cast<size_t>(rows) * (gamma + 1));
+  batch.accepted.resize(rows);
+  std::uniform_int_distribution<int32_t> token(0, vocab - 1);
+  std::uniform_int_distribution<int32_t> shift(1, std::max(1, vocab - 1));
+  std::binomial_distribution<int> accepted(gamma, alpha);
+  for (int row = 0; row < rows; ++row) {
+    const int k = accepted(engine);
+    batch.accepted[row] = k;
+    int32_t* d = batch.draft.data() + static_cast<size_t>(row) * gamma;
+    int32_t* t = batch.target.data() + static_cast<size_t>(row) * (gamma + 1);
+    for (int j = 0; j < gamma; ++j)
+      d[j] = token(engine);
+    for (int j = 0; j <= gamma; ++j)
+      t[j] = j < k ? d[j] : token(engine);
+    if (k < gamma)
+      t[k] = (d[k] + shift(engine)) % vocab; // differs from the draft (vocab >= 2)
+  }
+  return batch;
+}
+
+} // namespace smcgraph::reference
