@@ -63,8 +63,8 @@ public:
     if (calls_++ < from_call_) return;
     switch (act_) {
     case Act::kNone: break;
-    case Act::kAllMasked: // row 0's logits all -inf (fp32 model)
-      if (args.rows > 0)
+    case Act::kAllMasked: // row 0's logits all -inf (fp32 model), in cycle forwards only (not prefill)
+      if (args.rows > 1)
         SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(args.logits, masked_.data(),
                                             sizeof(float) * args.tokens_per_row * inner_.vocab(),
                                             cudaMemcpyDeviceToDevice, stream));
@@ -177,14 +177,20 @@ TEST_CASE("fault: a model forward that throws") {
   const EngineConfig config = config_for(2, 2);
   ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
   {
-    Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 1); // the warm-up passes, the capture throws
+    // The eager warm-up makes K = 4 draft calls; the first capture's draft head throws.
+    Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 4);
     CHECK_THROWS_WITH_AS(Engine(config, thrower, *models.target),
                          doctest::Contains("failed at step smc.draft: exception: saboteur: forward refused"), Error);
   }
   {
+    Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 0); // throws during the eager warm-up
+    CHECK_THROWS_WITH_AS(Engine(config, thrower, *models.target),
+                         doctest::Contains("warm-up failed at step smc.draft: saboteur: forward refused"), Error);
+  }
+  {
     EngineConfig eager = config;
     eager.use_graphs = false;
-    Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 3); // warm-up and the admission prefill pass
+    Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 5); // warm-up (4) and the admission prefill pass
     Engine engine(eager, thrower, *models.target);
     engine.admit({1, 2});
     CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("saboteur: forward refused"), std::runtime_error);

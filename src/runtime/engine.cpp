@@ -270,8 +270,14 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   for (size_t i = 0; i < s.bucket_requests.size(); ++i) s.bucket_info[i].requests = s.bucket_requests[i];
 
   // Eager warm-up at the largest bucket (nothing is live: every row is padding), then capture largest first.
-  detail::enqueue_cycle(s, Q, s.stream);
-  s.stream.synchronize();
+  try {
+    detail::enqueue_cycle(s, Q, s.stream);
+    s.stream.synchronize();
+  } catch (const Error& e) {
+    throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what(), e.cuda_error());
+  } catch (const std::exception& e) {
+    throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what());
+  }
   if (!s.config.use_graphs) return;
   for (int i = static_cast<int>(s.bucket_requests.size()) - 1; i >= 0; --i) {
     const int requests = s.bucket_requests[i];
