@@ -43,7 +43,8 @@ double gpu_us_per_cycle(Engine& engine, int cycles) {
   while (!engine.poll().empty()) {
   }
   start.record(engine.stream());
-  for (int i = 0; i < cycles; ++i) engine.step();
+  for (int i = 0; i < cycles; ++i)
+    engine.step();
   stop.record(engine.stream());
   stop.synchronize();
   while (!engine.poll().empty()) {
@@ -96,19 +97,22 @@ int run(const Options& o) {
   size_t free_after = 0;
   SMCGRAPH_CUDA_CHECK(cudaMemGetInfo(&free_after, &total_memory));
   double capture_total_ms = 0.0;
-  for (const BucketInfo& info : engine.buckets()) capture_total_ms += info.capture_ms;
+  for (const BucketInfo& info : engine.buckets())
+    capture_total_ms += info.capture_ms;
 
   std::printf("smcgraph cycle_bench on %s: SMC N = %d, K = %d, V = %d (bf16 logits), toy models hidden 32\n",
               bench::device_name().c_str(), o.particles, o.steps, o.vocab);
-  std::printf("engine construction %.2f s (capture of %zu buckets x 2 parities: %.0f ms); engine buffers %.1f MB; "
-              "device memory used by models + engine %.1f MB\n",
-              construct_s, engine.buckets().size(), capture_total_ms, engine.device_bytes() / 1e6,
-              (free_before - free_after) / 1e6);
+  std::printf(
+      "engine construction %.2f s (capture of %zu buckets x 2 parities: %.0f ms); engine buffers %.1f MB; "
+      "device memory used by models + engine %.1f MB\n",
+      construct_s, engine.buckets().size(), capture_total_ms, engine.device_bytes() / 1e6,
+      (free_before - free_after) / 1e6);
   std::printf("\n%8s %6s %12s %12s %8s %12s %10s %8s %12s\n", "requests", "rows", "graph_us", "eager_us",
               "eager/gr", "host_step_us", "capture_ms", "nodes", "tokens/s");
   bench::Csv csv(o.csv);
-  csv.row({"device", "requests", "rows", "particles", "steps", "vocab", "graph_us_per_cycle", "eager_us_per_cycle",
-           "host_us_per_step", "capture_ms", "graph_nodes", "request_tokens_per_s", "engine_mb"});
+  csv.row({"device", "requests", "rows", "particles", "steps", "vocab", "graph_us_per_cycle",
+           "eager_us_per_cycle", "host_us_per_step", "capture_ms", "graph_nodes", "request_tokens_per_s",
+           "engine_mb"});
   bool valid = true;
   uint64_t seed = 1;
   std::vector<RequestId> admitted;
@@ -117,22 +121,27 @@ int run(const Options& o) {
     engine.synchronize();
     while (!engine.poll().empty()) {
     }
-    for (RequestId id : admitted) engine.release(id);
+    for (RequestId id : admitted)
+      engine.release(id);
     admitted.clear();
     for (int q = 0; q < info.requests; ++q) {
       std::vector<int32_t> prompt(32);
-      for (int i = 0; i < 32; ++i) prompt[i] = static_cast<int32_t>((seed * 7919 + i * 104729) % o.vocab);
+      for (int i = 0; i < 32; ++i)
+        prompt[i] = static_cast<int32_t>((seed * 7919 + i * 104729) % o.vocab);
       admitted.push_back(engine.admit(prompt, {.seed = seed++}));
     }
     // Validate a few cycles first.
     for (int c = 0; c < 3; ++c) {
       engine.step();
       for (const RequestUpdate& update : engine.poll()) {
-        if (update.failed || update.tokens.size() != static_cast<size_t>(o.particles)) valid = false;
+        if (update.failed || update.tokens.size() != static_cast<size_t>(o.particles))
+          valid = false;
         for (const auto& tokens : update.tokens) {
-          if (tokens.size() != static_cast<size_t>(o.steps + 1)) valid = false;
+          if (tokens.size() != static_cast<size_t>(o.steps + 1))
+            valid = false;
           for (int32_t t : tokens)
-            if (t < 0 || t >= o.vocab) valid = false;
+            if (t < 0 || t >= o.vocab)
+              valid = false;
         }
       }
     }
@@ -144,20 +153,21 @@ int run(const Options& o) {
     engine.set_eager(false);
     engine.synchronize();
     auto& state = engine.state();
-    const SlotCheck check = check_slot_invariants_device(state.pool_view(), state.tables_view(), engine.stream());
+    const SlotCheck check =
+        check_slot_invariants_device(state.pool_view(), state.tables_view(), engine.stream());
     if (!check.ok) {
       std::fprintf(stderr, "slot invariants broken at bucket %d: %s\n", info.requests, check.problem.c_str());
       valid = false;
     }
     const double tokens_per_s = info.requests * (o.steps + 1) / (graph_us * 1e-6);
     std::printf("%8d %6d %12.1f %12.1f %8.2f %12.2f %10.1f %8zu %12.0f\n", info.requests,
-                info.requests * o.particles, graph_us, eager_us, eager_us / graph_us, host_us, info.capture_ms,
-                info.graph_nodes, tokens_per_s);
+                info.requests * o.particles, graph_us, eager_us, eager_us / graph_us, host_us,
+                info.capture_ms, info.graph_nodes, tokens_per_s);
     csv.row({bench::device_name(), std::to_string(info.requests), std::to_string(info.requests * o.particles),
-             std::to_string(o.particles), std::to_string(o.steps), std::to_string(o.vocab), bench::format(graph_us, 2),
-             bench::format(eager_us, 2), bench::format(host_us, 3), bench::format(info.capture_ms, 1),
-             std::to_string(info.graph_nodes), bench::format(tokens_per_s, 0),
-             bench::format(engine.device_bytes() / 1e6, 1)});
+             std::to_string(o.particles), std::to_string(o.steps), std::to_string(o.vocab),
+             bench::format(graph_us, 2), bench::format(eager_us, 2), bench::format(host_us, 3),
+             bench::format(info.capture_ms, 1), std::to_string(info.graph_nodes),
+             bench::format(tokens_per_s, 0), bench::format(engine.device_bytes() / 1e6, 1)});
     std::fflush(stdout);
   }
   std::printf("\nvalidation: %s; CSV: %s\n", valid ? "ok" : "FAILED", o.csv.c_str());
@@ -177,15 +187,22 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (arg == "--vocab") o.vocab = std::atoi(value("--vocab").c_str());
-    else if (arg == "--particles") o.particles = std::atoi(value("--particles").c_str());
-    else if (arg == "--steps") o.steps = std::atoi(value("--steps").c_str());
-    else if (arg == "--max-requests") o.max_requests = std::atoi(value("--max-requests").c_str());
-    else if (arg == "--cycles") o.cycles = std::atoi(value("--cycles").c_str());
-    else if (arg == "--csv") o.csv = value("--csv");
+    if (arg == "--vocab")
+      o.vocab = std::atoi(value("--vocab").c_str());
+    else if (arg == "--particles")
+      o.particles = std::atoi(value("--particles").c_str());
+    else if (arg == "--steps")
+      o.steps = std::atoi(value("--steps").c_str());
+    else if (arg == "--max-requests")
+      o.max_requests = std::atoi(value("--max-requests").c_str());
+    else if (arg == "--cycles")
+      o.cycles = std::atoi(value("--cycles").c_str());
+    else if (arg == "--csv")
+      o.csv = value("--csv");
     else if (arg == "--help" || arg == "-h") {
-      std::printf("usage: cycle_bench [--vocab V] [--particles N] [--steps K] [--max-requests Q] [--cycles C] "
-                  "[--csv PATH]\n");
+      std::printf(
+          "usage: cycle_bench [--vocab V] [--particles N] [--steps K] [--max-requests Q] [--cycles C] "
+          "[--csv PATH]\n");
       return 0;
     } else {
       std::fprintf(stderr, "cycle_bench: unknown flag %s (see --help)\n", arg.c_str());

@@ -39,12 +39,24 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
   const RowRandom random{b.seeds, b.draw_counters, N};
   {
     Stage stage(s, draft_name);
-    ForwardArgs head{rows, 2, b.head_tokens, b.head_positions, b.tables.slot_table, b.head_seq_lens,
-                     b.head_out_slots, b.tables.live, s.draft_logits.data()};
+    ForwardArgs head{rows,
+                     2,
+                     b.head_tokens,
+                     b.head_positions,
+                     b.tables.slot_table,
+                     b.head_seq_lens,
+                     b.head_out_slots,
+                     b.tables.live,
+                     s.draft_logits.data()};
     s.draft->forward(head, stream);
     // d_1 from the head's last column: rows of [2, V], the second position.
-    const LogitsView head_last{s.draft_logits.data() + static_cast<size_t>(V) * element_bytes, dtype, rows, 1, V,
-                               2 * static_cast<int64_t>(V), V};
+    const LogitsView head_last{s.draft_logits.data() + static_cast<size_t>(V) * element_bytes,
+                               dtype,
+                               rows,
+                               1,
+                               V,
+                               2 * static_cast<int64_t>(V),
+                               V};
     sample(head_last, draft_params, random, philox_stream(Salt::kDraft, 0),
            {b.draft_tokens, b.draft_logprobs, b.scratch_logz, b.row_flags, b.status}, s.workspace, stream);
     if (speculative) // the verifier's residual needs q at every position: keep [K, rows, V]
@@ -53,7 +65,8 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
                                             V * element_bytes, rows, cudaMemcpyDeviceToDevice, stream));
     for (int step = 1; step < K; ++step) {
       const size_t offset = static_cast<size_t>(step - 1) * s.rows;
-      uint8_t* logits = speculative ? s.draft_step_logits.data() + step * step_logits_bytes : s.draft_logits.data();
+      uint8_t* logits =
+          speculative ? s.draft_step_logits.data() + step * step_logits_bytes : s.draft_logits.data();
       ForwardArgs one{rows,
                       1,
                       b.draft_tokens + offset,
@@ -66,16 +79,23 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
       s.draft->forward(one, stream);
       const LogitsView view{logits, dtype, rows, 1, V, V, V};
       sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
-             {b.draft_tokens + offset + s.rows, b.draft_logprobs + offset + s.rows, b.scratch_logz, b.row_flags,
-              b.status},
+             {b.draft_tokens + offset + s.rows, b.draft_logprobs + offset + s.rows, b.scratch_logz,
+              b.row_flags, b.status},
              s.workspace, stream);
     }
   }
   {
     Stage stage(s, verify_name);
     prepare_verify_inputs(b, rows, stream);
-    ForwardArgs verify{rows, K + 1, b.verify_tokens, b.verify_positions, b.tables.slot_table, b.verify_seq_lens,
-                       b.verify_out_slots, b.tables.live, s.target_logits.data()};
+    ForwardArgs verify{rows,
+                       K + 1,
+                       b.verify_tokens,
+                       b.verify_positions,
+                       b.tables.slot_table,
+                       b.verify_seq_lens,
+                       b.verify_out_slots,
+                       b.tables.live,
+                       s.target_logits.data()};
     s.target->forward(verify, stream);
   }
 }
@@ -90,12 +110,12 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, cudaStream_t strea
   enqueue_draft_and_verify(s, bucket_requests, stream);
   {
     Stage stage(s, "smc.score");
-    const LogitsView logits{s.target_logits.data(), s.target->logits_dtype(), rows, K + 1, V,
-                            static_cast<int64_t>(K + 1) * V, V};
+    const LogitsView logits{
+        s.target_logits.data(), s.target->logits_dtype(), rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
     score(logits, b.verify_tokens + 1, K + 1, {b.target_temperature, b.alpha}, random,
           philox_stream(Salt::kBonus, 0),
-          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status}, s.workspace,
-          stream);
+          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
+          s.workspace, stream);
   }
   {
     Stage stage(s, "smc.weights");

@@ -24,11 +24,12 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stre
   enqueue_draft_and_verify(s, bucket_requests, stream);
   {
     Stage stage(s, "spec.score");
-    const LogitsView logits{s.target_logits.data(), dtype, rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
+    const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,
+                            static_cast<int64_t>(K + 1) * V, V};
     score(logits, b.verify_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
           philox_stream(Salt::kBonus, 0),
-          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status}, s.workspace,
-          stream);
+          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
+          s.workspace, stream);
   }
   {
     Stage stage(s, "spec.verify");
@@ -52,8 +53,8 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stre
     Stage stage(s, "spec.pack");
     AcceptedRows accepted{b.accepted, rows, K, b.verify_tokens + 1, K + 1, nullptr};
     const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
-    const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets, b.packed_total,
-                          b.packed_tokens};
+    const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets,
+                          b.packed_total, b.packed_tokens};
     pack_accepted(accepted, payload, false, out, s.pack_workspace, stream);
   }
   {

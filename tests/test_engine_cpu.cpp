@@ -24,13 +24,16 @@ std::string error_of(const std::function<void(smcgraph::EngineConfig&)>& edit) {
 
 bool contains(const std::string& text, const std::string& part) {
   const bool found = text.find(part) != std::string::npos;
-  if (!found) MESSAGE("'" << text << "' does not contain '" << part << "'");
+  if (!found)
+    MESSAGE("'" << text << "' does not contain '" << part << "'");
   return found;
 }
 
 } // namespace
 
-TEST_CASE("the default configuration is valid") { CHECK(error_of([](auto&) {}) == "no error"); }
+TEST_CASE("the default configuration is valid") {
+  CHECK(error_of([](auto&) {}) == "no error");
+}
 
 TEST_CASE("every EngineConfig field out of range is named with its value") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -57,8 +60,14 @@ TEST_CASE("every EngineConfig field out of range is named with its value") {
 
 TEST_CASE("buckets must be sorted, unique, in range and end at max_requests") {
   CHECK(error_of([](auto& c) { c.buckets = {1, 4, 16}; }) == "no error");
-  CHECK(contains(error_of([](auto& c) { c.buckets = {4, 1, 16}; }), "buckets = [4, 1, 16]: must be strictly"));
-  CHECK(contains(error_of([](auto& c) { c.buckets = {1, 1, 16}; }), "buckets = [1, 1, 16]: must be strictly"));
+  CHECK(contains(error_of([](auto& c) {
+                   c.buckets = {4, 1, 16};
+                 }),
+                 "buckets = [4, 1, 16]: must be strictly"));
+  CHECK(contains(error_of([](auto& c) {
+                   c.buckets = {1, 1, 16};
+                 }),
+                 "buckets = [1, 1, 16]: must be strictly"));
   CHECK(contains(error_of([](auto& c) { c.buckets = {0, 16}; }), "buckets = [0, 16]: every bucket"));
   CHECK(contains(error_of([](auto& c) { c.buckets = {1, 32}; }), "buckets = [1, 32]: every bucket"));
   CHECK(contains(error_of([](auto& c) { c.buckets = {1, 8}; }), "buckets = [1, 8]: the largest bucket"));

@@ -57,7 +57,8 @@ struct Setup {
 
 std::vector<int32_t> random_prompt(test::Rng& rng, int vocab, int max_length) {
   std::vector<int32_t> prompt(rng.integer(1, max_length));
-  for (auto& t : prompt) t = static_cast<int32_t>(rng.integer(0, vocab - 1));
+  for (auto& t : prompt)
+    t = static_cast<int32_t>(rng.integer(0, vocab - 1));
   return prompt;
 }
 
@@ -74,7 +75,8 @@ std::vector<RequestUpdate> cycle(Engine& engine) {
 }
 
 bool same_updates(const std::vector<RequestUpdate>& a, const std::vector<RequestUpdate>& b) {
-  if (a.size() != b.size()) return false;
+  if (a.size() != b.size())
+    return false;
   for (size_t i = 0; i < a.size(); ++i) {
     if (a[i].id != b[i].id || a[i].tokens != b[i].tokens || a[i].ancestors != b[i].ancestors ||
         a[i].resampled != b[i].resampled || std::memcmp(&a[i].ess, &b[i].ess, sizeof(double)) != 0 ||
@@ -93,7 +95,8 @@ TEST_CASE("cycles commit K + 1 valid tokens per particle and keep the slot invar
   Setup setup(config);
   Engine& engine = *setup.engine;
   std::vector<RequestId> ids;
-  for (int i = 0; i < 5; ++i) ids.push_back(engine.admit(random_prompt(rng, config.vocab, 20), {.seed = rng.bits()}));
+  for (int i = 0; i < 5; ++i)
+    ids.push_back(engine.admit(random_prompt(rng, config.vocab, 20), {.seed = rng.bits()}));
   REQUIRE(check_invariants(engine).ok);
   for (int c = 0; c < 30; ++c) {
     const auto updates = cycle(engine);
@@ -103,9 +106,11 @@ TEST_CASE("cycles commit K + 1 valid tokens per particle and keep the slot invar
       REQUIRE(update.tokens.size() == static_cast<size_t>(config.particles));
       for (const auto& tokens : update.tokens) {
         CHECK(tokens.size() == static_cast<size_t>(config.draft_steps + 1));
-        for (int32_t t : tokens) CHECK((t >= 0 && t < config.vocab));
+        for (int32_t t : tokens)
+          CHECK((t >= 0 && t < config.vocab));
       }
-      for (int a : update.ancestors) CHECK((a >= 0 && a < config.particles));
+      for (int a : update.ancestors)
+        CHECK((a >= 0 && a < config.particles));
     }
     const SlotCheck check = check_invariants(engine);
     INFO(check.problem);
@@ -167,13 +172,16 @@ TEST_CASE("a request's tokens do not depend on its bucket, its neighbours or its
   auto run = [&](int max_requests, int others_before, int others_after) {
     Setup setup(small_config(4, 4, max_requests));
     Engine& engine = *setup.engine;
-    for (int i = 0; i < others_before; ++i) engine.admit(random_prompt(rng, 512, 24), {.seed = rng.bits()});
+    for (int i = 0; i < others_before; ++i)
+      engine.admit(random_prompt(rng, 512, 24), {.seed = rng.bits()});
     const RequestId id = engine.admit(prompt, {.seed = seed});
-    for (int i = 0; i < others_after; ++i) engine.admit(random_prompt(rng, 512, 24), {.seed = rng.bits()});
+    for (int i = 0; i < others_after; ++i)
+      engine.admit(random_prompt(rng, 512, 24), {.seed = rng.bits()});
     std::vector<std::vector<std::vector<int32_t>>> history;
     for (int c = 0; c < 20; ++c)
       for (const auto& update : cycle(engine))
-        if (update.id == id) history.push_back(update.tokens);
+        if (update.id == id)
+          history.push_back(update.tokens);
     CHECK(engine.current_bucket() == max_requests);
     const RequestResult result = engine.result(id);
     return std::make_pair(history, result.particles);
@@ -194,7 +202,8 @@ TEST_CASE("KV invariant: draft KV for positions < L - 2, target KV for positions
   Engine& engine = *setup.engine;
   const ToyModelWeights weights = make_toy_model_weights(setup.models.target->config());
   const int H = setup.models.target->hidden();
-  for (int i = 0; i < 3; ++i) engine.admit(random_prompt(rng, config.vocab, 40), {.seed = rng.bits()});
+  for (int i = 0; i < 3; ++i)
+    engine.admit(random_prompt(rng, config.vocab, 40), {.seed = rng.bits()});
   auto& s = engine.state();
   for (int c = 0; c < 12; ++c) {
     cycle(engine);
@@ -209,7 +218,8 @@ TEST_CASE("KV invariant: draft KV for positions < L - 2, target KV for positions
                                          static_cast<size_t>(config.slot_pool_size) * H, engine.stream());
     long checked = 0;
     for (int r = 0; r < s.rows; ++r) {
-      if (!live[r]) continue;
+      if (!live[r])
+        continue;
       const int L = lengths[r];
       for (int p = 0; p < L - 1; ++p) {
         const int32_t slot = slots[static_cast<size_t>(r) * config.max_seq_len + p];
@@ -217,7 +227,8 @@ TEST_CASE("KV invariant: draft KV for positions < L - 2, target KV for positions
         for (int h = 0; h < H; ++h) {
           const float expected = weights.embedding[static_cast<size_t>(token) * H + h] +
                                  weights.position[(p % kToyPositionPeriod) * H + h];
-          if (p < L - 2) REQUIRE(draft_kv[static_cast<size_t>(slot) * H + h] == expected);
+          if (p < L - 2)
+            REQUIRE(draft_kv[static_cast<size_t>(slot) * H + h] == expected);
           REQUIRE(target_kv[static_cast<size_t>(slot) * H + h] == expected);
         }
         ++checked;
@@ -234,7 +245,7 @@ TEST_CASE("padding rows touch no slot but 0 and EOS freezes a particle's weight"
   config.eos_id = 7;
   config.target_temperature = 2.0f; // flat enough that EOS shows up within a few hundred tokens
   config.draft_temperature = 2.0f;
-  config.tau = 0.0f;                // never resample: a finished particle stays where it is
+  config.tau = 0.0f; // never resample: a finished particle stays where it is
   Setup setup(config);
   Engine& engine = *setup.engine;
   auto& s = engine.state();
@@ -259,7 +270,8 @@ TEST_CASE("padding rows touch no slot but 0 and EOS freezes a particle's weight"
     const auto finished = test::to_host(s.finished.data(), s.finished.size(), engine.stream());
     const auto logw = test::to_host(s.logw.data(), s.logw.size(), engine.stream());
     for (int r = 0; r < s.rows; ++r) {
-      if (!finished[r]) continue;
+      if (!finished[r])
+        continue;
       if (std::isnan(frozen[r])) {
         frozen[r] = logw[r];
       } else {
@@ -273,7 +285,8 @@ TEST_CASE("padding rows touch no slot but 0 and EOS freezes a particle's weight"
   const int H = setup.models.target->hidden();
   for (const ToyModel* model : {setup.models.draft.get(), setup.models.target.get()}) {
     const auto kv0 = test::to_host(model->kv_data(), H, engine.stream());
-    for (float x : kv0) CHECK(x == 0.0f);
+    for (float x : kv0)
+      CHECK(x == 0.0f);
   }
   MESSAGE("frozen-weight checks: " << frozen_checks);
   CHECK(frozen_checks > 0);
@@ -292,8 +305,9 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
   int finished = 0, admitted = 0, compactions = 0;
   for (int c = 0; c < 2000; ++c) {
     if (live.size() < 8 && rng.uniform() < 0.3) {
-      live.insert(engine.admit(random_prompt(rng, config.vocab, 30),
-                               {.seed = rng.bits(), .max_new_tokens = static_cast<int>(rng.integer(5, 100))}));
+      live.insert(
+          engine.admit(random_prompt(rng, config.vocab, 30),
+                       {.seed = rng.bits(), .max_new_tokens = static_cast<int>(rng.integer(5, 100))}));
       ++admitted;
     }
     for (const auto& update : cycle(engine)) {
@@ -314,7 +328,8 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
     INFO("cycle " << c << ": " << check.problem);
     REQUIRE(check.ok);
   }
-  for (RequestId id : live) engine.release(id);
+  for (RequestId id : live)
+    engine.release(id);
   const SlotCheck check = check_invariants(engine);
   CHECK(check.ok);
   CHECK(check.free == config.slot_pool_size - 1);
@@ -329,7 +344,8 @@ TEST_CASE("bad requests get clear errors") {
   CHECK_THROWS_WITH_AS(engine.admit({}), doctest::Contains("prompt.size() = 0"), Error);
   CHECK_THROWS_WITH_AS(engine.admit(std::vector<int32_t>(config.max_seq_len, 1)),
                        doctest::Contains("prompt.size() = 256: leaves no room"), Error);
-  CHECK_THROWS_WITH_AS(engine.admit({1, 2, 512}), doctest::Contains("prompt[2] = 512: token out of range"), Error);
+  CHECK_THROWS_WITH_AS(engine.admit({1, 2, 512}), doctest::Contains("prompt[2] = 512: token out of range"),
+                       Error);
   CHECK_THROWS_WITH_AS(engine.admit({1, -4}), doctest::Contains("prompt[1] = -4"), Error);
   CHECK_THROWS_WITH_AS(engine.admit({1}, {.alpha = 0.0f}), doctest::Contains("params.alpha = 0"), Error);
   engine.admit({1});
@@ -351,11 +367,13 @@ public:
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
     inner_.forward(args, stream);
     if (fault_ == Fault::kNanRow && row_ < args.rows) {
-      const size_t row_bytes = static_cast<size_t>(args.tokens_per_row) * vocab() * dtype_bytes(logits_dtype());
+      const size_t row_bytes =
+          static_cast<size_t>(args.tokens_per_row) * vocab() * dtype_bytes(logits_dtype());
       SMCGRAPH_CUDA_CHECK(
           cudaMemsetAsync(static_cast<uint8_t*>(args.logits) + row_ * row_bytes, 0xff, row_bytes, stream));
     }
-    if (fault_ == Fault::kSynchronize) SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (fault_ == Fault::kSynchronize)
+      SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   int vocab() const override { return inner_.vocab(); }
   DType logits_dtype() const override { return inner_.logits_dtype(); }
@@ -384,9 +402,11 @@ TEST_CASE("a model writing NaN logits fails its request; the others match a clea
     // Row 4 is particle 0 of request slot 1: the target's verify logits of that row turn NaN.
     FaultyModel broken(*models.target, FaultyModel::Fault::kNanRow, 4);
     Engine engine(config, *models.draft, faulty ? static_cast<Model&>(broken) : *models.target);
-    for (int i = 0; i < 3; ++i) engine.admit(prompts[i], {.seed = seeds[i]});
+    for (int i = 0; i < 3; ++i)
+      engine.admit(prompts[i], {.seed = seeds[i]});
     std::vector<std::vector<RequestUpdate>> history;
-    for (int c = 0; c < 6; ++c) history.push_back(cycle(engine));
+    for (int c = 0; c < 6; ++c)
+      history.push_back(cycle(engine));
     return history;
   };
   const auto clean = run(false);
@@ -400,7 +420,8 @@ TEST_CASE("a model writing NaN logits fails its request; the others match a clea
         failed_seen = true;
         continue;
       }
-      const auto match = std::find_if(clean[c].begin(), clean[c].end(), [&](auto& u) { return u.id == update.id; });
+      const auto match =
+          std::find_if(clean[c].begin(), clean[c].end(), [&](auto& u) { return u.id == update.id; });
       REQUIRE(match != clean[c].end());
       CHECK(match->tokens == update.tokens);
       CHECK(match->ancestors == update.ancestors);
@@ -431,7 +452,8 @@ TEST_CASE("slot pool exhaustion fails the starved request; the others continue")
       }
     }
     REQUIRE(check_invariants(engine).ok);
-    if (engine.live_requests() == 0) break;
+    if (engine.live_requests() == 0)
+      break;
   }
   (void)b;
   CHECK(exhausted);

@@ -60,9 +60,11 @@ public:
   }
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
     inner_.forward(args, stream);
-    if (calls_++ < from_call_) return;
+    if (calls_++ < from_call_)
+      return;
     switch (act_) {
-    case Act::kNone: break;
+    case Act::kNone:
+      break;
     case Act::kAllMasked: // row 0's logits all -inf (fp32 model), in cycle forwards only (not prefill)
       if (args.rows > 1)
         SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(args.logits, masked_.data(),
@@ -75,7 +77,8 @@ public:
       cudaFree(scratch);
       break;
     }
-    case Act::kThrow: throw std::runtime_error("saboteur: forward refused");
+    case Act::kThrow:
+      throw std::runtime_error("saboteur: forward refused");
     case Act::kBadCopy: // an invalid copy: the CUDA call fails at once
       SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(args.logits, reinterpret_cast<const void*>(0x10), 1 << 30,
                                           cudaMemcpyDeviceToDevice, stream));
@@ -101,15 +104,16 @@ TEST_CASE("fault: temperatures and seeds at their edges") {
   ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
   Engine engine(config, *models.draft, *models.target);
   const RequestId greedy = engine.admit({1, 2, 3}, {.seed = 0, .target_temperature = 0.0f});
-  const RequestId hot = engine.admit({1, 2, 3}, {.seed = UINT64_MAX, .draft_temperature = 1e30f,
-                                                 .target_temperature = 1e30f});
+  const RequestId hot =
+      engine.admit({1, 2, 3}, {.seed = UINT64_MAX, .draft_temperature = 1e30f, .target_temperature = 1e30f});
   const RequestId low_seed = engine.admit({4, 5}, {.seed = 0});
   const RequestId high_seed = engine.admit({4, 5}, {.seed = UINT64_MAX});
   for (int c = 0; c < 5; ++c) {
     for (const RequestUpdate& update : cycle(engine)) {
       CHECK_FALSE(update.failed); // T = 0 (greedy target), huge T and seeds 0 / 2^64 - 1 are all legal
       for (const auto& tokens : update.tokens)
-        for (int32_t t : tokens) CHECK((t >= 0 && t < config.vocab));
+        for (int32_t t : tokens)
+          CHECK((t >= 0 && t < config.vocab));
     }
   }
   CHECK(engine.result(low_seed).particles != engine.result(high_seed).particles);
@@ -118,8 +122,8 @@ TEST_CASE("fault: temperatures and seeds at their edges") {
   CHECK_THROWS_WITH_AS(engine.admit({1}, {.alpha = 0.0f}), doctest::Contains("params.alpha = 0"), Error);
   CHECK_THROWS_WITH_AS(engine.admit({1}, {.draft_temperature = 0.0f}),
                        doctest::Contains("params.draft_temperature = 0"), Error);
-  CHECK_THROWS_WITH_AS(engine.admit({1}, {.max_new_tokens = 0}), doctest::Contains("params.max_new_tokens = 0"),
-                       Error);
+  CHECK_THROWS_WITH_AS(engine.admit({1}, {.max_new_tokens = 0}),
+                       doctest::Contains("params.max_new_tokens = 0"), Error);
 }
 
 TEST_CASE("fault: a row reaching max_seq_len finishes its request with that reason") {
@@ -159,7 +163,8 @@ TEST_CASE("fault: a model producing all -inf logits fails the affected request o
         CHECK(update.reason.find("all logits -inf") != std::string::npos);
         a_failed = true;
       }
-      if (update.id == b && update.failed) b_ok = false;
+      if (update.id == b && update.failed)
+        b_ok = false;
     }
   CHECK(a_failed);
   CHECK(b_ok);
@@ -180,12 +185,14 @@ TEST_CASE("fault: a model forward that throws") {
     // The eager warm-up makes K = 4 draft calls; the first capture's draft head throws.
     Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 4);
     CHECK_THROWS_WITH_AS(Engine(config, thrower, *models.target),
-                         doctest::Contains("failed at step smc.draft: exception: saboteur: forward refused"), Error);
+                         doctest::Contains("failed at step smc.draft: exception: saboteur: forward refused"),
+                         Error);
   }
   {
     Saboteur thrower(*models.draft, Saboteur::Act::kThrow, 0); // throws during the eager warm-up
     CHECK_THROWS_WITH_AS(Engine(config, thrower, *models.target),
-                         doctest::Contains("warm-up failed at step smc.draft: saboteur: forward refused"), Error);
+                         doctest::Contains("warm-up failed at step smc.draft: saboteur: forward refused"),
+                         Error);
   }
   {
     EngineConfig eager = config;
@@ -206,7 +213,7 @@ TEST_CASE("fault: a failing CUDA call inside the cycle gives a clear error, and 
   engine.admit({1, 2});
   CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("CUDA error in cudaMemcpyAsync"), Error);
   CHECK_THROWS_AS(engine.step(), Error); // the same clear error again, no hang
-  engine.synchronize();                 // the stream itself is healthy
+  engine.synchronize();                  // the stream itself is healthy
 }
 
 TEST_CASE("fault: destroying the engine with requests live leaks nothing") {
@@ -217,7 +224,8 @@ TEST_CASE("fault: destroying the engine with requests live leaks nothing") {
   SMCGRAPH_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   for (int round = 0; round < 3; ++round) {
     Engine engine(config, *models.draft, *models.target);
-    for (int i = 0; i < 4; ++i) engine.admit({1, 2, 3, static_cast<int32_t>(i)}, {.seed = static_cast<uint64_t>(i)});
+    for (int i = 0; i < 4; ++i)
+      engine.admit({1, 2, 3, static_cast<int32_t>(i)}, {.seed = static_cast<uint64_t>(i)});
     engine.step();
     engine.step(); // two cycles in flight at destruction
   }
@@ -227,7 +235,8 @@ TEST_CASE("fault: destroying the engine with requests live leaks nothing") {
   CHECK(free_after == free_before);
 }
 
-TEST_CASE("fault: slot pool exhausted mid-cycle starves the later request; the earlier one matches a clean run") {
+TEST_CASE(
+    "fault: slot pool exhausted mid-cycle starves the later request; the earlier one matches a clean run") {
   EngineConfig config = config_for(2, 2);
   const std::vector<int32_t> prompt_a = {7, 8, 9, 10}, prompt_b = {11, 12, 13};
   auto run = [&](int pool_size, std::string* starved_reason) {

@@ -25,8 +25,8 @@ TEST_CASE("philox_word follows the documented counter layout") {
   const uint32_t stream = smcgraph::philox_stream(smcgraph::Salt::kDraft, 3);
   CHECK(stream == ((1u << 24) | 3u));
   for (uint64_t element : {0ull, 1ull, 5ull, 131071ull, (1ull << 33) + 2}) {
-    const PhiloxCounter block = smcgraph::philox4x32_10(
-        {static_cast<uint32_t>(element / 4), 17u, 2u, stream}, smcgraph::philox_key(seed));
+    const PhiloxCounter block = smcgraph::philox4x32_10({static_cast<uint32_t>(element / 4), 17u, 2u, stream},
+                                                        smcgraph::philox_key(seed));
     CHECK(smcgraph::philox_word(seed, element, 17u, 2u, stream) == block[element % 4]);
   }
   // Any field change gives different words (no two draws share a counter).

@@ -40,7 +40,9 @@ std::string error_of(Call call) {
   return "no error";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 } // namespace
 
@@ -121,8 +123,8 @@ TEST_CASE("advance_draw_counters and philox_words validate") {
                        smcgraph::Error);
   CHECK_THROWS_WITH_AS(smcgraph::advance_draw_counters(nullptr, 3, nullptr),
                        doctest::Contains("draw_counters = null"), smcgraph::Error);
-  CHECK_THROWS_WITH_AS(smcgraph::philox_words(1, 0, 0, 0, nullptr, 4, nullptr), doctest::Contains("out = null"),
-                       smcgraph::Error);
+  CHECK_THROWS_WITH_AS(smcgraph::philox_words(1, 0, 0, 0, nullptr, 4, nullptr),
+                       doctest::Contains("out = null"), smcgraph::Error);
 }
 
 TEST_CASE("reference sampler: Gumbel-max over Philox draws follows softmax(alpha l / T)") {
@@ -130,7 +132,8 @@ TEST_CASE("reference sampler: Gumbel-max over Philox draws follows softmax(alpha
   INFO("seed " << rng.seed());
   const int vocab = 6;
   std::vector<float> logits(vocab);
-  for (float& l : logits) l = static_cast<float>(rng.normal(0.0, 1.0));
+  for (float& l : logits)
+    l = static_cast<float>(rng.normal(0.0, 1.0));
   logits[2] = -std::numeric_limits<float>::infinity(); // masked: never sampled
   const float temperature = 0.8f, alpha = 1.5f;
   const int draws = 200000;
@@ -145,10 +148,12 @@ TEST_CASE("reference sampler: Gumbel-max over Philox draws follows softmax(alpha
   CHECK(counts[2] == 0.0);
   double norm = 0.0;
   std::vector<double> p(vocab);
-  for (int v = 0; v < vocab; ++v) norm += p[v] = std::exp(alpha * logits[v] / temperature);
+  for (int v = 0; v < vocab; ++v)
+    norm += p[v] = std::exp(alpha * logits[v] / temperature);
   double chi2 = 0.0;
   for (int v = 0; v < vocab; ++v) {
-    if (v == 2) continue;
+    if (v == 2)
+      continue;
     const double expected = draws * p[v] / norm;
     chi2 += (counts[v] - expected) * (counts[v] - expected) / expected;
   }
@@ -162,10 +167,13 @@ TEST_CASE("reference sampler: flags and sentinels") {
   CHECK(r.flags == smcgraph::kFlagNanLogit);
   CHECK(r.token == smcgraph::kInvalidToken);
   std::vector<float> masked{-inf, -inf};
-  CHECK(smcgraph::reference::sample(masked.data(), 2, 1.0f, 1.0f, 1, 0, 0, 0).flags == smcgraph::kFlagAllMasked);
+  CHECK(smcgraph::reference::sample(masked.data(), 2, 1.0f, 1.0f, 1, 0, 0, 0).flags ==
+        smcgraph::kFlagAllMasked);
   std::vector<float> fine{0.f, 1.f};
-  CHECK(smcgraph::reference::sample(fine.data(), 2, -1.0f, 1.0f, 1, 0, 0, 0).flags == smcgraph::kFlagBadParameter);
-  CHECK(smcgraph::reference::sample(fine.data(), 2, 1.0f, 0.0f, 1, 0, 0, 0).flags == smcgraph::kFlagBadParameter);
+  CHECK(smcgraph::reference::sample(fine.data(), 2, -1.0f, 1.0f, 1, 0, 0, 0).flags ==
+        smcgraph::kFlagBadParameter);
+  CHECK(smcgraph::reference::sample(fine.data(), 2, 1.0f, 0.0f, 1, 0, 0, 0).flags ==
+        smcgraph::kFlagBadParameter);
   std::vector<float> ties{3.f, 5.f, 5.f, 1.f};
   CHECK(smcgraph::reference::sample(ties.data(), 4, 0.0f, 1.0f, 1, 0, 0, 0).token == 1);
 }

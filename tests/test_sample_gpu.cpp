@@ -32,8 +32,8 @@ struct Batch {
   int particles = 1;
   std::vector<float> logits; // [rows, row_stride] values as the device sees them (after rounding)
   std::vector<float> temperature, alpha;
-  std::vector<uint64_t> seeds;     // [rows / particles]
-  std::vector<uint32_t> counters;  // [rows / particles]
+  std::vector<uint64_t> seeds;    // [rows / particles]
+  std::vector<uint32_t> counters; // [rows / particles]
 };
 
 struct Outputs {
@@ -48,7 +48,8 @@ struct Outputs {
   }
 };
 
-Batch random_batch(test::Rng& rng, DType dtype, int rows, int vocab, int64_t row_stride, double mask_fraction) {
+Batch random_batch(test::Rng& rng, DType dtype, int rows, int vocab, int64_t row_stride,
+                   double mask_fraction) {
   Batch batch;
   batch.dtype = dtype;
   batch.rows = rows;
@@ -59,10 +60,12 @@ Batch random_batch(test::Rng& rng, DType dtype, int rows, int vocab, int64_t row
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   for (int r = 0; r < rows; ++r) {
     float* row = batch.logits.data() + static_cast<size_t>(r) * row_stride;
-    for (int v = 0; v < vocab; ++v) row[v] = test::round_to(dtype, normal(rng.engine()));
+    for (int v = 0; v < vocab; ++v)
+      row[v] = test::round_to(dtype, normal(rng.engine()));
     if (vocab > 1)
       for (int v = 0; v < vocab; ++v)
-        if (unit(rng.engine()) < mask_fraction) row[v] = -kInf;
+        if (unit(rng.engine()) < mask_fraction)
+          row[v] = -kInf;
     row[rng.integer(0, vocab - 1)] = test::round_to(dtype, 6.0f + normal(rng.engine())); // a clear favourite
   }
   const float temperatures[] = {0.0f, 0.5f, 1.0f, 1.7f};
@@ -93,19 +96,21 @@ struct DeviceBatch {
   smcgraph::SampleWorkspace workspace;
 
   explicit DeviceBatch(const Batch& b)
-      : batch(b), temperature(test::to_device(b.temperature, stream)), alpha(test::to_device(b.alpha, stream)),
-        seeds(test::to_device(b.seeds, stream)), counters(test::to_device(b.counters, stream)), tokens(b.rows),
-        logprobs(b.rows), logz(b.rows), flags(b.rows), status(1), workspace(b.rows, b.vocab) {
+      : batch(b), temperature(test::to_device(b.temperature, stream)),
+        alpha(test::to_device(b.alpha, stream)), seeds(test::to_device(b.seeds, stream)),
+        counters(test::to_device(b.counters, stream)), tokens(b.rows), logprobs(b.rows), logz(b.rows),
+        flags(b.rows), status(1), workspace(b.rows, b.vocab) {
     const std::vector<uint8_t> bytes = encode(b);
     logits = DeviceBuffer<uint8_t>(bytes.size());
     logits.copy_from_host(bytes.data(), bytes.size(), stream);
   }
 
   void launch(cudaStream_t s) {
-    const smcgraph::LogitsView view{logits.data(), batch.dtype, batch.rows, 1, batch.vocab, batch.row_stride,
-                                    batch.row_stride};
-    smcgraph::sample(view, {temperature.data(), alpha.data()}, {seeds.data(), counters.data(), batch.particles},
-                     kStream, {tokens.data(), logprobs.data(), logz.data(), flags.data(), status.data()}, workspace, s);
+    const smcgraph::LogitsView view{logits.data(), batch.dtype,      batch.rows,      1,
+                                    batch.vocab,   batch.row_stride, batch.row_stride};
+    smcgraph::sample(
+        view, {temperature.data(), alpha.data()}, {seeds.data(), counters.data(), batch.particles}, kStream,
+        {tokens.data(), logprobs.data(), logz.data(), flags.data(), status.data()}, workspace, s);
   }
 
   Outputs run(bool captured) {
@@ -132,13 +137,14 @@ struct Tally {
 /// Compares row r of `out` with the reference; returns false on a hard failure (already reported).
 void check_row(const Batch& batch, const Outputs& out, int r, Tally& tally) {
   const int request = r / batch.particles;
-  const auto expected = reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.row_stride,
-                                          batch.vocab, batch.temperature[r], batch.alpha[r], batch.seeds[request],
-                                          batch.counters[request], static_cast<uint32_t>(r % batch.particles),
-                                          kStream);
+  const auto expected =
+      reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.row_stride, batch.vocab,
+                        batch.temperature[r], batch.alpha[r], batch.seeds[request], batch.counters[request],
+                        static_cast<uint32_t>(r % batch.particles), kStream);
   ++tally.checked;
-  INFO("row " << r << " of " << batch.rows << ", V " << batch.vocab << ", " << smcgraph::dtype_name(batch.dtype)
-              << ", T " << batch.temperature[r] << ", alpha " << batch.alpha[r]);
+  INFO("row " << r << " of " << batch.rows << ", V " << batch.vocab << ", "
+              << smcgraph::dtype_name(batch.dtype) << ", T " << batch.temperature[r] << ", alpha "
+              << batch.alpha[r]);
   REQUIRE(out.flags[r] == expected.flags);
   if (expected.flags) {
     CHECK(out.tokens[r] == smcgraph::kInvalidToken);
@@ -155,8 +161,8 @@ void check_row(const Batch& batch, const Outputs& out, int r, Tally& tally) {
       ++tally.near_ties;
     } else {
       ++tally.mismatches;
-      MESSAGE("token " << out.tokens[r] << " vs reference " << expected.token << " (scores " << expected.best_score
-                       << ", " << expected.runner_up_score << ")");
+      MESSAGE("token " << out.tokens[r] << " vs reference " << expected.token << " (scores "
+                       << expected.best_score << ", " << expected.runner_up_score << ")");
     }
     return;
   }
@@ -174,13 +180,16 @@ TEST_CASE("device Philox equals the host implementation bit for bit") {
   INFO("seed " << rng.seed());
   for (int trial = 0; trial < 4; ++trial) {
     const uint64_t seed = rng.bits();
-    const uint32_t counter = static_cast<uint32_t>(rng.bits()), particle = static_cast<uint32_t>(rng.integer(0, 63));
-    const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kDraft, static_cast<uint32_t>(trial));
+    const uint32_t counter = static_cast<uint32_t>(rng.bits()),
+                   particle = static_cast<uint32_t>(rng.integer(0, 63));
+    const uint32_t stream_word =
+        smcgraph::philox_stream(smcgraph::Salt::kDraft, static_cast<uint32_t>(trial));
     words.fill_bytes(0xff, stream);
     smcgraph::philox_words(seed, counter, particle, stream_word, words.data(), count, stream);
     const auto device = test::to_host(words.data(), count, stream);
     for (int i = 0; i < count; ++i)
-      REQUIRE(device[i] == smcgraph::philox_word(seed, static_cast<uint64_t>(i), counter, particle, stream_word));
+      REQUIRE(device[i] ==
+              smcgraph::philox_word(seed, static_cast<uint64_t>(i), counter, particle, stream_word));
   }
 }
 
@@ -193,13 +202,18 @@ TEST_CASE("sample() matches the host reference across dtypes, vocabularies and r
   };
   std::vector<Shape> shapes;
   for (int vocab : {1, 7, 32000, 32001, 128256, 151936, 262144})
-    for (int rows : {1, 3, 64}) shapes.push_back({vocab, rows});
-  for (int vocab : {7, 1000, 32001}) shapes.push_back({vocab, 1024});
-  for (int vocab : {32000, 128256}) shapes.push_back({vocab, 256});
+    for (int rows : {1, 3, 64})
+      shapes.push_back({vocab, rows});
+  for (int vocab : {7, 1000, 32001})
+    shapes.push_back({vocab, 1024});
+  for (int vocab : {32000, 128256})
+    shapes.push_back({vocab, 256});
   for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
     for (const Shape& shape : shapes) {
-      // Contiguous rows (misaligned whenever V * bytes is not a multiple of 16) and, for some, a padded stride.
-      const int64_t stride = (shape.vocab % 16 == 0 || shape.rows != 3) ? shape.vocab : (shape.vocab + 15) / 16 * 16;
+      // Contiguous rows (misaligned whenever V * bytes is not a multiple of 16) and, for some, a padded
+      // stride.
+      const int64_t stride =
+          (shape.vocab % 16 == 0 || shape.rows != 3) ? shape.vocab : (shape.vocab + 15) / 16 * 16;
       Batch batch = random_batch(rng, dtype, shape.rows, shape.vocab, stride, 0.01);
       DeviceBatch device(batch);
       const Outputs eager = device.run(false);
@@ -210,7 +224,8 @@ TEST_CASE("sample() matches the host reference across dtypes, vocabularies and r
       CHECK(eager.status == 0);
       // Check every row of small launches, a sample of the rest.
       const int stride_rows = std::max(1, shape.rows / 24);
-      for (int r = 0; r < shape.rows; r += stride_rows) check_row(batch, eager, r, tally);
+      for (int r = 0; r < shape.rows; r += stride_rows)
+        check_row(batch, eager, r, tally);
       check_row(batch, eager, shape.rows - 1, tally);
     }
   }
@@ -225,10 +240,12 @@ TEST_CASE("sample() tokens match the reference on >= 10^4 rows (near-tie rate)")
   Tally tally;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     Batch batch = random_batch(rng, dtype, 8192, 2000, 2000, 0.0);
-    for (float& t : batch.temperature) t = 1.0f;
+    for (float& t : batch.temperature)
+      t = 1.0f;
     DeviceBatch device(batch);
     const Outputs out = device.run(true);
-    for (int r = 0; r < batch.rows; ++r) check_row(batch, out, r, tally);
+    for (int r = 0; r < batch.rows; ++r)
+      check_row(batch, out, r, tally);
   }
   MESSAGE("rows checked " << tally.checked << ", near ties " << tally.near_ties << ", other mismatches "
                           << tally.mismatches);
@@ -245,8 +262,10 @@ TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draw
       for (float alpha : {1.0f, 2.0f}) {
         Batch batch = random_batch(rng, DType::kFloat32, rows, vocab, vocab, 0.0);
         std::vector<float> row(vocab);
-        for (float& l : row) l = static_cast<float>(rng.normal(0.0, 1.0));
-        for (int r = 0; r < rows; ++r) std::copy(row.begin(), row.end(), batch.logits.begin() + r * vocab);
+        for (float& l : row)
+          l = static_cast<float>(rng.normal(0.0, 1.0));
+        for (int r = 0; r < rows; ++r)
+          std::copy(row.begin(), row.end(), batch.logits.begin() + r * vocab);
         std::fill(batch.temperature.begin(), batch.temperature.end(), temperature);
         std::fill(batch.alpha.begin(), batch.alpha.end(), alpha);
         DeviceBatch device(batch);
@@ -263,7 +282,8 @@ TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draw
         }
         std::vector<double> p(vocab);
         double norm = 0.0, max_l = *std::max_element(row.begin(), row.end());
-        for (int v = 0; v < vocab; ++v) norm += p[v] = std::exp(alpha * (row[v] - max_l) / temperature);
+        for (int v = 0; v < vocab; ++v)
+          norm += p[v] = std::exp(alpha * (row[v] - max_l) / temperature);
         const double draws = static_cast<double>(rows) * launches;
         // Pool bins with expected count < 5 into one.
         double chi2 = 0.0, pooled_expected = 0.0, pooled_count = 0.0;
@@ -279,11 +299,13 @@ TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draw
           ++bins;
         }
         if (pooled_expected > 0.0) {
-          chi2 += (pooled_count - pooled_expected) * (pooled_count - pooled_expected) / std::max(pooled_expected, 1.0);
+          chi2 += (pooled_count - pooled_expected) * (pooled_count - pooled_expected) /
+                  std::max(pooled_expected, 1.0);
           ++bins;
         }
         const double p_value = test::chi_square_p_value(chi2, bins - 1);
-        INFO("V " << vocab << " T " << temperature << " alpha " << alpha << " chi2 " << chi2 << " bins " << bins);
+        INFO("V " << vocab << " T " << temperature << " alpha " << alpha << " chi2 " << chi2 << " bins "
+                  << bins);
         CHECK(p_value > 1e-4);
       }
     }
@@ -303,7 +325,8 @@ TEST_CASE("a row's result does not depend on its batch, its row index, or graph 
       for (int rows : {1024, 64}) {
         const int index = rows == 1024 ? 517 : 3;
         Batch crowd = random_batch(rng, dtype, rows, vocab, vocab, 0.01);
-        std::copy(alone.logits.begin(), alone.logits.end(), crowd.logits.begin() + static_cast<size_t>(index) * vocab);
+        std::copy(alone.logits.begin(), alone.logits.end(),
+                  crowd.logits.begin() + static_cast<size_t>(index) * vocab);
         crowd.temperature[index] = alone.temperature[0];
         crowd.alpha[index] = alone.alpha[0];
         crowd.seeds[index] = alone.seeds[0];
@@ -328,7 +351,8 @@ TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the coun
   Batch batch = random_batch(rng, DType::kBFloat16, 64, 32000, 32000, 0.0);
   std::fill(batch.temperature.begin(), batch.temperature.end(), 1.0f);
   for (int r = 0; r < batch.rows; ++r) // flat rows: every draw is a fresh guess
-    for (int v = 0; v < batch.vocab; ++v) batch.logits[static_cast<size_t>(r) * batch.vocab + v] = 0.0f;
+    for (int v = 0; v < batch.vocab; ++v)
+      batch.logits[static_cast<size_t>(r) * batch.vocab + v] = 0.0f;
   DeviceBatch device(batch);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -343,19 +367,22 @@ TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the coun
     replays.push_back(test::to_host(device.tokens.data(), batch.rows, device.stream));
   }
   int differing = 0;
-  for (int r = 0; r < batch.rows; ++r) differing += replays[0][r] != replays[1][r];
+  for (int r = 0; r < batch.rows; ++r)
+    differing += replays[0][r] != replays[1][r];
   CHECK(differing > batch.rows / 2);
   // Replay k used draw counter c + k: the host reference agrees.
   for (int r = 0; r < batch.rows; ++r) {
-    const auto expected = reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.vocab, batch.vocab,
-                                            1.0f, batch.alpha[r], batch.seeds[r], batch.counters[r] + 2, 0, kStream);
+    const auto expected =
+        reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.vocab, batch.vocab, 1.0f,
+                          batch.alpha[r], batch.seeds[r], batch.counters[r] + 2, 0, kStream);
     CHECK(replays[2][r] == expected.token);
   }
   device.counters.copy_from_host(batch.counters.data(), batch.counters.size(), device.stream);
   SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, device.stream));
   CHECK(test::to_host(device.tokens.data(), batch.rows, device.stream) == replays[0]);
   const auto counters = test::to_host(device.counters.data(), batch.rows, device.stream);
-  for (int r = 0; r < batch.rows; ++r) CHECK(counters[r] == batch.counters[r] + 1);
+  for (int r = 0; r < batch.rows; ++r)
+    CHECK(counters[r] == batch.counters[r] + 1);
   SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
   SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
@@ -367,20 +394,21 @@ TEST_CASE("bad rows get flags and sentinels; the other rows are untouched") {
   for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
     const int vocab = 20000, rows = 16;
     Batch clean = random_batch(rng, dtype, rows, vocab, vocab, 0.0);
-    for (float& t : clean.temperature) t = t == 0.0f ? 0.8f : t;
+    for (float& t : clean.temperature)
+      t = t == 0.0f ? 0.8f : t;
     Batch faulty = clean;
     auto row = [&](int r) { return faulty.logits.begin() + static_cast<size_t>(r) * vocab; };
-    row(1)[1234] = nan;                                 // NaN logit
-    std::fill(row(3), row(3) + vocab, -kInf);           // all masked
-    row(5)[vocab - 1] = kInf;                           // +inf logit
-    faulty.temperature[7] = -1.0f;                      // bad temperature
+    row(1)[1234] = nan;                       // NaN logit
+    std::fill(row(3), row(3) + vocab, -kInf); // all masked
+    row(5)[vocab - 1] = kInf;                 // +inf logit
+    faulty.temperature[7] = -1.0f;            // bad temperature
     faulty.temperature[9] = nan;
-    faulty.alpha[11] = 0.0f;                            // bad alpha
-    faulty.temperature[13] = 0.0f;                      // greedy row with a NaN
+    faulty.alpha[11] = 0.0f;       // bad alpha
+    faulty.temperature[13] = 0.0f; // greedy row with a NaN
     row(13)[17] = nan;
     const std::map<int, uint32_t> expected_flags = {
-        {1, smcgraph::kFlagNanLogit},      {3, smcgraph::kFlagAllMasked},     {5, smcgraph::kFlagNanLogit},
-        {7, smcgraph::kFlagBadParameter},  {9, smcgraph::kFlagBadParameter},  {11, smcgraph::kFlagBadParameter},
+        {1, smcgraph::kFlagNanLogit},     {3, smcgraph::kFlagAllMasked},    {5, smcgraph::kFlagNanLogit},
+        {7, smcgraph::kFlagBadParameter}, {9, smcgraph::kFlagBadParameter}, {11, smcgraph::kFlagBadParameter},
         {13, smcgraph::kFlagNanLogit}};
     const Outputs good = DeviceBatch(clean).run(false);
     for (bool captured : {false, true}) {
@@ -429,8 +457,10 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
       }
       const int token_stride = std::max(1, positions - 1);
       std::vector<int32_t> tokens(static_cast<size_t>(rows) * token_stride);
-      for (int32_t& t : tokens) t = static_cast<int32_t>(rng.integer(0, vocab - 1));
-      if (positions > 1) tokens[token_stride * 2] = vocab; // out of range: row 2 flagged
+      for (int32_t& t : tokens)
+        t = static_cast<int32_t>(rng.integer(0, vocab - 1));
+      if (positions > 1)
+        tokens[token_stride * 2] = vocab; // out of range: row 2 flagged
       smcgraph::Stream stream;
       const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
       DeviceBuffer<uint8_t> d_logits(bytes.size());
@@ -440,7 +470,8 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
       auto d_seeds = test::to_device(seeds, stream);
       auto d_counters = test::to_device(counters, stream);
       auto d_tokens = test::to_device(tokens, stream);
-      DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows), logz(rows);
+      DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows),
+          logz(rows);
       DeviceBuffer<int32_t> bonus(rows);
       DeviceBuffer<uint32_t> flags(rows), status(1);
       smcgraph::SampleWorkspace workspace(rows * positions, vocab);
@@ -453,11 +484,11 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
         flags.fill_bytes(0, stream);
         status.fill_bytes(0, stream);
         test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-          smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab}, d_tokens.data(),
-                          token_stride, {d_temperature.data(), d_alpha.data()},
+          smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab},
+                          d_tokens.data(), token_stride, {d_temperature.data(), d_alpha.data()},
                           {d_seeds.data(), d_counters.data(), particles}, stream_word,
-                          {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(), flags.data(),
-                           status.data()},
+                          {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(),
+                           flags.data(), status.data()},
                           workspace, s);
         });
         const auto h_token_logprobs = test::to_host(token_logprobs.data(), token_logprobs.size(), stream);
@@ -495,7 +526,8 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
               CHECK(test::close_to(h_bonus_logprobs[r], expected_bonus.logprob, 1e-5));
           }
         }
-        if (positions > 1) CHECK((h_flags[2] & smcgraph::kFlagTokenOutOfRange) != 0);
+        if (positions > 1)
+          CHECK((h_flags[2] & smcgraph::kFlagTokenOutOfRange) != 0);
       }
     }
   }

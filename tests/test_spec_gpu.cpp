@@ -48,8 +48,8 @@ ToyModelConfig toy_for(const EngineConfig& c) {
 }
 
 /// Greedy target-only decoding on the host with the bit-exact toy reference, one token per forward.
-std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target, const std::vector<int32_t>& prompt,
-                                      int new_tokens) {
+std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target,
+                                      const std::vector<int32_t>& prompt, int new_tokens) {
   const ToyModelConfig& config = target.config();
   std::vector<float> kv(static_cast<size_t>(config.pool_size) * config.hidden, 0.0f);
   std::vector<float> logits(config.vocab);
@@ -57,7 +57,8 @@ std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target
   in.rows = 1;
   in.tokens_per_row = 1;
   in.slot_table.assign(config.max_seq_len, 0);
-  for (int p = 0; p < config.max_seq_len; ++p) in.slot_table[p] = p + 1;
+  for (int p = 0; p < config.max_seq_len; ++p)
+    in.slot_table[p] = p + 1;
   in.live = {1};
   std::vector<int32_t> sequence = prompt, generated;
   for (int p = 0; generated.size() < static_cast<size_t>(new_tokens); ++p) {
@@ -66,8 +67,10 @@ std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target
     in.seq_lens = {p + 1};
     in.out_slots = {p + 1};
     target.forward(in, kv, logits);
-    if (p + 1 < static_cast<int>(sequence.size())) continue; // still reading the prompt
-    const int32_t next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    if (p + 1 < static_cast<int>(sequence.size()))
+      continue; // still reading the prompt
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     sequence.push_back(next);
     generated.push_back(next);
   }
@@ -76,7 +79,8 @@ std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target
 
 std::vector<int32_t> random_prompt(test::Rng& rng, int vocab, int max_length) {
   std::vector<int32_t> prompt(rng.integer(1, max_length));
-  for (auto& t : prompt) t = static_cast<int32_t>(rng.integer(0, vocab - 1));
+  for (auto& t : prompt)
+    t = static_cast<int32_t>(rng.integer(0, vocab - 1));
   return prompt;
 }
 
@@ -88,7 +92,8 @@ SlotCheck check_invariants(Engine& engine) {
 
 } // namespace
 
-TEST_CASE("greedy speculative decoding equals greedy target-only decoding in every bucket, graphed and eager") {
+TEST_CASE(
+    "greedy speculative decoding equals greedy target-only decoding in every bucket, graphed and eager") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   constexpr int kNewTokens = 256;
@@ -118,7 +123,8 @@ TEST_CASE("greedy speculative decoding equals greedy target-only decoding in eve
           accepted_tokens += static_cast<long>(update.tokens[0].size()) - 1;
           streamed[index].insert(streamed[index].end(), update.tokens[0].begin(), update.tokens[0].end());
           REQUIRE_FALSE(update.failed);
-          if (update.finished) open.erase(update.id);
+          if (update.finished)
+            open.erase(update.id);
         }
       }
       for (int i = 0; i < bucket; ++i) {
@@ -140,9 +146,10 @@ TEST_CASE("greedy speculative decoding equals greedy target-only decoding in eve
     }
     const SlotCheck check = check_invariants(engine);
     CHECK(check.free == config.slot_pool_size - 1);
-    MESSAGE((graphs ? "graphed" : "eager") << ": " << compared << " requests x " << kNewTokens
-                                          << " tokens equal greedy target-only decoding; mean accepted per cycle "
-                                          << static_cast<double>(accepted_tokens) / std::max<long>(1, cycles));
+    MESSAGE((graphs ? "graphed" : "eager")
+            << ": " << compared << " requests x " << kNewTokens
+            << " tokens equal greedy target-only decoding; mean accepted per cycle "
+            << static_cast<double>(accepted_tokens) / std::max<long>(1, cycles));
   }
 }
 
@@ -165,7 +172,8 @@ TEST_CASE("stochastic speculative decoding emits tokens from the target distribu
     in.rows = 1;
     in.tokens_per_row = 1;
     in.slot_table.assign(config.max_seq_len, 0);
-    for (int p = 0; p < config.max_seq_len; ++p) in.slot_table[p] = p + 1;
+    for (int p = 0; p < config.max_seq_len; ++p)
+      in.slot_table[p] = p + 1;
     in.live = {1};
     for (int p = 0; p < static_cast<int>(context.size()); ++p) {
       in.tokens = {context[p]};
@@ -176,8 +184,10 @@ TEST_CASE("stochastic speculative decoding emits tokens from the target distribu
     }
     std::vector<double> p(config.vocab);
     double m = *std::max_element(logits.begin(), logits.end()), total = 0.0;
-    for (int v = 0; v < config.vocab; ++v) total += p[v] = std::exp(static_cast<double>(logits[v]) - m);
-    for (double& x : p) x /= total;
+    for (int v = 0; v < config.vocab; ++v)
+      total += p[v] = std::exp(static_cast<double>(logits[v]) - m);
+    for (double& x : p)
+      x /= total;
     return p;
   };
   const std::vector<double> first = distribution(prompt);
@@ -186,13 +196,15 @@ TEST_CASE("stochastic speculative decoding emits tokens from the target distribu
     std::vector<int32_t> context = prompt;
     context.push_back(x);
     const std::vector<double> second = distribution(context);
-    for (int t = 0; t < config.vocab; ++t) expected[t] += first[x] * second[t];
+    for (int t = 0; t < config.vocab; ++t)
+      expected[t] += first[x] * second[t];
   }
   std::vector<double> counts(config.vocab, 0.0);
   double draws = 0.0;
   for (int wave = 0; wave < 24; ++wave) {
     std::vector<RequestId> ids;
-    for (int i = 0; i < config.max_requests; ++i) ids.push_back(engine.admit(prompt, {.seed = rng.bits()}));
+    for (int i = 0; i < config.max_requests; ++i)
+      ids.push_back(engine.admit(prompt, {.seed = rng.bits()}));
     engine.step();
     for (const RequestUpdate& update : engine.poll()) {
       REQUIRE_FALSE(update.failed);
@@ -200,13 +212,15 @@ TEST_CASE("stochastic speculative decoding emits tokens from the target distribu
       counts[update.tokens[0][0]] += 1.0;
       draws += 1.0;
     }
-    for (RequestId id : ids) engine.release(id);
+    for (RequestId id : ids)
+      engine.release(id);
   }
   double chi2 = 0.0;
   int bins = 0;
   for (int t = 0; t < config.vocab; ++t) {
     const double e = draws * expected[t];
-    if (e < 5.0) continue;
+    if (e < 5.0)
+      continue;
     chi2 += (counts[t] - e) * (counts[t] - e) / e;
     ++bins;
   }

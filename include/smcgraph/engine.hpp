@@ -10,7 +10,8 @@
 //   while (engine.live_requests() > 0) {
 //     engine.step();                                  // cycle t + 1 is queued ...
 //     for (const smcgraph::RequestUpdate& update : engine.poll())   // ... while cycle t is read
-//       if (update.finished || update.failed) { auto result = engine.result(update.id); engine.release(update.id); }
+//       if (update.finished || update.failed) { auto result = engine.result(update.id);
+//       engine.release(update.id); }
 //   }
 #pragma once
 
@@ -32,19 +33,19 @@ enum class CycleKind : uint8_t {
 
 struct EngineConfig {
   CycleKind kind = CycleKind::kSmc;
-  int vocab = 32000;                ///< must equal both models' vocab()
-  int draft_steps = 4;              ///< K >= 1
-  int particles = 4;                ///< N >= 1 (1 for kSpeculative)
-  int max_requests = 16;            ///< request slots; the largest bucket
-  std::vector<int> buckets;         ///< request-slot counts to capture; empty: powers of two up to max_requests
-  int max_seq_len = 2048;           ///< prompt + generated tokens per row; must equal both models' max_seq_len()
-  int slot_pool_size = 1 << 16;     ///< KV slots shared by draft and target (slot 0 is the padding dummy)
-  float draft_temperature = 0.7f;   ///< T_d > 0
-  float target_temperature = 1.0f;  ///< T_t >= 0 (0: greedy)
-  float alpha = 1.0f;               ///< power of the target distribution, > 0
-  float tau = 0.5f;                 ///< resample when ESS < tau * N; in [0, 1]
-  int eos_id = -1;                  ///< -1: no EOS token
-  bool use_graphs = true;           ///< false (or SMCGRAPH_DISABLE_GRAPHS=1): run the same recipe eagerly
+  int vocab = 32000;            ///< must equal both models' vocab()
+  int draft_steps = 4;          ///< K >= 1
+  int particles = 4;            ///< N >= 1 (1 for kSpeculative)
+  int max_requests = 16;        ///< request slots; the largest bucket
+  std::vector<int> buckets;     ///< request-slot counts to capture; empty: powers of two up to max_requests
+  int max_seq_len = 2048;       ///< prompt + generated tokens per row; must equal both models' max_seq_len()
+  int slot_pool_size = 1 << 16; ///< KV slots shared by draft and target (slot 0 is the padding dummy)
+  float draft_temperature = 0.7f;  ///< T_d > 0
+  float target_temperature = 1.0f; ///< T_t >= 0 (0: greedy)
+  float alpha = 1.0f;              ///< power of the target distribution, > 0
+  float tau = 0.5f;                ///< resample when ESS < tau * N; in [0, 1]
+  int eos_id = -1;                 ///< -1: no EOS token
+  bool use_graphs = true;          ///< false (or SMCGRAPH_DISABLE_GRAPHS=1): run the same recipe eagerly
 };
 
 /// Throws smcgraph::Error naming the first bad field and its value.
@@ -65,14 +66,14 @@ using RequestId = int64_t;
 /// What one cycle did to one request (poll()).
 struct RequestUpdate {
   RequestId id = -1;
-  int cycle = 0;                             ///< the request's cycle index (0 for its first cycle)
-  std::vector<std::vector<int32_t>> tokens;  ///< [N][tokens committed this cycle], cut after an EOS
-  std::vector<int32_t> ancestors;            ///< [N] particle each particle descends from after resampling
+  int cycle = 0;                            ///< the request's cycle index (0 for its first cycle)
+  std::vector<std::vector<int32_t>> tokens; ///< [N][tokens committed this cycle], cut after an EOS
+  std::vector<int32_t> ancestors;           ///< [N] particle each particle descends from after resampling
   bool resampled = false;
   double ess = 0.0;
-  bool finished = false;                     ///< every particle reached EOS, max_new_tokens or max_seq_len
+  bool finished = false; ///< every particle reached EOS, max_new_tokens or max_seq_len
   bool failed = false;
-  std::string reason;                        ///< why it failed ("nan or +inf logit", ...) or finished
+  std::string reason; ///< why it failed ("nan or +inf logit", ...) or finished
 };
 
 /// A finished (or running) request's output (result()).

@@ -36,7 +36,8 @@ template <class T> std::string to_text(const T& value) {
 
 /// Throws Error("<where>: <parameter> = <value>: <requirement>") unless `ok`.
 template <class T>
-inline void require(bool ok, const char* where, const char* parameter, const T& value, const char* requirement) {
+inline void require(bool ok, const char* where, const char* parameter, const T& value,
+                    const char* requirement) {
   if (!ok) {
     throw Error(std::string(where) + ": " + parameter + " = " + detail::to_text(value) + ": " + requirement);
   }
@@ -46,11 +47,11 @@ inline void require(bool ok, const char* where, const char* parameter, const T& 
 
 /// Checks a CUDA runtime call; on failure throws smcgraph::Error with the call text, file, line and
 /// the CUDA error string.
-#define SMCGRAPH_CUDA_CHECK(call)                                                                          \
-  do {                                                                                                     \
-    const cudaError_t smcgraph_cuda_status_ = (call);                                                     \
-    if (smcgraph_cuda_status_ != cudaSuccess)                                                              \
-      ::smcgraph::detail::throw_cuda_error(smcgraph_cuda_status_, #call, __FILE__, __LINE__);              \
+#define SMCGRAPH_CUDA_CHECK(call)                                                                            \
+  do {                                                                                                       \
+    const cudaError_t smcgraph_cuda_status_ = (call);                                                        \
+    if (smcgraph_cuda_status_ != cudaSuccess)                                                                \
+      ::smcgraph::detail::throw_cuda_error(smcgraph_cuda_status_, #call, __FILE__, __LINE__);                \
   } while (0)
 
 /// Checks the launch that was just issued (configuration errors are reported here, asynchronous faults

@@ -75,8 +75,8 @@ inline PhiloxKey philox_key(uint64_t seed) {
 /// The word smcgraph draws for (seed, element, draw counter, particle, stream) per the layout above.
 inline uint32_t philox_word(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
                             uint32_t stream) {
-  const PhiloxCounter out = philox4x32_10(
-      {static_cast<uint32_t>(element >> 2), draw_counter, particle, stream}, philox_key(seed));
+  const PhiloxCounter out =
+      philox4x32_10({static_cast<uint32_t>(element >> 2), draw_counter, particle, stream}, philox_key(seed));
   return out[element & 3];
 }
 

@@ -20,7 +20,8 @@ template <class T> class DeviceBuffer {
 public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count_ > 0) SMCGRAPH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
+    if (count_ > 0)
+      SMCGRAPH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -30,7 +31,8 @@ public:
     return *this;
   }
   ~DeviceBuffer() {
-    if (data_) cudaFree(data_); // a destructor must not throw; a failed free leaves nothing to recover
+    if (data_)
+      cudaFree(data_); // a destructor must not throw; a failed free leaves nothing to recover
   }
 
   T* data() noexcept { return data_; }
@@ -44,11 +46,13 @@ public:
   }
   void copy_to_host(T* h_destination, size_t count, cudaStream_t stream) const {
     require(count <= count_, "DeviceBuffer::copy_to_host", "count", count, "exceeds the buffer size");
-    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(h_destination, data_, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    SMCGRAPH_CUDA_CHECK(
+        cudaMemcpyAsync(h_destination, data_, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
   }
   /// Sets every byte to `byte` (tests use 0xff to poison outputs).
   void fill_bytes(int byte, cudaStream_t stream) {
-    if (count_ > 0) SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream));
+    if (count_ > 0)
+      SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream));
   }
   void swap(DeviceBuffer& other) noexcept {
     std::swap(data_, other.data_);
@@ -65,7 +69,8 @@ template <class T> class PinnedBuffer {
 public:
   PinnedBuffer() = default;
   explicit PinnedBuffer(size_t count) : count_(count) {
-    if (count_ > 0) SMCGRAPH_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
+    if (count_ > 0)
+      SMCGRAPH_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
   }
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
@@ -75,7 +80,8 @@ public:
     return *this;
   }
   ~PinnedBuffer() {
-    if (data_) cudaFreeHost(data_);
+    if (data_)
+      cudaFreeHost(data_);
   }
   T* data() noexcept { return data_; }
   const T* data() const noexcept { return data_; }
@@ -99,7 +105,8 @@ public:
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
   ~Stream() {
-    if (stream_) cudaStreamDestroy(stream_);
+    if (stream_)
+      cudaStreamDestroy(stream_);
   }
   cudaStream_t get() const noexcept { return stream_; }
   operator cudaStream_t() const noexcept { return stream_; }
@@ -113,12 +120,14 @@ private:
 class Event {
 public:
   explicit Event(bool timing = false) {
-    SMCGRAPH_CUDA_CHECK(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+    SMCGRAPH_CUDA_CHECK(
+        cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
   ~Event() {
-    if (event_) cudaEventDestroy(event_);
+    if (event_)
+      cudaEventDestroy(event_);
   }
   cudaEvent_t get() const noexcept { return event_; }
   void record(cudaStream_t stream) { SMCGRAPH_CUDA_CHECK(cudaEventRecord(event_, stream)); }

@@ -53,11 +53,11 @@ struct RowRandom {
 /// Outputs of sample(), one per row. Rows that fail (row_flags != 0) get token kInvalidToken,
 /// logprob -inf and logz 0.
 struct SampleOutputs {
-  int32_t* tokens = nullptr;    ///< [rows] sampled token
-  float* logprobs = nullptr;    ///< [rows] log softmax(alpha * l / T)[token]
-  float* logz = nullptr;        ///< [rows] lse(alpha * l / T) - alpha * lse(l / T); 0 when alpha = 1 or T = 0
+  int32_t* tokens = nullptr; ///< [rows] sampled token
+  float* logprobs = nullptr; ///< [rows] log softmax(alpha * l / T)[token]
+  float* logz = nullptr;     ///< [rows] lse(alpha * l / T) - alpha * lse(l / T); 0 when alpha = 1 or T = 0
   uint32_t* row_flags = nullptr; ///< [rows] RowFlag bits (written, not accumulated)
-  uint32_t* status = nullptr;   ///< [1] OR-accumulated RowFlag bits of all rows (the caller clears it)
+  uint32_t* status = nullptr;    ///< [1] OR-accumulated RowFlag bits of all rows (the caller clears it)
 };
 
 /// Outputs of score(): logits `[rows, P, V]`, tokens `[rows, P - 1]`.
@@ -111,8 +111,8 @@ void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_st
 void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stream);
 
 /// Fills out[i] = Philox word for (seeds[0], element = i, counter fields) — a device/host cross-check.
-void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word, uint32_t* out,
-                  int count, cudaStream_t stream);
+void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word,
+                  uint32_t* out, int count, cudaStream_t stream);
 
 /// CTAs per (row, position) the launchers use: ceil(vocab / split length), where a split is 4096 fp32 or
 /// 8192 bf16/fp16 logits. It depends on the vocabulary and dtype only, so a row's reduction order (and its

@@ -37,7 +37,8 @@ struct SlotPoolView {
   /// Optional bitmap [ceil(pool_size / 32)], zeroed: when set, a slot whose last reference drops is marked
   /// here instead of pushed at once, and collect_freed_slots pushes the marked slots in ascending id order.
   /// Concurrent pushes land in whatever order the atomics resolve; the bitmap makes the free stack, and so
-  /// every later slot id, a deterministic function of the inputs (graph and eager runs give identical tables).
+  /// every later slot id, a deterministic function of the inputs (graph and eager runs give identical
+  /// tables).
   uint32_t* freed = nullptr;
 };
 

@@ -10,13 +10,18 @@ enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 inline const char* dtype_name(DType dtype) {
   switch (dtype) {
-  case DType::kFloat32: return "fp32";
-  case DType::kBFloat16: return "bf16";
-  case DType::kFloat16: return "fp16";
+  case DType::kFloat32:
+    return "fp32";
+  case DType::kBFloat16:
+    return "bf16";
+  case DType::kFloat16:
+    return "fp16";
   }
   return "unknown";
 }
-inline int dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+inline int dtype_bytes(DType dtype) {
+  return dtype == DType::kFloat32 ? 4 : 2;
+}
 
 /// Token id written where a row failed (its flags say why).
 inline constexpr int32_t kInvalidToken = -1;
@@ -25,9 +30,9 @@ inline constexpr int32_t kInvalidToken = -1;
 /// every flag any row raised since the caller last cleared it.
 enum RowFlag : uint32_t {
   kFlagNone = 0,
-  kFlagNanLogit = 1u << 0,      ///< a NaN or +inf logit in the row
-  kFlagAllMasked = 1u << 1,     ///< every logit of the row is -inf
-  kFlagBadParameter = 1u << 2,  ///< temperature < 0 or not finite, alpha <= 0 or not finite
+  kFlagNanLogit = 1u << 0,        ///< a NaN or +inf logit in the row
+  kFlagAllMasked = 1u << 1,       ///< every logit of the row is -inf
+  kFlagBadParameter = 1u << 2,    ///< temperature < 0 or not finite, alpha <= 0 or not finite
   kFlagTokenOutOfRange = 1u << 3, ///< a token id outside [0, vocab)
   kFlagSlotsExhausted = 1u << 4,  ///< the slot pool could not supply this row's slots
   kFlagMaxLength = 1u << 5,       ///< the row reached max_seq_len
@@ -35,12 +40,13 @@ enum RowFlag : uint32_t {
 
 /// Human-readable reasons for a flags word ("nan logit, all masked").
 inline std::string describe_flags(uint32_t flags) {
-  static const char* const names[] = {"nan or +inf logit", "all logits -inf", "bad temperature or alpha",
+  static const char* const names[] = {"nan or +inf logit",  "all logits -inf",     "bad temperature or alpha",
                                       "token out of range", "slot pool exhausted", "max sequence length"};
   std::string text;
   for (int bit = 0; bit < 6; ++bit) {
     if (flags & (1u << bit)) {
-      if (!text.empty()) text += ", ";
+      if (!text.empty())
+        text += ", ";
       text += names[bit];
     }
   }

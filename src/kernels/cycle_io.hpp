@@ -47,18 +47,18 @@ struct CycleBuffers {
   int32_t* verify_out_slots = nullptr; ///< [rows, K + 1]
   int32_t* verify_seq_lens = nullptr;  ///< [rows]
   // sampler / scorer outputs
-  int32_t* cycle_slots = nullptr;      ///< [rows, K + 1] popped by alloc
-  int32_t* draft_tokens = nullptr;     ///< [K, rows]
-  float* draft_logprobs = nullptr;     ///< [K, rows]
-  float* scratch_logz = nullptr;       ///< [rows] (draft samples' logZ, unused: alpha = 1 for the draft)
-  float* target_logprobs = nullptr;    ///< [rows, K]
-  int32_t* bonus_tokens = nullptr;     ///< [rows]
-  float* bonus_logprobs = nullptr;     ///< [rows]
-  float* bonus_logz = nullptr;         ///< [rows]
-  int32_t* first_eos = nullptr;        ///< [rows]
-  int32_t* ancestor = nullptr;         ///< [rows]
-  int32_t* cycle_tokens = nullptr;     ///< [rows, K + 1] tokens committed this cycle
-  int32_t* committed = nullptr;        ///< [rows] how many of them count (EOS cut; accepted + 1 for spec)
+  int32_t* cycle_slots = nullptr;   ///< [rows, K + 1] popped by alloc
+  int32_t* draft_tokens = nullptr;  ///< [K, rows]
+  float* draft_logprobs = nullptr;  ///< [K, rows]
+  float* scratch_logz = nullptr;    ///< [rows] (draft samples' logZ, unused: alpha = 1 for the draft)
+  float* target_logprobs = nullptr; ///< [rows, K]
+  int32_t* bonus_tokens = nullptr;  ///< [rows]
+  float* bonus_logprobs = nullptr;  ///< [rows]
+  float* bonus_logz = nullptr;      ///< [rows]
+  int32_t* first_eos = nullptr;     ///< [rows]
+  int32_t* ancestor = nullptr;      ///< [rows]
+  int32_t* cycle_tokens = nullptr;  ///< [rows, K + 1] tokens committed this cycle
+  int32_t* committed = nullptr;     ///< [rows] how many of them count (EOS cut; accepted + 1 for spec)
   int eos_id = -1;
   // speculative cycle
   float* draft_logprobs_rows = nullptr; ///< [rows, K] log q(d_k), row-major copy for the verifier
@@ -72,18 +72,18 @@ struct CycleBuffers {
 
 /// Byte layout of the per-cycle output block for `rows` rows / `requests` requests (what poll() reads).
 struct OutputLayout {
-  size_t tokens = 0;      ///< int32 [rows, K + 1]
-  size_t first_eos = 0;   ///< int32 [rows]
-  size_t ancestor = 0;    ///< int32 [rows]
-  size_t row_flags = 0;   ///< uint32 [rows]
-  size_t seq_len = 0;     ///< int32 [rows]
-  size_t finished = 0;    ///< uint8 [rows]
-  size_t live = 0;        ///< uint8 [rows]
-  size_t committed = 0;   ///< int32 [rows]
-  size_t accepted = 0;    ///< int32 [rows] (speculative)
-  size_t resampled = 0;   ///< uint8 [requests]
-  size_t ess = 0;         ///< double [requests]
-  size_t status = 0;      ///< uint32
+  size_t tokens = 0;    ///< int32 [rows, K + 1]
+  size_t first_eos = 0; ///< int32 [rows]
+  size_t ancestor = 0;  ///< int32 [rows]
+  size_t row_flags = 0; ///< uint32 [rows]
+  size_t seq_len = 0;   ///< int32 [rows]
+  size_t finished = 0;  ///< uint8 [rows]
+  size_t live = 0;      ///< uint8 [rows]
+  size_t committed = 0; ///< int32 [rows]
+  size_t accepted = 0;  ///< int32 [rows] (speculative)
+  size_t resampled = 0; ///< uint8 [requests]
+  size_t ess = 0;       ///< double [requests]
+  size_t status = 0;    ///< uint32
   size_t bytes = 0;
 };
 OutputLayout output_layout(int rows, int requests, int steps);

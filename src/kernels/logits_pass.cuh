@@ -28,22 +28,22 @@ inline constexpr float kLn2 = 0.69314718055994530942f;
 inline constexpr float kLog2e = 1.44269504088896340736f;
 
 enum class PassMode : int {
-  kGreedy = 0, ///< T = 0: argmax, ties to the smallest id
-  kScore = 1,  ///< log-sum-exp of l / T only (token log-probs)
-  kRace = 2,   ///< sample, alpha = 1: one exponential per element serves the lse and the race
+  kGreedy = 0,    ///< T = 0: argmax, ties to the smallest id
+  kScore = 1,     ///< log-sum-exp of l / T only (token log-probs)
+  kRace = 2,      ///< sample, alpha = 1: one exponential per element serves the lse and the race
   kRacePower = 3, ///< sample, alpha != 1: lse of l / T and of alpha l / T, race on the latter
 };
 
 /// Per-thread and per-split state; merged across threads and splits.
 struct PassState {
-  float max;         ///< max raw logit seen (NaN once a NaN was seen)
-  float sum;         ///< sum 2^((l - max) c)
-  float sum_power;   ///< sum 2^(alpha (l - max) c)
-  float best;        ///< race: log2 of the best ratio e / E relative to max (while folding: e)
+  float max;              ///< max raw logit seen (NaN once a NaN was seen)
+  float sum;              ///< sum 2^((l - max) c)
+  float sum_power;        ///< sum 2^(alpha (l - max) c)
+  float best;             ///< race: log2 of the best ratio e / E relative to max (while folding: e)
   float best_denominator; ///< while folding: E of the best (the ratio is best / best_denominator)
-  float best_logit;  ///< raw logit of the best element
-  int best_index;    ///< -1 when none
-  uint32_t flags;    ///< RowFlag bits
+  float best_logit;       ///< raw logit of the best element
+  int best_index;         ///< -1 when none
+  uint32_t flags;         ///< RowFlag bits
 };
 
 __device__ __forceinline__ PassState empty_state() {
@@ -105,7 +105,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 /// What a job needs to know about its row, read from device memory at run time.
 struct JobContext {
-  float c;          ///< log2(e) / T
+  float c; ///< log2(e) / T
   float alpha;
   uint64_t seed;
   uint32_t draw_counter;
@@ -117,11 +117,13 @@ struct JobContext {
 template <int N> __device__ __forceinline__ float tree_sum(const float (&x)[N]) {
   float partial[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) partial[i] = x[i];
+  for (int i = 0; i < N; ++i)
+    partial[i] = x[i];
 #pragma unroll
   for (int width = N / 2; width >= 1; width /= 2) {
 #pragma unroll
-    for (int i = 0; i < width; ++i) partial[i] = partial[i] + partial[i + width];
+    for (int i = 0; i < width; ++i)
+      partial[i] = partial[i] + partial[i + width];
   }
   return partial[0];
 }
@@ -136,11 +138,13 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
                                            const JobContext& job) {
   float l[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) l[i] = i < count ? logits[i] : -INFINITY;
+  for (int i = 0; i < N; ++i)
+    l[i] = i < count ? logits[i] : -INFINITY;
   if constexpr (MODE == PassMode::kGreedy) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      if (l[i] != l[i]) state.flags |= kFlagNanLogit;
+      if (l[i] != l[i])
+        state.flags |= kFlagNanLogit;
       if (l[i] > state.max) {
         state.max = l[i];
         state.best_index = first + i;
@@ -153,8 +157,8 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
     if constexpr (kRaces) { // issued first: independent of everything below
 #pragma unroll
       for (int g = 0; g < N / 4; ++g) {
-        const uint4 w = device::philox_group(job.seed, static_cast<uint32_t>((first >> 2) + g), job.draw_counter,
-                                             job.particle, job.stream_word);
+        const uint4 w = device::philox_group(job.seed, static_cast<uint32_t>((first >> 2) + g),
+                                             job.draw_counter, job.particle, job.stream_word);
         words[4 * g] = w.x;
         words[4 * g + 1] = w.y;
         words[4 * g + 2] = w.z;
@@ -163,7 +167,8 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
     }
     float chunk_max = l[0];
 #pragma unroll
-    for (int i = 1; i < N; ++i) chunk_max = max_nan(chunk_max, l[i]);
+    for (int i = 1; i < N; ++i)
+      chunk_max = max_nan(chunk_max, l[i]);
     if (!(chunk_max <= state.max)) { // a new maximum, or NaN: rescale what was summed so far
       const float shift = state.max == -INFINITY ? -INFINITY : (state.max - chunk_max) * job.c;
       state.sum *= fast_exp2(shift);
@@ -176,7 +181,8 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
       }
       state.max = chunk_max;
     }
-    if (state.max == -INFINITY) return; // everything so far is masked
+    if (state.max == -INFINITY)
+      return; // everything so far is masked
     float e[N], e_power[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -185,7 +191,8 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
       e_power[i] = MODE == PassMode::kRacePower ? fast_exp2(job.alpha * scaled) : e[i];
     }
     state.sum += tree_sum<N>(e);
-    if constexpr (MODE == PassMode::kRacePower) state.sum_power += tree_sum<N>(e_power);
+    if constexpr (MODE == PassMode::kRacePower)
+      state.sum_power += tree_sum<N>(e_power);
     if constexpr (kRaces) {
       // Ratios e / E, E = -log2 u, compared as fractions (no division): a fixed pairwise tree over the
       // chunk, then against the running best. log2f, not lg2.approx: winners have u near 1 where the
@@ -222,12 +229,13 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
 
 /// Merges b into a (order-independent up to rounding; ties go to the smaller vocab id).
 template <PassMode MODE>
-__device__ __forceinline__ PassState merge_states(const PassState& a, const PassState& b, float c, float alpha) {
+__device__ __forceinline__ PassState merge_states(const PassState& a, const PassState& b, float c,
+                                                  float alpha) {
   PassState out;
   out.flags = a.flags | b.flags;
   if constexpr (MODE == PassMode::kGreedy) {
     const bool take_b = b.max > a.max || (b.max == a.max && b.best_index >= 0 &&
-                                         (a.best_index < 0 || b.best_index < a.best_index));
+                                          (a.best_index < 0 || b.best_index < a.best_index));
     out = take_b ? b : a;
     out.flags = a.flags | b.flags;
     return out;
@@ -254,7 +262,7 @@ __device__ __forceinline__ PassState merge_states(const PassState& a, const Pass
     const float best_a = a.best_index >= 0 ? a.best + power * shift_a : -INFINITY;
     const float best_b = b.best_index >= 0 ? b.best + power * shift_b : -INFINITY;
     const bool take_b = best_b > best_a || (best_b == best_a && b.best_index >= 0 &&
-                                           (a.best_index < 0 || b.best_index < a.best_index));
+                                            (a.best_index < 0 || b.best_index < a.best_index));
     out.best = take_b ? best_b : best_a;
     out.best_index = take_b ? b.best_index : a.best_index;
     out.best_logit = take_b ? b.best_logit : a.best_logit;
@@ -270,26 +278,31 @@ template <PassMode MODE> struct MergeOp {
 };
 
 template <DType DTYPE> __device__ __forceinline__ uint32_t negative_infinity_bits() {
-  if constexpr (DTYPE == DType::kFloat32) return 0xff800000u;
-  else if constexpr (DTYPE == DType::kBFloat16) return 0xff80ff80u;
-  else return 0xfc00fc00u;
+  if constexpr (DTYPE == DType::kFloat32)
+    return 0xff800000u;
+  else if constexpr (DTYPE == DType::kBFloat16)
+    return 0xff80ff80u;
+  else
+    return 0xfc00fc00u;
 }
 
 /// Loads vector `first .. first + count` of a row: one 16-byte load when the row is aligned and the vector
 /// full, element loads otherwise (missing elements read as -inf). Either way the same bits come out, so
 /// the fold below does not depend on a row's alignment.
 template <DType DTYPE>
-__device__ __forceinline__ uint4 load_vector(const typename DTypeTraits<DTYPE>::Scalar* row, int first, int count,
-                                             bool aligned) {
+__device__ __forceinline__ uint4 load_vector(const typename DTypeTraits<DTYPE>::Scalar* row, int first,
+                                             int count, bool aligned) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
-  if (aligned && count == kPerVector) return __ldcs(reinterpret_cast<const uint4*>(row + first));
+  if (aligned && count == kPerVector)
+    return __ldcs(reinterpret_cast<const uint4*>(row + first));
   const uint32_t fill = negative_infinity_bits<DTYPE>();
   uint32_t words[4] = {fill, fill, fill, fill};
   if constexpr (DTYPE == DType::kFloat32) {
     const uint32_t* elements = reinterpret_cast<const uint32_t*>(row + first);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      if (i < count) words[i] = elements[i];
+      if (i < count)
+        words[i] = elements[i];
   } else {
     const uint16_t* elements = reinterpret_cast<const uint16_t*>(row + first);
 #pragma unroll
@@ -310,12 +323,13 @@ __device__ __forceinline__ uint4 load_vector(const typename DTypeTraits<DTYPE>::
 #define SMCGRAPH_PASS_VECTORS_PER_THREAD 4
 #endif
 inline constexpr int kUnrollVectors = SMCGRAPH_PASS_VECTORS_PER_THREAD;
-template <DType DTYPE> inline constexpr int kSplitLength = kPassThreads * kUnrollVectors * DTypeTraits<DTYPE>::kPerVector;
+template <DType DTYPE>
+inline constexpr int kSplitLength = kPassThreads* kUnrollVectors* DTypeTraits<DTYPE>::kPerVector;
 
 /// Folds the logits [begin, end) of one job: thread t takes vectors t, t + 256, t + 512, t + 768 in order.
 template <DType DTYPE, PassMode MODE>
-__device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE>::Scalar* row, int begin, int end,
-                                                bool aligned, const JobContext& job) {
+__device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE>::Scalar* row, int begin,
+                                                int end, bool aligned, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   PassState state = empty_state();
   state.best = 0.0f; // a fraction best / best_denominator while folding; log2 of it at the end
@@ -327,7 +341,8 @@ __device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE
     for (int u = 0; u < kUnrollVectors; ++u) { // all loads first: several in flight per thread
       firsts[u] = begin + (base + u * kPassThreads + static_cast<int>(threadIdx.x)) * kPerVector;
       counts[u] = max(0, min(kPerVector, end - firsts[u]));
-      if (counts[u] > 0) raw[u] = load_vector<DTYPE>(row, firsts[u], counts[u], aligned);
+      if (counts[u] > 0)
+        raw[u] = load_vector<DTYPE>(row, firsts[u], counts[u], aligned);
     }
 #pragma unroll
     for (int u = 0; u < kUnrollVectors; ++u) {
@@ -343,7 +358,8 @@ __device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE
     if (state.max != state.max || state.sum != state.sum || state.sum_power != state.sum_power)
       state.flags |= kFlagNanLogit;
   }
-  if (state.max == INFINITY) state.flags |= kFlagNanLogit;
+  if (state.max == INFINITY)
+    state.flags |= kFlagNanLogit;
   state.best = state.best_index >= 0 ? log2f(state.best) - log2f(state.best_denominator) : -INFINITY;
   return state;
 }
@@ -386,7 +402,8 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   const int end = min(args.vocab, begin + kSplitLength<DTYPE>);
   const bool aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
 
-  PassState state = param_flags ? empty_state() : fold_range<DTYPE, MODE>(row_logits, begin, end, aligned, job);
+  PassState state =
+      param_flags ? empty_state() : fold_range<DTYPE, MODE>(row_logits, begin, end, aligned, job);
   const MergeOp<MODE> merge{job.c, job.alpha};
   state = BlockReduce(reduce_storage).Reduce(state, merge);
 
@@ -396,10 +413,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
       __threadfence(); // publish the partial before taking a ticket
       const uint32_t ticket = atomicAdd(&args.tickets[job_index], 1u);
       is_last = ticket == static_cast<uint32_t>(args.splits - 1);
-      if (is_last) args.tickets[job_index] = 0; // ready for the next launch / graph replay
+      if (is_last)
+        args.tickets[job_index] = 0; // ready for the next launch / graph replay
     }
     __syncthreads();
-    if (!is_last) return;
+    if (!is_last)
+      return;
     __threadfence(); // acquire the other CTAs' partials
     state = empty_state();
     for (int s = threadIdx.x; s < args.splits; s += kPassThreads) {
@@ -418,10 +437,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
     __syncthreads(); // reduce_storage is reused
     state = BlockReduce(reduce_storage).Reduce(state, merge);
   }
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0)
+    return;
 
   uint32_t flags = state.flags | param_flags;
-  if (!flags && state.max == -INFINITY) flags |= kFlagAllMasked;
+  if (!flags && state.max == -INFINITY)
+    flags |= kFlagAllMasked;
   const bool sample_position = position == args.positions - 1;
   if (sample_position) {
     int32_t token = kInvalidToken;
@@ -468,7 +489,8 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
 #define SMCGRAPH_PASS_MIN_BLOCKS 3
 #endif
 template <DType DTYPE>
-__global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
+__global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
+    LogitsPassKernel(const PassArgs args) {
   const int split = blockIdx.x % args.splits;
   const int job_index = blockIdx.x / args.splits;
   const int row = job_index / args.positions;
@@ -478,8 +500,10 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS) Logits
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
   uint32_t param_flags = 0;
-  if (!(temperature >= 0.0f) || isinf(temperature)) param_flags |= kFlagBadParameter;
-  if (sample_position && (!(alpha > 0.0f) || isinf(alpha))) param_flags |= kFlagBadParameter;
+  if (!(temperature >= 0.0f) || isinf(temperature))
+    param_flags |= kFlagBadParameter;
+  if (sample_position && (!(alpha > 0.0f) || isinf(alpha)))
+    param_flags |= kFlagBadParameter;
 
   const int particles = args.random.particles_per_request;
   const int request = row / particles;

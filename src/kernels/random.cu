@@ -8,14 +8,17 @@ namespace {
 
 __global__ void AdvanceDrawCountersKernel(uint32_t* draw_counters, int count) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < count) draw_counters[i] += 1u;
+  if (i < count)
+    draw_counters[i] += 1u;
 }
 
-__global__ void PhiloxWordsKernel(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word,
-                                  uint32_t* out, int count) {
+__global__ void PhiloxWordsKernel(uint64_t seed, uint32_t draw_counter, uint32_t particle,
+                                  uint32_t stream_word, uint32_t* out, int count) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= count) return;
-  const uint4 words = device::philox_group(seed, static_cast<uint32_t>(i >> 2), draw_counter, particle, stream_word);
+  if (i >= count)
+    return;
+  const uint4 words =
+      device::philox_group(seed, static_cast<uint32_t>(i >> 2), draw_counter, particle, stream_word);
   const uint32_t lane = i & 3;
   out[i] = lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;
 }
@@ -24,21 +27,24 @@ __global__ void PhiloxWordsKernel(uint64_t seed, uint32_t draw_counter, uint32_t
 
 void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stream) {
   require(count >= 0, "advance_draw_counters", "count", count, "must be >= 0");
-  if (count == 0) return;
-  require(draw_counters != nullptr, "advance_draw_counters", "draw_counters", "null", "must be a device pointer");
+  if (count == 0)
+    return;
+  require(draw_counters != nullptr, "advance_draw_counters", "draw_counters", "null",
+          "must be a device pointer");
   constexpr int kThreads = 256;
   AdvanceDrawCountersKernel<<<(count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(draw_counters, count);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
-void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word, uint32_t* out,
-                  int count, cudaStream_t stream) {
+void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word,
+                  uint32_t* out, int count, cudaStream_t stream) {
   require(count >= 0, "philox_words", "count", count, "must be >= 0");
-  if (count == 0) return;
+  if (count == 0)
+    return;
   require(out != nullptr, "philox_words", "out", "null", "must be a device pointer");
   constexpr int kThreads = 256;
   PhiloxWordsKernel<<<(count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(seed, draw_counter, particle,
-                                                                                 stream_word, out, count);
+                                                                                stream_word, out, count);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

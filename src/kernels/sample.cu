@@ -10,14 +10,16 @@
 namespace smcgraph {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 } // namespace
 
 int sample_splits(int vocab, DType dtype) {
   require(vocab >= 1, "sample_splits", "vocab", vocab, "must be >= 1");
   const int split_length = dtype == DType::kFloat32 ? detail::kSplitLength<DType::kFloat32>
-                                                     : detail::kSplitLength<DType::kBFloat16>;
+                                                    : detail::kSplitLength<DType::kBFloat16>;
   return static_cast<int>(ceil_div(vocab, split_length));
 }
 
@@ -34,11 +36,15 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab) : max_jobs_(max_jo
 }
 
 SampleWorkspace::~SampleWorkspace() {
-  if (partials_) cudaFree(partials_);
-  if (tickets_) cudaFree(tickets_);
+  if (partials_)
+    cudaFree(partials_);
+  if (tickets_)
+    cudaFree(tickets_);
 }
 
-SampleWorkspace::SampleWorkspace(SampleWorkspace&& other) noexcept { *this = std::move(other); }
+SampleWorkspace::SampleWorkspace(SampleWorkspace&& other) noexcept {
+  *this = std::move(other);
+}
 
 SampleWorkspace& SampleWorkspace::operator=(SampleWorkspace&& other) noexcept {
   if (this != &other) {
@@ -60,15 +66,17 @@ void launch_logits_pass(const char* where, PassArgs args, DType dtype, SampleWor
   require(args.rows >= 1, where, "logits.rows", args.rows, "must be >= 1");
   require(args.positions >= 1, where, "logits.positions", args.positions, "must be >= 1");
   require(args.vocab >= 1, where, "logits.vocab", args.vocab, "must be >= 1");
-  require(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16, where, "logits.dtype",
-          static_cast<int>(dtype), "must be fp32, bf16 or fp16");
+  require(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16, where,
+          "logits.dtype", static_cast<int>(dtype), "must be fp32, bf16 or fp16");
   require(args.positions == 1 || args.position_stride >= args.vocab, where, "logits.position_stride",
           args.position_stride, "must be >= vocab");
-  require(args.rows == 1 || args.row_stride >= (args.positions - 1) * args.position_stride + args.vocab, where,
-          "logits.row_stride", args.row_stride, "must cover positions * vocab logits");
-  require(args.params.temperature != nullptr, where, "params.temperature", "null", "must be a device pointer");
+  require(args.rows == 1 || args.row_stride >= (args.positions - 1) * args.position_stride + args.vocab,
+          where, "logits.row_stride", args.row_stride, "must cover positions * vocab logits");
+  require(args.params.temperature != nullptr, where, "params.temperature", "null",
+          "must be a device pointer");
   require(args.random.seeds != nullptr, where, "random.seeds", "null", "must be a device pointer");
-  require(args.random.draw_counters != nullptr, where, "random.draw_counters", "null", "must be a device pointer");
+  require(args.random.draw_counters != nullptr, where, "random.draw_counters", "null",
+          "must be a device pointer");
   require(args.random.particles_per_request >= 1, where, "random.particles_per_request",
           args.random.particles_per_request, "must be >= 1");
   require(args.row_flags != nullptr, where, "row_flags", "null", "must be a device pointer");
@@ -78,16 +86,22 @@ void launch_logits_pass(const char* where, PassArgs args, DType dtype, SampleWor
           "exceeds the workspace (SampleWorkspace max_jobs)");
 
   args.splits = sample_splits(args.vocab, dtype);
-  require(jobs * args.splits <= workspace.max_partials(), where, "rows * positions * splits", jobs * args.splits,
-          "exceeds the workspace");
+  require(jobs * args.splits <= workspace.max_partials(), where, "rows * positions * splits",
+          jobs * args.splits, "exceeds the workspace");
   args.partials = static_cast<PassState*>(workspace.partials());
   args.tickets = workspace.tickets();
 
   const dim3 grid(static_cast<unsigned>(jobs * args.splits));
   switch (dtype) {
-  case DType::kFloat32: LogitsPassKernel<DType::kFloat32><<<grid, kPassThreads, 0, stream>>>(args); break;
-  case DType::kBFloat16: LogitsPassKernel<DType::kBFloat16><<<grid, kPassThreads, 0, stream>>>(args); break;
-  case DType::kFloat16: LogitsPassKernel<DType::kFloat16><<<grid, kPassThreads, 0, stream>>>(args); break;
+  case DType::kFloat32:
+    LogitsPassKernel<DType::kFloat32><<<grid, kPassThreads, 0, stream>>>(args);
+    break;
+  case DType::kBFloat16:
+    LogitsPassKernel<DType::kBFloat16><<<grid, kPassThreads, 0, stream>>>(args);
+    break;
+  case DType::kFloat16:
+    LogitsPassKernel<DType::kFloat16><<<grid, kPassThreads, 0, stream>>>(args);
+    break;
   }
   SMCGRAPH_CHECK_LAUNCH();
 }

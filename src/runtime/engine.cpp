@@ -27,26 +27,29 @@ constexpr const char* kConfig = "EngineConfig";
 
 std::string join(const std::vector<int>& values) {
   std::string text = "[";
-  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(values[i]);
   return text + "]";
 }
 
 } // namespace
 
 void validate_engine_config(const EngineConfig& c) {
-  require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind", static_cast<int>(c.kind),
-          "must be kSmc or kSpeculative");
+  require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind",
+          static_cast<int>(c.kind), "must be kSmc or kSpeculative");
   require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
   require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
           "must be 1 for the speculative cycle");
-  require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps, "must be in [1, 64]");
+  require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps,
+          "must be in [1, 64]");
   require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
           "must be in [1, 256]");
   require(c.max_requests >= 1 && c.max_requests <= 4096, kConfig, "max_requests", c.max_requests,
           "must be in [1, 4096]");
   require(c.max_seq_len >= c.draft_steps + 4, kConfig, "max_seq_len", c.max_seq_len,
           "must be >= draft_steps + 4 (a 1-token prompt, its first token and one cycle)");
-  require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size, "must be >= 2 (slot 0 is the dummy)");
+  require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size,
+          "must be >= 2 (slot 0 is the dummy)");
   // SMC weights divide by q, so its draft must sample (T_d > 0); speculative decoding may draft greedily.
   if (c.kind == CycleKind::kSmc)
     require(std::isfinite(c.draft_temperature) && c.draft_temperature > 0.0f, kConfig, "draft_temperature",
@@ -90,9 +93,12 @@ template <class T> void allocate(DeviceBuffer<T>& buffer, size_t count, size_t& 
 
 void zero_all(Engine::State& s) {
   auto zero = [&](auto& buffer) { buffer.fill_bytes(0, s.stream); };
-  zero(s.free_stack), zero(s.free_count), zero(s.refcount), zero(s.freed_bitmap), zero(s.slot_table), zero(s.token_table);
-  zero(s.seq_len), zero(s.live), zero(s.finished), zero(s.resampled), zero(s.release_mask), zero(s.request_mask);
-  zero(s.draft_temperature), zero(s.target_temperature), zero(s.alpha), zero(s.tau), zero(s.logw), zero(s.ess);
+  zero(s.free_stack), zero(s.free_count), zero(s.refcount), zero(s.freed_bitmap), zero(s.slot_table),
+      zero(s.token_table);
+  zero(s.seq_len), zero(s.live), zero(s.finished), zero(s.resampled), zero(s.release_mask),
+      zero(s.request_mask);
+  zero(s.draft_temperature), zero(s.target_temperature), zero(s.alpha), zero(s.tau), zero(s.logw),
+      zero(s.ess);
   zero(s.log_evidence), zero(s.row_flags), zero(s.status), zero(s.draw_counters), zero(s.seeds);
   zero(s.draft_logits), zero(s.target_logits), zero(s.prefill_logits), zero(s.outputs_device);
   zero(s.draft_tokens), zero(s.bonus_tokens), zero(s.first_eos), zero(s.ancestor), zero(s.cycle_tokens);
@@ -105,9 +111,11 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   validate_engine_config(config);
   State& s = *state_;
   s.config = config;
-  if (env_flag("SMCGRAPH_DISABLE_GRAPHS")) s.config.use_graphs = false;
+  if (env_flag("SMCGRAPH_DISABLE_GRAPHS"))
+    s.config.use_graphs = false;
   require(draft.vocab() == config.vocab, "Engine", "draft.vocab()", draft.vocab(), "must equal config.vocab");
-  require(target.vocab() == config.vocab, "Engine", "target.vocab()", target.vocab(), "must equal config.vocab");
+  require(target.vocab() == config.vocab, "Engine", "target.vocab()", target.vocab(),
+          "must equal config.vocab");
   require(draft.max_seq_len() == config.max_seq_len, "Engine", "draft.max_seq_len()", draft.max_seq_len(),
           "must equal config.max_seq_len");
   require(target.max_seq_len() == config.max_seq_len, "Engine", "target.max_seq_len()", target.max_seq_len(),
@@ -254,7 +262,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   zero_all(s);
   {
     std::vector<int32_t> iota(S);
-    for (int i = 0; i < S; ++i) iota[i] = i;
+    for (int i = 0; i < S; ++i)
+      iota[i] = i;
     s.positions_iota.copy_from_host(iota.data(), iota.size(), s.stream);
   }
   init_slot_pool(s.pool_view(), s.stream);
@@ -262,23 +271,27 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
 
   s.bucket_requests = config.buckets;
   if (s.bucket_requests.empty()) {
-    for (int b_requests = 1; b_requests < Q; b_requests *= 2) s.bucket_requests.push_back(b_requests);
+    for (int b_requests = 1; b_requests < Q; b_requests *= 2)
+      s.bucket_requests.push_back(b_requests);
     s.bucket_requests.push_back(Q);
   }
   s.graphs.resize(s.bucket_requests.size());
   s.bucket_info.resize(s.bucket_requests.size());
-  for (size_t i = 0; i < s.bucket_requests.size(); ++i) s.bucket_info[i].requests = s.bucket_requests[i];
+  for (size_t i = 0; i < s.bucket_requests.size(); ++i)
+    s.bucket_info[i].requests = s.bucket_requests[i];
 
   // Eager warm-up at the largest bucket (nothing is live: every row is padding), then capture largest first.
   try {
     detail::enqueue_cycle(s, Q, s.stream);
     s.stream.synchronize();
   } catch (const Error& e) {
-    throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what(), e.cuda_error());
+    throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what(),
+                e.cuda_error());
   } catch (const std::exception& e) {
     throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what());
   }
-  if (!s.config.use_graphs) return;
+  if (!s.config.use_graphs)
+    return;
   for (int i = static_cast<int>(s.bucket_requests.size()) - 1; i >= 0; --i) {
     const int requests = s.bucket_requests[i];
     const auto start = std::chrono::steady_clock::now();
@@ -290,9 +303,10 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
       try {
         detail::enqueue_cycle(s, requests, s.stream);
         s.stage = "smc.copy_outputs";
-        SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
-                                            detail::output_layout(requests * config.particles, requests, K).bytes,
-                                            cudaMemcpyDeviceToHost, s.stream));
+        SMCGRAPH_CUDA_CHECK(
+            cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
+                            detail::output_layout(requests * config.particles, requests, K).bytes,
+                            cudaMemcpyDeviceToHost, s.stream));
       } catch (const Error& e) {
         failure = e.what();
         failure_code = e.cuda_error();
@@ -308,10 +322,11 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         failure_code = end;
       }
       if (!failure.empty()) {
-        if (graph) cudaGraphDestroy(graph);
+        if (graph)
+          cudaGraphDestroy(graph);
         cudaGetLastError();
-        const std::string message = "Engine: capture of bucket " + std::to_string(requests) + " failed at step " +
-                                    s.stage + ": " + failure;
+        const std::string message = "Engine: capture of bucket " + std::to_string(requests) +
+                                    " failed at step " + s.stage + ": " + failure;
         if (env_flag("SMCGRAPH_GRAPH_FALLBACK")) {
           s.config.use_graphs = false;
           s.eager = true;
@@ -329,17 +344,21 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   }
   // Upload so the first replay pays no lazy setup.
   for (auto& pair : s.graphs)
-    for (auto& captured : pair) SMCGRAPH_CUDA_CHECK(cudaGraphUpload(captured.exec, s.stream));
+    for (auto& captured : pair)
+      SMCGRAPH_CUDA_CHECK(cudaGraphUpload(captured.exec, s.stream));
   s.stream.synchronize();
 }
 
 Engine::~Engine() {
-  if (!state_) return;
+  if (!state_)
+    return;
   cudaStreamSynchronize(state_->stream); // no throw from a destructor; buffers free after the work drains
   for (auto& pair : state_->graphs) {
     for (auto& captured : pair) {
-      if (captured.exec) cudaGraphExecDestroy(captured.exec);
-      if (captured.graph) cudaGraphDestroy(captured.graph);
+      if (captured.exec)
+        cudaGraphExecDestroy(captured.exec);
+      if (captured.graph)
+        cudaGraphDestroy(captured.graph);
     }
   }
 }
@@ -357,14 +376,16 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
       throw Error(std::string(kWhere) + ": prompt[" + std::to_string(i) + "] = " + std::to_string(prompt[i]) +
                   ": token out of range [0, " + std::to_string(c.vocab) + ")");
   }
-  const float draft_temperature = params.draft_temperature < 0.0f ? c.draft_temperature : params.draft_temperature;
+  const float draft_temperature =
+      params.draft_temperature < 0.0f ? c.draft_temperature : params.draft_temperature;
   const float target_temperature =
       params.target_temperature < 0.0f ? c.target_temperature : params.target_temperature;
   const float alpha = params.alpha < 0.0f ? c.alpha : params.alpha;
   const float tau = params.tau < 0.0f ? c.tau : params.tau;
   require(std::isfinite(draft_temperature) &&
               (draft_temperature > 0.0f || (draft_temperature == 0.0f && c.kind == CycleKind::kSpeculative)),
-          kWhere, "params.draft_temperature", draft_temperature, "must be finite and > 0 (>= 0 for speculative)");
+          kWhere, "params.draft_temperature", draft_temperature,
+          "must be finite and > 0 (>= 0 for speculative)");
   require(std::isfinite(target_temperature), kWhere, "params.target_temperature", target_temperature,
           "must be finite and >= 0");
   require(std::isfinite(alpha) && alpha > 0.0f, kWhere, "params.alpha", alpha, "must be finite and > 0");
@@ -382,7 +403,8 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   NvtxRange range("smc.admit");
   detail::init_request_rows(b, q, params.seed, draft_temperature, target_temperature, alpha, tau, stream);
   int32_t* token_row = s.token_table.data() + static_cast<size_t>(row) * c.max_seq_len;
-  SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
+  SMCGRAPH_CUDA_CHECK(
+      cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
   detail::admit_alloc(b, row, P, stream);
   // Prefill both models in chunks (KV for positions < P); keep the target's logits of the last position.
   const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
@@ -406,12 +428,18 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   }
   // x_P from the target's power distribution softmax(alpha l / T_t) (salt kAdmission, particle 0).
   const size_t element_bytes = dtype_bytes(s.target->logits_dtype());
-  const LogitsView last{s.prefill_logits.data() + static_cast<size_t>(last_chunk_length - 1) * s.vocab * element_bytes,
-                        s.target->logits_dtype(), 1, 1, s.vocab, s.vocab, s.vocab};
-  sample(last, {s.target_temperature.data() + row, s.alpha.data() + row}, {s.seeds.data() + q, s.draw_counters.data() + q, 1},
-         philox_stream(Salt::kAdmission, 0),
-         {s.admit_scalars.data() + 1, s.admit_floats.data(), s.admit_floats.data() + 1, s.row_flags.data() + row,
-          s.status.data()},
+  const LogitsView last{s.prefill_logits.data() +
+                            static_cast<size_t>(last_chunk_length - 1) * s.vocab * element_bytes,
+                        s.target->logits_dtype(),
+                        1,
+                        1,
+                        s.vocab,
+                        s.vocab,
+                        s.vocab};
+  sample(last, {s.target_temperature.data() + row, s.alpha.data() + row},
+         {s.seeds.data() + q, s.draw_counters.data() + q, 1}, philox_stream(Salt::kAdmission, 0),
+         {s.admit_scalars.data() + 1, s.admit_floats.data(), s.admit_floats.data() + 1,
+          s.row_flags.data() + row, s.status.data()},
          s.workspace, stream);
   detail::admit_finish(b, row, P, s.admit_scalars.data() + 1, stream);
   if (c.particles > 1) {
@@ -438,10 +466,13 @@ namespace {
 int bucket_index_for(const Engine::State& s) {
   int highest = -1;
   for (int q = 0; q < static_cast<int>(s.slot_owner.size()); ++q)
-    if (s.slot_owner[q] >= 0) highest = q;
-  if (highest < 0) return -1;
+    if (s.slot_owner[q] >= 0)
+      highest = q;
+  if (highest < 0)
+    return -1;
   for (size_t i = 0; i < s.bucket_requests.size(); ++i)
-    if (s.bucket_requests[i] > highest) return static_cast<int>(i);
+    if (s.bucket_requests[i] > highest)
+      return static_cast<int>(i);
   return static_cast<int>(s.bucket_requests.size()) - 1;
 }
 
@@ -464,11 +495,14 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
   std::vector<RequestUpdate> updates;
   for (int q = 0; q < cycle.bucket_requests; ++q) {
     const RequestId id = cycle.slot_ids[q];
-    if (id < 0) continue;
+    if (id < 0)
+      continue;
     auto it = s.requests.find(id);
-    if (it == s.requests.end()) continue; // released since
+    if (it == s.requests.end())
+      continue; // released since
     HostRequest& request = it->second;
-    if (request.finished || request.failed) continue;
+    if (request.finished || request.failed)
+      continue;
     RequestUpdate update;
     update.id = id;
     update.cycle = request.cycles++;
@@ -500,7 +534,8 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
     } else if (all_finished) {
       update.finished = request.finished = true;
       update.reason = request.reason = "eos";
-    } else if (request.max_new_tokens > 0 && request.length - request.prompt_length >= request.max_new_tokens) {
+    } else if (request.max_new_tokens > 0 &&
+               request.length - request.prompt_length >= request.max_new_tokens) {
       update.finished = request.finished = true;
       update.reason = request.reason = "max_new_tokens";
     } else if (!any_live) {
@@ -517,13 +552,15 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
 void Engine::step() {
   State& s = *state_;
   const int bucket = bucket_index_for(s);
-  if (bucket < 0) return; // nothing is live
+  if (bucket < 0)
+    return; // nothing is live
   const int parity = s.cycles_launched % 2;
   // Both output buffers busy: the older cycle is read now and its updates wait for the next poll().
   if (s.in_flight.size() >= 2) {
     std::vector<RequestUpdate> updates = process_cycle(s, s.in_flight.front());
     s.in_flight.pop_front();
-    for (auto& update : updates) s.pending_updates.push_back(std::move(update));
+    for (auto& update : updates)
+      s.pending_updates.push_back(std::move(update));
   }
   InFlightCycle cycle;
   cycle.parity = parity;
@@ -534,7 +571,8 @@ void Engine::step() {
     detail::enqueue_cycle(s, cycle.bucket_requests, s.stream);
     SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(
         s.outputs_host[parity].data(), s.outputs_device.data(),
-        detail::output_layout(cycle.bucket_requests * s.config.particles, cycle.bucket_requests, s.steps).bytes,
+        detail::output_layout(cycle.bucket_requests * s.config.particles, cycle.bucket_requests, s.steps)
+            .bytes,
         cudaMemcpyDeviceToHost, s.stream));
   } else {
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
@@ -551,7 +589,8 @@ std::vector<RequestUpdate> Engine::poll() {
     s.pending_updates.clear();
     return updates;
   }
-  if (s.in_flight.empty()) return {};
+  if (s.in_flight.empty())
+    return {};
   std::vector<RequestUpdate> updates = process_cycle(s, s.in_flight.front());
   s.in_flight.pop_front();
   return updates;
@@ -574,9 +613,10 @@ RequestResult Engine::result(RequestId id) {
   double log_evidence = 0.0;
   SMCGRAPH_CUDA_CHECK(cudaMemcpy(tokens.data(), s.token_table.data() + static_cast<size_t>(q) * N * S,
                                  tokens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  SMCGRAPH_CUDA_CHECK(cudaMemcpy(lengths.data(), s.seq_len.data() + q * N, N * sizeof(int32_t),
-                                 cudaMemcpyDeviceToHost));
-  SMCGRAPH_CUDA_CHECK(cudaMemcpy(logw.data(), s.logw.data() + q * N, N * sizeof(double), cudaMemcpyDeviceToHost));
+  SMCGRAPH_CUDA_CHECK(
+      cudaMemcpy(lengths.data(), s.seq_len.data() + q * N, N * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  SMCGRAPH_CUDA_CHECK(
+      cudaMemcpy(logw.data(), s.logw.data() + q * N, N * sizeof(double), cudaMemcpyDeviceToHost));
   SMCGRAPH_CUDA_CHECK(
       cudaMemcpy(&log_evidence, s.log_evidence.data() + q, sizeof(double), cudaMemcpyDeviceToHost));
   result.particles.resize(N);
@@ -584,7 +624,8 @@ RequestResult Engine::result(RequestId id) {
     const int32_t* row = tokens.data() + static_cast<size_t>(i) * S;
     for (int position = request.prompt_length; position < lengths[i]; ++position) {
       result.particles[i].push_back(row[position]);
-      if (row[position] == s.config.eos_id) break; // EOS is absorbing: nothing after it counts
+      if (row[position] == s.config.eos_id)
+        break; // EOS is absorbing: nothing after it counts
     }
     if (request.max_new_tokens > 0 && static_cast<int>(result.particles[i].size()) > request.max_new_tokens)
       result.particles[i].resize(request.max_new_tokens);
@@ -594,7 +635,8 @@ RequestResult Engine::result(RequestId id) {
   const double max_logw = *std::max_element(logw.begin(), logw.end());
   std::vector<double> weights(N);
   double total = 0.0;
-  for (int i = 0; i < N; ++i) total += weights[i] = std::isfinite(max_logw) ? std::exp(logw[i] - max_logw) : 1.0;
+  for (int i = 0; i < N; ++i)
+    total += weights[i] = std::isfinite(max_logw) ? std::exp(logw[i] - max_logw) : 1.0;
   const double u = uniform_open01(philox_word(request.seed, 0, static_cast<uint32_t>(request.cycles), 0,
                                               philox_stream(Salt::kResult, 0)));
   double cumulative = 0.0;
@@ -636,13 +678,17 @@ void Engine::compact() {
   };
   int low = 0;
   for (int high = static_cast<int>(s.slot_owner.size()) - 1; high > low; --high) {
-    if (s.slot_owner[high] < 0) continue;
-    while (low < high && s.slot_owner[low] >= 0) ++low;
-    if (low >= high) break;
+    if (s.slot_owner[high] < 0)
+      continue;
+    while (low < high && s.slot_owner[low] >= 0)
+      ++low;
+    if (low >= high)
+      break;
     // Rows move by copy: no refcount changes; the old rows are emptied.
     move_rows(s.slot_table, high, low, N * S);
     move_rows(s.token_table, high, low, N * S);
-    for (auto* per_row : {&s.seq_len}) move_rows(*per_row, high, low, N);
+    for (auto* per_row : {&s.seq_len})
+      move_rows(*per_row, high, low, N);
     move_rows(s.live, high, low, N);
     move_rows(s.finished, high, low, N);
     move_rows(s.logw, high, low, N);
@@ -670,11 +716,14 @@ void Engine::set_eager(bool eager) {
           "graphs are disabled for this engine");
   state_->eager = eager;
 }
-bool Engine::eager() const { return state_->eager; }
+bool Engine::eager() const {
+  return state_->eager;
+}
 
 int Engine::live_requests() const {
   int count = 0;
-  for (const auto& [id, request] : state_->requests) count += !request.finished && !request.failed;
+  for (const auto& [id, request] : state_->requests)
+    count += !request.finished && !request.failed;
   return count;
 }
 
@@ -683,11 +732,23 @@ int Engine::current_bucket() const {
   return index < 0 ? 0 : state_->bucket_requests[index];
 }
 
-const std::vector<BucketInfo>& Engine::buckets() const { return state_->bucket_info; }
-const EngineConfig& Engine::config() const { return state_->config; }
-cudaStream_t Engine::stream() const { return state_->stream; }
-size_t Engine::device_bytes() const { return state_->device_bytes; }
-void Engine::synchronize() { state_->stream.synchronize(); }
-Engine::State& Engine::state() { return *state_; }
+const std::vector<BucketInfo>& Engine::buckets() const {
+  return state_->bucket_info;
+}
+const EngineConfig& Engine::config() const {
+  return state_->config;
+}
+cudaStream_t Engine::stream() const {
+  return state_->stream;
+}
+size_t Engine::device_bytes() const {
+  return state_->device_bytes;
+}
+void Engine::synchronize() {
+  state_->stream.synchronize();
+}
+Engine::State& Engine::state() {
+  return *state_;
+}
 
 } // namespace smcgraph

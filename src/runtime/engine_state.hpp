@@ -28,10 +28,10 @@ struct CapturedCycle {
 
 struct HostRequest {
   RequestId id = -1;
-  int slot = -1;            ///< request slot: rows slot * N .. slot * N + N - 1
+  int slot = -1; ///< request slot: rows slot * N .. slot * N + N - 1
   int prompt_length = 0;
-  int length = 0;           ///< L as of the last polled cycle
-  int cycles = 0;           ///< cycles polled
+  int length = 0; ///< L as of the last polled cycle
+  int cycles = 0; ///< cycles polled
   int max_new_tokens = -1;
   uint64_t seed = 0;
   bool finished = false, failed = false;
@@ -50,8 +50,8 @@ struct Engine::State {
   Model* draft = nullptr;
   Model* target = nullptr;
   Stream stream;
-  int rows = 0;     ///< max_requests * N
-  int steps = 0;    ///< K
+  int rows = 0;  ///< max_requests * N
+  int steps = 0; ///< K
   int vocab = 0;
   int prefill_chunk = 0;
 
@@ -74,8 +74,8 @@ struct Engine::State {
   DeviceBuffer<float> draft_logprobs_rows, packed_logprobs;
   DeviceBuffer<int32_t> committed, accepted, next_tokens, packed_offsets, packed_total, packed_tokens;
   PackWorkspace pack_workspace;
-  DeviceBuffer<int32_t> positions_iota, admit_scalars;                ///< [max_seq_len], [4]
-  DeviceBuffer<float> admit_floats;                                   ///< [4]
+  DeviceBuffer<int32_t> positions_iota, admit_scalars; ///< [max_seq_len], [4]
+  DeviceBuffer<float> admit_floats;                    ///< [4]
   DeviceBuffer<uint8_t> outputs_device;
   std::array<PinnedBuffer<uint8_t>, 2> outputs_host;
   std::array<std::unique_ptr<Event>, 2> outputs_ready;
@@ -131,7 +131,6 @@ inline void enqueue_cycle(Engine::State& state, int bucket_requests, cudaStream_
   else
     enqueue_smc_cycle(state, bucket_requests, stream);
 }
-
 
 } // namespace detail
 

@@ -23,8 +23,12 @@ float Event::elapsed_ms_since(const Event& start) const {
   return ms;
 }
 
-NvtxRange::NvtxRange(const char* name) { nvtxRangePushA(name); }
-NvtxRange::~NvtxRange() { nvtxRangePop(); }
+NvtxRange::NvtxRange(const char* name) {
+  nvtxRangePushA(name);
+}
+NvtxRange::~NvtxRange() {
+  nvtxRangePop();
+}
 
 const DeviceInfo& current_device_info() {
   constexpr int kMaxDevices = 64;
@@ -36,9 +40,12 @@ const DeviceInfo& current_device_info() {
   std::call_once(once[device], [device] {
     DeviceInfo info;
     info.device = device;
-    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
-    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor, device));
-    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&info.compute_minor, cudaDevAttrComputeCapabilityMinor, device));
+    SMCGRAPH_CUDA_CHECK(
+        cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    SMCGRAPH_CUDA_CHECK(
+        cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor, device));
+    SMCGRAPH_CUDA_CHECK(
+        cudaDeviceGetAttribute(&info.compute_minor, cudaDevAttrComputeCapabilityMinor, device));
     cache[device] = info;
   });
   return cache[device];

@@ -17,8 +17,10 @@ uint32_t logit_flags(const float* logits, int vocab, bool* all_masked) {
   *all_masked = true;
   for (int v = 0; v < vocab; ++v) {
     const float l = logits[v];
-    if (std::isnan(l) || l == std::numeric_limits<float>::infinity()) flags |= kFlagNanLogit;
-    if (l != -std::numeric_limits<float>::infinity()) *all_masked = false;
+    if (std::isnan(l) || l == std::numeric_limits<float>::infinity())
+      flags |= kFlagNanLogit;
+    if (l != -std::numeric_limits<float>::infinity())
+      *all_masked = false;
   }
   (void)any_finite_or_masked_only;
   return flags;
@@ -26,10 +28,12 @@ uint32_t logit_flags(const float* logits, int vocab, bool* all_masked) {
 
 double log_sum_exp(const float* logits, int vocab, double scale, double* max_out) {
   double m = -kInf;
-  for (int v = 0; v < vocab; ++v) m = std::max(m, static_cast<double>(logits[v]));
+  for (int v = 0; v < vocab; ++v)
+    m = std::max(m, static_cast<double>(logits[v]));
   *max_out = m;
   double sum = 0.0;
-  for (int v = 0; v < vocab; ++v) sum += std::exp((logits[v] - m) * scale);
+  for (int v = 0; v < vocab; ++v)
+    sum += std::exp((logits[v] - m) * scale);
   return m * scale + std::log(sum);
 }
 
@@ -51,7 +55,8 @@ SampleResult sample(const float* logits, int vocab, float temperature, float alp
   } else {
     bool all_masked = false;
     result.flags = logit_flags(logits, vocab, &all_masked);
-    if (!result.flags && all_masked) result.flags = kFlagAllMasked;
+    if (!result.flags && all_masked)
+      result.flags = kFlagAllMasked;
   }
   if (result.flags) {
     result.token = kInvalidToken;
@@ -61,10 +66,12 @@ SampleResult sample(const float* logits, int vocab, float temperature, float alp
   if (temperature == 0.0f) { // greedy: argmax, ties to the smallest id
     int best = 0;
     for (int v = 1; v < vocab; ++v)
-      if (logits[v] > logits[best]) best = v;
+      if (logits[v] > logits[best])
+        best = v;
     double second = -kInf;
     for (int v = 0; v < vocab; ++v)
-      if (v != best) second = std::max(second, static_cast<double>(logits[v]));
+      if (v != best)
+        second = std::max(second, static_cast<double>(logits[v]));
     result.token = best;
     result.best_score = logits[best];
     result.runner_up_score = second;
@@ -75,8 +82,10 @@ SampleResult sample(const float* logits, int vocab, float temperature, float alp
   double best = -kInf, second = -kInf;
   int best_index = -1;
   for (int v = 0; v < vocab; ++v) {
-    if (logits[v] == -std::numeric_limits<float>::infinity()) continue;
-    const double u = uniform_open01(philox_word(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word));
+    if (logits[v] == -std::numeric_limits<float>::infinity())
+      continue;
+    const double u =
+        uniform_open01(philox_word(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word));
     const double score = a * logits[v] * scale - std::log(-std::log(u));
     if (score > best) {
       second = best;
@@ -105,12 +114,17 @@ double token_logprob(const float* logits, int vocab, float temperature, int32_t 
   }
   bool all_masked = false;
   *flags = logit_flags(logits, vocab, &all_masked);
-  if (!*flags && all_masked) *flags = kFlagAllMasked;
-  if (token < 0 || token >= vocab) *flags |= kFlagTokenOutOfRange;
-  if (*flags) return -kInf;
+  if (!*flags && all_masked)
+    *flags = kFlagAllMasked;
+  if (token < 0 || token >= vocab)
+    *flags |= kFlagTokenOutOfRange;
+  if (*flags)
+    return -kInf;
   double m = -kInf;
-  for (int v = 0; v < vocab; ++v) m = std::max(m, static_cast<double>(logits[v]));
-  if (temperature == 0.0f) return logits[token] == m ? 0.0 : -kInf;
+  for (int v = 0; v < vocab; ++v)
+    m = std::max(m, static_cast<double>(logits[v]));
+  if (temperature == 0.0f)
+    return logits[token] == m ? 0.0 : -kInf;
   const double scale = 1.0 / static_cast<double>(temperature);
   const double lse = log_sum_exp(logits, vocab, scale, &m);
   return logits[token] * scale - lse;

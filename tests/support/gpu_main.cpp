@@ -12,8 +12,8 @@
 int main(int argc, char** argv) {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
-  const bool no_device =
-      status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver || (status == cudaSuccess && count == 0);
+  const bool no_device = status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver ||
+                         (status == cudaSuccess && count == 0);
   if (status != cudaSuccess && !no_device) {
     std::fprintf(stderr, "cudaGetDeviceCount failed: %s\n", cudaGetErrorString(status));
     return 1;
@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   if (no_device) {
     const char* require = std::getenv("SMCGRAPH_REQUIRE_GPU");
     if (require != nullptr && std::strcmp(require, "1") == 0) {
-      std::fprintf(stderr, "no CUDA device (%s) and SMCGRAPH_REQUIRE_GPU=1: failing\n", cudaGetErrorString(status));
+      std::fprintf(stderr, "no CUDA device (%s) and SMCGRAPH_REQUIRE_GPU=1: failing\n",
+                   cudaGetErrorString(status));
       return 1;
     }
     std::fprintf(stderr, "no CUDA device (%s): skipping (exit 77)\n", cudaGetErrorString(status));

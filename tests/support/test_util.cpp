@@ -10,7 +10,8 @@
 namespace smcgraph::test {
 
 static uint64_t fresh_seed() {
-  if (const char* fixed = std::getenv("SMCGRAPH_TEST_SEED")) return std::strtoull(fixed, nullptr, 0);
+  if (const char* fixed = std::getenv("SMCGRAPH_TEST_SEED"))
+    return std::strtoull(fixed, nullptr, 0);
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
@@ -42,9 +43,12 @@ float fp16_to_float(uint16_t bits) {
 }
 float round_to(DType dtype, float value) {
   switch (dtype) {
-  case DType::kFloat32: return value;
-  case DType::kBFloat16: return bf16_to_float(float_to_bf16(value));
-  case DType::kFloat16: return fp16_to_float(float_to_fp16(value));
+  case DType::kFloat32:
+    return value;
+  case DType::kBFloat16:
+    return bf16_to_float(float_to_bf16(value));
+  case DType::kFloat16:
+    return fp16_to_float(float_to_fp16(value));
   }
   return value;
 }
@@ -78,7 +82,8 @@ void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(
     work(stream);
   } catch (...) {
     cudaStreamEndCapture(stream, &graph);
-    if (graph) cudaGraphDestroy(graph);
+    if (graph)
+      cudaGraphDestroy(graph);
     throw;
   }
   SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
@@ -92,14 +97,16 @@ void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(
 
 // Regularized upper incomplete gamma Q(a, x) via series / continued fraction (Numerical Recipes 6.2).
 static double upper_regularized_gamma(double a, double x) {
-  if (x <= 0.0) return 1.0;
+  if (x <= 0.0)
+    return 1.0;
   const double log_prefactor = -x + a * std::log(x) - std::lgamma(a);
   if (x < a + 1.0) {
     double term = 1.0 / a, sum = term;
     for (int n = 1; n < 100000; ++n) {
       term *= x / (a + n);
       sum += term;
-      if (std::abs(term) < std::abs(sum) * 1e-15) break;
+      if (std::abs(term) < std::abs(sum) * 1e-15)
+        break;
     }
     return 1.0 - sum * std::exp(log_prefactor);
   }
@@ -108,17 +115,22 @@ static double upper_regularized_gamma(double a, double x) {
     const double an = -i * (i - a);
     b += 2.0;
     d = an * d + b;
-    if (std::abs(d) < 1e-300) d = 1e-300;
+    if (std::abs(d) < 1e-300)
+      d = 1e-300;
     c = b + an / c;
-    if (std::abs(c) < 1e-300) c = 1e-300;
+    if (std::abs(c) < 1e-300)
+      c = 1e-300;
     d = 1.0 / d;
     const double delta = d * c;
     h *= delta;
-    if (std::abs(delta - 1.0) < 1e-15) break;
+    if (std::abs(delta - 1.0) < 1e-15)
+      break;
   }
   return std::exp(log_prefactor) * h;
 }
 
-double chi_square_p_value(double statistic, double dof) { return upper_regularized_gamma(dof / 2.0, statistic / 2.0); }
+double chi_square_p_value(double statistic, double dof) {
+  return upper_regularized_gamma(dof / 2.0, statistic / 2.0);
+}
 
 } // namespace smcgraph::test

@@ -23,7 +23,9 @@ public:
   explicit Rng(uint64_t seed) : seed_(seed), engine_(seed) {}
   uint64_t seed() const { return seed_; }
   std::mt19937_64& engine() { return engine_; }
-  double uniform(double lo = 0.0, double hi = 1.0) { return std::uniform_real_distribution<double>(lo, hi)(engine_); }
+  double uniform(double lo = 0.0, double hi = 1.0) {
+    return std::uniform_real_distribution<double>(lo, hi)(engine_);
+  }
   double normal(double mean = 0.0, double stddev = 1.0) {
     return std::normal_distribution<double>(mean, stddev)(engine_);
   }
@@ -57,20 +59,23 @@ void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(
 template <class T> std::vector<T> to_host(const T* d_data, size_t count, cudaStream_t stream) {
   std::vector<T> host(count);
   if (count > 0) {
-    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(host.data(), d_data, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    SMCGRAPH_CUDA_CHECK(
+        cudaMemcpyAsync(host.data(), d_data, count * sizeof(T), cudaMemcpyDeviceToHost, stream));
   }
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
   return host;
 }
 template <class T> DeviceBuffer<T> to_device(const std::vector<T>& host, cudaStream_t stream) {
   DeviceBuffer<T> buffer(host.size());
-  if (!host.empty()) buffer.copy_from_host(host.data(), host.size(), stream);
+  if (!host.empty())
+    buffer.copy_from_host(host.data(), host.size(), stream);
   return buffer;
 }
 
 /// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
 inline bool close_to(double a, double b, double tol) {
-  if (a == b) return true; // also equal infinities
+  if (a == b)
+    return true; // also equal infinities
   const double scale = std::max(1.0, std::abs(b));
   return std::abs(a - b) <= tol * scale;
 }
