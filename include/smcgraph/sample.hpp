@@ -56,7 +56,7 @@ struct SampleOutputs {
   int32_t* tokens = nullptr; ///< [rows] sampled token
   float* logprobs = nullptr; ///< [rows] log softmax(alpha * l / T)[token]
   float* logz = nullptr;     ///< [rows] lse(alpha * l / T) - alpha * lse(l / T); 0 when alpha = 1 or T = 0
-  uint32_t* row_flags = nullptr; ///< [rows] RowFlag bits (written, not accumulated)
+  uint32_t* row_flags = nullptr; ///< [rows] RowFlag bits (OR-accumulated: the caller clears them)
   uint32_t* status = nullptr;    ///< [1] OR-accumulated RowFlag bits of all rows (the caller clears it)
 };
 
@@ -66,7 +66,7 @@ struct ScoreOutputs {
   int32_t* bonus_tokens = nullptr; ///< [rows] sampled from softmax(alpha * l / T) at position P - 1
   float* bonus_logprobs = nullptr; ///< [rows]
   float* logz = nullptr;           ///< [rows] lse(alpha * l / T) - alpha * lse(l / T) at position P - 1
-  uint32_t* row_flags = nullptr;   ///< [rows] RowFlag bits (written, not accumulated)
+  uint32_t* row_flags = nullptr;   ///< [rows] RowFlag bits (OR-accumulated: the caller clears them)
   uint32_t* status = nullptr;      ///< [1] OR-accumulated
 };
 

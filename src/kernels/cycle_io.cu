@@ -137,6 +137,7 @@ __global__ void CommitCycleKernel(CycleBuffers b, int rows) {
   if (!b.tables.live[r]) {
     for (int k = 0; k < stride; ++k)
       cycle[k] = kInvalidToken;
+    b.committed[r] = 0;
     return;
   }
   const int L = b.tables.seq_len[r];

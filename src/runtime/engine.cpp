@@ -261,6 +261,13 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
 
   zero_all(s);
   {
+    // Padding rows run through the samplers too: give them legal parameters so they raise no flags.
+    const std::vector<float> ones(R, 1.0f);
+    for (auto* buffer : {&s.draft_temperature, &s.target_temperature, &s.alpha})
+      buffer->copy_from_host(ones.data(), ones.size(), s.stream);
+    s.stream.synchronize();
+  }
+  {
     std::vector<int32_t> iota(S);
     for (int i = 0; i < S; ++i)
       iota[i] = i;

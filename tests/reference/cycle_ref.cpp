@@ -554,6 +554,9 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
       any_live = any_live || slots_.live[r] != 0;
       update.ancestors[i] = ancestor_[r] - q * N;
       const int counted = first_eos_[r] < 0 ? 0 : (first_eos_[r] >= K ? K + 1 : first_eos_[r] + 1);
+      // A row that committed nothing this cycle (not live, or finished before) reports no tokens. (The engine
+      // reads its `committed` count instead, which CommitCycleKernel leaves stale for rows that are not
+      // live.)
       if (slots_.live[r] || first_eos_[r] >= 0) {
         const int32_t* tokens = cycle_tokens_.data() + static_cast<size_t>(r) * (K + 1);
         update.tokens[i].assign(tokens, tokens + counted);
