@@ -219,6 +219,12 @@ TEST_CASE("fault: a failing CUDA call inside the cycle gives a clear error, and 
 TEST_CASE("fault: destroying the engine with requests live leaks nothing") {
   const EngineConfig config = config_for(4, 4);
   ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
+  { // load every kernel module first (lazy loading takes device memory once, on first use)
+    Engine warm(config, *models.draft, *models.target);
+    warm.admit({1, 2});
+    warm.step();
+    warm.poll();
+  }
   SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
   size_t free_before = 0, total = 0;
   SMCGRAPH_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
