@@ -13,10 +13,14 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"
+#include "support/engine_test_util.hpp"
 #include "support/test_util.hpp"
 
 using namespace smcgraph;
 namespace test = smcgraph::test;
+using test::check_invariants;
+using test::cycle;
+using test::random_prompt;
 
 namespace {
 
@@ -54,25 +58,6 @@ struct Setup {
       : models(ToyModel::pair(toy_for(config, dtype), perturbation)),
         engine(std::make_unique<Engine>(config, *models.draft, *models.target)) {}
 };
-
-std::vector<int32_t> random_prompt(test::Rng& rng, int vocab, int max_length) {
-  std::vector<int32_t> prompt(rng.integer(1, max_length));
-  for (auto& t : prompt)
-    t = static_cast<int32_t>(rng.integer(0, vocab - 1));
-  return prompt;
-}
-
-SlotCheck check_invariants(Engine& engine) {
-  engine.synchronize();
-  auto& s = engine.state();
-  return check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream());
-}
-
-/// Steps and polls one cycle (no overlap), returning the updates.
-std::vector<RequestUpdate> cycle(Engine& engine) {
-  engine.step();
-  return engine.poll();
-}
 
 bool same_updates(const std::vector<RequestUpdate>& a, const std::vector<RequestUpdate>& b) {
   if (a.size() != b.size())

@@ -15,10 +15,14 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"
+#include "support/engine_test_util.hpp"
 #include "support/test_util.hpp"
 
 using namespace smcgraph;
 namespace test = smcgraph::test;
+using test::check_invariants;
+using test::cycle;
+using test::random_prompt;
 
 namespace {
 
@@ -41,11 +45,6 @@ ToyModelConfig toy_for(const EngineConfig& c) {
   t.max_seq_len = c.max_seq_len;
   t.weight_seed = 5;
   return t;
-}
-
-std::vector<RequestUpdate> cycle(Engine& engine) {
-  engine.step();
-  return engine.poll();
 }
 
 /// A model wrapper that misbehaves on purpose.

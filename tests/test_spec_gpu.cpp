@@ -14,10 +14,14 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"
+#include "support/engine_test_util.hpp"
 #include "support/test_util.hpp"
 
 using namespace smcgraph;
 namespace test = smcgraph::test;
+using test::check_invariants;
+using test::cycle;
+using test::random_prompt;
 
 namespace {
 
@@ -75,19 +79,6 @@ std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target
     generated.push_back(next);
   }
   return generated;
-}
-
-std::vector<int32_t> random_prompt(test::Rng& rng, int vocab, int max_length) {
-  std::vector<int32_t> prompt(rng.integer(1, max_length));
-  for (auto& t : prompt)
-    t = static_cast<int32_t>(rng.integer(0, vocab - 1));
-  return prompt;
-}
-
-SlotCheck check_invariants(Engine& engine) {
-  engine.synchronize();
-  auto& s = engine.state();
-  return check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream());
 }
 
 } // namespace
