@@ -527,8 +527,10 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
   }
 }
 
-/// Validates and launches the pass (shared by sample() and score()).
-void launch_logits_pass(const char* where, PassArgs args, DType dtype, SampleWorkspace& workspace,
-                        cudaStream_t stream);
+/// Validates and launches the pass (shared by sample() and score()): the shape, parameters and keys come
+/// from the view and the row structs; `args` carries the caller's token inputs and output pointers.
+void launch_logits_pass(const char* where, const LogitsView& logits, const RowParams& params,
+                        const RowRandom& random, uint32_t stream_word, PassArgs args,
+                        SampleWorkspace& workspace, cudaStream_t stream);
 
 } // namespace smcgraph::detail

@@ -60,8 +60,19 @@ SampleWorkspace& SampleWorkspace::operator=(SampleWorkspace&& other) noexcept {
 
 namespace detail {
 
-void launch_logits_pass(const char* where, PassArgs args, DType dtype, SampleWorkspace& workspace,
-                        cudaStream_t stream) {
+void launch_logits_pass(const char* where, const LogitsView& logits, const RowParams& params,
+                        const RowRandom& random, uint32_t stream_word, PassArgs args,
+                        SampleWorkspace& workspace, cudaStream_t stream) {
+  const DType dtype = logits.dtype;
+  args.logits = logits.data;
+  args.rows = logits.rows;
+  args.positions = logits.positions;
+  args.vocab = logits.vocab;
+  args.row_stride = logits.row_stride;
+  args.position_stride = logits.position_stride;
+  args.params = params;
+  args.random = random;
+  args.stream_word = stream_word;
   require(args.logits != nullptr, where, "logits.data", "null", "must be a device pointer");
   require(args.rows >= 1, where, "logits.rows", args.rows, "must be >= 1");
   require(args.positions >= 1, where, "logits.positions", args.positions, "must be >= 1");
@@ -116,21 +127,12 @@ void sample(const LogitsView& logits, const RowParams& params, const RowRandom& 
   require(out.logprobs != nullptr, kWhere, "out.logprobs", "null", "must be a device pointer");
   require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
   detail::PassArgs args{};
-  args.logits = logits.data;
-  args.rows = logits.rows;
-  args.positions = 1;
-  args.vocab = logits.vocab;
-  args.row_stride = logits.row_stride;
-  args.position_stride = logits.position_stride;
-  args.params = params;
-  args.random = random;
-  args.stream_word = stream_word;
   args.sample_tokens = out.tokens;
   args.sample_logprobs = out.logprobs;
   args.sample_logz = out.logz;
   args.row_flags = out.row_flags;
   args.status = out.status;
-  detail::launch_logits_pass(kWhere, args, logits.dtype, workspace, stream);
+  detail::launch_logits_pass(kWhere, logits, params, random, stream_word, args, workspace, stream);
 }
 
 } // namespace smcgraph

@@ -21,15 +21,6 @@ void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_st
   require(out.bonus_logprobs != nullptr, kWhere, "out.bonus_logprobs", "null", "must be a device pointer");
   require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
   detail::PassArgs args{};
-  args.logits = logits.data;
-  args.rows = logits.rows;
-  args.positions = logits.positions;
-  args.vocab = logits.vocab;
-  args.row_stride = logits.row_stride;
-  args.position_stride = logits.position_stride;
-  args.params = params;
-  args.random = random;
-  args.stream_word = stream_word;
   args.tokens = tokens;
   args.token_row_stride = token_row_stride;
   args.token_logprobs = out.token_logprobs;
@@ -38,7 +29,7 @@ void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_st
   args.sample_logz = out.logz;
   args.row_flags = out.row_flags;
   args.status = out.status;
-  detail::launch_logits_pass(kWhere, args, logits.dtype, workspace, stream);
+  detail::launch_logits_pass(kWhere, logits, params, random, stream_word, args, workspace, stream);
 }
 
 } // namespace smcgraph
