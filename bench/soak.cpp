@@ -1,7 +1,9 @@
-// soak: the SMC engine under random churn for a long run, served like a real server (step() for cycle t + 1
-// before poll() of cycle t), checking that nothing leaks, drifts or breaks.
+// soak: the engine under random churn for a long run, both cycle kinds one after the other (SMC, then
+// speculative), served like a real server (step() for cycle t + 1 before poll() of cycle t), checking that
+// nothing leaks, drifts or breaks.
 //
-//   build/bench/soak                         # 200000 cycles, vocab 512, N 4, K 4, 16 request slots
+//   build/bench/soak                         # 200000 cycles per kind, vocab 512, N 4, K 4, 16 request slots
+//   build/bench/soak --kinds spec            # the speculative cycle only
 //   build/bench/soak --cycles 20000 --seed 7
 //   build/bench/soak --seconds 600           # run for a duration instead
 //
@@ -58,7 +60,8 @@ struct UsageError {
 };
 
 struct Options {
-  int64_t cycles = 200000;
+  std::vector<CycleKind> kinds = {CycleKind::kSmc, CycleKind::kSpeculative};
+  int64_t cycles = 200000; // per kind
   double seconds = 0; // > 0: run for this long instead of --cycles
   uint64_t seed = 1;
   int vocab = 512;
@@ -84,18 +87,19 @@ void print_help() {
   std::printf(
       "usage: soak [flags]\n"
       "\n"
-      "Runs the SMC engine under random churn (admissions, EOS, releases, cancellations, compaction, "
+      "Runs the engine under random churn (admissions, EOS, releases, cancellations, compaction, "
       "slot-pool\n"
       "exhaustion) with overlapped step()/poll(), checking the slot invariants, every update and result(),\n"
-      "device memory and host RSS. Progress on stderr, report on stdout.\n"
+      "device memory and host RSS; each cycle kind in turn. Progress on stderr, report on stdout.\n"
       "\n"
-      "  --cycles N            cycles to run (default %" PRId64 ")\n"
+      "  --kinds LIST          cycle kinds to soak, comma separated: smc, spec (default smc,spec)\n"
+      "  --cycles N            cycles to run per kind (default %" PRId64 ")\n"
       "  --seconds S           run for S seconds instead (warm-up: the first 10 %% of the time)\n"
       "  --seed S              seeds the churn, the prompts and every request's sampling seed (default "
       "%" PRIu64 ")\n"
       "  --vocab V             toy vocabulary (default %d)\n"
       "  --eos ID              EOS token id, -1: none (default %d)\n"
-      "  --particles N         SMC particles per request (default %d)\n"
+      "  --particles N         SMC particles per request (default %d; the speculative cycle runs 1)\n"
       "  --steps K             draft tokens per cycle (default %d)\n"
       "  --max-requests Q      request slots, the largest bucket (default %d)\n"
       "  --max-seq-len S       tokens per particle (default %d)\n"
@@ -171,6 +175,20 @@ Options parse_options(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       print_help();
       std::exit(0);
+    } else if (flag == "--kinds") {
+      o.kinds.clear();
+      std::string list = value(), item;
+      for (size_t begin = 0; begin <= list.size();) {
+        const size_t end = std::min(list.find(',', begin), list.size());
+        item = list.substr(begin, end - begin);
+        if (item == "smc")
+          o.kinds.push_back(CycleKind::kSmc);
+        else if (item == "spec")
+          o.kinds.push_back(CycleKind::kSpeculative);
+        else
+          throw bad_value(flag, list, "a comma-separated list of smc, spec");
+        begin = end + 1;
+      }
     } else if (flag == "--cycles") {
       o.cycles = parse_integer<int64_t>(flag, value(), 1, kInt64Max);
     } else if (flag == "--seconds") {
@@ -349,6 +367,11 @@ void Soak::admit_one(bool hog) {
   params.target_temperature = static_cast<float>(uniform(0.5, 2.5));
   params.alpha = static_cast<float>(uniform(0.5, 1.5));
   params.tau = hog ? 0.0f : static_cast<float>(uniform(0.0, 1.0));
+  if (engine_.config().kind == CycleKind::kSpeculative) {
+    params.alpha = 1.0f; // rejection sampling targets the tempered target itself
+    if (chance(0.3))
+      params.target_temperature = 0.0f; // greedy verification
+  }
   const double kind = uniform(0.0, 1.0);
   if (hog || kind < 0.02)
     params.max_new_tokens = -1; // until max_seq_len
@@ -640,8 +663,10 @@ int Soak::run() {
 
   // Report.
   const double seconds = elapsed_s();
-  std::printf("soak on %s: SMC N = %d, K = %d, vocab %d, eos %d, %d request slots, %d KV slots, %s\n",
-              bench::device_name().c_str(), o_.particles, o_.steps, o_.vocab, o_.eos, o_.max_requests,
+  std::printf("soak on %s: %s N = %d, K = %d, vocab %d, eos %d, %d request slots, %d KV slots, %s\n",
+              bench::device_name().c_str(),
+              engine_.config().kind == CycleKind::kSmc ? "SMC cycle" : "speculative cycle", o_.particles,
+              o_.steps, o_.vocab, o_.eos, o_.max_requests,
               o_.pool_slots, engine_.eager() ? "eager cycles" : "graph replay");
   std::printf("cycles: %" PRId64 " in %.1f s (%.0f us per cycle, host included)\n", counters_.cycles, seconds,
               counters_.cycles > 0 ? 1e6 * seconds / static_cast<double>(counters_.cycles) : 0.0);
@@ -689,7 +714,9 @@ int Soak::run() {
   return 1;
 }
 
-int run(const Options& o) {
+int run_kind(Options o, CycleKind kind) {
+  if (kind == CycleKind::kSpeculative)
+    o.particles = 1;
   ToyModelConfig toy;
   toy.vocab = o.vocab;
   toy.hidden = o.hidden;
@@ -709,9 +736,22 @@ int run(const Options& o) {
   config.slot_pool_size = o.pool_slots;
   config.eos_id = o.eos;
   config.use_graphs = !o.eager;
+  config.kind = kind;
   Engine engine(config, *models.draft, *models.target);
   Soak soak(o, engine);
   return soak.run();
+}
+
+int run(const Options& o) {
+  int status = 0;
+  for (size_t i = 0; i < o.kinds.size(); ++i) {
+    if (i > 0)
+      std::printf("\n");
+    status = std::max(status, run_kind(o, o.kinds[i]));
+  }
+  if (o.kinds.size() > 1)
+    std::printf("\nsoak overall: %s\n", status == 0 ? "PASS" : "FAIL");
+  return status;
 }
 
 } // namespace

@@ -126,6 +126,7 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, cudaStream_t strea
     in.draft_tokens = {b.draft_tokens, 1, s.rows};
     in.alpha = b.alpha;
     in.live = b.tables.live;
+    in.bonus_tokens = b.bonus_tokens;
     in.rows = rows;
     in.steps = K;
     in.eos_id = s.config.eos_id;

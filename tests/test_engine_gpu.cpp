@@ -223,37 +223,139 @@ TEST_CASE("KV invariant: draft KV for positions < L - 2, target KV for positions
   }
 }
 
-TEST_CASE("padding rows touch no slot but 0 and EOS freezes a particle's weight") {
+namespace {
+
+/// Tokens each row committed in each cycle: [cycle][row] (rows of requests that ran; empty otherwise).
+using CycleTokens = std::vector<std::vector<std::vector<int32_t>>>;
+
+/// The requests of the EOS tests: slot 1 is released again (padding inside the bucket of 4, as slot 3).
+std::vector<RequestId> admit_eos_requests(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                          const std::vector<uint64_t>& seeds) {
+  std::vector<RequestId> ids;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    ids.push_back(engine.admit(prompts[i], {.seed = seeds[i]}));
+  engine.release(ids[1]);
+  return ids;
+}
+
+} // namespace
+
+TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus finishes a particle") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   EngineConfig config = small_config(4, 4, 4);
-  config.eos_id = 7;
-  config.target_temperature = 2.0f; // flat enough that EOS shows up within a few hundred tokens
+  config.target_temperature = 2.0f; // flat: many distinct tokens
   config.draft_temperature = 2.0f;
-  config.tau = 0.0f; // never resample: a finished particle stays where it is
+  config.tau = 0.0f; // never resample: particles evolve independently, so an EOS changes only its own row
+  constexpr int kCycles = 16;
+  const int N = config.particles, K = config.draft_steps;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<uint64_t> seeds;
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(random_prompt(rng, config.vocab, 10));
+    seeds.push_back(rng.bits());
+  }
+
+  // Probe run without an EOS id: every row's tokens, cycle by cycle.
+  CycleTokens probe(kCycles);
+  std::vector<int32_t> first_tokens;
+  {
+    Setup setup(config);
+    Engine& engine = *setup.engine;
+    const std::vector<RequestId> ids = admit_eos_requests(engine, prompts, seeds);
+    for (RequestId id : {ids[0], ids[2]})
+      first_tokens.push_back(engine.result(id).tokens.at(0));
+    for (int c = 0; c < kCycles; ++c) {
+      probe[c].resize(engine.state().rows);
+      for (const RequestUpdate& update : cycle(engine)) {
+        REQUIRE_FALSE(update.finished);
+        const int q = update.id == ids[0] ? 0 : 2;
+        for (int i = 0; i < N; ++i)
+          probe[c][q * N + i] = update.tokens[i];
+      }
+    }
+  }
+  // The EOS id: a token some row draws first as a bonus token (column K), hitting as many rows as possible;
+  // never one of the first tokens (that case has its own test).
+  struct Hit {
+    int cycle = -1, column = -1;
+  };
+  const int rows = 4 * N;
+  int eos = -1;
+  std::vector<Hit> hits;
+  {
+    size_t best_rows = 0;
+    std::set<int32_t> candidates;
+    for (const auto& by_row : probe)
+      for (const auto& tokens : by_row)
+        if (tokens.size() == static_cast<size_t>(K + 1))
+          candidates.insert(tokens[K]);
+    for (int32_t t : candidates) {
+      if (std::find(first_tokens.begin(), first_tokens.end(), t) != first_tokens.end())
+        continue;
+      std::vector<Hit> at(rows);
+      bool bonus_first = false;
+      size_t hit_rows = 0;
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < kCycles && at[r].cycle < 0; ++c)
+          for (size_t k = 0; k < probe[c][r].size() && at[r].cycle < 0; ++k)
+            if (probe[c][r][k] == t) {
+              at[r] = {c, static_cast<int>(k)};
+              bonus_first = bonus_first || static_cast<int>(k) == K;
+              ++hit_rows;
+            }
+      if (bonus_first && hit_rows > best_rows) {
+        best_rows = hit_rows;
+        eos = t;
+        hits = at;
+      }
+    }
+  }
+  REQUIRE(eos >= 0);
+  config.eos_id = eos;
+  int drafted = 0, bonus = 0;
+  for (const Hit& hit : hits)
+    if (hit.cycle >= 0)
+      ++(hit.column == K ? bonus : drafted);
+  MESSAGE("EOS id " << eos << ": rows hit at a draft column " << drafted << ", as the bonus " << bonus);
+
   Setup setup(config);
   Engine& engine = *setup.engine;
   auto& s = engine.state();
-  const RequestId first = engine.admit(random_prompt(rng, config.vocab, 10), {.seed = rng.bits()});
-  const RequestId gap = engine.admit(random_prompt(rng, config.vocab, 10), {.seed = rng.bits()});
-  const RequestId third = engine.admit(random_prompt(rng, config.vocab, 10), {.seed = rng.bits()});
-  engine.release(gap); // slot 1 becomes padding inside the bucket of 4 (slot 3 too)
-  (void)first;
-  (void)third;
+  const std::vector<RequestId> ids = admit_eos_requests(engine, prompts, seeds);
   std::vector<double> frozen(s.rows, std::nan(""));
   int frozen_checks = 0;
-  for (int c = 0; c < 40 && engine.live_requests() > 0; ++c) {
-    cycle(engine);
+  for (int c = 0; c < kCycles && engine.live_requests() > 0; ++c) {
+    CAPTURE(c);
+    const std::vector<RequestUpdate> updates = cycle(engine);
     engine.synchronize();
     const auto lengths = test::to_host(s.seq_len.data(), s.seq_len.size(), engine.stream());
     const auto live = test::to_host(s.live.data(), s.live.size(), engine.stream());
     for (int slot_index : {1, 3})
-      for (int i = 0; i < config.particles; ++i) {
-        CHECK(lengths[slot_index * config.particles + i] == 0);
-        CHECK(live[slot_index * config.particles + i] == 0);
+      for (int i = 0; i < N; ++i) {
+        CHECK(lengths[slot_index * N + i] == 0);
+        CHECK(live[slot_index * N + i] == 0);
       }
     const auto finished = test::to_host(s.finished.data(), s.finished.size(), engine.stream());
     const auto logw = test::to_host(s.logw.data(), s.logw.size(), engine.stream());
+    for (const RequestUpdate& update : updates) {
+      const int q = update.id == ids[0] ? 0 : 2;
+      for (int i = 0; i < N; ++i) {
+        const int r = q * N + i;
+        CAPTURE(r);
+        const Hit hit = hits[r];
+        std::vector<int32_t> expected = probe[c][r];
+        if (hit.cycle >= 0 && c > hit.cycle)
+          expected.clear(); // finished before: nothing counts
+        else if (hit.cycle == c)
+          expected.resize(hit.column + 1); // cut after the EOS (all K + 1 when it is the bonus)
+        CHECK(update.tokens[i] == expected);
+        CHECK(finished[r] == (hit.cycle >= 0 && c >= hit.cycle ? 1 : 0));
+      }
+      const bool all_hit = std::all_of(hits.begin() + q * N, hits.begin() + (q + 1) * N,
+                                       [&](const Hit& h) { return h.cycle >= 0 && h.cycle <= c; });
+      CHECK(update.finished == all_hit);
+    }
     for (int r = 0; r < s.rows; ++r) {
       if (!finished[r])
         continue;
@@ -274,7 +376,43 @@ TEST_CASE("padding rows touch no slot but 0 and EOS freezes a particle's weight"
       CHECK(x == 0.0f);
   }
   MESSAGE("frozen-weight checks: " << frozen_checks);
+  CHECK(bonus > 0);
   CHECK(frozen_checks > 0);
+}
+
+TEST_CASE("EOS as the first token finishes the request at admission (SMC and speculative)") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (const CycleKind kind : {CycleKind::kSmc, CycleKind::kSpeculative}) {
+    CAPTURE(static_cast<int>(kind));
+    EngineConfig config = small_config(kind == CycleKind::kSmc ? 4 : 1, 4, 2);
+    config.kind = kind;
+    const std::vector<int32_t> prompt = random_prompt(rng, config.vocab, 12);
+    const uint64_t seed = rng.bits();
+    int32_t first = -1;
+    {
+      Setup probe(config);
+      first = probe.engine->result(probe.engine->admit(prompt, {.seed = seed})).tokens.at(0);
+    }
+    config.eos_id = first;
+    Setup setup(config);
+    Engine& engine = *setup.engine;
+    const RequestId id = engine.admit(prompt, {.seed = seed});
+    const std::vector<RequestUpdate> updates = cycle(engine);
+    REQUIRE(updates.size() == 1);
+    CHECK(updates[0].finished);
+    CHECK(updates[0].reason == "eos");
+    for (const auto& tokens : updates[0].tokens)
+      CHECK(tokens.empty());
+    const RequestResult result = engine.result(id);
+    CHECK(result.finished);
+    for (int i = 0; i < config.particles; ++i) {
+      CHECK(result.particles[i] == std::vector<int32_t>{first});
+      CHECK(result.log_weights[i] == 0.0);
+    }
+    engine.release(id);
+    REQUIRE(check_invariants(engine).ok);
+  }
 }
 
 TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every invariant") {

@@ -24,26 +24,35 @@ std::vector<double> normalise(std::vector<double> weights) {
 } // namespace
 
 TEST_CASE("reference weights: alpha * log p - log q per column, logZ, EOS absorbing, finished frozen") {
-  constexpr int kRows = 4, kSteps = 3, kEos = 7;
-  const std::vector<float> logq = {-0.5f, -1.0f, -1.5f, -0.5f, -1.0f, -1.5f,
-                                   -0.5f, -1.0f, -1.5f, -0.5f, -1.0f, -1.5f};
-  const std::vector<float> logp = {-1.0f, -2.0f, -3.0f, -1.0f, -2.0f, -3.0f,
-                                   -1.0f, -2.0f, -3.0f, -1.0f, -2.0f, -3.0f};
-  const std::vector<float> logz = {0.25f, 0.25f, 0.25f, 0.25f};
-  const std::vector<int32_t> tokens = {1, 2, 3, 1, kEos, kEos, 1, 2, 3, kEos, 2, 3};
-  const std::vector<float> alpha = {1.0f, 2.0f, 1.0f, 1.0f};
-  const std::vector<uint8_t> live = {1, 1, 1, 0};
-  std::vector<double> logw = {10.0, 20.0, 30.0, 40.0};
-  std::vector<uint8_t> finished = {0, 0, 1, 0};
+  constexpr int kRows = 5, kSteps = 3, kEos = 7;
+  const std::vector<float> logq = {-0.5f, -1.0f, -1.5f, -0.5f, -1.0f, -1.5f, -0.5f, -1.0f,
+                                   -1.5f, -0.5f, -1.0f, -1.5f, -0.5f, -1.0f, -1.5f};
+  const std::vector<float> logp = {-1.0f, -2.0f, -3.0f, -1.0f, -2.0f, -3.0f, -1.0f, -2.0f,
+                                   -3.0f, -1.0f, -2.0f, -3.0f, -1.0f, -2.0f, -3.0f};
+  const std::vector<float> logz = {0.25f, 0.25f, 0.25f, 0.25f, 0.5f};
+  const std::vector<int32_t> tokens = {1, 2, 3, 1, kEos, kEos, 1, 2, 3, kEos, 2, 3, 4, 5, 6};
+  const std::vector<int32_t> bonus = {8, 9, 10, 11, kEos}; // row 4 draws EOS as its bonus token
+  const std::vector<float> alpha = {1.0f, 2.0f, 1.0f, 1.0f, 1.0f};
+  const std::vector<uint8_t> live = {1, 1, 1, 0, 1};
+  std::vector<double> logw = {10.0, 20.0, 30.0, 40.0, 50.0};
+  std::vector<uint8_t> finished = {0, 0, 1, 0, 0};
   std::vector<int32_t> first_eos;
-  reference::accumulate_weights_ref(logq, logp, logz, tokens, alpha, live, kRows, kSteps, kEos, logw,
+  reference::accumulate_weights_ref(logq, logp, logz, tokens, bonus, alpha, live, kRows, kSteps, kEos, logw,
                                     finished, first_eos);
   CHECK(logw[0] == 10.0 + (-0.5 - 1.0 - 1.5 + 0.25));
   CHECK(logw[1] == 20.0 + (-1.5 - 3.0)); // stops at the EOS column (counted), no logZ
   CHECK(logw[2] == 30.0);                // already finished: frozen
   CHECK(logw[3] == 40.0);                // not live
-  CHECK(finished == std::vector<uint8_t>{0, 1, 1, 0});
-  CHECK(first_eos == std::vector<int32_t>{3, 1, -1, -1});
+  CHECK(logw[4] == 50.0 + (-0.5 - 1.0 - 1.5 + 0.5)); // a bonus EOS: every column and logZ count
+  CHECK(finished == std::vector<uint8_t>{0, 1, 1, 0, 1});
+  CHECK(first_eos == std::vector<int32_t>{3, 1, -1, -1, 3});
+  // Without bonus tokens (the kernel's nullptr) row 4 stays unfinished.
+  std::vector<double> logw_plain = {10.0, 20.0, 30.0, 40.0, 50.0};
+  std::vector<uint8_t> finished_plain = {0, 0, 1, 0, 0};
+  reference::accumulate_weights_ref(logq, logp, logz, tokens, {}, alpha, live, kRows, kSteps, kEos, logw_plain,
+                                    finished_plain, first_eos);
+  CHECK(finished_plain == std::vector<uint8_t>{0, 1, 1, 0, 0});
+  CHECK(logw_plain == logw);
 }
 
 TEST_CASE("systematic counts for known weights") {

@@ -28,7 +28,7 @@ constexpr bool kModes[] = {false, true}; // eager, captured
 struct WeightCase {
   int rows = 0, steps = 0, eos_id = -1;
   std::vector<float> logq, logp, logz, alpha;
-  std::vector<int32_t> tokens;
+  std::vector<int32_t> tokens, bonus; ///< [rows, steps], [rows]
   std::vector<uint8_t> live;
 };
 
@@ -49,7 +49,9 @@ WeightCase random_weight_case(test::Rng& rng, int rows, int steps, int eos_id, i
   c.logz.resize(rows);
   c.alpha.resize(rows);
   c.live.resize(rows);
+  c.bonus.resize(rows);
   for (int r = 0; r < rows; ++r) {
+    c.bonus[r] = static_cast<int32_t>(rng.integer(0, vocab - 1));
     c.logz[r] = static_cast<float>(rng.uniform(-1.0, 1.0));
     c.alpha[r] = static_cast<float>(rng.uniform(0.5, 2.0));
     c.live[r] = rng.uniform() < 0.9;
@@ -69,7 +71,7 @@ template <class T> std::vector<T> transpose(const std::vector<T>& dense, int row
 // Device copies of a WeightCase, dense ([rows, K]) or step-major ([K, rows]).
 struct DeviceWeightCase {
   DeviceBuffer<float> logq, logp, logz, alpha;
-  DeviceBuffer<int32_t> tokens;
+  DeviceBuffer<int32_t> tokens, bonus;
   DeviceBuffer<uint8_t> live;
   WeightInputs in;
 
@@ -78,7 +80,7 @@ struct DeviceWeightCase {
         logp(to_device(step_major ? transpose(c.logp, c.rows, c.steps) : c.logp, stream)),
         logz(to_device(c.logz, stream)), alpha(to_device(c.alpha, stream)),
         tokens(to_device(step_major ? transpose(c.tokens, c.rows, c.steps) : c.tokens, stream)),
-        live(to_device(c.live, stream)) {
+        bonus(to_device(c.bonus, stream)), live(to_device(c.live, stream)) {
     const int64_t row_stride = step_major ? 1 : c.steps, step_stride = step_major ? c.rows : 1;
     in.draft_logprobs = {logq.data(), row_stride, step_stride};
     in.target_logprobs = {logp.data(), row_stride, step_stride};
@@ -86,6 +88,7 @@ struct DeviceWeightCase {
     in.draft_tokens = {tokens.data(), row_stride, step_stride};
     in.alpha = alpha.data();
     in.live = live.data();
+    in.bonus_tokens = bonus.data();
     in.rows = c.rows;
     in.steps = c.steps;
     in.eos_id = c.eos_id;
@@ -188,7 +191,7 @@ TEST_CASE("accumulate_weights matches the reference in both input layouts") {
     std::vector<double> expected_logw = logw;
     std::vector<uint8_t> expected_finished = finished;
     std::vector<int32_t> expected_first_eos;
-    reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.alpha, c.live, rows, steps,
+    reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.bonus, c.alpha, c.live, rows, steps,
                                       c.eos_id, expected_logw, expected_finished, expected_first_eos);
     for (const bool step_major : {false, true}) {
       CAPTURE(step_major);
@@ -252,7 +255,7 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   std::vector<int32_t> first_eos;
   for (int replay = 0; replay < kReplays; ++replay) {
     for (const WeightCase& c : cases) {
-      reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.alpha, c.live, kRows, kSteps, -1,
+      reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.bonus, c.alpha, c.live, kRows, kSteps, -1,
                                         expected, finished, first_eos);
       for (int r = 0; r < kRows; ++r) {
         long double increment = 0.0L;
@@ -278,13 +281,16 @@ TEST_CASE("EOS freezes weights") {
   MESSAGE("seed " << rng.seed());
   Stream stream;
   constexpr int kRows = 70, kSteps = 6, kEos = 3;
-  // Row r puts its first EOS at column r % (K + 1) (K: none); other tokens avoid the EOS id.
+  // Row r puts its first EOS at column r % (K + 2): a draft column, K the bonus token, K + 1 none; other
+  // tokens avoid the EOS id.
   WeightCase first = random_weight_case(rng, kRows, kSteps, kEos, 100);
   std::fill(first.live.begin(), first.live.end(), 1);
   for (int r = 0; r < kRows; ++r) {
+    const int eos_at = r % (kSteps + 2);
+    first.bonus[r] = eos_at == kSteps ? kEos : (first.bonus[r] == kEos ? kEos + 1 : first.bonus[r]);
     for (int k = 0; k < kSteps; ++k) {
       int32_t& token = first.tokens[static_cast<size_t>(r) * kSteps + k];
-      if (k == r % (kSteps + 1)) {
+      if (k == eos_at) {
         token = kEos;
       } else if (token == kEos) {
         token = kEos + 1;
@@ -310,14 +316,14 @@ TEST_CASE("EOS freezes weights") {
     std::vector<double> expected = logw;
     std::vector<uint8_t> expected_finished(kRows, 0);
     std::vector<int32_t> expected_first_eos;
-    reference::accumulate_weights_ref(first.logq, first.logp, first.logz, first.tokens, first.alpha,
+    reference::accumulate_weights_ref(first.logq, first.logp, first.logz, first.tokens, first.bonus, first.alpha,
                                       first.live, kRows, kSteps, kEos, expected, expected_finished,
                                       expected_first_eos);
     for (int r = 0; r < kRows; ++r) {
       CAPTURE(r);
-      const int eos_at = r % (kSteps + 1);
-      REQUIRE(first_eos[r] == eos_at);
-      REQUIRE(finished[r] == (eos_at < kSteps ? 1 : 0));
+      const int eos_at = r % (kSteps + 2);
+      REQUIRE(first_eos[r] == std::min(eos_at, kSteps)); // a bonus EOS: every column of the cycle counts
+      REQUIRE(finished[r] == (eos_at <= kSteps ? 1 : 0));
       REQUIRE(close_to(after_eos[r], expected[r], 1e-12));
     }
     // More cycles (with EOS tokens here and there): finished rows never move again.
@@ -329,7 +335,7 @@ TEST_CASE("EOS freezes weights") {
       std::vector<uint8_t> finished_before = to_host(d_finished.data(), kRows, stream);
       std::vector<uint8_t> expected_finished_next = finished_before;
       std::vector<double> expected_next = before;
-      reference::accumulate_weights_ref(next.logq, next.logp, next.logz, next.tokens, next.alpha, next.live,
+      reference::accumulate_weights_ref(next.logq, next.logp, next.logz, next.tokens, next.bonus, next.alpha, next.live,
                                         kRows, kSteps, kEos, expected_next, expected_finished_next,
                                         expected_first_eos);
       run_on_stream(captured, stream, [&](cudaStream_t s) {

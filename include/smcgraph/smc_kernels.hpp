@@ -37,6 +37,7 @@ struct WeightInputs {
   StepMatrix<int32_t> draft_tokens;  ///< d_k
   const float* alpha = nullptr;      ///< [rows] power of the target
   const uint8_t* live = nullptr;     ///< [rows]
+  const int32_t* bonus_tokens = nullptr; ///< [rows] x_{K+1}; nullptr: the bonus is not checked for EOS
   int rows = 0;
   int steps = 0;   ///< K
   int eos_id = -1; ///< -1: no EOS token
@@ -45,7 +46,8 @@ struct WeightInputs {
 /// Step 6. For every live row that is not already finished:
 ///   logw[r] += sum_{k <= e} (alpha * log p_k - log q_k) + (e == K ? logZ : 0)
 /// where e is the first k with d_k == eos_id (K when none). EOS is absorbing: the EOS column itself counts,
-/// columns after it and the bonus' logZ do not, and the row becomes finished. Accumulated in double (no
+/// columns after it and the bonus' logZ do not, and the row becomes finished. A bonus token equal to eos_id
+/// (when no draft token was EOS) also finishes the row; its logZ counts (the bonus was drawn this cycle). Accumulated in double (no
 /// fused multiply-add, so a host double sum reproduces it bit for bit) so 10^4 cycles do not drift.
 /// first_eos[r] = e (K when none) for rows that count this cycle, -1 for rows that do not (already
 /// finished or not live: every token of their cycle is padding). Finished or non-live rows keep logw and

@@ -36,6 +36,8 @@ __global__ void AccumulateWeightsKernel(WeightInputs in, double* logw, uint8_t* 
   }
   if (eos_step == in.steps) {
     increment = __dadd_rn(increment, static_cast<double>(in.logz[row])); // the bonus comes after an EOS
+    if (in.bonus_tokens != nullptr && in.bonus_tokens[row] == in.eos_id)
+      finished[row] = 1; // EOS drawn as the bonus: counted this cycle, absorbing from the next
   } else {
     finished[row] = 1;
   }

@@ -257,6 +257,9 @@ RequestId SmcCycleReference::admit(const std::vector<int32_t>& prompt, const Req
       slots_.live[row] = 0;
     } else {
       slots_.token(row, P) = first.token;
+      if (first.token == c.eos_id) // EOS as the first token: every particle starts finished
+        for (int p = 0; p < N; ++p)
+          finished_[row + p] = 1;
     }
   }
   if (N > 1) {
@@ -467,9 +470,10 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
     }
     std::vector<uint8_t> finished_before = finished_;
     std::vector<int32_t> counted, counted_own;
-    accumulate_weights_ref(draft, target, logz, tokens, alpha_, slots_.live, rows, K, config_.eos_id, logw_,
-                           finished_, counted);
-    accumulate_weights_ref(own_draft, own_target, own_logz, tokens, alpha_, slots_.live, rows, K,
+    const std::vector<int32_t> bonus(bonus_tokens_.begin(), bonus_tokens_.begin() + rows);
+    accumulate_weights_ref(draft, target, logz, tokens, bonus, alpha_, slots_.live, rows, K, config_.eos_id,
+                           logw_, finished_, counted);
+    accumulate_weights_ref(own_draft, own_target, own_logz, tokens, bonus, alpha_, slots_.live, rows, K,
                            config_.eos_id, independent_logw_, finished_before, counted_own);
     for (int r = 0; r < rows; ++r) {
       first_eos_[r] = counted[r];
