@@ -121,6 +121,7 @@ TEST_CASE("graph and eager runs are bit-identical over 50 cycles") {
     EngineConfig graphed = small_config(particles, 4, 8);
     EngineConfig eager = graphed;
     eager.use_graphs = false;
+    eager.spin_wait = false; // the blocking wait for outputs: same results
     Setup a(graphed), b(eager);
     for (int i = 0; i < 6; ++i) {
       const auto prompt = random_prompt(rng, graphed.vocab, 30);

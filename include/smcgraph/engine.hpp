@@ -46,6 +46,9 @@ struct EngineConfig {
   float tau = 0.5f;                ///< resample when ESS < tau * N; in [0, 1]
   int eos_id = -1;                 ///< -1: no EOS token
   bool use_graphs = true;          ///< false (or SMCGRAPH_DISABLE_GRAPHS=1): run the same recipe eagerly
+  /// How poll() (and a step() with both output buffers busy) waits for a cycle's outputs: true polls the
+  /// event (one busy core, the lowest latency for the next step()); false blocks in cudaEventSynchronize.
+  bool spin_wait = true;
 };
 
 /// Throws smcgraph::Error naming the first bad field and its value.

@@ -485,7 +485,10 @@ int bucket_index_for(const Engine::State& s) {
 
 /// Turns one finished cycle's output block into per-request updates and updates the host bookkeeping.
 std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& cycle) {
-  s.outputs_ready[cycle.parity]->synchronize();
+  if (s.config.spin_wait)
+    s.outputs_ready[cycle.parity]->spin_wait();
+  else
+    s.outputs_ready[cycle.parity]->synchronize();
   const EngineConfig& c = s.config;
   const int N = c.particles, K = s.steps;
   const int rows = cycle.bucket_requests * N;

@@ -17,6 +17,16 @@ bool Event::ready() const {
   return true;
 }
 
+void Event::spin_wait() const {
+  cudaError_t status = cudaEventQuery(event_);
+  if (status == cudaErrorNotReady) {
+    while ((status = cudaEventQuery(event_)) == cudaErrorNotReady) {
+    }
+    cudaGetLastError(); // "not ready" is not an error: clear it so later checks do not see it
+  }
+  SMCGRAPH_CUDA_CHECK(status);
+}
+
 float Event::elapsed_ms_since(const Event& start) const {
   float ms = 0.0f;
   SMCGRAPH_CUDA_CHECK(cudaEventElapsedTime(&ms, start.event_, event_));
