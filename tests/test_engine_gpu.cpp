@@ -427,7 +427,8 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
   Engine& engine = *setup.engine;
   std::set<RequestId> live;
   int finished = 0, admitted = 0, compactions = 0;
-  for (int c = 0; c < 2000; ++c) {
+  const int cycles = test::sanitizer_scaled(2000, 200);
+  for (int c = 0; c < cycles; ++c) {
     if (live.size() < 8 && rng.uniform() < 0.3) {
       live.insert(
           engine.admit(random_prompt(rng, config.vocab, 30),

@@ -237,7 +237,10 @@ TEST_CASE("fault: destroying the engine with requests live leaks nothing") {
   SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
   size_t free_after = 0;
   SMCGRAPH_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-  CHECK(free_after == free_before);
+  if (test::under_sanitizer()) // the tool allocates device memory of its own; its --leak-check full judges
+    MESSAGE("under compute-sanitizer: device memory accounting left to the tool's leak check");
+  else
+    CHECK(free_after == free_before);
 }
 
 TEST_CASE(

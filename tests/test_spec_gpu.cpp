@@ -87,7 +87,7 @@ TEST_CASE(
     "greedy speculative decoding equals greedy target-only decoding in every bucket, graphed and eager") {
   test::Rng rng;
   INFO("seed " << rng.seed());
-  constexpr int kNewTokens = 256;
+  const int new_tokens = test::sanitizer_scaled(256, 24);
   for (bool graphs : {true, false}) {
     EngineConfig config = spec_config(64);
     config.use_graphs = graphs;
@@ -101,7 +101,7 @@ TEST_CASE(
       std::vector<std::vector<int32_t>> streamed(bucket);
       for (int i = 0; i < bucket; ++i) {
         prompts.push_back(random_prompt(rng, config.vocab, 32));
-        ids.push_back(engine.admit(prompts.back(), {.seed = rng.bits(), .max_new_tokens = kNewTokens}));
+        ids.push_back(engine.admit(prompts.back(), {.seed = rng.bits(), .max_new_tokens = new_tokens}));
       }
       CHECK(engine.current_bucket() == bucket);
       std::set<RequestId> open(ids.begin(), ids.end());
@@ -120,9 +120,9 @@ TEST_CASE(
       }
       for (int i = 0; i < bucket; ++i) {
         const RequestResult result = engine.result(ids[i]);
-        REQUIRE(result.tokens.size() >= static_cast<size_t>(kNewTokens));
-        const std::vector<int32_t> expected = greedy_reference(target_reference, prompts[i], kNewTokens);
-        const std::vector<int32_t> got(result.tokens.begin(), result.tokens.begin() + kNewTokens);
+        REQUIRE(result.tokens.size() >= static_cast<size_t>(new_tokens));
+        const std::vector<int32_t> expected = greedy_reference(target_reference, prompts[i], new_tokens);
+        const std::vector<int32_t> got(result.tokens.begin(), result.tokens.begin() + new_tokens);
         CAPTURE(bucket);
         CAPTURE(i);
         CHECK(got == expected);
@@ -138,7 +138,7 @@ TEST_CASE(
     const SlotCheck check = check_invariants(engine);
     CHECK(check.free == config.slot_pool_size - 1);
     MESSAGE((graphs ? "graphed" : "eager")
-            << ": " << compared << " requests x " << kNewTokens
+            << ": " << compared << " requests x " << new_tokens
             << " tokens equal greedy target-only decoding; mean accepted per cycle "
             << static_cast<double>(accepted_tokens) / std::max<long>(1, cycles));
   }
@@ -233,7 +233,8 @@ TEST_CASE("speculative graph and eager runs are bit-identical and the slot invar
   Engine a(graphed, *ma.draft, *ma.target), b(eager, *mb.draft, *mb.target);
   std::set<RequestId> live;
   int finished = 0;
-  for (int c = 0; c < 2000; ++c) {
+  const int cycles = test::sanitizer_scaled(2000, 200);
+  for (int c = 0; c < cycles; ++c) {
     if (live.size() < 8 && rng.uniform() < 0.3) {
       const auto prompt = random_prompt(rng, graphed.vocab, 24);
       const RequestParams params{.seed = rng.bits(), .max_new_tokens = static_cast<int>(rng.integer(4, 120))};

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -17,6 +18,11 @@ static uint64_t fresh_seed() {
 }
 
 Rng::Rng() : seed_(fresh_seed()), engine_(seed_) {}
+
+bool under_sanitizer() {
+  const char* flag = std::getenv("SMCGRAPH_UNDER_SANITIZER");
+  return flag != nullptr && std::strcmp(flag, "1") == 0;
+}
 
 uint16_t float_to_bf16(float value) {
   const __nv_bfloat16 converted = __float2bfloat16_rn(value);

@@ -73,6 +73,14 @@ template <class T> DeviceBuffer<T> to_device(const std::vector<T>& host, cudaStr
 }
 
 /// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
+/// True under the compute-sanitizer test setups (they set SMCGRAPH_UNDER_SANITIZER=1). The tools slow kernels
+/// down 10-1000x, so the long engine-level loops run fewer repetitions there (same kernels, same paths), and
+/// device-memory accounting is left to the tool's own leak check.
+bool under_sanitizer();
+
+/// `full` normally, `reduced` under a sanitizer.
+inline int sanitizer_scaled(int full, int reduced) { return under_sanitizer() ? reduced : full; }
+
 inline bool close_to(double a, double b, double tol) {
   if (a == b)
     return true; // also equal infinities
