@@ -1,20 +1,24 @@
-// bucket_sweep: the whole SMC cycle per batch-size bucket over the engine grid (DESIGN.md §9), with the
-// embedded toy models: GPU time per cycle replayed as a graph and run eagerly, host time per step(), the
-// model forwards timed on their own, the non-model rest of the cycle against its floor, request tokens/s,
-// capture time, graph nodes and engine memory; optionally the PyTorch peer of the same cycle and plots.
+// bucket_sweep: the whole decode cycle (SMC and speculative) per batch-size bucket over the engine grid
+// (DESIGN.md §9), with the embedded toy models: GPU time per cycle replayed as a graph and run eagerly, host
+// time per step(), the model forwards timed on their own, the non-model rest of the cycle against its floor,
+// request tokens/s, capture time, graph nodes and engine memory; optionally the PyTorch peers of the same
+// cycles and plots.
 //
 //   build-sweep/bench/bucket_sweep [--quick] [--csv results/bucket_sweep.csv] [--peers] [--plots]
 //
 // Grid (default): requests per bucket {1, 2, 4, 8, 16, 32, 64} x K {4, 8} x V {32000, 128256} x logits
-// {fp32, bf16} x cycle kind: smc with N {4, 8}, and spec (N = 1) when the engine accepts kSpeculative (the
-// output says which). The PyTorch peer covers the smc cycle.
+// {fp32, bf16} x cycle kind: smc with N {4, 8} (T_d 0.7, T_t 1, the EngineConfig defaults), and spec when the
+// engine accepts kSpeculative (the output says which): N = 1, greedy (T_d = T_t = 0: exact greedy speculative
+// decoding, the setting of its PyTorch peer; tokens per cycle = accepted + 1). Each kind has its PyTorch
+// peer: bench/peers/smc_peer.py and bench/peers/spec_peer.py.
 //
 // Per bucket, in this order (every phase starts from freshly admitted 32-token prompts, so every phase times
 // rows of the same lengths, and the PyTorch peer starts from the same point):
 //   1. model forwards alone: draft head (rows x 2 tokens), draft step (rows x 1), target verify (rows x K+1),
 //      each captured in a graph and replayed; model time per cycle = head + (K - 1) steps + verify;
-//   2. graph: 3 warm-up cycles, validated (no failed request, N particles x K + 1 in-vocabulary tokens, slot
-//      invariants), then `cycles` replays with an event after each step(): median GPU time per cycle;
+//   2. graph: 3 warm-up cycles, validated (no failed request, N particles x K + 1 in-vocabulary tokens, or
+//      1 .. K + 1 for spec, slot invariants), then `cycles` replays with an event after each step(): median
+//      GPU time per cycle;
 //   3. host time per step() with one cycle in flight (graph replay);
 //   4. the same recipe eagerly (Engine::set_eager(true)): GPU time per cycle, then (fresh prompts again) host
 //      time per step.
@@ -23,13 +27,18 @@
 // + non-model graph nodes x the measured node floor (an empty kernel's graph node), both measured in this
 // run.
 //
-// Files for the peer (bench/peers/smc_peer.py, format in bench/peers/toy_weights_io.md), next to the CSV:
+// Files for the peers (bench/peers/smc_peer.py and spec_peer.py, format in bench/peers/toy_weights_io.md),
+// next to the CSV, written when either kind is in the grid:
 //   toy_weights_v<V>.safetensors  the draft and target ToyModelWeights + the engine config (metadata)
-//   bucket_sweep_peer.json        the grid, the run's constants and the validation tokens: per (V, dtype),
-//                                 the engine's particle-0 tokens for 4 prompts over 6 cycles with a greedy
-//                                 target and a near-zero draft temperature, which the peer must reproduce
+//   bucket_sweep_peer.json        the grid, the run's constants and the validation tokens the peers must
+//                                 reproduce before they time anything: per (V, dtype), for smc the engine's
+//                                 particle-0 tokens for 4 prompts over 6 cycles with a greedy target and a
+//                                 near-zero draft temperature (`validation`); for spec the engine's tokens
+//                                 for the same prompts over 6 cycles with T_d = T_t = 0 (`spec.validation`)
+// --peers runs each kind's peer after the sweep (smc_peer.csv / spec_peer.csv beside the CSV), prints
+// smcgraph's ratios to every peer method of the same run and rewrites the CSV with per-method peer columns.
 //
-// Exit status: 0; 1 when a validation failed; 2 when it could not run; 3 when the peer failed or reported an
+// Exit status: 0; 1 when a validation failed; 2 when it could not run; 3 when a peer failed or reported an
 // invalid result (smcgraph's own numbers are still written).
 #include <algorithm>
 #include <bit>
@@ -75,6 +84,11 @@ constexpr int kValidationCycles = 6;
 // Near-greedy drafting for the peer validation: logits closer than ~50 x T_d to the maximum are the only ones
 // Gumbel noise can reorder, so both sides draw the argmax except at (near-)ties, which the peer recognises.
 constexpr float kValidationDraftTemperature = 1e-6f;
+// The spec kind runs greedy speculative decoding, timed and validated alike: the draft by argmax (T_d = 0,
+// which the engine accepts for kSpeculative) and a greedy target (T_t = 0), so its tokens are those of greedy
+// target-only decoding and its PyTorch peer (greedy too) commits the same tokens per cycle.
+constexpr float kSpecDraftTemperature = 0.0f;
+constexpr float kSpecTargetTemperature = 0.0f;
 constexpr int kModelLaunchesPerGraph = 10, kModelRepetitions = 20, kModelWarmup = 3;
 // Small state the non-model kernels of a cycle must touch, per row: per token position (K + 1 of them) the
 // slot id, token, position, out slot and sequence length of the forward inputs, the log-probs, the slot
@@ -86,6 +100,7 @@ constexpr int64_t kStateBytesPerRow = 128;
 
 const char* const kPeerManifestName = "bucket_sweep_peer.json";
 const char* const kPeerCsvName = "smc_peer.csv";
+const char* const kSpecPeerCsvName = "spec_peer.csv";
 
 struct Options {
   std::vector<std::string> kinds{"smc", "spec"};
@@ -99,8 +114,8 @@ struct Options {
   std::string csv = "results/bucket_sweep.csv";
   bool quick = false, peers = false, plots = false, progress = true;
   std::string python = "python3";
-  std::string peer_script, plot_script; // empty: found from the cwd or the executable
-  std::string peer_methods;             // empty: the peer's default methods
+  std::string peer_script, spec_peer_script, plot_script; // empty: found from the cwd or the executable
+  std::string peer_methods; // empty: each peer's default methods; spec_* names go to spec_peer.py
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -133,6 +148,16 @@ std::string join_ints(const std::vector<int>& values, const char* separator = ",
     text += std::to_string(values[i]);
   }
   return text;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ','))
+    if (!item.empty())
+      items.push_back(item);
+  return items;
 }
 
 std::string shell_quote(const std::string& text) {
@@ -678,11 +703,14 @@ void write_toy_weights(const std::string& path, const ToyModelConfig& toy, float
     throw Error("bucket_sweep: writing " + path + " failed");
 }
 
-/// The engine's tokens for the validation prompts (greedy target, near-zero draft temperature).
+/// The engine's tokens for the validation prompts (greedy target; smc: near-zero draft temperature, spec:
+/// greedy draft).
 struct ValidationRecord {
+  CycleKind kind = CycleKind::kSmc;
   int vocab = 0;
   DType dtype = DType::kFloat32;
   int particles = 0, steps = 0, cycles = 0;
+  float draft_temperature = kValidationDraftTemperature;
   std::vector<std::vector<int32_t>> prompts, tokens; ///< tokens: particle 0's generated tokens (x_P first)
   bool ok = true;
   std::string problem;
@@ -693,13 +721,41 @@ struct SweepConstants {
   EngineConfig engine_defaults; ///< temperatures, alpha, tau, eos of the timed engines
 };
 
+/// The validation entries of one kind as a JSON array (`indent` before each entry).
+std::string json_validation(const std::vector<ValidationRecord>& validation, const SweepConstants& k,
+                            const char* indent) {
+  std::ostringstream j;
+  j << "[";
+  for (size_t v = 0; v < validation.size(); ++v) {
+    const ValidationRecord& r = validation[v];
+    j << (v ? ",\n" : "\n") << indent << "{\"vocab\": " << r.vocab
+      << ", \"dtype\": " << json_string(dtype_name(r.dtype)) << ", \"particles\": " << r.particles
+      << ", \"steps\": " << r.steps << ", \"cycles\": " << r.cycles
+      << ", \"draft_temperature\": " << float_text(r.draft_temperature)
+      << ", \"target_temperature\": 0, \"alpha\": 1, \"tau\": " << float_text(k.engine_defaults.tau)
+      << ", \"engine_ok\": " << (r.ok ? "true" : "false") << ",\n"
+      << indent << " \"prompts\": [";
+    for (size_t p = 0; p < r.prompts.size(); ++p)
+      j << (p ? ", " : "") << json_int_array(r.prompts[p]);
+    j << "],\n" << indent << " \"tokens\": [";
+    for (size_t p = 0; p < r.tokens.size(); ++p)
+      j << (p ? ", " : "") << json_int_array(r.tokens[p]);
+    j << "]}";
+  }
+  return j.str();
+}
+
+/// `validation`: the smc entries; `spec_validation`: the spec entries (the `spec` section is written when
+/// `with_spec`).
 void write_manifest(const std::string& path, const Options& o, const Environment& env,
                     const SweepConstants& k, const std::map<int, std::string>& weight_files,
-                    const std::vector<ValidationRecord>& validation) {
+                    const std::vector<ValidationRecord>& validation, bool with_smc, bool with_spec,
+                    const std::vector<ValidationRecord>& spec_validation) {
   std::ostringstream j;
   j << "{\n  \"format\": \"smcgraph-bucket-sweep-peer-1\",\n";
   j << "  \"device\": " << json_string(env.device) << ",\n";
-  j << "  \"kinds\": [\"smc\"],\n";
+  j << "  \"kinds\": [" << (with_smc ? "\"smc\"" : "") << (with_smc && with_spec ? ", " : "")
+    << (with_spec ? "\"spec\"" : "") << "],\n";
   j << "  \"vocabs\": [" << join_ints(o.vocabs, ", ") << "],\n";
   j << "  \"dtypes\": [";
   for (size_t i = 0; i < o.dtypes.size(); ++i)
@@ -729,23 +785,14 @@ void write_manifest(const std::string& path, const Options& o, const Environment
     first = false;
   }
   j << "},\n";
-  j << "  \"validation\": [";
-  for (size_t v = 0; v < validation.size(); ++v) {
-    const ValidationRecord& r = validation[v];
-    j << (v ? ",\n" : "\n") << "    {\"vocab\": " << r.vocab
-      << ", \"dtype\": " << json_string(dtype_name(r.dtype)) << ", \"particles\": " << r.particles
-      << ", \"steps\": " << r.steps << ", \"cycles\": " << r.cycles
-      << ", \"draft_temperature\": " << float_text(kValidationDraftTemperature)
-      << ", \"target_temperature\": 0, \"alpha\": 1, \"tau\": " << float_text(k.engine_defaults.tau)
-      << ", \"engine_ok\": " << (r.ok ? "true" : "false") << ",\n     \"prompts\": [";
-    for (size_t p = 0; p < r.prompts.size(); ++p)
-      j << (p ? ", " : "") << json_int_array(r.prompts[p]);
-    j << "],\n     \"tokens\": [";
-    for (size_t p = 0; p < r.tokens.size(); ++p)
-      j << (p ? ", " : "") << json_int_array(r.tokens[p]);
-    j << "]}";
+  j << "  \"validation\": " << json_validation(validation, k, "    ") << "\n  ]";
+  if (with_spec) {
+    j << ",\n  \"spec\": {\"particles\": 1, \"steps\": [" << join_ints(o.steps, ", ") << "], \"requests\": ["
+      << join_ints(o.requests, ", ") << "], \"draft_temperature\": " << float_text(kSpecDraftTemperature)
+      << ", \"target_temperature\": " << float_text(kSpecTargetTemperature)
+      << ",\n    \"validation\": " << json_validation(spec_validation, k, "      ") << "\n    ]}";
   }
-  j << "\n  ]\n}\n";
+  j << "\n}\n";
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   if (!parent.empty())
     std::filesystem::create_directories(parent);
@@ -755,24 +802,28 @@ void write_manifest(const std::string& path, const Options& o, const Environment
     throw Error("bucket_sweep: writing " + path + " failed");
 }
 
-/// Runs the engine with a greedy target and a near-zero draft temperature on the validation prompts and
-/// keeps particle 0's tokens, for the peer to reproduce.
-ValidationRecord run_validation_engine(ToyModelPair& models, int vocab, DType dtype, int particles, int steps,
-                                       const SweepConstants& k) {
+/// Runs the engine with a greedy target on the validation prompts and keeps particle 0's tokens, for the peer
+/// to reproduce: smc with a near-zero draft temperature, spec (N = 1) with the greedy draft it is timed with.
+ValidationRecord run_validation_engine(ToyModelPair& models, CycleKind kind, int vocab, DType dtype,
+                                       int particles, int steps, const SweepConstants& k) {
+  const bool speculative = kind == CycleKind::kSpeculative;
   ValidationRecord record;
+  record.kind = kind;
   record.vocab = vocab;
   record.dtype = dtype;
-  record.particles = particles;
+  record.particles = speculative ? 1 : particles;
   record.steps = steps;
   record.cycles = kValidationCycles;
+  record.draft_temperature = speculative ? kSpecDraftTemperature : kValidationDraftTemperature;
   EngineConfig config;
+  config.kind = kind;
   config.vocab = vocab;
-  config.particles = particles;
+  config.particles = record.particles;
   config.draft_steps = steps;
   config.max_requests = kValidationPrompts;
   config.max_seq_len = k.max_seq_len;
   config.slot_pool_size = k.pool_size;
-  config.draft_temperature = kValidationDraftTemperature;
+  config.draft_temperature = record.draft_temperature;
   config.target_temperature = 0.0f;
   config.alpha = 1.0f;
   config.tau = k.engine_defaults.tau;
@@ -790,11 +841,16 @@ ValidationRecord run_validation_engine(ToyModelPair& models, int vocab, DType dt
   UpdateCheck check;
   check_updates(updates, static_cast<size_t>(kValidationCycles) * kValidationPrompts, engine.config(), check);
   check_slots(engine, check);
+  std::map<RequestId, size_t> committed; // spec: accepted + 1 per cycle, summed over the updates
+  for (const RequestUpdate& update : updates)
+    if (!update.tokens.empty())
+      committed[update.id] += update.tokens[0].size();
   for (const RequestId id : ids) {
     const RequestResult result = engine.result(id);
     if (result.failed)
       check.fail("validation request failed: " + result.reason);
-    const size_t expected = 1 + static_cast<size_t>(kValidationCycles) * (steps + 1);
+    const size_t expected =
+        1 + (speculative ? committed[id] : static_cast<size_t>(kValidationCycles) * (steps + 1));
     if (result.particles.empty() || result.particles[0].size() != expected)
       check.fail("validation request has " +
                  std::to_string(result.particles.empty() ? 0 : result.particles[0].size()) +
@@ -836,6 +892,10 @@ void sweep_engine(const SweepContext& ctx, ToyModelPair& models, CycleKind kind,
   const Environment& env = *ctx.env;
   EngineConfig config = ctx.constants->engine_defaults;
   config.kind = kind;
+  if (kind == CycleKind::kSpeculative) { // greedy speculative decoding (see kSpecDraftTemperature)
+    config.draft_temperature = kSpecDraftTemperature;
+    config.target_temperature = kSpecTargetTemperature;
+  }
   config.vocab = vocab;
   config.particles = particles;
   config.draft_steps = steps;
@@ -964,7 +1024,7 @@ void sweep_engine(const SweepContext& ctx, ToyModelPair& models, CycleKind kind,
 // Peers
 
 struct PeerResult {
-  double cycle_us = NAN, model_us = NAN;
+  double cycle_us = NAN, model_us = NAN, tokens_per_s = NAN, tokens_per_cycle = NAN;
   bool valid = true;
 };
 /// (requests, particles, steps, vocab, dtype) -> method -> result.
@@ -986,6 +1046,8 @@ PeerTable read_peer_csv(const std::string& path, std::vector<std::string>& metho
   std::string line;
   if (!in || !std::getline(in, line))
     return table;
+  if (!line.empty() && line.back() == '\r') // Python's csv module ends lines with \r\n
+    line.pop_back();
   const std::vector<std::string> header = split_csv_line(line);
   const auto column = [&](const char* name) {
     const auto it = std::find(header.begin(), header.end(), name);
@@ -993,7 +1055,8 @@ PeerTable read_peer_csv(const std::string& path, std::vector<std::string>& metho
   };
   const int method = column("method"), requests = column("requests"), particles = column("particles"),
             steps = column("steps"), vocab = column("vocab"), dtype = column("dtype"),
-            cycle = column("cycle_us"), model = column("model_us"), valid = column("valid");
+            cycle = column("cycle_us"), model = column("model_us"), valid = column("valid"),
+            tokens_per_s = column("tokens_per_s"), tokens_per_cycle = column("tokens_per_cycle");
   if (std::min({method, requests, particles, steps, vocab, dtype, cycle}) < 0)
     return table;
   while (std::getline(in, line)) {
@@ -1006,6 +1069,8 @@ PeerTable read_peer_csv(const std::string& path, std::vector<std::string>& metho
       PeerResult result;
       result.cycle_us = std::stod(cells[cycle]);
       result.model_us = model >= 0 ? std::stod(cells[model]) : NAN;
+      result.tokens_per_s = tokens_per_s >= 0 ? std::stod(cells[tokens_per_s]) : NAN;
+      result.tokens_per_cycle = tokens_per_cycle >= 0 ? std::stod(cells[tokens_per_cycle]) : NAN;
       result.valid = valid < 0 || cells[valid] == "1";
       table[{std::stoi(cells[requests]), std::stoi(cells[particles]), std::stoi(cells[steps]),
              std::stoi(cells[vocab]), cells[dtype]}][cells[method]] = result;
@@ -1018,108 +1083,220 @@ PeerTable read_peer_csv(const std::string& path, std::vector<std::string>& metho
   return table;
 }
 
-/// Runs the peer, prints smcgraph's ratios to it and rewrites the CSV with the peer columns added.
-/// Returns false when the peer could not run or reported a validation failure.
-bool run_peers(const Options& o, const char* argv0, const Environment& env, const std::string& manifest,
-               const std::vector<Row>& results) {
-  const std::string script = find_script(o.peer_script, "smc_peer.py", argv0);
-  if (script.empty()) {
-    std::printf("\npeers: skipped (bench/peers/smc_peer.py not found; run from the repository root or pass "
-                "--peer-script)\n");
-    return false;
+/// One cycle kind's PyTorch peer: its script, its CSV and what it reported.
+struct PeerRun {
+  std::string kind;   ///< "smc" or "spec": the sweep rows it compares with
+  std::string script; ///< file name in bench/peers/
+  std::string given;  ///< --peer-script / --spec-peer-script
+  std::string csv_name;
+  std::string csv;                  ///< path beside the sweep's CSV
+  std::vector<std::string> methods; ///< in the peer CSV's order
+  PeerTable table;
+};
+
+/// The --peer-methods names meant for `kind`'s peer (spec_* for spec, the others for smc); "" when none was
+/// given (the peer's defaults).
+std::string peer_methods_for(const Options& o, const std::string& kind, bool& none_left) {
+  none_left = false;
+  if (o.peer_methods.empty())
+    return "";
+  std::string methods;
+  for (const std::string& method : split_list(o.peer_methods)) {
+    if ((method.rfind("spec_", 0) == 0) != (kind == "spec"))
+      continue;
+    methods += (methods.empty() ? "" : ",") + method;
   }
+  none_left = methods.empty();
+  return methods;
+}
+
+/// Runs the peer of every measured kind, prints smcgraph's ratios to them and rewrites the CSV with the peer
+/// columns added. Returns false when a peer could not run or reported a failure or an invalid result.
+bool run_peers(const Options& o, const char* argv0, const Environment& env, const std::string& manifest,
+               const std::vector<Row>& results, bool run_smc, bool run_spec) {
+  const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
+  std::vector<PeerRun> peers;
+  if (run_smc)
+    peers.push_back({"smc", "smc_peer.py", o.peer_script, kPeerCsvName, "", {}, {}});
+  if (run_spec)
+    peers.push_back({"spec", "spec_peer.py", o.spec_peer_script, kSpecPeerCsvName, "", {}, {}});
   const std::string probe =
       o.python + " -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'";
   if (run_command(probe + " >/dev/null 2>&1") != 0) {
     std::printf("\npeers: skipped (%s with a CUDA-enabled torch is not available)\n", o.python.c_str());
     return false;
   }
-  const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
-  const std::string peer_csv = (csv_dir / kPeerCsvName).string();
-  std::string command = o.python + " " + shell_quote(script) + " --manifest " + shell_quote(manifest) +
-                        " --csv " + shell_quote(peer_csv);
-  if (!o.peer_methods.empty())
-    command += " --methods " + shell_quote(o.peer_methods);
-  std::printf("\npeers: %s\n", command.c_str());
-  const int status = run_command(command);
-  if (status != 0)
-    std::printf("peers: the peer exited with status %d; comparing what it wrote\n", status);
-  std::vector<std::string> methods;
-  const PeerTable peers = read_peer_csv(peer_csv, methods);
-  if (peers.empty()) {
-    std::printf("peers: no rows in %s\n", peer_csv.c_str());
-    return false;
-  }
-
-  std::printf(
-      "\nsmcgraph (graph replay, GPU time per cycle) vs the PyTorch peer in this run; ratio = peer time / "
-      "smcgraph time (> 1: smcgraph faster); nonmodel = cycle - the implementation's own model forwards\n");
-  std::printf("%7s %5s %2s %2s %8s %10s %10s  %-20s %10s %7s %10s %7s\n", "vocab", "dtype", "N", "K",
-              "requests", "smcg_us", "smcg_nm", "peer", "peer_us", "ratio", "peer_nm", "nm_rat");
-  for (const Row& row : results) {
-    if (row.kind != "smc")
-      continue; // the peer runs the SMC cycle only
-    const auto it = peers.find({row.requests, row.particles, row.steps, row.vocab, dtype_name(row.dtype)});
-    if (it == peers.end())
+  bool all_ok = true, any_rows = false;
+  for (PeerRun& peer : peers) {
+    const std::string script = find_script(peer.given, peer.script.c_str(), argv0);
+    if (script.empty()) {
+      std::printf("\npeers: %s skipped (bench/peers/%s not found; run from the repository root or pass "
+                  "--%speer-script)\n",
+                  peer.kind.c_str(), peer.script.c_str(), peer.kind == "spec" ? "spec-" : "");
+      all_ok = false;
       continue;
-    for (const auto& [method, peer] : it->second) {
-      const double peer_nonmodel = peer.cycle_us - peer.model_us;
-      std::printf("%7d %5s %2d %2d %8d %10s %10s  %-20s %10s %6sx %10s %6sx%s\n", row.vocab,
-                  dtype_name(row.dtype), row.particles, row.steps, row.requests,
-                  format(row.graph.median_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(), method.c_str(),
-                  format(peer.cycle_us, 1).c_str(), format(peer.cycle_us / row.graph.median_us, 2).c_str(),
-                  format(peer_nonmodel, 1).c_str(), format(peer_nonmodel / row.nonmodel_us, 2).c_str(),
-                  peer.valid ? "" : "  (peer INVALID)");
+    }
+    bool none_left = false;
+    const std::string methods = peer_methods_for(o, peer.kind, none_left);
+    if (none_left) {
+      std::printf("\npeers: %s skipped (--peer-methods names none of its methods)\n", peer.kind.c_str());
+      continue;
+    }
+    peer.csv = (csv_dir / peer.csv_name).string();
+    std::error_code ignored;
+    std::filesystem::remove(peer.csv, ignored); // never compare with an earlier run's rows
+    std::string command = o.python + " " + shell_quote(script) + " --manifest " + shell_quote(manifest) +
+                          " --csv " + shell_quote(peer.csv);
+    if (!methods.empty())
+      command += " --methods " + shell_quote(methods);
+    std::printf("\npeers: %s\n", command.c_str());
+    const int status = run_command(command);
+    if (status != 0) {
+      std::printf("peers: the peer exited with status %d; comparing what it wrote\n", status);
+      all_ok = false;
+    }
+    peer.table = read_peer_csv(peer.csv, peer.methods);
+    if (peer.table.empty()) {
+      std::printf("peers: no rows in %s\n", peer.csv.c_str());
+      all_ok = false;
+    }
+    any_rows = any_rows || !peer.table.empty();
+  }
+  if (!any_rows)
+    return false;
+
+  const auto peer_of = [&](const std::string& kind) -> const PeerRun* {
+    for (const PeerRun& peer : peers)
+      if (peer.kind == kind && !peer.table.empty())
+        return &peer;
+    return nullptr;
+  };
+  const auto find_result = [&](const Row& row) -> const std::map<std::string, PeerResult>* {
+    const PeerRun* peer = peer_of(row.kind);
+    if (peer == nullptr)
+      return nullptr;
+    const auto it =
+        peer->table.find({row.requests, row.particles, row.steps, row.vocab, dtype_name(row.dtype)});
+    return it == peer->table.end() ? nullptr : &it->second;
+  };
+
+  if (peer_of("smc") != nullptr) {
+    std::printf(
+        "\nsmcgraph (graph replay, GPU time per cycle) vs the PyTorch peer in this run; ratio = peer time / "
+        "smcgraph time (> 1: smcgraph faster); nonmodel = cycle - the implementation's own model forwards\n");
+    std::printf("%7s %5s %2s %2s %8s %10s %10s  %-20s %10s %7s %10s %7s\n", "vocab", "dtype", "N", "K",
+                "requests", "smcg_us", "smcg_nm", "peer", "peer_us", "ratio", "peer_nm", "nm_rat");
+    for (const Row& row : results) {
+      if (row.kind != "smc")
+        continue;
+      const auto* found = find_result(row);
+      if (found == nullptr)
+        continue;
+      for (const auto& [method, peer] : *found) {
+        const double peer_nonmodel = peer.cycle_us - peer.model_us;
+        std::printf("%7d %5s %2d %2d %8d %10s %10s  %-20s %10s %6sx %10s %6sx%s\n", row.vocab,
+                    dtype_name(row.dtype), row.particles, row.steps, row.requests,
+                    format(row.graph.median_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(),
+                    method.c_str(), format(peer.cycle_us, 1).c_str(),
+                    format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
+                    format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
+      }
+    }
+  }
+  if (peer_of("spec") != nullptr) {
+    std::printf("\nsmcgraph spec (greedy speculative decoding, graph replay) vs its PyTorch peer in this "
+                "run; tps_rat = smcgraph tokens/s / peer tokens/s (> 1: smcgraph faster; tok/c = tokens "
+                "per row and cycle, accepted + 1, each side's own); cyc_rat = peer time / smcgraph time "
+                "per cycle; nonmodel as above\n");
+    std::printf("%7s %5s %2s %8s %10s %6s %10s  %-24s %10s %6s %10s %7s %7s %10s %7s\n", "vocab", "dtype",
+                "K", "requests", "smcg_us", "tok/c", "smcg_tok/s", "peer", "peer_us", "tok/c", "peer_tok/s",
+                "tps_rat", "cyc_rat", "peer_nm", "nm_rat");
+    for (const Row& row : results) {
+      if (row.kind != "spec")
+        continue;
+      const auto* found = find_result(row);
+      if (found == nullptr)
+        continue;
+      for (const auto& [method, peer] : *found) {
+        const double peer_nonmodel = peer.cycle_us - peer.model_us;
+        std::printf("%7d %5s %2d %8d %10s %6s %10s  %-24s %10s %6s %10s %6sx %6sx %10s %6sx%s\n", row.vocab,
+                    dtype_name(row.dtype), row.steps, row.requests, format(row.graph.median_us, 1).c_str(),
+                    format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
+                    method.c_str(), format(peer.cycle_us, 1).c_str(),
+                    format(peer.tokens_per_cycle, 2).c_str(), format(peer.tokens_per_s, 0).c_str(),
+                    format(row.tokens_per_s / peer.tokens_per_s, 2).c_str(),
+                    format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
+                    format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
+      }
     }
   }
 
-  // The CSV again, with per-method peer columns.
+  // The CSV again, with per-method peer columns (smc methods first); a row has values only for its kind's
+  // peer. Spec methods add their tokens/s and smcgraph's tokens/s over it (their tokens per cycle may
+  // differ).
   std::vector<std::string> header = kCsvColumns;
-  for (const std::string& method : methods) {
-    header.push_back(method + "_us");
-    header.push_back(method + "_over_graph");
-    header.push_back(method + "_nonmodel_us");
-    header.push_back(method + "_nonmodel_over_smcgraph");
+  std::vector<std::pair<std::string, std::string>> columns; // (kind, method)
+  for (const PeerRun& peer : peers) {
+    for (const std::string& method : peer.methods) {
+      columns.emplace_back(peer.kind, method);
+      header.push_back(method + "_us");
+      header.push_back(method + "_over_graph");
+      header.push_back(method + "_nonmodel_us");
+      header.push_back(method + "_nonmodel_over_smcgraph");
+      if (peer.kind == "spec") {
+        header.push_back(method + "_tokens_per_s");
+        header.push_back(method + "_tokens_per_s_smcgraph_over_peer");
+      }
+    }
   }
   bench::Csv csv(o.csv);
   csv.row(header);
   bool peer_valid = true;
   for (const Row& row : results) {
     std::vector<std::string> cells = csv_cells(env, row);
-    const auto it =
-        row.kind == "smc"
-            ? peers.find({row.requests, row.particles, row.steps, row.vocab, dtype_name(row.dtype)})
-            : peers.end();
-    for (const std::string& method : methods) {
+    const auto* found = find_result(row);
+    for (const auto& [kind, method] : columns) {
       PeerResult peer;
-      if (it != peers.end() && it->second.count(method))
-        peer = it->second.at(method);
+      if (kind == row.kind && found != nullptr && found->count(method))
+        peer = found->at(method);
       peer_valid = peer_valid && peer.valid;
       const double peer_nonmodel = peer.cycle_us - peer.model_us;
       cells.push_back(format(peer.cycle_us, 2));
       cells.push_back(format(peer.cycle_us / row.graph.median_us, 3));
       cells.push_back(format(peer_nonmodel, 2));
       cells.push_back(format(peer_nonmodel / row.nonmodel_us, 3));
+      if (kind == "spec") {
+        cells.push_back(format(peer.tokens_per_s, 0));
+        cells.push_back(format(row.tokens_per_s / peer.tokens_per_s, 3));
+      }
     }
     csv.row(cells);
   }
-  std::printf("peers: columns added to %s (peer CSV: %s)\n", o.csv.c_str(), peer_csv.c_str());
-  return status == 0 && peer_valid;
+  std::string peer_csvs;
+  for (const PeerRun& peer : peers)
+    if (!peer.csv.empty())
+      peer_csvs += (peer_csvs.empty() ? "" : ", ") + peer.csv;
+  std::printf("peers: columns added to %s (peer CSV%s: %s)\n", o.csv.c_str(), peers.size() > 1 ? "s" : "",
+              peer_csvs.c_str());
+  return all_ok && peer_valid;
 }
 
-void run_plots(const Options& o, const char* argv0) {
+void run_plots(const Options& o, const char* argv0, bool run_smc, bool run_spec) {
   const std::string script = find_script(o.plot_script, "plot_sweep.py", argv0);
   if (script.empty()) {
     std::printf("\nplots: skipped (bench/peers/plot_sweep.py not found; pass --plot-script)\n");
     return;
   }
   const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
-  const std::string peer_csv = (csv_dir / kPeerCsvName).string();
   const std::string out_dir = (csv_dir / "plots").string();
   std::string command = o.python + " " + shell_quote(script) + " --sweep " + shell_quote(o.csv) + " --out " +
                         shell_quote(out_dir);
-  if (o.peers && std::filesystem::exists(peer_csv))
-    command += " --peer " + shell_quote(peer_csv);
+  for (const auto& [measured, name] : {std::pair<bool, const char*>{run_smc, kPeerCsvName},
+                                       std::pair<bool, const char*>{run_spec, kSpecPeerCsvName}}) {
+    const std::string peer_csv = (csv_dir / name).string();
+    if (o.peers && measured && std::filesystem::exists(peer_csv))
+      command += " --peer " + shell_quote(peer_csv);
+  }
   std::printf("\nplots: %s\n", command.c_str());
   const int status = run_command(command);
   if (status != 0)
@@ -1149,7 +1326,8 @@ int run(const Options& o, const char* argv0) {
     try {
       validate_engine_config(probe);
       spec_available = true;
-      spec_note = "N = 1 (the particle list applies to smc only), T_d and T_t as for smc";
+      spec_note = "N = 1 (the particle list applies to smc only), greedy: T_d = T_t = 0 (exact greedy "
+                  "speculative decoding)";
     } catch (const Error& error) {
       spec_note = std::string("pending: the engine has no speculative cycle yet (") + error.what() + ")";
     }
@@ -1171,7 +1349,9 @@ int run(const Options& o, const char* argv0) {
   const int longest = kPromptLength + 1 + (kWarmupCycles + o.cycles + 2) * (max_steps + 1);
   const int validation_longest = kPromptLength + 1 + (kValidationCycles + 1) * (max_steps + 1);
   constants.max_seq_len = round_up(std::max({longest, validation_longest, 256}), 128);
-  const int64_t pool = static_cast<int64_t>(o.requests.back()) * max_particles * constants.max_seq_len + 1;
+  // Enough slots for the largest bucket and for the peers' validation engines (kValidationPrompts requests).
+  const int pool_requests = std::max(o.requests.back(), kValidationPrompts);
+  const int64_t pool = static_cast<int64_t>(pool_requests) * max_particles * constants.max_seq_len + 1;
   require(pool < (int64_t{1} << 30), "bucket_sweep", "slot pool", pool,
           "too large (fewer cycles or requests)");
   constants.pool_size = static_cast<int>(pool);
@@ -1208,7 +1388,7 @@ int run(const Options& o, const char* argv0) {
   const std::filesystem::path out_dir = std::filesystem::path(o.csv).parent_path();
   const std::string manifest = (out_dir / kPeerManifestName).string();
   std::map<int, std::string> weight_files;
-  std::vector<ValidationRecord> validation;
+  std::vector<ValidationRecord> validation, spec_validation;
   std::vector<Row> results;
   Progress progress(o.progress, total);
   int done = 0;
@@ -1230,7 +1410,8 @@ int run(const Options& o, const char* argv0) {
       toy.weight_seed = kWeightSeed;
       ToyModelPair models = ToyModel::pair(toy, o.draft_perturbation);
 
-      if (run_smc) { // the peer's inputs: weights once per vocabulary, validation tokens per (V, dtype)
+      if (run_smc || run_spec) { // the peers' inputs: weights once per vocabulary, validation tokens per
+                                 // (kind, V, dtype)
         if (!weight_files.count(vocab)) {
           const std::string name = "toy_weights_v" + std::to_string(vocab) + ".safetensors";
           progress.update(done, "writing " + name);
@@ -1242,23 +1423,33 @@ int run(const Options& o, const char* argv0) {
           write_toy_weights((out_dir / name).string(), toy, o.draft_perturbation, described);
           weight_files[vocab] = name;
         }
-        progress.update(done, "validation engine V=" + std::to_string(vocab) + " " + dtype_name(dtype));
-        try {
-          validation.push_back(
-              run_validation_engine(models, vocab, dtype, o.particles.front(), o.steps.front(), constants));
-        } catch (const Error& error) {
-          validation.push_back({});
-          validation.back().vocab = vocab;
-          validation.back().dtype = dtype;
-          validation.back().ok = false;
-          validation.back().problem = error.what();
+        for (const CycleKind kind : {CycleKind::kSmc, CycleKind::kSpeculative}) {
+          if (!(kind == CycleKind::kSmc ? run_smc : run_spec))
+            continue;
+          std::vector<ValidationRecord>& records = kind == CycleKind::kSmc ? validation : spec_validation;
+          progress.update(done, std::string("validation engine ") + kind_name(kind) +
+                                    " V=" + std::to_string(vocab) + " " + dtype_name(dtype));
+          try {
+            records.push_back(run_validation_engine(models, kind, vocab, dtype, o.particles.front(),
+                                                    o.steps.front(), constants));
+          } catch (const Error& error) {
+            records.push_back({});
+            records.back().kind = kind;
+            records.back().draft_temperature =
+                kind == CycleKind::kSmc ? kValidationDraftTemperature : kSpecDraftTemperature;
+            records.back().vocab = vocab;
+            records.back().dtype = dtype;
+            records.back().ok = false;
+            records.back().problem = error.what();
+          }
+          if (!records.back().ok) {
+            all_valid = false;
+            std::printf("validation engine %sV = %d %s: FAILED: %s\n", kind == CycleKind::kSmc ? "" : "spec ",
+                        vocab, dtype_name(dtype), records.back().problem.c_str());
+          }
         }
-        if (!validation.back().ok) {
-          all_valid = false;
-          std::printf("validation engine V = %d %s: FAILED: %s\n", vocab, dtype_name(dtype),
-                      validation.back().problem.c_str());
-        }
-        write_manifest(manifest, o, env, constants, weight_files, validation);
+        write_manifest(manifest, o, env, constants, weight_files, validation, run_smc, run_spec,
+                       spec_validation);
       }
 
       for (const auto& [kind, particles] : engine_kinds) {
@@ -1282,14 +1473,14 @@ int run(const Options& o, const char* argv0) {
   for (const Row& row : results)
     all_valid = all_valid && row.valid;
   std::printf("\nvalidation: %s; CSV: %s; peer inputs: %s\n", all_valid ? "ok" : "FAILED", o.csv.c_str(),
-              run_smc ? manifest.c_str() : "(none)");
+              run_smc || run_spec ? manifest.c_str() : "(none)");
   std::fflush(stdout);
 
   bool peers_ok = true;
-  if (o.peers && run_smc)
-    peers_ok = run_peers(o, argv0, env, manifest, results);
+  if (o.peers && (run_smc || run_spec))
+    peers_ok = run_peers(o, argv0, env, manifest, results, run_smc, run_spec);
   if (o.plots && !results.empty())
-    run_plots(o, argv0);
+    run_plots(o, argv0, run_smc, run_spec);
   if (!all_valid)
     return 1;
   return peers_ok ? 0 : 3;
@@ -1315,17 +1506,23 @@ void print_usage() {
       "  --cycles C            timed cycles per phase (default 30)\n"
       "  --perturbation P      draft head perturbation of the toy pair (default 0.3)\n"
       "  --csv PATH            CSV output (default results/bucket_sweep.csv); the peer files go beside it\n"
-      "  --peers               run bench/peers/smc_peer.py afterwards (same grid, same weights), print the "
-      "ratios\n"
-      "                        and add per-method peer columns to the CSV\n"
-      "  --peer-methods LIST   methods for the peer (default: all of "
-      "torch_eager,torch_graph_draft,torch_graph_cycle)\n"
+      "  --peers               run the PyTorch peers afterwards (same grid, same weights): "
+      "bench/peers/smc_peer.py\n"
+      "                        for smc, bench/peers/spec_peer.py for spec; print the ratios and add "
+      "per-method peer\n"
+      "                        columns to the CSV\n"
+      "  --peer-methods LIST   methods for the peers (default: all of "
+      "torch_eager,torch_graph_draft,torch_graph_cycle\n"
+      "                        for smc and spec_torch_eager,spec_torch_graph_draft for spec; spec_* names go "
+      "to the\n"
+      "                        spec peer, the others to the smc peer)\n"
       "  --plots               run bench/peers/plot_sweep.py afterwards (PNGs in <csv dir>/plots)\n"
       "  --python PYTHON       interpreter for --peers / --plots (default python3)\n"
       "  --peer-script PATH    default: bench/peers/smc_peer.py found from the cwd or the executable\n"
+      "  --spec-peer-script PATH  default: bench/peers/spec_peer.py found likewise\n"
       "  --plot-script PATH    default: bench/peers/plot_sweep.py found likewise\n"
       "  --no-progress         no progress line on stderr\n"
-      "exit status: 0; 1 a validation failed; 2 could not run; 3 the peer failed or reported invalid "
+      "exit status: 0; 1 a validation failed; 2 could not run; 3 a peer failed or reported invalid "
       "results\n");
 }
 
@@ -1345,16 +1542,6 @@ bool parse_int_list(const std::string& text, std::vector<int>& out) {
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return !out.empty();
-}
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> items;
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ','))
-    if (!item.empty())
-      items.push_back(item);
-  return items;
 }
 
 /// Returns -1 to go on, else the exit status.
@@ -1440,16 +1627,17 @@ int parse_options(int argc, char** argv, Options& o) {
       o.draft_perturbation = std::strtof(text, &end);
       if (*end != '\0' || !(o.draft_perturbation >= 0.0f) || !std::isfinite(o.draft_perturbation))
         return bad(text);
-    } else if (arg == "--csv" || arg == "--python" || arg == "--peer-script" || arg == "--plot-script" ||
-               arg == "--peer-methods") {
+    } else if (arg == "--csv" || arg == "--python" || arg == "--peer-script" || arg == "--spec-peer-script" ||
+               arg == "--plot-script" || arg == "--peer-methods") {
       const char* text = value();
       if (!text)
         return 2;
-      (arg == "--csv"           ? o.csv
-       : arg == "--python"      ? o.python
-       : arg == "--peer-script" ? o.peer_script
-       : arg == "--plot-script" ? o.plot_script
-                                : o.peer_methods) = text;
+      (arg == "--csv"                ? o.csv
+       : arg == "--python"           ? o.python
+       : arg == "--peer-script"      ? o.peer_script
+       : arg == "--spec-peer-script" ? o.spec_peer_script
+       : arg == "--plot-script"      ? o.plot_script
+                                     : o.peer_methods) = text;
     } else {
       std::fprintf(stderr, "bucket_sweep: unknown argument '%s' (see --help)\n", arg.c_str());
       return 2;

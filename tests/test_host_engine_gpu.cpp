@@ -181,7 +181,7 @@ TEST_CASE("the host-engine loop serves every request; result() tokens obey the f
   CHECK(stats.generated_tokens >= static_cast<int64_t>(requests.size()));
   CHECK(stats.particle_tokens > 0);
   CHECK(stats.tokens_per_s > 0.0);
-  CHECK(stats.cycles >= 100); // a few hundred cycles of serving
+  CHECK(stats.cycles >= test::sanitizer_scaled(100, 20)); // a few hundred cycles of serving
   CHECK(stats.request_cycles >= stats.cycles);
   CHECK((stats.mean_occupancy > 0.0 && stats.mean_occupancy <= 1.0));
   CHECK((stats.resample_rate >= 0.0 && stats.resample_rate <= 1.0));

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PNG plots of bucket_sweep's CSV (and the PyTorch peer's, when given), matplotlib's Agg backend.
+"""PNG plots of bucket_sweep's CSV (and the PyTorch peers' CSVs, when given), matplotlib's Agg backend.
 
 One figure per cycle kind and quantity; each figure holds one panel per engine config (rows: vocabulary and
 logits dtype, columns: N and K), requests per bucket on a log2 x axis:
@@ -10,8 +10,11 @@ logits dtype, columns: N and K), requests per bucket on a log2 x axis:
                           method's non-model time
   tokens_per_s_<kind>.png request tokens/s of smcgraph (graph and eager) and of each peer method
 
+Peer rows go to the figures of their cycle kind: spec_peer.py's methods (spec_*) to the spec figures, the
+others (smc_peer.py's) to the smc figures; a `kind` column, where a peer CSV has one, decides instead.
+
 Usage: python3 bench/peers/plot_sweep.py [--sweep results/bucket_sweep.csv] [--peer results/smc_peer.csv]
-                                         [--out results/plots]
+                                         [--peer results/spec_peer.csv] [--out results/plots]
 """
 
 import argparse
@@ -24,7 +27,8 @@ import sys
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", default="results/bucket_sweep.csv", help="bucket_sweep's CSV")
-    parser.add_argument("--peer", default="", help="smc_peer.py's CSV (optional)")
+    parser.add_argument("--peer", action="append", default=[],
+                        help="a peer's CSV (smc_peer.py's, spec_peer.py's); repeat for several (optional)")
     parser.add_argument("--out", default="results/plots", help="output directory (created)")
     return parser.parse_args()
 
@@ -46,10 +50,18 @@ def config_key(row):
     return (int(row["vocab"]), row["dtype"], int(row["particles"]), int(row["steps"]))
 
 
+def peer_kind(row):
+    """The cycle kind a peer row belongs to: its `kind` column, else spec for spec_peer.py's spec_* methods."""
+    if row.get("kind"):
+        return row["kind"]
+    return "spec" if row["method"].startswith("spec_") else "smc"
+
+
 DTYPE_ORDER = {"fp32": 0, "bf16": 1, "fp16": 2}
 # One colour per series across every figure.
 COLORS = {"smcgraph graph": "C0", "smcgraph eager": "C1", "smcgraph non-model": "C0",
-          "torch_eager": "C2", "torch_graph_draft": "C4", "torch_graph_cycle": "C3"}
+          "torch_eager": "C2", "torch_graph_draft": "C4", "torch_graph_cycle": "C3",
+          "spec_torch_eager": "C2", "spec_torch_graph_draft": "C4"}
 PEER_COLORS = ["C5", "C6", "C8", "C9"]
 
 
@@ -76,20 +88,22 @@ def main():
         print("plot_sweep: cannot read %s (%s)" % (args.sweep, error), file=sys.stderr)
         return 2
     peer = []
-    if args.peer:
+    for path in args.peer:
         try:
-            peer = read_csv(args.peer)
+            peer += read_csv(path)
         except OSError as error:
             print("plot_sweep: no peer data (%s)" % error, file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
 
-    # (vocab, dtype, N, K) -> method -> sorted [(requests, row)]
+    # kind -> (vocab, dtype, N, K) -> method -> sorted [(requests, row)]
     peer_series = {}
     for row in peer:
-        peer_series.setdefault(config_key(row), {}).setdefault(row["method"], []).append((int(row["requests"]), row))
-    for methods in peer_series.values():
-        for points in methods.values():
-            points.sort(key=lambda point: point[0])
+        peer_series.setdefault(peer_kind(row), {}).setdefault(config_key(row), {}).setdefault(
+            row["method"], []).append((int(row["requests"]), row))
+    for configs in peer_series.values():
+        for methods in configs.values():
+            for points in methods.values():
+                points.sort(key=lambda point: point[0])
 
     device = sweep[0].get("device", "") if sweep else ""
     written = []
@@ -102,7 +116,7 @@ def main():
             points.sort(key=lambda row: int(row["requests"]))
         panel_rows = sorted({(key[0], key[1]) for key in series}, key=lambda vd: (vd[0], DTYPE_ORDER.get(vd[1], 9)))
         panel_cols = sorted({(key[2], key[3]) for key in series})
-        with_peers = kind == "smc"
+        kind_peers = peer_series.get(kind, {})
 
         def figure(title, ylabel, draw, name):
             width = max(9.0, 4.2 * len(panel_cols))
@@ -116,7 +130,7 @@ def main():
                     if key not in series:
                         ax.set_visible(False)
                         continue
-                    for label, line in draw(ax, series[key], peer_series.get(key, {}) if with_peers else {}):
+                    for label, line in draw(ax, series[key], kind_peers.get(key, {})):
                         handles.setdefault(label, line)
                     ax.set_xscale("log", base=2)
                     ax.set_yscale("log")

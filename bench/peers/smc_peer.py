@@ -12,8 +12,9 @@ engine's tokens for a few validation prompts). This script loads them and runs t
   -> log-weights -> commit -> per request: ESS, systematic resampling with a torch uniform -> block-table
   reshuffle with index_select and refcount updates (index_add_), freed slots back to the free list.
 
-The toy forward keeps a KV cache per model indexed by slot ids read through a slot-table tensor:
-kv[slot] = E[t] + P[p % 64]; hidden = mean of the window's KV; logits = b + W g(hidden), g(x) = x / (1 + |x|).
+The toy forward (toy_torch.py, shared with spec_peer.py) keeps a KV cache per model indexed by slot ids read
+through a slot-table tensor: kv[slot] = E[t] + P[p % 64]; hidden = mean of the window's KV; logits = b + W g(hidden),
+g(x) = x / (1 + |x|).
 
 Methods (CSV column `method`):
   torch_eager        every stage eager, host loop; the resampling step syncs (`if need.any()`, the freed-slot
@@ -51,19 +52,14 @@ import csv
 import json
 import math
 import os
-import statistics
-import struct
 import sys
-import time
+
+import toy_torch  # beside this script: the toy models and timing helpers shared with spec_peer.py
+from toy_torch import CSV_COLUMNS
 
 ALL_METHODS = ["torch_eager", "torch_graph_draft", "torch_graph_cycle"]
 GRAPH_METHODS = {"torch_graph_draft", "torch_graph_cycle"}
 GUMBEL_REACH = 50.0  # Gumbel noise reorders logits only within this many temperatures of each other (P ~ e^-50)
-BASE_POSITION = 100  # positions of the stand-alone model forwards (full window)
-MODEL_REPETITIONS = 20
-MODEL_WARMUP = 3
-CSV_COLUMNS = ["method", "requests", "particles", "steps", "vocab", "dtype", "cycle_us", "tokens_per_s",
-               "cycle_p90_us", "model_us", "nonmodel_us", "valid", "device", "torch"]
 
 
 def parse_args():
@@ -85,27 +81,6 @@ def parse_args():
         parser.error("unknown method(s) %s; known: %s" % (", ".join(unknown), ", ".join(ALL_METHODS)))
     args.requests = [int(x) for x in args.requests.split(",") if x.strip()]
     return args
-
-
-def load_safetensors(path):
-    """(metadata, {name: (shape, raw little-endian float32 bytes)}) of a safetensors file; F32 only."""
-    with open(path, "rb") as f:
-        (header_bytes,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_bytes).decode("utf-8"))
-        data = f.read()
-    metadata = header.pop("__metadata__", {})
-    tensors = {}
-    for name, info in header.items():
-        if info["dtype"] != "F32":
-            raise ValueError("%s: tensor %s has dtype %s, expected F32" % (path, name, info["dtype"]))
-        begin, end = info["data_offsets"]
-        count = 1
-        for extent in info["shape"]:
-            count *= extent
-        if end - begin != 4 * count or end > len(data):
-            raise ValueError("%s: tensor %s: %d bytes for shape %s" % (path, name, end - begin, info["shape"]))
-        tensors[name] = (info["shape"], bytearray(data[begin:end]))
-    return metadata, tensors
 
 
 def main():
@@ -138,73 +113,9 @@ def main():
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     max_seq_len = int(manifest["max_seq_len"])
     pool_size = int(manifest["slot_pool_size"])
-    toy = manifest["toy"]
-    window = int(toy["window"])
-    period = int(toy["position_period"])
     int64 = torch.int64
-
-    # ------------------------------------------------------------------------------------------------------
-    # Toy model
-
-    class ToyWeights:
-        """One model's weights on the device (E [V, H], P [period, H], W [V, H], b [V])."""
-
-        def __init__(self, tensors, prefix):
-            def get(name):
-                shape, raw = tensors[prefix + "." + name]
-                return torch.frombuffer(raw, dtype=torch.float32).reshape(shape).to(device)
-
-            self.embedding = get("embedding")
-            self.position = get("position")
-            self.head = get("head")
-            self.bias = get("bias")
-            self.vocab, self.hidden = self.head.shape
-            if self.position.shape[0] != period:
-                raise ValueError("position table has %d rows, manifest says %d" % (self.position.shape[0], period))
-
-    class ToyModel:
-        """Weights + a KV cache [pool_size, H] indexed by slot id (slot 0: the never-written dummy)."""
-
-        def __init__(self, weights, logits_dtype, exact=False):
-            self.w = weights
-            self.logits_dtype = logits_dtype
-            self.exact = exact
-            self.kv = torch.zeros(pool_size, weights.hidden, device=device)
-            self.offsets = torch.arange(window, device=device, dtype=int64) - (window - 1)
-
-        def forward(self, tokens, positions, slot_table, seq_lens, out_slots):
-            """tokens / positions / out_slots [R, T], slot_table [R, S], seq_lens [R] -> logits [R, T, V]."""
-            w = self.w
-            rows, per_row = tokens.shape
-            hidden = w.hidden
-            # 1. KV of every token of the forward first (token j sees tokens < j of the same forward).
-            values = w.embedding[tokens] + w.position[positions % period]
-            self.kv.index_copy_(0, out_slots.reshape(-1), values.reshape(-1, hidden))
-            # 2. Mean of the window's KV, read through the slot table.
-            q = positions.unsqueeze(-1) + self.offsets  # [R, T, window], increasing positions
-            last = torch.minimum(positions, (seq_lens - 1).unsqueeze(-1))
-            valid = (q >= 0) & (q <= last.unsqueeze(-1))
-            slots = torch.gather(slot_table, 1, q.clamp(0, slot_table.shape[1] - 1).reshape(rows, -1))
-            slots = torch.where(valid, slots.reshape(rows, per_row, window), 0)
-            count = valid.sum(-1, keepdim=True)
-            if self.exact:  # the kernel's order: add the window's entries one by one, increasing position
-                total = torch.zeros(rows, per_row, hidden, device=device)
-                for k in range(window):
-                    total = total + torch.where(valid[..., k : k + 1], self.kv[slots[..., k]], 0.0)
-            else:
-                total = self.kv[slots].sum(2)
-            mean = total / count.clamp(min=1).to(torch.float32)
-            g = torch.where(count > 0, mean / (1.0 + mean.abs()), 0.0).reshape(-1, hidden)
-            # 3. LM head.
-            if self.exact:  # bias, then one fused multiply-add per h in increasing h (float64 product is exact)
-                head64 = w.head.double()
-                g64 = g.double()
-                logits = w.bias.unsqueeze(0).expand(g.shape[0], -1).clone()
-                for h in range(hidden):
-                    logits = (head64[:, h].unsqueeze(0) * g64[:, h : h + 1] + logits.double()).float()
-            else:
-                logits = torch.addmm(w.bias, g, w.head.t())
-            return logits.to(self.logits_dtype).reshape(rows, per_row, w.vocab)
+    kit = toy_torch.ToyKit(torch, device, manifest, manifest_dir)  # the toy models (toy_torch.py)
+    ToyModel = kit.Model
 
     # ------------------------------------------------------------------------------------------------------
     # Sampling and scoring
@@ -481,77 +392,9 @@ def main():
             state.after_commit()
             state.resample()
 
-    def time_cycles(driver, cycles):
-        if on_gpu:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(cycles + 1)]
-            events[0].record()
-            for i in range(cycles):
-                driver.cycle()
-                events[i + 1].record()
-            torch.cuda.synchronize()
-            us = [1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(cycles)]
-        else:
-            us = []
-            for _ in range(cycles):
-                start = time.perf_counter()
-                driver.cycle()
-                us.append(1e6 * (time.perf_counter() - start))
-        us.sort()
-        return statistics.median(us), us[min(len(us) - 1, math.ceil(0.9 * len(us)) - 1)]
-
-    def time_model_forwards(draft_weights, target_weights, logits_dtype, rows, steps):
-        """Draft head (rows x 2) + (K - 1) draft steps (rows x 1) + verify (rows x K + 1) in one graph."""
-        draft = ToyModel(draft_weights, logits_dtype)
-        target = ToyModel(target_weights, logits_dtype)
-        vocab = draft_weights.vocab
-        r = torch.arange(rows, device=device, dtype=int64).unsqueeze(1)
-        q = torch.arange(max_seq_len, device=device, dtype=int64)
-        slot_table = 1 + (r * max_seq_len + q) % (pool_size - 1)
-
-        def inputs(per_row):
-            j = torch.arange(per_row, device=device, dtype=int64)
-            tokens = (r * 131 + j * 7919 + 5) % vocab
-            positions = (BASE_POSITION + j).expand(rows, per_row).contiguous()
-            seq = torch.full((rows,), BASE_POSITION + per_row, device=device, dtype=int64)
-            return tokens, positions, slot_table, seq, slot_table.gather(1, positions)
-
-        head, one, verify = inputs(2), inputs(1), inputs(steps + 1)
-
-        def forwards():
-            draft.forward(*head)
-            for _ in range(steps - 1):
-                draft.forward(*one)
-            target.forward(*verify)
-
-        if not on_gpu:
-            forwards()
-            start = time.perf_counter()
-            forwards()
-            return 1e6 * (time.perf_counter() - start)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forwards()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            forwards()
-        for _ in range(MODEL_WARMUP):
-            graph.replay()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(MODEL_REPETITIONS + 1)]
-        events[0].record()
-        for i in range(MODEL_REPETITIONS):
-            graph.replay()
-            events[i + 1].record()
-        torch.cuda.synchronize()
-        result = statistics.median(1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(MODEL_REPETITIONS))
-        del graph
-        return result
-
-    def timing_prompts(requests, vocab, length):
-        q = torch.arange(requests, device=device, dtype=int64).unsqueeze(1)
-        i = torch.arange(length, device=device, dtype=int64)
-        return ((q + 1) * 7919 + i * 104729) % vocab
+    time_cycles = kit.time_cycles
+    time_model_forwards = kit.time_model_forwards
+    timing_prompts = kit.timing_prompts
 
     # ------------------------------------------------------------------------------------------------------
     # Validation against the engine's tokens
@@ -661,22 +504,7 @@ def main():
 
     print("smc_peer on %s (torch %s): methods %s" % (device_name, torch.__version__, ", ".join(methods)))
     sys.stdout.flush()
-    weights_cache = {}
-
-    def weights_for(vocab):
-        if vocab not in weights_cache:
-            weights_cache.clear()
-            if on_gpu:
-                torch.cuda.empty_cache()
-            path = os.path.join(manifest_dir, manifest["weights"][str(vocab)])
-            metadata, tensors = load_safetensors(path)
-            if int(metadata.get("vocab", vocab)) != vocab:
-                raise ValueError("%s holds vocab %s, expected %d" % (path, metadata.get("vocab"), vocab))
-            for key, expected in (("max_seq_len", max_seq_len), ("pool_size", pool_size), ("window", window)):
-                if key in metadata and int(metadata[key]) != expected:
-                    raise ValueError("%s: %s = %s, the manifest says %d" % (path, key, metadata[key], expected))
-            weights_cache[vocab] = (ToyWeights(tensors, "draft"), ToyWeights(tensors, "target"))
-        return weights_cache[vocab]
+    weights_for = kit.weights_for
 
     all_ok = True
     validated = {}  # (vocab, dtype) -> ok
