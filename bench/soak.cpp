@@ -105,7 +105,7 @@ void print_help() {
       "  --max-seq-len S       tokens per particle (default %d)\n"
       "  --hidden H            toy hidden size (default %d)\n"
       "  --pool-slots P        KV slot pool; small enough that requests running to max-seq-len exhaust it\n"
-      "                        (default %d)\n"
+      "                        (default %d; the speculative run, one row per request, gets P / 2)\n"
       "  --max-prompt N        longest random prompt (default %d)\n"
       "  --max-new N           longest usual max_new_tokens (default %d; 8 %% of requests draw up to\n"
       "                        2.5x that, 2 %% run to max-seq-len)\n"
@@ -715,8 +715,12 @@ int Soak::run() {
 }
 
 int run_kind(Options o, CycleKind kind) {
-  if (kind == CycleKind::kSpeculative)
+  if (kind == CycleKind::kSpeculative) {
+    // One row per request instead of N: half the pool keeps the pressure phases able to run it dry (16
+    // requests x 256 tokens > 3072 slots) while the usual churn rarely does.
     o.particles = 1;
+    o.pool_slots = std::max(o.pool_slots / 2, 2 * o.max_seq_len);
+  }
   ToyModelConfig toy;
   toy.vocab = o.vocab;
   toy.hidden = o.hidden;
