@@ -46,7 +46,8 @@ TEST_CASE("reference weights: alpha * log p - log q per column, logZ, EOS absorb
   CHECK(logw[4] == 50.0 + (-0.5 - 1.0 - 1.5 + 0.5)); // a bonus EOS: every column and logZ count
   CHECK(finished == std::vector<uint8_t>{0, 1, 1, 0, 1});
   CHECK(first_eos == std::vector<int32_t>{3, 1, -1, -1, 3});
-  // Without bonus tokens (the kernel's nullptr) row 4 stays unfinished.
+  // The reference without bonus tokens (only meaningful without an EOS id for the kernel) leaves row 4
+  // unfinished.
   std::vector<double> logw_plain = {10.0, 20.0, 30.0, 40.0, 50.0};
   std::vector<uint8_t> finished_plain = {0, 0, 1, 0, 0};
   reference::accumulate_weights_ref(logq, logp, logz, tokens, {}, alpha, live, kRows, kSteps, kEos, logw_plain,
@@ -212,9 +213,16 @@ TEST_CASE("particle launchers name the bad parameter before any CUDA call") {
   good.draft_tokens = {fake_int, 4, 1};
   good.alpha = fake_float;
   good.live = fake_byte;
+  good.bonus_tokens = fake_int;
   good.rows = 8;
   good.steps = 4;
   good.eos_id = 2;
+  {
+    WeightInputs bad = good;
+    bad.bonus_tokens = nullptr; // with an EOS id the bonus must be checked
+    CHECK_THROWS_WITH_AS(accumulate_weights(bad, fake_double, fake_byte, fake_int, nullptr),
+                         Contains("accumulate_weights: in.bonus_tokens = null"), Error);
+  }
   {
     WeightInputs bad = good;
     bad.steps = 0;

@@ -37,7 +37,7 @@ struct WeightInputs {
   StepMatrix<int32_t> draft_tokens;  ///< d_k
   const float* alpha = nullptr;      ///< [rows] power of the target
   const uint8_t* live = nullptr;     ///< [rows]
-  const int32_t* bonus_tokens = nullptr; ///< [rows] x_{K+1}; nullptr: the bonus is not checked for EOS
+  const int32_t* bonus_tokens = nullptr; ///< [rows] x_{K+1}; required when eos_id >= 0
   int rows = 0;
   int steps = 0;   ///< K
   int eos_id = -1; ///< -1: no EOS token

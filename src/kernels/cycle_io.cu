@@ -64,8 +64,7 @@ __global__ void AdmitAllocKernel(CycleBuffers b, int row, int prompt_length) {
   b.tables.seq_len[row] = needed;
 }
 
-__global__ void AdmitFinishKernel(CycleBuffers b, int row, int prompt_length, const int32_t* first_token,
-                                  bool finished_rows_stop) {
+__global__ void AdmitFinishKernel(CycleBuffers b, int row, int prompt_length, const int32_t* first_token) {
   const int32_t token = *first_token;
   if (!b.tables.live[row])
     return;
@@ -74,11 +73,10 @@ __global__ void AdmitFinishKernel(CycleBuffers b, int row, int prompt_length, co
     return;
   }
   b.tables.token_table[static_cast<int64_t>(row) * b.tables.max_seq_len + prompt_length] = token;
-  if (token == b.eos_id) { // EOS first: the request is done before its first cycle (fan-out copies live)
+  if (token == b.eos_id) { // EOS first: the request is done before its first cycle, for either cycle kind
     for (int p = 0; p < b.particles; ++p)
       b.finished[row + p] = 1;
-    if (finished_rows_stop)
-      b.tables.live[row] = 0;
+    b.tables.live[row] = 0; // no cycle allocates, forwards or commits for it (fan-out copies live)
   }
 }
 
@@ -265,8 +263,8 @@ void admit_alloc(const CycleBuffers& b, int row, int prompt_length, cudaStream_t
 }
 
 void admit_finish(const CycleBuffers& b, int row, int prompt_length, const int32_t* first_token,
-                  bool finished_rows_stop, cudaStream_t stream) {
-  AdmitFinishKernel<<<1, 1, 0, stream>>>(b, row, prompt_length, first_token, finished_rows_stop);
+                  cudaStream_t stream) {
+  AdmitFinishKernel<<<1, 1, 0, stream>>>(b, row, prompt_length, first_token);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -95,9 +95,9 @@ void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float 
 /// else kFlagSlotsExhausted and live = 0.
 void admit_alloc(const CycleBuffers& b, int row, int prompt_length, cudaStream_t stream);
 /// token_table[row][P] = *first_token, or live = 0 if the sample failed. A first token equal to eos_id
-/// finishes the request's N rows (and stops the row when `finished_rows_stop`, as the speculative cycle does).
+/// finishes the request's N rows and stops them (live = 0): the request is complete before its first cycle.
 void admit_finish(const CycleBuffers& b, int row, int prompt_length, const int32_t* first_token,
-                  bool finished_rows_stop, cudaStream_t stream);
+                  cudaStream_t stream);
 void set_int(int32_t* destination, int value, cudaStream_t stream);
 
 // The cycle.

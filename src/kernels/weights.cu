@@ -36,7 +36,7 @@ __global__ void AccumulateWeightsKernel(WeightInputs in, double* logw, uint8_t* 
   }
   if (eos_step == in.steps) {
     increment = __dadd_rn(increment, static_cast<double>(in.logz[row])); // the bonus comes after an EOS
-    if (in.bonus_tokens != nullptr && in.bonus_tokens[row] == in.eos_id)
+    if (in.eos_id >= 0 && in.bonus_tokens[row] == in.eos_id)
       finished[row] = 1; // EOS drawn as the bonus: counted this cycle, absorbing from the next
   } else {
     finished[row] = 1;
@@ -66,6 +66,8 @@ void accumulate_weights(const WeightInputs& in, double* logw, uint8_t* finished,
   require(in.logz != nullptr, kWhere, "in.logz", "null", "must be a device pointer");
   require(in.alpha != nullptr, kWhere, "in.alpha", "null", "must be a device pointer");
   require(in.live != nullptr, kWhere, "in.live", "null", "must be a device pointer");
+  require(in.bonus_tokens != nullptr || in.eos_id < 0, kWhere, "in.bonus_tokens", "null",
+          "must be a device pointer when eos_id >= 0 (an EOS bonus token finishes its row)");
   require(logw != nullptr, kWhere, "logw", "null", "must be a device pointer");
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
   require(first_eos != nullptr, kWhere, "first_eos", "null", "must be a device pointer");

@@ -448,7 +448,7 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
          {s.admit_scalars.data() + 1, s.admit_floats.data(), s.admit_floats.data() + 1,
           s.row_flags.data() + row, s.status.data()},
          s.workspace, stream);
-  detail::admit_finish(b, row, P, s.admit_scalars.data() + 1, c.kind == CycleKind::kSpeculative, stream);
+  detail::admit_finish(b, row, P, s.admit_scalars.data() + 1, stream);
   if (c.particles > 1) {
     SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.request_mask.data() + q, 1, 1, stream));
     fan_out_rows(s.pool_view(), s.tables_view(), c.particles, s.request_mask.data(), stream);

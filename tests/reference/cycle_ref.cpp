@@ -257,9 +257,11 @@ RequestId SmcCycleReference::admit(const std::vector<int32_t>& prompt, const Req
       slots_.live[row] = 0;
     } else {
       slots_.token(row, P) = first.token;
-      if (first.token == c.eos_id) // EOS as the first token: every particle starts finished
+      if (first.token == c.eos_id) { // EOS as the first token: every particle starts finished and stopped
         for (int p = 0; p < N; ++p)
           finished_[row + p] = 1;
+        slots_.live[row] = 0;
+      }
     }
   }
   if (N > 1) {
