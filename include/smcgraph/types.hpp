@@ -38,6 +38,11 @@ enum RowFlag : uint32_t {
   kFlagMaxLength = 1u << 5,       ///< the row reached max_seq_len
 };
 
+/// Faults in a row's data (raised by the samplers and verifiers): the commit stops such a row.
+inline constexpr uint32_t kRowDataFaults = kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange;
+/// Flags that fail a request when any of its rows raised one: data faults and slot exhaustion.
+inline constexpr uint32_t kRequestFailureFlags = kRowDataFaults | kFlagSlotsExhausted;
+
 /// Human-readable reasons for a flags word ("nan logit, all masked").
 inline std::string describe_flags(uint32_t flags) {
   static const char* const names[] = {"nan or +inf logit",  "all logits -inf",     "bad temperature or alpha",

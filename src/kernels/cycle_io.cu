@@ -1,6 +1,7 @@
 // Admission, forward-input preparation and output packing (see cycle_io.hpp). Each kernel is a thin
 // per-row gather/scatter; every value that changes between replays is read from device memory.
 #include "kernels/cycle_io.hpp"
+#include "kernels/launch_checks.hpp"
 
 #include <algorithm>
 
@@ -13,7 +14,7 @@ namespace {
 constexpr int kThreads = 128;
 
 int blocks_for(int count) {
-  return (count + kThreads - 1) / kThreads;
+  return static_cast<int>(ceil_div(count, kThreads));
 }
 
 size_t align_up(size_t value, size_t alignment) {
@@ -131,8 +132,6 @@ __global__ void PrepareVerifyInputsKernel(CycleBuffers b, int rows) {
       b.draft_logprobs_rows[r * b.steps + k] = b.draft_logprobs[k * b.max_rows + r];
 }
 
-constexpr uint32_t kFaultFlags = kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange;
-
 __global__ void CommitCycleKernel(CycleBuffers b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
@@ -154,7 +153,7 @@ __global__ void CommitCycleKernel(CycleBuffers b, int rows) {
   // first_eos (from the weights): -1 nothing counts (finished before), K none, else the EOS column.
   const int eos = b.first_eos[r];
   b.committed[r] = eos < 0 ? 0 : (eos >= b.steps ? stride : eos + 1);
-  if (b.row_flags[r] & kFaultFlags)
+  if (b.row_flags[r] & kRowDataFaults)
     b.tables.live[r] = 0; // the request fails; its rows stop here
 }
 
@@ -194,7 +193,7 @@ __global__ void CommitSpeculativeKernel(CycleBuffers b, int rows) {
     b.finished[r] = 1;
     b.tables.live[r] = 0; // a finished speculative row stops decoding
   }
-  if (b.row_flags[r] & kFaultFlags)
+  if (b.row_flags[r] & kRowDataFaults)
     b.tables.live[r] = 0;
 }
 

@@ -26,8 +26,10 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/verify.hpp"
+#include "kernels/launch_checks.hpp"
 
 namespace smcgraph {
+using detail::ceil_div;
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------
@@ -311,10 +313,6 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
 // ---------------------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------------------
-
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
 
 PackLaunchShape shape_for(int rows, int gamma, int positions, int64_t position_bytes, bool counts_given,
                           int multiprocessors) {

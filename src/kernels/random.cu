@@ -1,6 +1,7 @@
 // Draw-counter advance (one node per cycle) and a Philox cross-check kernel for the tests.
 #include "smcgraph/sample.hpp"
 #include "smcgraph/error.hpp"
+#include "kernels/launch_checks.hpp"
 #include "kernels/random.cuh"
 
 namespace smcgraph {
@@ -32,7 +33,7 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
   require(draw_counters != nullptr, "advance_draw_counters", "draw_counters", "null",
           "must be a device pointer");
   constexpr int kThreads = 256;
-  AdvanceDrawCountersKernel<<<(count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(draw_counters, count);
+  AdvanceDrawCountersKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(draw_counters, count);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
@@ -43,7 +44,7 @@ void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint3
     return;
   require(out != nullptr, "philox_words", "out", "null", "must be a device pointer");
   constexpr int kThreads = 256;
-  PhiloxWordsKernel<<<(count + kThreads - 1) / kThreads, kThreads, 0, stream>>>(seed, draw_counter, particle,
+  PhiloxWordsKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(seed, draw_counter, particle,
                                                                                 stream_word, out, count);
   SMCGRAPH_CHECK_LAUNCH();
 }

@@ -4,6 +4,7 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
+#include "kernels/launch_checks.hpp"
 
 namespace smcgraph {
 namespace {
@@ -28,19 +29,10 @@ __global__ void __launch_bounds__(kThreads)
 void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int32_t* ancestor,
                uint8_t* finished, cudaStream_t stream) {
   constexpr const char* kWhere = "reshuffle";
-  require(pool.pool_size >= 1, kWhere, "pool.pool_size", pool.pool_size,
-          "must be >= 1 (slot 0 is the dummy)");
-  require(pool.free_stack != nullptr, kWhere, "pool.free_stack", "null", "must be a device pointer");
-  require(pool.free_count != nullptr, kWhere, "pool.free_count", "null", "must be a device pointer");
-  require(pool.refcount != nullptr, kWhere, "pool.refcount", "null", "must be a device pointer");
-  require(tables.rows >= 0, kWhere, "tables.rows", tables.rows, "must be >= 0");
-  require(tables.max_seq_len >= 1, kWhere, "tables.max_seq_len", tables.max_seq_len, "must be >= 1");
+  detail::require_pool(pool, kWhere);
+  detail::require_tables(tables, kWhere);
   if (tables.rows == 0)
     return;
-  require(tables.slot_table != nullptr, kWhere, "tables.slot_table", "null", "must be a device pointer");
-  require(tables.token_table != nullptr, kWhere, "tables.token_table", "null", "must be a device pointer");
-  require(tables.seq_len != nullptr, kWhere, "tables.seq_len", "null", "must be a device pointer");
-  require(tables.live != nullptr, kWhere, "tables.live", "null", "must be a device pointer");
   require(ancestor != nullptr, kWhere, "ancestor", "null", "must be a device pointer");
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
   const NvtxRange range("reshuffle");

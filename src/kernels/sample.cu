@@ -6,13 +6,11 @@
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
+#include "kernels/launch_checks.hpp"
 
 namespace smcgraph {
+using detail::ceil_div;
 namespace {
-
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
 
 } // namespace
 

@@ -8,8 +8,12 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/types.hpp"
+#include "kernels/launch_checks.hpp"
 
 namespace smcgraph {
+using detail::ceil_div;
+using detail::require_pool;
+using detail::require_tables;
 namespace {
 
 constexpr int kThreads = 256;
@@ -161,24 +165,6 @@ __global__ void __launch_bounds__(kRowThreads)
   device::copy_row_refcounted(pool, tables, request * particles, row);
 }
 
-void require_pool(const SlotPoolView& pool, const char* where) {
-  require(pool.pool_size >= 1, where, "pool.pool_size", pool.pool_size, "must be >= 1 (slot 0 is the dummy)");
-  require(pool.free_stack != nullptr, where, "pool.free_stack", "null", "must be a device pointer");
-  require(pool.free_count != nullptr, where, "pool.free_count", "null", "must be a device pointer");
-  require(pool.refcount != nullptr, where, "pool.refcount", "null", "must be a device pointer");
-}
-
-void require_tables(const RowTablesView& tables, const char* where) {
-  require(tables.rows >= 0, where, "tables.rows", tables.rows, "must be >= 0");
-  require(tables.max_seq_len >= 1, where, "tables.max_seq_len", tables.max_seq_len, "must be >= 1");
-  if (tables.rows == 0)
-    return;
-  require(tables.slot_table != nullptr, where, "tables.slot_table", "null", "must be a device pointer");
-  require(tables.token_table != nullptr, where, "tables.token_table", "null", "must be a device pointer");
-  require(tables.seq_len != nullptr, where, "tables.seq_len", "null", "must be a device pointer");
-  require(tables.live != nullptr, where, "tables.live", "null", "must be a device pointer");
-}
-
 void change_refs(bool increment, const SlotPoolView& pool, const int32_t* slots, const uint8_t* mask,
                  int count, cudaStream_t stream) {
   const char* where = increment ? "inc_ref_slots" : "dec_ref_slots";
@@ -188,7 +174,7 @@ void change_refs(bool increment, const SlotPoolView& pool, const int32_t* slots,
     return;
   require(slots != nullptr, where, "slots", "null", "must be a device pointer");
   const NvtxRange range(where);
-  const int blocks = (count + kThreads - 1) / kThreads;
+  const int blocks = static_cast<int>(ceil_div(count, kThreads));
   if (increment) {
     ChangeRefsKernel<true><<<blocks, kThreads, 0, stream>>>(pool, slots, mask, count);
   } else {
@@ -259,7 +245,7 @@ void collect_freed_slots(const SlotPoolView& pool, cudaStream_t stream) {
 void init_slot_pool(const SlotPoolView& pool, cudaStream_t stream) {
   require_pool(pool, "init_slot_pool");
   const NvtxRange range("init_slot_pool");
-  InitSlotPoolKernel<<<(pool.pool_size + kThreads - 1) / kThreads, kThreads, 0, stream>>>(pool);
+  InitSlotPoolKernel<<<static_cast<int>(ceil_div(pool.pool_size, kThreads)), kThreads, 0, stream>>>(pool);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

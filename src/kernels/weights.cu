@@ -1,5 +1,6 @@
 // Importance weights (DESIGN.md §2 step 6): one thread per row, accumulated in double.
 #include "smcgraph/error.hpp"
+#include "kernels/launch_checks.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
 
@@ -72,7 +73,7 @@ void accumulate_weights(const WeightInputs& in, double* logw, uint8_t* finished,
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
   require(first_eos != nullptr, kWhere, "first_eos", "null", "must be a device pointer");
   const NvtxRange range("accumulate_weights");
-  AccumulateWeightsKernel<<<(in.rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(in, logw, finished,
+  AccumulateWeightsKernel<<<static_cast<int>(detail::ceil_div(in.rows, kThreads)), kThreads, 0, stream>>>(in, logw, finished,
                                                                                         first_eos);
   SMCGRAPH_CHECK_LAUNCH();
 }

@@ -532,11 +532,9 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
     update.resampled = out[layout.resampled + q] != 0;
     update.ess = ess[q];
     request.length = seq_len[q * N];
-    constexpr uint32_t kFaults =
-        kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange | kFlagSlotsExhausted;
-    if (request_flags & kFaults) {
+    if (request_flags & kRequestFailureFlags) {
       update.failed = request.failed = true;
-      update.reason = request.reason = describe_flags(request_flags & kFaults);
+      update.reason = request.reason = describe_flags(request_flags & kRequestFailureFlags);
       update.tokens.assign(N, {});
     } else if (request_flags & kFlagMaxLength) {
       update.finished = request.finished = true;

@@ -15,11 +15,6 @@ namespace smcgraph::reference {
 namespace {
 
 constexpr const char* kWhere = "SmcCycleReference";
-/// commit_cycle turns rows with these flags non-live (cycle_io.cu).
-constexpr uint32_t kCommitFaults = kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange;
-/// process_cycle fails a request with these flags (engine.cpp).
-constexpr uint32_t kPollFaults =
-    kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange | kFlagSlotsExhausted;
 
 } // namespace
 
@@ -504,7 +499,7 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
       cycle[k] = slots_.token(r, L + k) = draft_tokens_[static_cast<size_t>(k) * R + r];
     cycle[K] = slots_.token(r, L + K) = bonus_tokens_[r];
     slots_.seq_len[r] = L + K + 1;
-    if (row_flags_[r] & kCommitFaults)
+    if (row_flags_[r] & kRowDataFaults)
       slots_.live[r] = 0;
   }
   // 8. resample (bucket requests), then 9. reshuffle with the freed slots pushed in ascending id order.
@@ -571,9 +566,9 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
     update.resampled = resampled_[q] != 0;
     update.ess = ess_[q];
     request.length = slots_.seq_len[q * N];
-    if (request_flags & kPollFaults) {
+    if (request_flags & kRequestFailureFlags) {
       update.failed = request.failed = true;
-      update.reason = request.reason = describe_flags(request_flags & kPollFaults);
+      update.reason = request.reason = describe_flags(request_flags & kRequestFailureFlags);
       update.tokens.assign(N, {});
     } else if (request_flags & kFlagMaxLength) {
       update.finished = request.finished = true;
