@@ -47,7 +47,8 @@ struct EngineConfig {
   int eos_id = -1;                 ///< -1: no EOS token
   bool use_graphs = true;          ///< false (or SMCGRAPH_DISABLE_GRAPHS=1): run the same recipe eagerly
   /// How poll() (and a step() with both output buffers busy) waits for a cycle's outputs: true polls the
-  /// event (one busy core, the lowest latency for the next step()); false blocks in cudaEventSynchronize.
+  /// event (one busy core, the lowest latency for the next step()); false waits in cudaEventSynchronize,
+  /// which spins or yields as the device's schedule flags (cudaSetDeviceFlags) say.
   bool spin_wait = true;
 };
 

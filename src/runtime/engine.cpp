@@ -567,10 +567,13 @@ void Engine::step() {
   if (s.in_flight.size() >= 2) {
     std::vector<RequestUpdate> updates = process_cycle(s, s.in_flight.front());
     s.in_flight.pop_front();
-    for (auto& update : updates)
-      s.pending_updates.push_back(std::move(update));
+    if (s.pending_updates.empty())
+      s.pending_updates = std::move(updates);
+    else
+      for (auto& update : updates)
+        s.pending_updates.push_back(std::move(update));
   }
-  InFlightCycle cycle;
+  InFlightCycle& cycle = s.in_flight.next(); // becomes visible only once the launch succeeded
   cycle.parity = parity;
   cycle.bucket_requests = s.bucket_requests[bucket];
   cycle.slot_ids.assign(s.slot_owner.begin(), s.slot_owner.begin() + cycle.bucket_requests);
@@ -586,7 +589,7 @@ void Engine::step() {
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
   }
   s.outputs_ready[parity]->record(s.stream);
-  s.in_flight.push_back(std::move(cycle));
+  s.in_flight.push();
   ++s.cycles_launched;
 }
 

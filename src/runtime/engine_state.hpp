@@ -3,7 +3,6 @@
 
 #include <array>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,6 +42,26 @@ struct InFlightCycle {
   int parity = 0;
   int bucket_requests = 0;
   std::vector<RequestId> slot_ids; ///< [bucket_requests], -1 for empty slots
+};
+
+/// The cycles in flight: at most two (one per output buffer), kept in a fixed ring whose entries are reused,
+/// so step() allocates nothing once the slot-id vectors have grown to the largest bucket.
+class InFlightRing {
+public:
+  size_t size() const { return count_; }
+  bool empty() const { return count_ == 0; }
+  const InFlightCycle& front() const { return cycles_[head_]; }
+  void pop_front() {
+    head_ = (head_ + 1) % 2;
+    --count_;
+  }
+  /// The entry the next push() makes visible (requires size() < 2).
+  InFlightCycle& next() { return cycles_[(head_ + count_) % 2]; }
+  void push() { ++count_; }
+
+private:
+  std::array<InFlightCycle, 2> cycles_;
+  size_t head_ = 0, count_ = 0;
 };
 
 struct Engine::State {
@@ -95,7 +114,7 @@ struct Engine::State {
   std::map<RequestId, HostRequest> requests;
   RequestId next_id = 0;
   int cycles_launched = 0;
-  std::deque<InFlightCycle> in_flight;
+  InFlightRing in_flight;
   std::vector<RequestUpdate> pending_updates; ///< processed by step() when both buffers were busy
 
   SlotPoolView pool_view();

@@ -18,13 +18,8 @@ bool Event::ready() const {
 }
 
 void Event::spin_wait() const {
-  cudaError_t status = cudaEventQuery(event_);
-  if (status == cudaErrorNotReady) {
-    while ((status = cudaEventQuery(event_)) == cudaErrorNotReady) {
-    }
-    cudaGetLastError(); // "not ready" is not an error: clear it so later checks do not see it
+  while (!ready()) {
   }
-  SMCGRAPH_CUDA_CHECK(status);
 }
 
 float Event::elapsed_ms_since(const Event& start) const {
