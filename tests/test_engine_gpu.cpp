@@ -485,12 +485,12 @@ TEST_CASE("bad requests get clear errors") {
 namespace {
 
 /// Wraps a model and breaks it: NaN logits on one row, or a synchronization inside forward().
-class FaultyModel final : public Model {
+class FaultyModel final : public test::ForwardingModel {
 public:
   enum class Fault { kNanRow, kSynchronize };
-  FaultyModel(Model& inner, Fault fault, int row) : inner_(inner), fault_(fault), row_(row) {}
+  FaultyModel(Model& inner, Fault fault, int row) : ForwardingModel(inner), fault_(fault), row_(row) {}
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
-    inner_.forward(args, stream);
+    ForwardingModel::forward(args, stream);
     if (fault_ == Fault::kNanRow && row_ < args.rows) {
       const size_t row_bytes =
           static_cast<size_t>(args.tokens_per_row) * vocab() * dtype_bytes(logits_dtype());
@@ -500,12 +500,8 @@ public:
     if (fault_ == Fault::kSynchronize)
       SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  int vocab() const override { return inner_.vocab(); }
-  DType logits_dtype() const override { return inner_.logits_dtype(); }
-  int max_seq_len() const override { return inner_.max_seq_len(); }
 
 private:
-  Model& inner_;
   Fault fault_;
   int row_;
 };

@@ -48,18 +48,18 @@ ToyModelConfig toy_for(const EngineConfig& c) {
 }
 
 /// A model wrapper that misbehaves on purpose.
-class Saboteur final : public Model {
+class Saboteur final : public test::ForwardingModel {
 public:
   enum class Act { kNone, kAllMasked, kAllocate, kThrow, kBadCopy };
-  Saboteur(Model& inner, Act act, int from_call = 0) : inner_(inner), act_(act), from_call_(from_call) {
+  Saboteur(Model& inner, Act act, int from_call = 0) : ForwardingModel(inner), act_(act), from_call_(from_call) {
     const size_t count = static_cast<size_t>(64) * inner.vocab();
     std::vector<float> masked(count, -std::numeric_limits<float>::infinity());
     masked_ = test::to_device(masked, nullptr);
     SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
   }
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
-    inner_.forward(args, stream);
-    if (calls_++ < from_call_)
+    ForwardingModel::forward(args, stream);
+    if (calls() <= from_call_)
       return;
     switch (act_) {
     case Act::kNone:
@@ -67,7 +67,7 @@ public:
     case Act::kAllMasked: // row 0's logits all -inf (fp32 model), in cycle forwards only (not prefill)
       if (args.rows > 1)
         SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(args.logits, masked_.data(),
-                                            sizeof(float) * args.tokens_per_row * inner_.vocab(),
+                                            sizeof(float) * args.tokens_per_row * vocab(),
                                             cudaMemcpyDeviceToDevice, stream));
       break;
     case Act::kAllocate: {
@@ -84,15 +84,10 @@ public:
       break;
     }
   }
-  int vocab() const override { return inner_.vocab(); }
-  DType logits_dtype() const override { return inner_.logits_dtype(); }
-  int max_seq_len() const override { return inner_.max_seq_len(); }
 
 private:
-  Model& inner_;
   Act act_;
   int from_call_;
-  int calls_ = 0;
   DeviceBuffer<float> masked_;
 };
 
@@ -142,10 +137,7 @@ TEST_CASE("fault: a row reaching max_seq_len finishes its request with that reas
   const RequestResult result = engine.result(id);
   CHECK(result.tokens.size() <= static_cast<size_t>(config.max_seq_len - 10));
   engine.release(id);
-  auto& s = engine.state();
-  engine.synchronize();
-  CHECK(check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream()).free ==
-        config.slot_pool_size - 1);
+  CHECK(check_invariants(engine).free == config.slot_pool_size - 1);
 }
 
 TEST_CASE("fault: a model producing all -inf logits fails the affected request only") {
@@ -268,9 +260,7 @@ TEST_CASE(
         }
       }
     }
-    auto& s = engine.state();
-    engine.synchronize();
-    CHECK(check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream()).ok);
+    CHECK(check_invariants(engine).ok);
     return a_tokens;
   };
   // 59 usable slots; admission takes (4 + 1) + (3 + 1); each cycle 2 rows x 5 per request (N = 2 and

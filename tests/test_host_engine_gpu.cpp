@@ -15,11 +15,14 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"
+#include "support/engine_test_util.hpp"
 #include "support/test_util.hpp"
 
 using namespace smcgraph;
 namespace test = smcgraph::test;
 namespace examples = smcgraph::examples;
+
+using smcgraph::test::check_invariants;
 
 namespace {
 
@@ -112,12 +115,6 @@ void check_finish_rules(const EngineConfig& config, const examples::ServeRequest
     if (result.reason == "max sequence length")
       CHECK((ends_in_eos || count > room - (config.draft_steps + 1)));
   }
-}
-
-SlotCheck check_invariants(Engine& engine) {
-  engine.synchronize();
-  auto& s = engine.state();
-  return check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream());
 }
 
 } // namespace

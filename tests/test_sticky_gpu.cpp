@@ -12,6 +12,7 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/toy_model.hpp"
+#include "support/engine_test_util.hpp"
 #include "support/fault_kernels.hpp"
 
 using namespace smcgraph;
@@ -19,22 +20,17 @@ using namespace smcgraph;
 namespace {
 
 /// Forwards to the inner model, then from call `from_call` on enqueues a trapping kernel.
-class TrappingModel final : public Model {
+class TrappingModel final : public test::ForwardingModel {
 public:
-  TrappingModel(Model& inner, int from_call) : inner_(inner), from_call_(from_call) {}
+  TrappingModel(Model& inner, int from_call) : ForwardingModel(inner), from_call_(from_call) {}
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
-    inner_.forward(args, stream);
-    if (calls_++ >= from_call_)
+    ForwardingModel::forward(args, stream);
+    if (calls() > from_call_)
       test::launch_device_trap(stream);
   }
-  int vocab() const override { return inner_.vocab(); }
-  DType logits_dtype() const override { return inner_.logits_dtype(); }
-  int max_seq_len() const override { return inner_.max_seq_len(); }
 
 private:
-  Model& inner_;
   int from_call_;
-  int calls_ = 0;
 };
 
 bool names_the_fault(const std::string& what) {

@@ -6,6 +6,7 @@
 
 #include "runtime/engine_state.hpp"
 #include "smcgraph/engine.hpp"
+#include "smcgraph/model.hpp"
 #include "smcgraph/slots.hpp"
 #include "support/test_util.hpp"
 
@@ -25,6 +26,25 @@ inline SlotCheck check_invariants(Engine& engine) {
   auto& s = engine.state();
   return check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream());
 }
+
+/// A model that forwards to another; fault-injecting test models derive from it and add their fault after
+/// the inner forward (calls() counts forwards, prefill included).
+class ForwardingModel : public Model {
+public:
+  explicit ForwardingModel(Model& inner) : inner_(inner) {}
+  void forward(const ForwardArgs& args, cudaStream_t stream) override {
+    inner_.forward(args, stream);
+    ++calls_;
+  }
+  int vocab() const override { return inner_.vocab(); }
+  DType logits_dtype() const override { return inner_.logits_dtype(); }
+  int max_seq_len() const override { return inner_.max_seq_len(); }
+  int calls() const { return calls_; }
+
+private:
+  Model& inner_;
+  int calls_ = 0;
+};
 
 /// Steps and polls one cycle (no overlap), returning its updates.
 inline std::vector<RequestUpdate> cycle(Engine& engine) {
