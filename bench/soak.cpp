@@ -62,7 +62,7 @@ struct UsageError {
 struct Options {
   std::vector<CycleKind> kinds = {CycleKind::kSmc, CycleKind::kSpeculative};
   int64_t cycles = 200000; // per kind
-  double seconds = 0; // > 0: run for this long instead of --cycles
+  double seconds = 0;      // > 0: run for this long instead of --cycles
   uint64_t seed = 1;
   int vocab = 512;
   int particles = 4;
@@ -666,8 +666,8 @@ int Soak::run() {
   std::printf("soak on %s: %s N = %d, K = %d, vocab %d, eos %d, %d request slots, %d KV slots, %s\n",
               bench::device_name().c_str(),
               engine_.config().kind == CycleKind::kSmc ? "SMC cycle" : "speculative cycle", o_.particles,
-              o_.steps, o_.vocab, o_.eos, o_.max_requests,
-              o_.pool_slots, engine_.eager() ? "eager cycles" : "graph replay");
+              o_.steps, o_.vocab, o_.eos, o_.max_requests, o_.pool_slots,
+              engine_.eager() ? "eager cycles" : "graph replay");
   std::printf("cycles: %" PRId64 " in %.1f s (%.0f us per cycle, host included)\n", counters_.cycles, seconds,
               counters_.cycles > 0 ? 1e6 * seconds / static_cast<double>(counters_.cycles) : 0.0);
   std::printf("requests: admitted %" PRId64 ", served %" PRId64 ", cancelled %" PRId64

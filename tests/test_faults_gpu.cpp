@@ -51,7 +51,8 @@ ToyModelConfig toy_for(const EngineConfig& c) {
 class Saboteur final : public test::ForwardingModel {
 public:
   enum class Act { kNone, kAllMasked, kAllocate, kThrow, kBadCopy };
-  Saboteur(Model& inner, Act act, int from_call = 0) : ForwardingModel(inner), act_(act), from_call_(from_call) {
+  Saboteur(Model& inner, Act act, int from_call = 0)
+      : ForwardingModel(inner), act_(act), from_call_(from_call) {
     const size_t count = static_cast<size_t>(64) * inner.vocab();
     std::vector<float> masked(count, -std::numeric_limits<float>::infinity());
     masked_ = test::to_device(masked, nullptr);

@@ -125,7 +125,8 @@ TEST_CASE("the host-engine loop serves every request; result() tokens obey the f
   const EngineConfig config = serving_config(8);
   Setup setup(config);
   Engine& engine = *setup.engine;
-  const std::vector<examples::ServeRequest> requests = make_requests(rng, test::sanitizer_scaled(200, 40), config.vocab);
+  const std::vector<examples::ServeRequest> requests =
+      make_requests(rng, test::sanitizer_scaled(200, 40), config.vocab);
 
   std::set<size_t> finished_indices;
   std::map<RequestId, int> updates_seen;
@@ -210,7 +211,8 @@ TEST_CASE("a served request's tokens do not depend on concurrency, compaction or
   INFO("seed " << rng.seed());
   // Overlapped scheduling runs every finishing request for exactly one extra cycle before result() reads it,
   // whatever the batch, so result() is a function of the request alone.
-  const std::vector<examples::ServeRequest> requests = make_requests(rng, test::sanitizer_scaled(48, 12), serving_config(1).vocab);
+  const std::vector<examples::ServeRequest> requests =
+      make_requests(rng, test::sanitizer_scaled(48, 12), serving_config(1).vocab);
   auto serve_with = [&](int max_requests, bool use_graphs, bool compact) {
     Setup setup(serving_config(max_requests, use_graphs));
     examples::ServeOptions options;

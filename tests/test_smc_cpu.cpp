@@ -40,9 +40,9 @@ TEST_CASE("reference weights: alpha * log p - log q per column, logZ, EOS absorb
   reference::accumulate_weights_ref(logq, logp, logz, tokens, bonus, alpha, live, kRows, kSteps, kEos, logw,
                                     finished, first_eos);
   CHECK(logw[0] == 10.0 + (-0.5 - 1.0 - 1.5 + 0.25));
-  CHECK(logw[1] == 20.0 + (-1.5 - 3.0)); // stops at the EOS column (counted), no logZ
-  CHECK(logw[2] == 30.0);                // already finished: frozen
-  CHECK(logw[3] == 40.0);                // not live
+  CHECK(logw[1] == 20.0 + (-1.5 - 3.0));             // stops at the EOS column (counted), no logZ
+  CHECK(logw[2] == 30.0);                            // already finished: frozen
+  CHECK(logw[3] == 40.0);                            // not live
   CHECK(logw[4] == 50.0 + (-0.5 - 1.0 - 1.5 + 0.5)); // a bonus EOS: every column and logZ count
   CHECK(finished == std::vector<uint8_t>{0, 1, 1, 0, 1});
   CHECK(first_eos == std::vector<int32_t>{3, 1, -1, -1, 3});
@@ -50,8 +50,8 @@ TEST_CASE("reference weights: alpha * log p - log q per column, logZ, EOS absorb
   // unfinished.
   std::vector<double> logw_plain = {10.0, 20.0, 30.0, 40.0, 50.0};
   std::vector<uint8_t> finished_plain = {0, 0, 1, 0, 0};
-  reference::accumulate_weights_ref(logq, logp, logz, tokens, {}, alpha, live, kRows, kSteps, kEos, logw_plain,
-                                    finished_plain, first_eos);
+  reference::accumulate_weights_ref(logq, logp, logz, tokens, {}, alpha, live, kRows, kSteps, kEos,
+                                    logw_plain, finished_plain, first_eos);
   CHECK(finished_plain == std::vector<uint8_t>{0, 1, 1, 0, 0});
   CHECK(logw_plain == logw);
 }

@@ -255,8 +255,8 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   std::vector<int32_t> first_eos;
   for (int replay = 0; replay < kReplays; ++replay) {
     for (const WeightCase& c : cases) {
-      reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.bonus, c.alpha, c.live, kRows, kSteps, -1,
-                                        expected, finished, first_eos);
+      reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.bonus, c.alpha, c.live, kRows,
+                                        kSteps, -1, expected, finished, first_eos);
       for (int r = 0; r < kRows; ++r) {
         long double increment = 0.0L;
         for (int k = 0; k < kSteps; ++k) {
@@ -316,9 +316,9 @@ TEST_CASE("EOS freezes weights") {
     std::vector<double> expected = logw;
     std::vector<uint8_t> expected_finished(kRows, 0);
     std::vector<int32_t> expected_first_eos;
-    reference::accumulate_weights_ref(first.logq, first.logp, first.logz, first.tokens, first.bonus, first.alpha,
-                                      first.live, kRows, kSteps, kEos, expected, expected_finished,
-                                      expected_first_eos);
+    reference::accumulate_weights_ref(first.logq, first.logp, first.logz, first.tokens, first.bonus,
+                                      first.alpha, first.live, kRows, kSteps, kEos, expected,
+                                      expected_finished, expected_first_eos);
     for (int r = 0; r < kRows; ++r) {
       CAPTURE(r);
       const int eos_at = r % (kSteps + 2);
@@ -335,8 +335,8 @@ TEST_CASE("EOS freezes weights") {
       std::vector<uint8_t> finished_before = to_host(d_finished.data(), kRows, stream);
       std::vector<uint8_t> expected_finished_next = finished_before;
       std::vector<double> expected_next = before;
-      reference::accumulate_weights_ref(next.logq, next.logp, next.logz, next.tokens, next.bonus, next.alpha, next.live,
-                                        kRows, kSteps, kEos, expected_next, expected_finished_next,
+      reference::accumulate_weights_ref(next.logq, next.logp, next.logz, next.tokens, next.bonus, next.alpha,
+                                        next.live, kRows, kSteps, kEos, expected_next, expected_finished_next,
                                         expected_first_eos);
       run_on_stream(captured, stream, [&](cudaStream_t s) {
         accumulate_weights(device_next.in, d_logw.data(), d_finished.data(), d_first_eos.data(), s);

@@ -88,7 +88,6 @@ TEST_CASE("fault: using the engine after a device fault (sticky CUDA error) give
   // Destroyed with the request live: no throw, no hang.
   CHECK_NOTHROW(engine.reset());
   CHECK_NOTHROW(models.reset());
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   CHECK(seconds < 30.0);
 }

@@ -31,12 +31,12 @@ template <class T> struct StepMatrix {
 
 /// Inputs of accumulate_weights, all device memory except the shape and the EOS id (a config constant).
 struct WeightInputs {
-  StepMatrix<float> draft_logprobs;  ///< log q(d_k) of the draft token at step k
-  StepMatrix<float> target_logprobs; ///< tempered log p(d_k) under T_t
-  const float* logz = nullptr;       ///< [rows] logZ of the bonus position (0 when alpha = 1)
-  StepMatrix<int32_t> draft_tokens;  ///< d_k
-  const float* alpha = nullptr;      ///< [rows] power of the target
-  const uint8_t* live = nullptr;     ///< [rows]
+  StepMatrix<float> draft_logprobs;      ///< log q(d_k) of the draft token at step k
+  StepMatrix<float> target_logprobs;     ///< tempered log p(d_k) under T_t
+  const float* logz = nullptr;           ///< [rows] logZ of the bonus position (0 when alpha = 1)
+  StepMatrix<int32_t> draft_tokens;      ///< d_k
+  const float* alpha = nullptr;          ///< [rows] power of the target
+  const uint8_t* live = nullptr;         ///< [rows]
   const int32_t* bonus_tokens = nullptr; ///< [rows] x_{K+1}; required when eos_id >= 0
   int rows = 0;
   int steps = 0;   ///< K
@@ -47,11 +47,11 @@ struct WeightInputs {
 ///   logw[r] += sum_{k <= e} (alpha * log p_k - log q_k) + (e == K ? logZ : 0)
 /// where e is the first k with d_k == eos_id (K when none). EOS is absorbing: the EOS column itself counts,
 /// columns after it and the bonus' logZ do not, and the row becomes finished. A bonus token equal to eos_id
-/// (when no draft token was EOS) also finishes the row; its logZ counts (the bonus was drawn this cycle). Accumulated in double (no
-/// fused multiply-add, so a host double sum reproduces it bit for bit) so 10^4 cycles do not drift.
-/// first_eos[r] = e (K when none) for rows that count this cycle, -1 for rows that do not (already
-/// finished or not live: every token of their cycle is padding). Finished or non-live rows keep logw and
-/// finished unchanged.
+/// (when no draft token was EOS) also finishes the row; its logZ counts (the bonus was drawn this cycle).
+/// Accumulated in double (no fused multiply-add, so a host double sum reproduces it bit for bit) so 10^4
+/// cycles do not drift. first_eos[r] = e (K when none) for rows that count this cycle, -1 for rows that do
+/// not (already finished or not live: every token of their cycle is padding). Finished or non-live rows keep
+/// logw and finished unchanged.
 void accumulate_weights(const WeightInputs& in, double* logw, uint8_t* finished, int32_t* first_eos,
                         cudaStream_t stream);
 

@@ -39,7 +39,8 @@ enum RowFlag : uint32_t {
 };
 
 /// Faults in a row's data (raised by the samplers and verifiers): the commit stops such a row.
-inline constexpr uint32_t kRowDataFaults = kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange;
+inline constexpr uint32_t kRowDataFaults =
+    kFlagNanLogit | kFlagAllMasked | kFlagBadParameter | kFlagTokenOutOfRange;
 /// Flags that fail a request when any of its rows raised one: data faults and slot exhaustion.
 inline constexpr uint32_t kRequestFailureFlags = kRowDataFaults | kFlagSlotsExhausted;
 

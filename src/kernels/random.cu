@@ -33,7 +33,8 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
   require(draw_counters != nullptr, "advance_draw_counters", "draw_counters", "null",
           "must be a device pointer");
   constexpr int kThreads = 256;
-  AdvanceDrawCountersKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(draw_counters, count);
+  AdvanceDrawCountersKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(
+      draw_counters, count);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
@@ -44,8 +45,8 @@ void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint3
     return;
   require(out != nullptr, "philox_words", "out", "null", "must be a device pointer");
   constexpr int kThreads = 256;
-  PhiloxWordsKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(seed, draw_counter, particle,
-                                                                                stream_word, out, count);
+  PhiloxWordsKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(
+      seed, draw_counter, particle, stream_word, out, count);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

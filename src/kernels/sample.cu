@@ -10,9 +10,7 @@
 
 namespace smcgraph {
 using detail::ceil_div;
-namespace {
-
-} // namespace
+namespace {} // namespace
 
 int sample_splits(int vocab, DType dtype) {
   require(vocab >= 1, "sample_splits", "vocab", vocab, "must be >= 1");

@@ -73,8 +73,8 @@ void accumulate_weights(const WeightInputs& in, double* logw, uint8_t* finished,
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
   require(first_eos != nullptr, kWhere, "first_eos", "null", "must be a device pointer");
   const NvtxRange range("accumulate_weights");
-  AccumulateWeightsKernel<<<static_cast<int>(detail::ceil_div(in.rows, kThreads)), kThreads, 0, stream>>>(in, logw, finished,
-                                                                                        first_eos);
+  AccumulateWeightsKernel<<<static_cast<int>(detail::ceil_div(in.rows, kThreads)), kThreads, 0, stream>>>(
+      in, logw, finished, first_eos);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -13,8 +13,8 @@ namespace smcgraph::reference {
 /// bonus_tokens is the kernel's nullptr (the bonus is not checked for EOS).
 void accumulate_weights_ref(const std::vector<float>& draft_logprobs,
                             const std::vector<float>& target_logprobs, const std::vector<float>& logz,
-                            const std::vector<int32_t>& draft_tokens, const std::vector<int32_t>& bonus_tokens,
-                            const std::vector<float>& alpha,
+                            const std::vector<int32_t>& draft_tokens,
+                            const std::vector<int32_t>& bonus_tokens, const std::vector<float>& alpha,
                             const std::vector<uint8_t>& live, int rows, int steps, int eos_id,
                             std::vector<double>& logw, std::vector<uint8_t>& finished,
                             std::vector<int32_t>& first_eos);

@@ -79,7 +79,9 @@ template <class T> DeviceBuffer<T> to_device(const std::vector<T>& host, cudaStr
 bool under_sanitizer();
 
 /// `full` normally, `reduced` under a sanitizer.
-inline int sanitizer_scaled(int full, int reduced) { return under_sanitizer() ? reduced : full; }
+inline int sanitizer_scaled(int full, int reduced) {
+  return under_sanitizer() ? reduced : full;
+}
 
 inline bool close_to(double a, double b, double tol) {
   if (a == b)
