@@ -2,6 +2,8 @@
 // precision conversions, poisoning, and running the same work eagerly and inside a captured graph.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -72,7 +74,6 @@ template <class T> DeviceBuffer<T> to_device(const std::vector<T>& host, cudaStr
   return buffer;
 }
 
-/// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
 /// True under the compute-sanitizer test setups (they set SMCGRAPH_UNDER_SANITIZER=1). The tools slow kernels
 /// down 10-1000x, so the long engine-level loops run fewer repetitions there (same kernels, same paths), and
 /// device-memory accounting is left to the tool's own leak check.
@@ -83,6 +84,7 @@ inline int sanitizer_scaled(int full, int reduced) {
   return under_sanitizer() ? reduced : full;
 }
 
+/// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
 inline bool close_to(double a, double b, double tol) {
   if (a == b)
     return true; // also equal infinities
