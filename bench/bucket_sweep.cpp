@@ -66,7 +66,10 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
+#include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
 #include "smcgraph/slots.hpp"
+#include "smcgraph/tokenizer.hpp"
 #include "smcgraph/toy_model.hpp"
 
 namespace {
@@ -115,8 +118,23 @@ struct Options {
   bool quick = false, peers = false, plots = false, progress = true;
   std::string python = "python3";
   std::string peer_script, spec_peer_script, plot_script; // empty: found from the cwd or the executable
-  std::string peer_methods; // empty: each peer's default methods; spec_* names go to spec_peer.py
+  std::string peer_methods;  // empty: each peer's default methods; spec_* names go to spec_peer.py
+  std::string model = "toy"; ///< toy: the embedded pair; smollm2: the real pair from its GGUF file
+  std::string model_path;    ///< empty: $SMCGRAPH_MODEL_PATH or .cache/models/ found from the cwd
+  std::string draft_layers = "0-27";
 };
+
+/// A draft and a target (the toy pair or the real one) plus what the roofline needs of the real one.
+struct ModelPair {
+  Model* draft = nullptr;
+  Model* target = nullptr;
+  bool real = false;
+  size_t draft_weight_bytes = 0, target_weight_bytes = 0; ///< bytes one forward must read at least
+  size_t draft_kv_bytes_per_token = 0, target_kv_bytes_per_token = 0;
+};
+
+/// Chat prompts of the real model (their last kPromptLength tokens); empty for the toy pair.
+std::vector<std::vector<int32_t>> g_real_prompts;
 
 // ---------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -228,12 +246,28 @@ std::string json_int_array(const std::vector<int32_t>& values) {
 
 /// Prompt of request slot `q` (timing phases; the peer uses the same rule, see toy_weights_io.md).
 std::vector<int32_t> timing_prompt(int q, int vocab) {
+  if (!g_real_prompts.empty()) // the real model: chat prompts, so acceptance is that of real text
+    return g_real_prompts[static_cast<size_t>(q) % g_real_prompts.size()];
   std::vector<int32_t> prompt(kPromptLength);
   for (int i = 0; i < kPromptLength; ++i)
     prompt[i] =
         static_cast<int32_t>((static_cast<int64_t>(q + 1) * 7919 + static_cast<int64_t>(i) * 104729) % vocab);
   return prompt;
 }
+
+// The real model pair (--model smollm2): its vocabulary and the chat prompts the timing phases use.
+constexpr int kRealVocab = 49152;
+constexpr int kRealGreedyTokens = 64; // greedy tokens per prompt the peers must reproduce
+constexpr const char* kRealPrompts[] = {
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the ocean at night.",
+    "Explain what a GPU is to a ten-year-old.",
+    "List three tips for staying focused while studying.",
+    "How do I make a cup of green tea?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What are the benefits of regular exercise?",
+    "Translate 'good morning, how are you?' into Spanish and French.",
+};
 
 /// Prompt `q` of the peer validation (written to the manifest).
 std::vector<int32_t> validation_prompt(int q, int vocab) {
@@ -519,6 +553,11 @@ struct Row {
   double tokens_per_cycle =
       NAN; ///< tokens committed per row and cycle (K + 1 for smc; accepted + 1 for spec)
   double tokens_per_s = NAN, capture_ms = NAN, engine_mb = NAN, construct_ms = NAN;
+  std::string model_name = "toy";
+  int64_t cycle_bytes = 0;    ///< real model: weights per forward, KV read, logits (the HBM roofline's bytes)
+  double roofline_us = NAN;   ///< cycle_bytes / copy bandwidth
+  double ess_over_n = NAN;    ///< smc: mean ESS / N over the timed cycles' request updates
+  double resample_rate = NAN; ///< smc: fraction of request cycles that resampled
   bool valid = true;
   std::string problem;
 };
@@ -564,7 +603,13 @@ const std::vector<std::string> kCsvColumns = {"device",
                                               "capture_ms",
                                               "engine_construct_ms",
                                               "engine_mb",
-                                              "valid"};
+                                              "valid",
+                                              "model",
+                                              "cycle_bytes",
+                                              "roofline_us",
+                                              "roofline_fraction",
+                                              "ess_over_n",
+                                              "resample_rate"};
 
 std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
   return {env.device,
@@ -602,7 +647,13 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
           format(row.capture_ms, 2),
           format(row.construct_ms, 1),
           format(row.engine_mb, 1),
-          row.valid ? "1" : "0"};
+          row.valid ? "1" : "0",
+          row.model_name,
+          std::to_string(row.cycle_bytes),
+          format(row.roofline_us, 2),
+          format(row.roofline_us / row.graph.median_us, 4),
+          format(row.ess_over_n, 3),
+          format(row.resample_rate, 3)};
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -804,7 +855,7 @@ void write_manifest(const std::string& path, const Options& o, const Environment
 
 /// Runs the engine with a greedy target on the validation prompts and keeps particle 0's tokens, for the peer
 /// to reproduce: smc with a near-zero draft temperature, spec (N = 1) with the greedy draft it is timed with.
-ValidationRecord run_validation_engine(ToyModelPair& models, CycleKind kind, int vocab, DType dtype,
+ValidationRecord run_validation_engine(const ModelPair& models, CycleKind kind, int vocab, DType dtype,
                                        int particles, int steps, const SweepConstants& k) {
   const bool speculative = kind == CycleKind::kSpeculative;
   ValidationRecord record;
@@ -886,7 +937,7 @@ const char* kind_name(CycleKind kind) {
   return kind == CycleKind::kSpeculative ? "spec" : "smc";
 }
 
-void sweep_engine(const SweepContext& ctx, ToyModelPair& models, CycleKind kind, int vocab, DType dtype,
+void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind kind, int vocab, DType dtype,
                   int particles, int steps, std::vector<Row>& results) {
   const Options& o = *ctx.options;
   const Environment& env = *ctx.env;
@@ -962,6 +1013,16 @@ void sweep_engine(const SweepContext& ctx, ToyModelPair& models, CycleKind kind,
     row.graph = time_cycles(engine, o.cycles, updates);
     const int64_t committed = check_updates(updates, static_cast<size_t>(o.cycles) * requests, config, check);
     row.tokens_per_cycle = static_cast<double>(committed) / (static_cast<double>(o.cycles) * rows);
+    if (kind == CycleKind::kSmc && !updates.empty()) { // particle health of the timed cycles
+      double ess = 0.0;
+      int64_t resampled = 0;
+      for (const RequestUpdate& update : updates) {
+        ess += update.ess;
+        resampled += update.resampled ? 1 : 0;
+      }
+      row.ess_over_n = ess / (static_cast<double>(updates.size()) * particles);
+      row.resample_rate = static_cast<double>(resampled) / static_cast<double>(updates.size());
+    }
 
     // 3. Host time per step() (graph replay).
     ctx.progress->update(*ctx.done, std::string(label) + ": host step");
@@ -994,6 +1055,20 @@ void sweep_engine(const SweepContext& ctx, ToyModelPair& models, CycleKind kind,
     row.node_floor_total_us = static_cast<double>(row.nonmodel_nodes) * env.node_floor_us;
     row.floor_us = row.bytes_floor_us + row.node_floor_total_us;
     row.tokens_per_s = requests * row.tokens_per_cycle / (row.graph.median_us * 1e-6);
+    if (models.real) {
+      // HBM roofline of the whole cycle: every forward reads its weights once (draft head + K - 1 steps,
+      // target verify), each row's KV up to its length (mid-phase length), and the logits are written once
+      // and read once by the samplers.
+      row.model_name = "smollm2";
+      const double length = kPromptLength + 1 + (kWarmupCycles + 0.5 * o.cycles) * row.tokens_per_cycle;
+      const double kv = rows * length *
+                        (static_cast<double>(steps) * models.draft_kv_bytes_per_token +
+                         static_cast<double>(models.target_kv_bytes_per_token));
+      row.cycle_bytes = static_cast<int64_t>(static_cast<double>(steps) * models.draft_weight_bytes +
+                                             static_cast<double>(models.target_weight_bytes) + kv +
+                                             2.0 * static_cast<double>(row.logits_bytes));
+      row.roofline_us = static_cast<double>(row.cycle_bytes) / (env.copy_gbs * 1e3);
+    }
     row.valid = check.ok;
     row.problem = check.problem;
     ctx.csv->row(csv_cells(env, row));
@@ -1007,6 +1082,15 @@ void sweep_engine(const SweepContext& ctx, ToyModelPair& models, CycleKind kind,
                 format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
                 format(row.capture_ms, 2).c_str(), static_cast<long long>(row.graph_nodes),
                 row.valid ? "" : "  INVALID");
+    if (models.real)
+      std::printf(
+          "%8s  HBM roofline: %.1f MB a cycle (weights per forward, KV, logits) = %s us at copy bandwidth, "
+          "%s%% of the graph time\n",
+          "", row.cycle_bytes / 1e6, format(row.roofline_us, 1).c_str(),
+          format(100.0 * row.roofline_us / row.graph.median_us, 1).c_str());
+    if (kind == CycleKind::kSmc)
+      std::printf("%8s  particles: mean ESS / N %s, resampled in %s%% of request cycles\n", "",
+                  format(row.ess_over_n, 3).c_str(), format(100.0 * row.resample_rate, 1).c_str());
     if (!row.valid)
       std::printf("  validation failed: %s\n", row.problem.c_str());
     std::fflush(stdout);
@@ -1304,12 +1388,172 @@ void run_plots(const Options& o, const char* argv0, bool run_smc, bool run_spec)
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Peers of the real model (bench/peers/llama_peer.py)
+
+/// smcgraph's greedy continuation of each prompt: the speculative cycle with T_d = T_t = 0, which equals
+/// greedy target-only decoding; the peers reproduce it before they time anything.
+std::vector<std::vector<int32_t>> real_greedy_tokens(const ModelPair& models, const SweepConstants& k,
+                                                     int max_new_tokens, int steps) {
+  EngineConfig config;
+  config.kind = CycleKind::kSpeculative;
+  config.vocab = kRealVocab;
+  config.particles = 1;
+  config.draft_steps = steps;
+  config.max_requests = static_cast<int>(g_real_prompts.size());
+  config.max_seq_len = k.max_seq_len;
+  config.slot_pool_size = k.pool_size;
+  config.draft_temperature = 0.0f;
+  config.target_temperature = 0.0f;
+  Engine engine(config, *models.draft, *models.target);
+  std::vector<RequestId> ids;
+  for (size_t q = 0; q < g_real_prompts.size(); ++q)
+    ids.push_back(engine.admit(g_real_prompts[q], {.seed = q, .max_new_tokens = max_new_tokens}));
+  std::set<RequestId> finished;
+  for (int cycle = 0; finished.size() < ids.size(); ++cycle) {
+    require(cycle < 100000, "bucket_sweep", "greedy validation cycles", cycle, "did not finish");
+    engine.step();
+    std::vector<RequestUpdate> updates;
+    drain(engine, updates);
+    for (const RequestUpdate& update : updates) {
+      if (update.failed)
+        throw Error("bucket_sweep: greedy validation request failed: " + update.reason);
+      if (update.finished)
+        finished.insert(update.id);
+    }
+  }
+  std::vector<std::vector<int32_t>> tokens;
+  for (const RequestId id : ids) {
+    tokens.push_back(engine.result(id).tokens);
+    engine.release(id);
+  }
+  return tokens;
+}
+
+/// Writes the peer manifest, runs bench/peers/llama_peer.py and prints smcgraph's tokens/s over each peer
+/// method's at the same (kind, requests, N, K). Returns false when the peer could not run or was invalid.
+bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
+                    const std::string& model_path, const std::vector<Row>& results,
+                    const std::vector<std::vector<int32_t>>& greedy) {
+  const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
+  const std::string manifest = (csv_dir / "llama_peer.json").string();
+  const std::string peer_csv = (csv_dir / "llama_peer.csv").string();
+  {
+    // The format bench/peers/llama_peer.py reads (its header documents it).
+    std::ostringstream j;
+    const EngineConfig defaults;
+    j << "{\n  \"format\": \"smcgraph-llama-peer-1\",\n  \"device\": " << json_string(env.device) << ",\n";
+    j << "  \"model\": " << json_string(std::filesystem::absolute(model_path).string()) << ",\n";
+    j << "  \"draft_layers\": [" << join_ints(parse_llama_layers(o.draft_layers), ", ") << "],\n";
+    j << "  \"logits_dtype\": \"bf16\",\n  \"eos_id\": -1,\n";
+    j << "  \"prompts\": [";
+    for (size_t p = 0; p < g_real_prompts.size(); ++p)
+      j << (p ? ", " : "") << json_int_array(g_real_prompts[p]);
+    j << "],\n  \"greedy\": {\"new_tokens\": " << kRealGreedyTokens << ", \"tokens\": [";
+    for (size_t p = 0; p < greedy.size(); ++p)
+      j << (p ? ", " : "") << json_int_array(greedy[p]);
+    j << "]},\n";
+    j << "  \"generate\": {\"requests\": [" << join_ints(o.requests, ", ") << "], \"new_tokens\": 128},\n";
+    const bool with_spec = std::find(o.kinds.begin(), o.kinds.end(), "spec") != o.kinds.end();
+    const bool with_smc = std::find(o.kinds.begin(), o.kinds.end(), "smc") != o.kinds.end();
+    if (with_spec)
+      j << "  \"spec\": {\"steps\": [" << join_ints(o.steps, ", ") << "], \"requests\": ["
+        << join_ints(o.requests, ", ") << "], \"cycles\": " << o.cycles
+        << ", \"warmup_cycles\": " << kWarmupCycles << ", \"new_tokens\": 128},\n";
+    if (with_smc)
+      j << "  \"smc\": {\"particles\": [" << join_ints(o.particles, ", ") << "], \"steps\": ["
+        << join_ints(o.steps, ", ") << "], \"requests\": [" << join_ints(o.requests, ", ")
+        << "], \"cycles\": " << o.cycles << ", \"warmup_cycles\": " << kWarmupCycles
+        << ", \"draft_temperature\": " << float_text(defaults.draft_temperature)
+        << ", \"target_temperature\": " << float_text(defaults.target_temperature)
+        << ", \"alpha\": " << float_text(defaults.alpha) << ", \"tau\": " << float_text(defaults.tau)
+        << "},\n";
+    j << "  \"requests\": [" << join_ints(o.requests, ", ") << "]\n}\n";
+    std::ofstream out(manifest, std::ios::trunc);
+    out << j.str();
+    if (!out)
+      throw Error("bucket_sweep: writing " + manifest + " failed");
+  }
+  const std::string script = find_script("", "llama_peer.py", argv0);
+  if (script.empty()) {
+    std::printf("\npeers: skipped (bench/peers/llama_peer.py not found; run from the repository root)\n");
+    return false;
+  }
+  std::error_code ignored;
+  std::filesystem::remove(peer_csv, ignored);
+  std::string command = o.python + " " + shell_quote(script) + " --manifest " + shell_quote(manifest) +
+                        " --csv " + shell_quote(peer_csv);
+  if (!o.peer_methods.empty())
+    command += " --methods " + shell_quote(o.peer_methods);
+  std::printf("\npeers: %s\n", command.c_str());
+  std::fflush(stdout);
+  bool ok = run_command(command) == 0;
+  // The peer CSV: method,kind,requests,particles,steps,tokens_per_s,cycle_us,valid (one row per point).
+  std::ifstream in(peer_csv);
+  std::string line;
+  std::vector<std::string> header;
+  if (!std::getline(in, line)) {
+    std::printf("peers: no rows in %s\n", peer_csv.c_str());
+    return false;
+  }
+  header = split_csv_line(line);
+  const auto column = [&](const char* name) {
+    return static_cast<int>(std::find(header.begin(), header.end(), name) - header.begin());
+  };
+  const int c_method = column("method"), c_requests = column("requests"), c_particles = column("particles"),
+            c_steps = column("steps"), c_tps = column("tokens_per_s"), c_valid = column("valid");
+  std::printf(
+      "\nsmcgraph (graph replay) vs the real-model peers in this run: ratio = smcgraph request tokens/s "
+      "/ peer tokens/s at the same kind, requests, N, K (> 1: smcgraph faster)\n");
+  std::printf("%-26s %5s %8s %2s %2s %12s %12s %8s\n", "peer", "kind", "requests", "N", "K", "peer_tok/s",
+              "smcg_tok/s", "ratio");
+  while (std::getline(in, line)) {
+    const std::vector<std::string> cells = split_csv_line(line);
+    if (cells.size() < header.size())
+      continue;
+    // The method names say the kind: hf_generate_greedy is plain greedy decoding, *smc* the SMC cycle, the
+    // rest (hf_assisted, torch_spec_*) greedy speculative decoding.
+    const std::string& method = cells[c_method];
+    const std::string kind = method.find("smc") != std::string::npos ? "smc"
+                             : method.rfind("hf_generate", 0) == 0   ? "greedy"
+                                                                     : "spec";
+    const int requests = std::atoi(cells[c_requests].c_str());
+    const int particles = std::atoi(cells[c_particles].c_str()), steps = std::atoi(cells[c_steps].c_str());
+    const double peer_tps = std::atof(cells[c_tps].c_str());
+    const bool valid = cells[c_valid] == "1" || cells[c_valid] == "True" || cells[c_valid] == "true";
+    ok = ok && valid;
+    // A greedy (non-speculative) peer compares with smcgraph's spec row (greedy) of the same requests.
+    double smcgraph_tps = NAN;
+    for (const Row& row : results) {
+      const bool same_kind = row.kind == kind || (kind == "greedy" && row.kind == "spec");
+      if (same_kind && row.requests == requests && (kind != "smc" || row.particles == particles) &&
+          (steps == 0 || row.steps == steps) && row.dtype == DType::kBFloat16)
+        smcgraph_tps = std::isnan(smcgraph_tps) ? row.tokens_per_s : std::max(smcgraph_tps, row.tokens_per_s);
+    }
+    std::printf("%-26s %5s %8d %2d %2d %12s %12s %7sx%s\n", cells[c_method].c_str(), kind.c_str(), requests,
+                particles, steps, format(peer_tps, 1).c_str(), format(smcgraph_tps, 0).c_str(),
+                format(smcgraph_tps / peer_tps, 1).c_str(), valid ? "" : "  (peer INVALID)");
+  }
+  std::fflush(stdout);
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------------------
 
 int run(const Options& o, const char* argv0) {
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "bucket_sweep: no CUDA device\n");
     return 2;
   }
+  const bool real = o.model == "smollm2";
+  const std::string model_path =
+      real ? (o.model_path.empty() ? default_llama_model_path() : o.model_path) : "";
+  if (real && !std::filesystem::exists(model_path)) {
+    std::fprintf(stderr, "bucket_sweep: the model file %s is missing (run ./run fetch-model)\n",
+                 model_path.c_str());
+    return 2;
+  }
+  // The real model has one vocabulary; the toy pair sweeps the listed ones.
+  const std::vector<int> vocabs = real ? std::vector<int>{kRealVocab} : o.vocabs;
   Environment env;
   env.device = bench::device_name();
   Stream stream;
@@ -1355,8 +1599,8 @@ int run(const Options& o, const char* argv0) {
   require(pool < (int64_t{1} << 30), "bucket_sweep", "slot pool", pool,
           "too large (fewer cycles or requests)");
   constants.pool_size = static_cast<int>(pool);
-  const int total = static_cast<int>(o.vocabs.size() * o.dtypes.size() * engine_kinds.size() *
-                                     o.steps.size() * o.requests.size());
+  const int total = static_cast<int>(vocabs.size() * o.dtypes.size() * engine_kinds.size() * o.steps.size() *
+                                     o.requests.size());
 
   std::printf("smcgraph bucket_sweep on %s: copy %s GB/s (read + write), node floor %s us\n",
               env.device.c_str(), format(env.copy_gbs, 0).c_str(), format(env.node_floor_us, 3).c_str());
@@ -1396,10 +1640,73 @@ int run(const Options& o, const char* argv0) {
   bool all_valid = true;
   const SweepContext ctx{&o, &env, &constants, &csv, &progress, &done, &seed, &stream};
 
-  for (const int vocab : o.vocabs) {
+  // The real pair: the weights once (shared by draft and target), chat prompts from its own tokenizer.
+  std::unique_ptr<GgufFile> gguf;
+  std::shared_ptr<const LlamaWeights> llama_weights;
+  std::vector<int> draft_layers;
+  std::vector<std::vector<int32_t>> real_greedy; // smcgraph's greedy continuations (peer validation)
+  if (real) {
+    gguf = std::make_unique<GgufFile>(GgufFile::open(model_path));
+    llama_weights = load_llama_weights(*gguf);
+    const Tokenizer tokenizer = Tokenizer::from_gguf(*gguf);
+    for (const char* question : kRealPrompts) {
+      std::vector<int32_t> ids = tokenizer.encode(tokenizer.apply_chat_template({{"user", question}}, true));
+      if (ids.size() > static_cast<size_t>(kPromptLength))
+        ids.erase(ids.begin(), ids.end() - kPromptLength);
+      while (ids.size() <
+             static_cast<size_t>(kPromptLength)) // pad at the front with the system prompt's start
+        ids.insert(ids.begin(), tokenizer.bos_id());
+      g_real_prompts.push_back(std::move(ids));
+    }
+    draft_layers = parse_llama_layers(o.draft_layers);
+    std::printf(
+        "model: SmolLM2-135M-Instruct (%s), %d layers; draft: layers %s (%zu); timing prompts: the last %d "
+        "tokens of %zu chat prompts\n",
+        model_path.c_str(), llama_weights->config().layers, o.draft_layers.c_str(), draft_layers.size(),
+        kPromptLength, g_real_prompts.size());
+  }
+
+  for (const int vocab : vocabs) {
     for (const DType dtype : o.dtypes) {
       if (engine_kinds.empty())
         break;
+      if (real) {
+        LlamaModelOptions options;
+        options.pool_size = constants.pool_size;
+        options.max_seq_len = constants.max_seq_len;
+        options.max_tokens_per_forward =
+            std::max(128, o.requests.back() * std::max(max_particles, kValidationPrompts) * (max_steps + 1));
+        options.logits_dtype = dtype;
+        LlamaModel target(llama_weights, options);
+        options.layers = draft_layers;
+        LlamaModel draft(llama_weights, options);
+        ModelPair pair{&draft, &target, true};
+        pair.draft_weight_bytes = draft.weight_bytes_per_forward();
+        pair.target_weight_bytes = target.weight_bytes_per_forward();
+        const LlamaConfig& c = target.config();
+        const size_t kv_token_layer = size_t{2} * c.kv_heads * c.head_dim * sizeof(uint16_t);
+        pair.draft_kv_bytes_per_token = kv_token_layer * draft.layers().size();
+        pair.target_kv_bytes_per_token = kv_token_layer * target.layers().size();
+        if (o.peers && real_greedy.empty()) {
+          progress.update(done, "greedy validation tokens for the peers");
+          real_greedy = real_greedy_tokens(pair, constants, kRealGreedyTokens, o.steps.front());
+        }
+        for (const auto& [kind, particles] : engine_kinds) {
+          for (const int steps : o.steps) {
+            const int done_before = done;
+            try {
+              sweep_engine(ctx, pair, kind, vocab, dtype, particles, steps, results);
+            } catch (const Error& error) {
+              all_valid = false;
+              std::printf("\n%s V = %d %s N = %d K = %d: FAILED: %s\n", kind_name(kind), vocab,
+                          dtype_name(dtype), particles, steps, error.what());
+              std::fflush(stdout);
+              done = done_before + static_cast<int>(o.requests.size());
+            }
+          }
+        }
+        continue;
+      }
       ToyModelConfig toy;
       toy.vocab = vocab;
       toy.hidden = kToyHidden;
@@ -1408,7 +1715,8 @@ int run(const Options& o, const char* argv0) {
       toy.max_seq_len = constants.max_seq_len;
       toy.logits_dtype = dtype;
       toy.weight_seed = kWeightSeed;
-      ToyModelPair models = ToyModel::pair(toy, o.draft_perturbation);
+      ToyModelPair toy_models = ToyModel::pair(toy, o.draft_perturbation);
+      const ModelPair models{toy_models.draft.get(), toy_models.target.get()};
 
       if (run_smc || run_spec) { // the peers' inputs: weights once per vocabulary, validation tokens per
                                  // (kind, V, dtype)
@@ -1477,9 +1785,11 @@ int run(const Options& o, const char* argv0) {
   std::fflush(stdout);
 
   bool peers_ok = true;
-  if (o.peers && (run_smc || run_spec))
+  if (real && o.peers)
+    peers_ok = run_real_peers(o, argv0, env, model_path, results, real_greedy);
+  else if (o.peers && (run_smc || run_spec))
     peers_ok = run_peers(o, argv0, env, manifest, results, run_smc, run_spec);
-  if (o.plots && !results.empty())
+  if (o.plots && !results.empty() && !real)
     run_plots(o, argv0, run_smc, run_spec);
   if (!all_valid)
     return 1;
@@ -1522,6 +1832,14 @@ void print_usage() {
       "  --spec-peer-script PATH  default: bench/peers/spec_peer.py found likewise\n"
       "  --plot-script PATH    default: bench/peers/plot_sweep.py found likewise\n"
       "  --no-progress         no progress line on stderr\n"
+      "  --model toy|smollm2   the embedded toy pair (default) or the real pair SmolLM2-135M-Instruct from "
+      "its\n"
+      "                        GGUF file (./run fetch-model); smollm2 has one vocabulary (49152), adds the "
+      "HBM\n"
+      "                        roofline columns and runs bench/peers/llama_peer.py with --peers\n"
+      "  --model-path PATH     the GGUF file (default $SMCGRAPH_MODEL_PATH or .cache/models/ found from the "
+      "cwd)\n"
+      "  --draft-layers LIST   layers of the real model's draft, e.g. 0-27 (default) or 0-11,18-29\n"
       "exit status: 0; 1 a validation failed; 2 could not run; 3 a peer failed or reported invalid "
       "results\n");
 }
@@ -1627,6 +1945,18 @@ int parse_options(int argc, char** argv, Options& o) {
       o.draft_perturbation = std::strtof(text, &end);
       if (*end != '\0' || !(o.draft_perturbation >= 0.0f) || !std::isfinite(o.draft_perturbation))
         return bad(text);
+    } else if (arg == "--model") {
+      const char* text = value();
+      if (!text)
+        return 2;
+      o.model = text;
+      if (o.model != "toy" && o.model != "smollm2")
+        return bad(text);
+    } else if (arg == "--model-path" || arg == "--draft-layers") {
+      const char* text = value();
+      if (!text)
+        return 2;
+      (arg == "--model-path" ? o.model_path : o.draft_layers) = text;
     } else if (arg == "--csv" || arg == "--python" || arg == "--peer-script" || arg == "--spec-peer-script" ||
                arg == "--plot-script" || arg == "--peer-methods") {
       const char* text = value();

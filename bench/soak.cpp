@@ -16,10 +16,12 @@
 // any other failure is a violation.
 //
 // Checks: every update and every result() (tokens in range, EOS only last, max_new_tokens respected, cycle
-// indices consecutive); check_slot_invariants_device every --check-every cycles; device memory in use
-// (cudaMemGetInfo) and host RSS (/proc/self/statm) sampled every --check-every cycles must stay flat after
-// warm-up (the first 10 %): any device drift or RSS growth over 5 % fails; at the end every request is
-// released and the free stack must hold every slot (free == pool_size - 1).
+// indices consecutive); check_slot_invariants_device every --check-every cycles; smcgraph's own device
+// memory (smcgraph::device_memory_stats: live allocations and bytes of the library's buffers) and host RSS
+// (/proc/self/statm) sampled every --check-every cycles must stay flat after warm-up (the first 10 %): any
+// change in smcgraph's device bytes or allocations, or RSS growth over 5 %, fails. The device's memory in use
+// (cudaMemGetInfo) is reported beside it but not judged: other processes on the GPU move it. At the end every
+// request is released and the free stack must hold every slot (free == pool_size - 1).
 //
 // Exit status: 0 pass, 1 a violation (listed on stderr and in the report), 2 a bad flag, 77 no CUDA device.
 #include <algorithm>
@@ -46,7 +48,10 @@
 #include "runtime/engine_state.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
 #include "smcgraph/slots.hpp"
+#include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
 #include "smcgraph/toy_model.hpp"
 
 using namespace smcgraph;
@@ -80,6 +85,9 @@ struct Options {
   double rss_growth_limit = 0.05;
   bool eager = false;
   bool quiet = false;
+  std::string model = "toy"; ///< toy, or smollm2: the real pair from its GGUF file (vocab 49152, EOS 2)
+  std::string model_path;    ///< empty: default_llama_model_path()
+  std::string draft_layers = "0-27";
 };
 
 void print_help() {
@@ -115,6 +123,13 @@ void print_help() {
       "  --check-every N       cycles between invariant checks and memory samples (default %" PRId64 ")\n"
       "  --rss-growth X        allowed host RSS growth after warm-up, fraction (default %g)\n"
       "  --eager               run cycles kernel by kernel instead of replaying graphs\n"
+      "  --model toy|smollm2   the embedded toy pair (default) or the real pair SmolLM2-135M-Instruct from "
+      "its\n"
+      "                        GGUF file (./run fetch-model; sets --vocab 49152 --eos 2; give --vocab/--eos "
+      "after it\n"
+      "                        only to override)\n"
+      "  --model-path PATH     the GGUF file (default $SMCGRAPH_MODEL_PATH or .cache/models/)\n"
+      "  --draft-layers LIST   the real draft's layers (default 0-27)\n"
       "  --quiet               no progress line\n"
       "  --help                this text\n"
       "\n"
@@ -197,6 +212,18 @@ Options parse_options(int argc, char** argv) {
       o.seed = parse_integer<uint64_t>(flag, value(), 0, std::numeric_limits<uint64_t>::max());
     } else if (flag == "--vocab") {
       o.vocab = parse_integer(flag, value(), 2, 1 << 24);
+    } else if (flag == "--model") {
+      o.model = value();
+      if (o.model != "toy" && o.model != "smollm2")
+        throw bad_value(flag, o.model, "must be toy or smollm2");
+      if (o.model == "smollm2") { // the real vocabulary and EOS (<|im_end|>)
+        o.vocab = 49152;
+        o.eos = 2;
+      }
+    } else if (flag == "--model-path") {
+      o.model_path = value();
+    } else if (flag == "--draft-layers") {
+      o.draft_layers = value();
     } else if (flag == "--eos") {
       o.eos = parse_integer(flag, value(), -1, kIntMax);
     } else if (flag == "--particles") {
@@ -251,8 +278,11 @@ Options parse_options(int argc, char** argv) {
 
 struct MemorySample {
   int64_t cycle = 0;
-  size_t device_used_bytes = 0; ///< total - free from cudaMemGetInfo
-  size_t rss_bytes = 0;         ///< resident set from /proc/self/statm
+  int64_t library_bytes = 0;       ///< smcgraph's live device bytes (device_memory_stats), judged
+  int64_t library_allocations = 0; ///< smcgraph's live device allocations, judged
+  int64_t pinned_bytes = 0;        ///< smcgraph's live pinned host bytes, judged
+  size_t device_used_bytes = 0;    ///< total - free from cudaMemGetInfo (the whole device; reported only)
+  size_t rss_bytes = 0;            ///< resident set from /proc/self/statm
 };
 
 size_t resident_bytes() {
@@ -265,7 +295,13 @@ size_t resident_bytes() {
 MemorySample sample_memory(int64_t cycle) {
   size_t free_bytes = 0, total_bytes = 0;
   SMCGRAPH_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  return {cycle, total_bytes - free_bytes, resident_bytes()};
+  const smcgraph::DeviceMemoryStats library = smcgraph::device_memory_stats();
+  return {cycle,
+          library.device_bytes,
+          library.device_allocations,
+          library.pinned_bytes,
+          total_bytes - free_bytes,
+          resident_bytes()};
 }
 
 double mib(double bytes) {
@@ -640,23 +676,37 @@ int Soak::run() {
     violation("requests left after releasing everything", std::to_string(engine_.live_requests()));
   const MemorySample end_sample = sample_memory(counters_.cycles);
 
-  // Memory drift after warm-up.
-  int64_t device_drift_max = 0; // largest |used - baseline| over the samples after the baseline
+  // Memory drift after warm-up: smcgraph's own allocations are judged (exactly flat), the device's memory in
+  // use is only reported (another process on the same GPU changes it).
+  int64_t library_drift_max = 0;    // largest |library bytes - baseline| over the samples after the baseline
+  int64_t allocation_drift_max = 0; // the same for the number of live allocations
+  int64_t pinned_drift_max = 0;
+  int64_t device_drift_max = 0; // cudaMemGetInfo, informational
   double rss_growth_max = 0.0;
+  auto keep_largest = [](int64_t& largest, int64_t value) {
+    if (std::llabs(value) > std::llabs(largest))
+      largest = value;
+  };
   const bool have_baseline = baseline_index_ >= 0 && baseline_index_ + 1 < static_cast<int>(samples_.size());
   if (have_baseline) {
     const MemorySample& base = samples_[baseline_index_];
     for (size_t i = baseline_index_ + 1; i < samples_.size(); ++i) {
-      const int64_t drift =
-          static_cast<int64_t>(samples_[i].device_used_bytes) - static_cast<int64_t>(base.device_used_bytes);
-      if (std::llabs(drift) > std::llabs(device_drift_max))
-        device_drift_max = drift;
+      keep_largest(library_drift_max, samples_[i].library_bytes - base.library_bytes);
+      keep_largest(allocation_drift_max, samples_[i].library_allocations - base.library_allocations);
+      keep_largest(pinned_drift_max, samples_[i].pinned_bytes - base.pinned_bytes);
+      keep_largest(device_drift_max, static_cast<int64_t>(samples_[i].device_used_bytes) -
+                                         static_cast<int64_t>(base.device_used_bytes));
       rss_growth_max =
           std::max(rss_growth_max,
                    static_cast<double>(samples_[i].rss_bytes) / static_cast<double>(base.rss_bytes) - 1.0);
     }
-    if (device_drift_max != 0)
-      violation("device memory drift after warm-up", std::to_string(device_drift_max) + " bytes");
+    if (library_drift_max != 0 || allocation_drift_max != 0)
+      violation("smcgraph device memory drift after warm-up", std::to_string(library_drift_max) + " bytes, " +
+                                                                  std::to_string(allocation_drift_max) +
+                                                                  " allocations");
+    if (pinned_drift_max != 0)
+      violation("smcgraph pinned host memory drift after warm-up",
+                std::to_string(pinned_drift_max) + " bytes");
     if (rss_growth_max > o_.rss_growth_limit)
       violation("host RSS growth after warm-up", std::to_string(100 * rss_growth_max) + " %");
   }
@@ -688,19 +738,24 @@ int Soak::run() {
               final_check.free == o_.pool_slots - 1 ? "ok" : "NO");
   if (have_baseline) {
     const MemorySample& base = samples_[baseline_index_];
-    std::printf("memory after warm-up (baseline at cycle %" PRId64
-                ", %zu later samples): device in use %.1f MiB, "
-                "drift %+" PRId64 " bytes; host RSS %.1f MiB, largest growth %+.2f %% (limit %.1f %%)\n",
-                base.cycle, samples_.size() - baseline_index_ - 1, mib(base.device_used_bytes),
-                device_drift_max, mib(base.rss_bytes), 100 * rss_growth_max, 100 * o_.rss_growth_limit);
+    std::printf("memory after warm-up (baseline at cycle %" PRId64 ", %zu later samples): smcgraph device "
+                "%.1f MiB in %" PRId64 " allocations, drift %+" PRId64 " bytes / %+" PRId64
+                " allocations; smcgraph pinned drift %+" PRId64 " bytes; host RSS %.1f MiB, largest growth "
+                "%+.2f %% (limit %.1f %%); device in use (cudaMemGetInfo, all processes, not judged) %.1f "
+                "MiB, drift %+" PRId64 " bytes\n",
+                base.cycle, samples_.size() - baseline_index_ - 1,
+                mib(static_cast<double>(base.library_bytes)), base.library_allocations, library_drift_max,
+                allocation_drift_max, pinned_drift_max, mib(base.rss_bytes), 100 * rss_growth_max,
+                100 * o_.rss_growth_limit, mib(base.device_used_bytes), device_drift_max);
   } else {
     std::printf(
         "memory: too few samples after warm-up to judge drift (raise --cycles or lower --check-every)\n");
   }
-  std::printf(
-      "memory start to end (warm-up included): device in use %.1f -> %.1f MiB, host RSS %.1f -> %.1f MiB\n",
-      mib(start_sample.device_used_bytes), mib(end_sample.device_used_bytes), mib(start_sample.rss_bytes),
-      mib(end_sample.rss_bytes));
+  std::printf("memory start to end (warm-up included): smcgraph device %.1f -> %.1f MiB, device in use "
+              "%.1f -> %.1f MiB, host RSS %.1f -> %.1f MiB\n",
+              mib(static_cast<double>(start_sample.library_bytes)),
+              mib(static_cast<double>(end_sample.library_bytes)), mib(start_sample.device_used_bytes),
+              mib(end_sample.device_used_bytes), mib(start_sample.rss_bytes), mib(end_sample.rss_bytes));
   if (counters_.pressure_phases > 0 && counters_.faults == 0)
     std::printf("warning: no request failed with 'slot pool exhausted': the fault path was not exercised "
                 "(lower --pool-slots)\n");
@@ -714,6 +769,8 @@ int Soak::run() {
   return 1;
 }
 
+int run_engine(const Options& o, CycleKind kind);
+
 int run_kind(Options o, CycleKind kind) {
   if (kind == CycleKind::kSpeculative) {
     // One row per request instead of N: half the pool keeps the pressure phases able to run it dry (16
@@ -721,16 +778,24 @@ int run_kind(Options o, CycleKind kind) {
     o.particles = 1;
     o.pool_slots = std::max(o.pool_slots / 2, 2 * o.max_seq_len);
   }
-  ToyModelConfig toy;
-  toy.vocab = o.vocab;
-  toy.hidden = o.hidden;
-  toy.window = 16;
-  toy.pool_size = o.pool_slots;
-  toy.max_seq_len = o.max_seq_len;
-  toy.logits_dtype = DType::kFloat32;
-  toy.weight_seed = o.seed;
-  ToyModelPair models = ToyModel::pair(toy, 0.3f);
+  const smcgraph::DeviceMemoryStats before = smcgraph::device_memory_stats();
+  const int status = run_engine(o, kind);
+  // Everything the engine and the models allocated is returned once they are gone.
+  const smcgraph::DeviceMemoryStats after = smcgraph::device_memory_stats();
+  if (after.device_allocations != before.device_allocations || after.device_bytes != before.device_bytes ||
+      after.pinned_allocations != before.pinned_allocations || after.pinned_bytes != before.pinned_bytes) {
+    std::printf("result: FAIL, smcgraph memory not returned after destroying the engine and models: device "
+                "%+" PRId64 " bytes in %+" PRId64 " allocations, pinned %+" PRId64 " bytes\n",
+                after.device_bytes - before.device_bytes,
+                after.device_allocations - before.device_allocations,
+                after.pinned_bytes - before.pinned_bytes);
+    return 1;
+  }
+  std::printf("smcgraph memory after destroying the engine and models: every allocation returned\n");
+  return status;
+}
 
+int run_engine(const Options& o, CycleKind kind) {
   EngineConfig config;
   config.vocab = o.vocab;
   config.particles = o.particles;
@@ -741,6 +806,32 @@ int run_kind(Options o, CycleKind kind) {
   config.eos_id = o.eos;
   config.use_graphs = !o.eager;
   config.kind = kind;
+  if (o.model == "smollm2") {
+    // The real pair: weights loaded once, shared by the draft (a layer subset) and the target.
+    const std::string path = o.model_path.empty() ? default_llama_model_path() : o.model_path;
+    auto weights = load_llama_weights(GgufFile::open(path));
+    LlamaModelOptions options;
+    options.pool_size = o.pool_slots;
+    options.max_seq_len = o.max_seq_len;
+    options.max_tokens_per_forward = std::max(128, o.max_requests * o.particles * (o.steps + 1));
+    options.logits_dtype = DType::kBFloat16;
+    LlamaModel target(weights, options);
+    options.layers = parse_llama_layers(o.draft_layers);
+    LlamaModel draft(weights, options);
+    std::printf("model: SmolLM2-135M-Instruct (%s), draft layers %s\n", path.c_str(), o.draft_layers.c_str());
+    Engine engine(config, draft, target);
+    Soak soak(o, engine);
+    return soak.run();
+  }
+  ToyModelConfig toy;
+  toy.vocab = o.vocab;
+  toy.hidden = o.hidden;
+  toy.window = 16;
+  toy.pool_size = o.pool_slots;
+  toy.max_seq_len = o.max_seq_len;
+  toy.logits_dtype = DType::kFloat32;
+  toy.weight_seed = o.seed;
+  ToyModelPair models = ToyModel::pair(toy, 0.3f);
   Engine engine(config, *models.draft, *models.target);
   Soak soak(o, engine);
   return soak.run();

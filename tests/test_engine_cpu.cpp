@@ -1,19 +1,41 @@
-// Engine configuration validation: every field out of range gets an error naming it and its value. No GPU
-// needed (validation runs before any CUDA call).
+// Engine configuration and request validation: every field out of range gets an error naming it and its
+// value; the message of a sticky CUDA error. No GPU needed (validation runs before any CUDA call). With
+// SMCGRAPH_FUZZ_CORPUS_DIR set, the inputs below are also written as seeds of the engine fuzz target
+// (tests/fuzz/fuzz_engine_validation.cpp).
 #include <doctest/doctest.h>
 
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
+#include "fuzz/engine_fuzz_input.hpp"
+#include "runtime/engine_validation.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
+#include "support/fuzz_corpus.hpp"
 
 namespace {
+
+/// Writes the input as a seed of the engine fuzz target (when SMCGRAPH_FUZZ_CORPUS_DIR is set).
+void seed(const smcgraph::EngineConfig& config, const smcgraph::RequestParams& params = {},
+          const std::vector<int32_t>& prompt = {1, 2, 3}) {
+  static int count = 0;
+  const std::vector<uint8_t> bytes = smcgraph::fuzz::encode_engine_fuzz_input(config, params, prompt);
+  CHECK(smcgraph::test::write_fuzz_seed("engine", "seed-" + std::to_string(count++), bytes));
+  // The layout round-trips (the fuzz target reads what the seeds say).
+  const smcgraph::fuzz::EngineFuzzInput decoded =
+      smcgraph::fuzz::decode_engine_fuzz_input(bytes.data(), bytes.size());
+  CHECK(decoded.config.vocab == config.vocab);
+  CHECK(decoded.config.buckets == config.buckets);
+  CHECK(decoded.params.max_new_tokens == params.max_new_tokens);
+  CHECK(decoded.prompt == prompt);
+}
 
 std::string error_of(const std::function<void(smcgraph::EngineConfig&)>& edit) {
   smcgraph::EngineConfig config;
   edit(config);
+  seed(config);
   try {
     smcgraph::validate_engine_config(config);
   } catch (const smcgraph::Error& e) {
@@ -46,6 +68,9 @@ TEST_CASE("every EngineConfig field out of range is named with its value") {
   CHECK(contains(error_of([](auto& c) { c.max_requests = 0; }), "max_requests = 0"));
   CHECK(contains(error_of([](auto& c) { c.max_seq_len = 5; }), "max_seq_len = 5"));
   CHECK(contains(error_of([](auto& c) { c.slot_pool_size = 1; }), "slot_pool_size = 1"));
+  CHECK(contains(error_of([](auto& c) { c.slot_pool_size = (1 << 30) + 1; }),
+                 "slot_pool_size = 1073741825: must be <= 2^30"));
+  CHECK(error_of([](auto& c) { c.slot_pool_size = 1 << 30; }) == "no error");
   CHECK(contains(error_of([](auto& c) { c.draft_temperature = 0.0f; }), "draft_temperature = 0"));
   CHECK(contains(error_of([nan](auto& c) { c.draft_temperature = nan; }), "draft_temperature = nan"));
   CHECK(contains(error_of([](auto& c) { c.target_temperature = -1.0f; }), "target_temperature = -1"));
@@ -71,4 +96,93 @@ TEST_CASE("buckets must be sorted, unique, in range and end at max_requests") {
   CHECK(contains(error_of([](auto& c) { c.buckets = {0, 16}; }), "buckets = [0, 16]: every bucket"));
   CHECK(contains(error_of([](auto& c) { c.buckets = {1, 32}; }), "buckets = [1, 32]: every bucket"));
   CHECK(contains(error_of([](auto& c) { c.buckets = {1, 8}; }), "buckets = [1, 8]: the largest bucket"));
+}
+
+namespace {
+
+/// The error validate_request throws for `prompt` / `params` on `config`, or "no error".
+std::string request_error(const smcgraph::EngineConfig& config, const std::vector<int32_t>& prompt,
+                          const smcgraph::RequestParams& params = {}) {
+  seed(config, params, prompt);
+  try {
+    smcgraph::detail::validate_request(config, prompt, params);
+  } catch (const smcgraph::Error& e) {
+    CHECK(e.cuda_error() == cudaSuccess);
+    return e.what();
+  }
+  return "no error";
+}
+
+} // namespace
+
+TEST_CASE("admit() arguments: the prompt and every RequestParams field out of range are named") {
+  smcgraph::EngineConfig config;
+  config.vocab = 512;
+  config.max_seq_len = 256;
+  config.draft_steps = 4;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  CHECK(request_error(config, {1, 2, 3}) == "no error");
+  CHECK(request_error(config, std::vector<int32_t>(250, 7)) == "no error"); // 250 + 4 + 2 = max_seq_len
+  CHECK(contains(request_error(config, {}), "Engine::admit: prompt.size() = 0: the prompt must hold"));
+  CHECK(contains(request_error(config, std::vector<int32_t>(251, 7)), "prompt.size() = 251: leaves no room"));
+  CHECK(contains(request_error(config, {1, 2, 512}),
+                 "Engine::admit: prompt[2] = 512: token out of range [0, 512)"));
+  CHECK(contains(request_error(config, {1, -4}), "prompt[1] = -4"));
+  CHECK(contains(request_error(config, {1}, {.alpha = 0.0f}), "params.alpha = 0"));
+  CHECK(contains(request_error(config, {1}, {.alpha = inf}), "params.alpha = inf"));
+  CHECK(contains(request_error(config, {1}, {.draft_temperature = 0.0f}), "params.draft_temperature = 0"));
+  CHECK(contains(request_error(config, {1}, {.draft_temperature = nan}), "params.draft_temperature = nan"));
+  CHECK(contains(request_error(config, {1}, {.target_temperature = inf}), "params.target_temperature = inf"));
+  CHECK(contains(request_error(config, {1}, {.tau = 1.5f}), "params.tau = 1.5"));
+  CHECK(contains(request_error(config, {1}, {.tau = nan}), "params.tau = nan"));
+  CHECK(contains(request_error(config, {1}, {.max_new_tokens = 0}), "params.max_new_tokens = 0"));
+  CHECK(contains(request_error(config, {1}, {.max_new_tokens = -2}), "params.max_new_tokens = -2"));
+  // Negative values take the engine's defaults; 0 is a legal target temperature (greedy) and, for
+  // speculative decoding only, a legal draft temperature.
+  CHECK(request_error(config, {1}, {.target_temperature = 0.0f}) == "no error");
+  const auto resolved =
+      smcgraph::detail::validate_request(config, {1}, {.draft_temperature = -1.0f, .tau = 0.25f});
+  CHECK(resolved.draft_temperature == config.draft_temperature);
+  CHECK(resolved.target_temperature == config.target_temperature);
+  CHECK(resolved.alpha == config.alpha);
+  CHECK(resolved.tau == 0.25f);
+  smcgraph::EngineConfig speculative = config;
+  speculative.kind = smcgraph::CycleKind::kSpeculative;
+  speculative.particles = 1;
+  CHECK(request_error(speculative, {1}, {.draft_temperature = 0.0f}) == "no error");
+}
+
+TEST_CASE("a sticky CUDA error's message says the context is unusable; other errors do not") {
+  using smcgraph::kStickyErrorNote;
+  for (const cudaError_t error :
+       {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction,
+        cudaErrorMisalignedAddress, cudaErrorHardwareStackError, cudaErrorAssert, cudaErrorInvalidPc,
+        cudaErrorInvalidAddressSpace, cudaErrorLaunchTimeout}) {
+    CAPTURE(static_cast<int>(error));
+    CHECK(smcgraph::is_sticky(error));
+    const std::string message =
+        smcgraph::detail::cuda_error_message(error, "cudaStreamSynchronize(stream)", "engine.cpp", 42);
+    CHECK(contains(message, "CUDA error in cudaStreamSynchronize(stream) at engine.cpp:42: "));
+    CHECK(contains(message, cudaGetErrorName(error)));
+    CHECK(contains(message, std::string("; ") + kStickyErrorNote));
+  }
+  for (const cudaError_t error : {cudaErrorMemoryAllocation, cudaErrorInvalidValue, cudaErrorNotReady,
+                                  cudaErrorStreamCaptureUnsupported, cudaErrorInvalidResourceHandle}) {
+    CAPTURE(static_cast<int>(error));
+    CHECK_FALSE(smcgraph::is_sticky(error));
+    const std::string message = smcgraph::detail::cuda_error_message(error, "cudaMalloc(&p, n)", "x.cpp", 1);
+    CHECK(contains(message, cudaGetErrorName(error)));
+    CHECK(message.find(kStickyErrorNote) == std::string::npos);
+  }
+  CHECK_FALSE(smcgraph::is_sticky(cudaSuccess));
+  // The check macro throws the same message, carrying the error code.
+  try {
+    SMCGRAPH_CUDA_CHECK(cudaErrorIllegalAddress);
+    FAIL("SMCGRAPH_CUDA_CHECK did not throw");
+  } catch (const smcgraph::Error& e) {
+    CHECK(e.cuda_error() == cudaErrorIllegalAddress);
+    CHECK(contains(e.what(), "CUDA error in cudaErrorIllegalAddress at "));
+    CHECK(contains(e.what(), kStickyErrorNote));
+  }
 }

@@ -83,7 +83,8 @@ TEST_CASE("cycles commit K + 1 valid tokens per particle and keep the slot invar
   for (int i = 0; i < 5; ++i)
     ids.push_back(engine.admit(random_prompt(rng, config.vocab, 20), {.seed = rng.bits()}));
   REQUIRE(check_invariants(engine).ok);
-  for (int c = 0; c < 30; ++c) {
+  const int cycles = test::sanitizer_scaled(30, 30, 10);
+  for (int c = 0; c < cycles; ++c) {
     const auto updates = cycle(engine);
     REQUIRE(updates.size() == ids.size());
     for (const auto& update : updates) {
@@ -104,7 +105,7 @@ TEST_CASE("cycles commit K + 1 valid tokens per particle and keep the slot invar
   for (RequestId id : ids) {
     const RequestResult result = engine.result(id);
     CHECK(result.particles.size() == static_cast<size_t>(config.particles));
-    CHECK(result.tokens.size() == static_cast<size_t>(1 + 30 * (config.draft_steps + 1)));
+    CHECK(result.tokens.size() == static_cast<size_t>(1 + cycles * (config.draft_steps + 1)));
     CHECK(std::isfinite(result.log_evidence));
     engine.release(id);
   }
@@ -117,6 +118,7 @@ TEST_CASE("cycles commit K + 1 valid tokens per particle and keep the slot invar
 TEST_CASE("graph and eager runs are bit-identical over 50 cycles") {
   test::Rng rng;
   INFO("seed " << rng.seed());
+  const int cycles = test::sanitizer_scaled(50, 20, 8); // fewer under a sanitizer
   for (int particles : {1, 4, 8}) {
     EngineConfig graphed = small_config(particles, 4, 8);
     EngineConfig eager = graphed;
@@ -128,7 +130,7 @@ TEST_CASE("graph and eager runs are bit-identical over 50 cycles") {
       const uint64_t seed = rng.bits();
       CHECK(a.engine->admit(prompt, {.seed = seed}) == b.engine->admit(prompt, {.seed = seed}));
     }
-    for (int c = 0; c < 50; ++c) {
+    for (int c = 0; c < cycles; ++c) {
       const auto ua = cycle(*a.engine), ub = cycle(*b.engine);
       CAPTURE(c);
       REQUIRE(same_updates(ua, ub));
@@ -155,6 +157,7 @@ TEST_CASE("a request's tokens do not depend on its bucket, its neighbours or its
   INFO("seed " << rng.seed());
   const auto prompt = random_prompt(rng, 512, 24);
   const uint64_t seed = rng.bits();
+  const int cycles = test::sanitizer_scaled(20, 20, 6);
   auto run = [&](int max_requests, int others_before, int others_after) {
     Setup setup(small_config(4, 4, max_requests));
     Engine& engine = *setup.engine;
@@ -164,7 +167,7 @@ TEST_CASE("a request's tokens do not depend on its bucket, its neighbours or its
     for (int i = 0; i < others_after; ++i)
       engine.admit(random_prompt(rng, 512, 24), {.seed = rng.bits()});
     std::vector<std::vector<std::vector<int32_t>>> history;
-    for (int c = 0; c < 20; ++c)
+    for (int c = 0; c < cycles; ++c)
       for (const auto& update : cycle(engine))
         if (update.id == id)
           history.push_back(update.tokens);
@@ -175,7 +178,7 @@ TEST_CASE("a request's tokens do not depend on its bucket, its neighbours or its
   const auto alone = run(1, 0, 0);
   const auto crowd = run(32, 17, 14);
   const auto other_slot = run(8, 5, 0);
-  CHECK(alone.first.size() == 20);
+  CHECK(alone.first.size() == static_cast<size_t>(cycles));
   CHECK(alone == crowd);
   CHECK(alone == other_slot);
 }
@@ -191,7 +194,8 @@ TEST_CASE("KV invariant: draft KV for positions < L - 2, target KV for positions
   for (int i = 0; i < 3; ++i)
     engine.admit(random_prompt(rng, config.vocab, 40), {.seed = rng.bits()});
   auto& s = engine.state();
-  for (int c = 0; c < 12; ++c) {
+  const int cycles = test::sanitizer_scaled(12, 12, 5);
+  for (int c = 0; c < cycles; ++c) {
     cycle(engine);
     engine.synchronize();
     const auto tokens = test::to_host(s.token_table.data(), s.token_table.size(), engine.stream());
@@ -248,7 +252,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
   config.target_temperature = 2.0f; // flat: many distinct tokens
   config.draft_temperature = 2.0f;
   config.tau = 0.0f; // never resample: particles evolve independently, so an EOS changes only its own row
-  constexpr int kCycles = 16;
+  const int cycles = test::sanitizer_scaled(16, 16, 8); // 8 under racecheck: EOS hits still come early
   const int N = config.particles, K = config.draft_steps;
   std::vector<std::vector<int32_t>> prompts;
   std::vector<uint64_t> seeds;
@@ -258,7 +262,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
   }
 
   // Probe run without an EOS id: every row's tokens, cycle by cycle.
-  CycleTokens probe(kCycles);
+  CycleTokens probe(cycles);
   std::vector<int32_t> first_tokens;
   {
     Setup setup(config);
@@ -266,7 +270,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
     const std::vector<RequestId> ids = admit_eos_requests(engine, prompts, seeds);
     for (RequestId id : {ids[0], ids[2]})
       first_tokens.push_back(engine.result(id).tokens.at(0));
-    for (int c = 0; c < kCycles; ++c) {
+    for (int c = 0; c < cycles; ++c) {
       probe[c].resize(engine.state().rows);
       for (const RequestUpdate& update : cycle(engine)) {
         REQUIRE_FALSE(update.finished);
@@ -298,7 +302,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
       bool bonus_first = false;
       size_t hit_rows = 0;
       for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < kCycles && at[r].cycle < 0; ++c)
+        for (int c = 0; c < cycles && at[r].cycle < 0; ++c)
           for (size_t k = 0; k < probe[c][r].size() && at[r].cycle < 0; ++k)
             if (probe[c][r][k] == t) {
               at[r] = {c, static_cast<int>(k)};
@@ -326,7 +330,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
   const std::vector<RequestId> ids = admit_eos_requests(engine, prompts, seeds);
   std::vector<double> frozen(s.rows, std::nan(""));
   int frozen_checks = 0;
-  for (int c = 0; c < kCycles && engine.live_requests() > 0; ++c) {
+  for (int c = 0; c < cycles && engine.live_requests() > 0; ++c) {
     CAPTURE(c);
     const std::vector<RequestUpdate> updates = cycle(engine);
     engine.synchronize();
@@ -427,7 +431,7 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
   Engine& engine = *setup.engine;
   std::set<RequestId> live;
   int finished = 0, admitted = 0, compactions = 0;
-  const int cycles = test::sanitizer_scaled(2000, 200);
+  const int cycles = test::sanitizer_scaled(2000, 200, 60);
   for (int c = 0; c < cycles; ++c) {
     if (live.size() < 8 && rng.uniform() < 0.3) {
       live.insert(
@@ -459,7 +463,7 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
   CHECK(check.ok);
   CHECK(check.free == config.slot_pool_size - 1);
   MESSAGE("admitted " << admitted << ", finished " << finished << ", compactions " << compactions);
-  CHECK(finished > test::sanitizer_scaled(50, 5));
+  CHECK(finished > test::sanitizer_scaled(50, 5, 2));
 }
 
 TEST_CASE("bad requests get clear errors") {

@@ -126,7 +126,7 @@ TEST_CASE("the host-engine loop serves every request; result() tokens obey the f
   Setup setup(config);
   Engine& engine = *setup.engine;
   const std::vector<examples::ServeRequest> requests =
-      make_requests(rng, test::sanitizer_scaled(200, 40), config.vocab);
+      make_requests(rng, test::sanitizer_scaled(200, 40, 20), config.vocab);
 
   std::set<size_t> finished_indices;
   std::map<RequestId, int> updates_seen;
@@ -179,7 +179,7 @@ TEST_CASE("the host-engine loop serves every request; result() tokens obey the f
   CHECK(stats.generated_tokens >= static_cast<int64_t>(requests.size()));
   CHECK(stats.particle_tokens > 0);
   CHECK(stats.tokens_per_s > 0.0);
-  CHECK(stats.cycles >= test::sanitizer_scaled(100, 20)); // a few hundred cycles of serving
+  CHECK(stats.cycles >= test::sanitizer_scaled(100, 20, 10)); // a few hundred cycles of serving
   CHECK(stats.request_cycles >= stats.cycles);
   CHECK((stats.mean_occupancy > 0.0 && stats.mean_occupancy <= 1.0));
   CHECK((stats.resample_rate >= 0.0 && stats.resample_rate <= 1.0));
@@ -212,7 +212,7 @@ TEST_CASE("a served request's tokens do not depend on concurrency, compaction or
   // Overlapped scheduling runs every finishing request for exactly one extra cycle before result() reads it,
   // whatever the batch, so result() is a function of the request alone.
   const std::vector<examples::ServeRequest> requests =
-      make_requests(rng, test::sanitizer_scaled(48, 12), serving_config(1).vocab);
+      make_requests(rng, test::sanitizer_scaled(48, 12, 8), serving_config(1).vocab);
   auto serve_with = [&](int max_requests, bool use_graphs, bool compact) {
     Setup setup(serving_config(max_requests, use_graphs));
     examples::ServeOptions options;

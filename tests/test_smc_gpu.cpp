@@ -219,7 +219,9 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   Stream stream;
-  constexpr int kRows = 256, kSteps = 8, kSets = 16, kReplays = 625; // 16 x 625 = 10^4 cycles
+  // 16 x 625 = 10^4 cycles; 1,600 under a sanitizer, 400 under racecheck (the same graph, replayed less).
+  constexpr int kRows = 256, kSteps = 8, kSets = 16;
+  const int replays = test::sanitizer_scaled(625, 100, 25);
   std::vector<WeightCase> cases;
   std::vector<std::unique_ptr<DeviceWeightCase>> device_cases;
   for (int set = 0; set < kSets; ++set) {
@@ -234,7 +236,7 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   d_logw.fill_bytes(0, stream);
   d_finished.fill_bytes(0, stream);
 
-  // One graph of 16 cycles, replayed 625 times: also checks that replays read fresh device values.
+  // One graph of 16 cycles, replayed `replays` times: also checks that replays read fresh device values.
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -243,7 +245,7 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   }
   SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < kReplays; ++replay)
+  for (int replay = 0; replay < replays; ++replay)
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
   const std::vector<double> actual = to_host(d_logw.data(), kRows, stream);
   SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -253,7 +255,7 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   std::vector<long double> exact(kRows, 0.0L);
   std::vector<uint8_t> finished(kRows, 0);
   std::vector<int32_t> first_eos;
-  for (int replay = 0; replay < kReplays; ++replay) {
+  for (int replay = 0; replay < replays; ++replay) {
     for (const WeightCase& c : cases) {
       reference::accumulate_weights_ref(c.logq, c.logp, c.logz, c.tokens, c.bonus, c.alpha, c.live, kRows,
                                         kSteps, -1, expected, finished, first_eos);
@@ -496,7 +498,10 @@ TEST_CASE("resampling ancestor counts match the normalised weights (chi-square, 
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   Stream stream;
-  constexpr int kN = 8, kRequests = 16384, kLaunches = 4;
+  // 65,536 resampling trials; 16,384 under a sanitizer, 4,096 under racecheck (cells of expected count < 5
+  // pooled, so the chi-square approximation holds at every count).
+  constexpr int kN = 8, kLaunches = 4;
+  const int requests = test::sanitizer_scaled(16384, 4096, 1024);
   // Small weights first so that several particles compete for each systematic position.
   std::vector<double> logw(kN);
   for (int i = 0; i < kN; ++i)
@@ -515,15 +520,15 @@ TEST_CASE("resampling ancestor counts match the normalised weights (chi-square, 
 
   ResampleCase c;
   c.n = kN;
-  c.requests = kRequests;
-  c.live.assign(kRequests * kN, 1);
-  c.tau.assign(kRequests, 2.0f); // ESS <= N < 2N: always resample
-  c.seeds.assign(kRequests, rng.bits());
-  c.evidence.assign(kRequests, 0.0);
-  c.logw.resize(kRequests * kN);
-  for (int q = 0; q < kRequests; ++q)
+  c.requests = requests;
+  c.live.assign(requests * kN, 1);
+  c.tau.assign(requests, 2.0f); // ESS <= N < 2N: always resample
+  c.seeds.assign(requests, rng.bits());
+  c.evidence.assign(requests, 0.0);
+  c.logw.resize(requests * kN);
+  for (int q = 0; q < requests; ++q)
     std::copy(logw.begin(), logw.end(), c.logw.begin() + q * kN);
-  c.counters.resize(kRequests);
+  c.counters.resize(requests);
 
   // Position m = (u + m) / N goes to particle i with probability N * |[C_i, C_{i+1}) & [m / N, (m + 1) / N)|:
   // one categorical variable per position and trial, independent across trials (fresh draw counters).
@@ -531,10 +536,10 @@ TEST_CASE("resampling ancestor counts match the normalised weights (chi-square, 
   std::vector<double> total_offspring(kN, 0.0);
   const uint32_t first_counter = static_cast<uint32_t>(rng.bits());
   for (int launch = 0; launch < kLaunches; ++launch) {
-    for (int q = 0; q < kRequests; ++q)
-      c.counters[q] = first_counter + static_cast<uint32_t>(launch * kRequests + q);
+    for (int q = 0; q < requests; ++q)
+      c.counters[q] = first_counter + static_cast<uint32_t>(launch * requests + q);
     const ResampleRun run = run_resample(c, launch % 2 == 1, stream);
-    for (int q = 0; q < kRequests; ++q) {
+    for (int q = 0; q < requests; ++q) {
       REQUIRE(run.resampled[q] == 1);
       const std::vector<int> counts = offspring_counts(run.ancestor, q, kN);
       int position = 0;
@@ -548,7 +553,7 @@ TEST_CASE("resampling ancestor counts match the normalised weights (chi-square, 
       REQUIRE(position == kN);
     }
   }
-  const double trials = static_cast<double>(kRequests) * kLaunches;
+  const double trials = static_cast<double>(requests) * kLaunches;
   for (int m = 0; m < kN; ++m) {
     CAPTURE(m);
     double statistic = 0.0, other_expected = 0.0, other_observed = 0.0;

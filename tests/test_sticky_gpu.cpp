@@ -1,7 +1,8 @@
 // The fault catalogue's last entry, in a process of its own: a model whose forward faults on the device
 // (a trap: a sticky error that poisons the CUDA context for the rest of the process). The engine reports
-// it as a clear smcgraph::Error from every later call instead of hanging or exiting, and it can be
-// destroyed with the request still live.
+// it as a clear smcgraph::Error from every later call instead of hanging or exiting, each message saying
+// that the context is unusable (destroy the engine, restart the process), and it can be destroyed with the
+// request still live.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -39,6 +40,11 @@ bool names_the_fault(const std::string& what) {
           what.find("unspecified launch failure") != std::string::npos);
 }
 
+/// The error says what a host engine must do now (README, "After a sticky CUDA error").
+bool says_restart(const std::string& what) {
+  return what.find(kStickyErrorNote) != std::string::npos;
+}
+
 } // namespace
 
 TEST_CASE("fault: using the engine after a device fault (sticky CUDA error) gives clear errors, no hang") {
@@ -64,26 +70,33 @@ TEST_CASE("fault: using the engine after a device fault (sticky CUDA error) give
   // The cycle's verify forward traps. The launch itself may succeed; the fault surfaces at the latest when
   // the cycle's outputs are read.
   std::string first_error;
+  cudaError_t first_code = cudaSuccess;
   try {
     engine->step();
     engine->poll();
   } catch (const Error& e) {
     first_error = e.what();
+    first_code = e.cuda_error();
   }
   MESSAGE("first error: " << first_error);
   CHECK(names_the_fault(first_error));
-  // Every later use reports the same fault as an Error.
-  CHECK_THROWS_AS(engine->step(), Error);
-  CHECK_THROWS_AS(engine->poll(), Error);
-  CHECK_THROWS_AS(engine->result(id), Error);
-  CHECK_THROWS_AS(engine->synchronize(), Error);
-  CHECK_THROWS_AS(engine->admit({4, 5}), Error);
+  CHECK(is_sticky(first_code));
+  CHECK(says_restart(first_error));
+  // Every later use reports the same fault as an Error that says the context is gone.
+  const auto sticky = doctest::Contains(kStickyErrorNote);
+  CHECK_THROWS_WITH_AS(engine->step(), sticky, Error);
+  CHECK_THROWS_WITH_AS(engine->poll(), sticky, Error);
+  CHECK_THROWS_WITH_AS(engine->result(id), sticky, Error);
+  CHECK_THROWS_WITH_AS(engine->synchronize(), sticky, Error);
+  CHECK_THROWS_WITH_AS(engine->admit({4, 5}), sticky, Error);
   // A new engine on the poisoned context fails to construct with the same clear error.
   try {
     Engine another(config, *models->draft, *models->target);
     FAIL("an engine was constructed on a faulted context");
   } catch (const Error& e) {
     CHECK(names_the_fault(e.what()));
+    CHECK(says_restart(e.what()));
+    CHECK(is_sticky(e.cuda_error()));
   }
   // Destroyed with the request live: no throw, no hang.
   CHECK_NOTHROW(engine.reset());

@@ -24,8 +24,26 @@ private:
   cudaError_t cuda_error_;
 };
 
+/// True for the CUDA errors that poison the context for the rest of the process (a device fault:
+/// cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+/// cudaErrorHardwareStackError, cudaErrorAssert, cudaErrorInvalidPc, ...): every later CUDA call in this
+/// process returns the same error. Nothing in the process can recover: destroy every smcgraph object and
+/// exit (or restart) the process; only a fresh process can use (or reset) the device again.
+///
+///   catch (const smcgraph::Error& e) { if (smcgraph::is_sticky(e.cuda_error())) shut_down_and_restart(); }
+bool is_sticky(cudaError_t error) noexcept;
+
+/// What smcgraph appends to the message of every error whose CUDA error is sticky (is_sticky()).
+inline constexpr const char* kStickyErrorNote =
+    "the CUDA context is unusable after this error: destroy the engine and restart the process";
+
 namespace detail {
 [[noreturn]] void throw_cuda_error(cudaError_t error, const char* call, const char* file, int line);
+/// The message throw_cuda_error() throws: "CUDA error in <call> at <file>:<line>: <name> (<text>)", plus
+/// "; " + kStickyErrorNote when the error is sticky.
+std::string cuda_error_message(cudaError_t error, const char* call, const char* file, int line);
+/// "<name> (<text>)" of a CUDA error, plus "; " + kStickyErrorNote when it is sticky.
+std::string describe_cuda_error(cudaError_t error);
 
 template <class T> std::string to_text(const T& value) {
   std::ostringstream out;

@@ -12,7 +12,36 @@
 
 namespace smcgraph {
 
-/// Owns `count` elements of device memory (cudaMalloc). Move-only.
+/// What smcgraph itself holds right now. Counted: every DeviceBuffer and PinnedBuffer, hence every library
+/// object built from them (engine tables, SampleWorkspace, PackWorkspace, model weights and KV, a cuBLAS
+/// workspace allocated as a DeviceBuffer). Not counted: memory CUDA allocates on its own (graph instantiation
+/// and upload, module loading, library handles' internals), a caller's own cudaMalloc, other processes. Leak
+/// and drift checks read this instead of cudaMemGetInfo, which sees the whole device.
+///
+///   const smcgraph::DeviceMemoryStats before = smcgraph::device_memory_stats();
+///   { smcgraph::Engine engine(config, draft, target); /* ... */ }
+///   assert(smcgraph::device_memory_stats().device_bytes == before.device_bytes);
+struct DeviceMemoryStats {
+  int64_t device_allocations = 0; ///< live cudaMalloc allocations made by smcgraph (all devices)
+  int64_t device_bytes = 0;       ///< their bytes
+  int64_t peak_device_bytes = 0;  ///< the largest device_bytes seen since the process started
+  int64_t pinned_allocations = 0; ///< live cudaMallocHost allocations made by smcgraph
+  int64_t pinned_bytes = 0;       ///< their bytes
+};
+/// A snapshot of the process-wide counters (atomic reads; thread-safe, no CUDA call, no synchronization).
+DeviceMemoryStats device_memory_stats();
+
+namespace detail {
+/// cudaMalloc / cudaMallocHost that update the counters above; they throw smcgraph::Error on failure and
+/// count only allocations that succeeded. The frees never throw (destructors call them) and take the size
+/// the allocation was made with.
+void* device_allocate(size_t bytes);
+void device_free(void* d_pointer, size_t bytes) noexcept;
+void* pinned_allocate(size_t bytes);
+void pinned_free(void* h_pointer, size_t bytes) noexcept;
+} // namespace detail
+
+/// Owns `count` elements of device memory (cudaMalloc, counted in device_memory_stats()). Move-only.
 ///
 ///   smcgraph::DeviceBuffer<float> d_logits(rows * vocab);
 ///   d_logits.copy_from_host(h_logits.data(), h_logits.size(), stream);
@@ -21,7 +50,7 @@ public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t count) : count_(count) {
     if (count_ > 0)
-      SMCGRAPH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
+      data_ = static_cast<T*>(detail::device_allocate(count_ * sizeof(T)));
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -32,7 +61,7 @@ public:
   }
   ~DeviceBuffer() {
     if (data_)
-      cudaFree(data_); // a destructor must not throw; a failed free leaves nothing to recover
+      detail::device_free(data_, bytes()); // never throws: a failed free leaves nothing to recover
   }
 
   T* data() noexcept { return data_; }
@@ -64,13 +93,14 @@ private:
   size_t count_ = 0;
 };
 
-/// Owns `count` elements of page-locked host memory (cudaMallocHost), for asynchronous copies.
+/// Owns `count` elements of page-locked host memory (cudaMallocHost, counted in device_memory_stats()), for
+/// asynchronous copies.
 template <class T> class PinnedBuffer {
 public:
   PinnedBuffer() = default;
   explicit PinnedBuffer(size_t count) : count_(count) {
     if (count_ > 0)
-      SMCGRAPH_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count_ * sizeof(T)));
+      data_ = static_cast<T*>(detail::pinned_allocate(count_ * sizeof(T)));
   }
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
@@ -81,7 +111,7 @@ public:
   }
   ~PinnedBuffer() {
     if (data_)
-      cudaFreeHost(data_);
+      detail::pinned_free(data_, count_ * sizeof(T));
   }
   T* data() noexcept { return data_; }
   const T* data() const noexcept { return data_; }

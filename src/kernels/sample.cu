@@ -26,16 +26,23 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab) : max_jobs_(max_jo
   require(partials < (int64_t{1} << 31), "SampleWorkspace", "max_jobs * splits", partials, "must be < 2^31");
   max_partials_ = static_cast<int>(partials);
   bytes_ = static_cast<size_t>(max_partials_) * sizeof(detail::PassState) + static_cast<size_t>(max_jobs) * 4;
-  SMCGRAPH_CUDA_CHECK(cudaMalloc(&partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState)));
-  SMCGRAPH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&tickets_), static_cast<size_t>(max_jobs) * 4));
-  SMCGRAPH_CUDA_CHECK(cudaMemset(tickets_, 0, static_cast<size_t>(max_jobs) * 4));
+  // Counted in device_memory_stats() like every DeviceBuffer.
+  partials_ = detail::device_allocate(static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
+  try {
+    tickets_ = static_cast<uint32_t*>(detail::device_allocate(static_cast<size_t>(max_jobs) * 4));
+    SMCGRAPH_CUDA_CHECK(cudaMemset(tickets_, 0, static_cast<size_t>(max_jobs) * 4));
+  } catch (...) { // the destructor will not run: free what the constructor took
+    detail::device_free(partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
+    detail::device_free(tickets_, static_cast<size_t>(max_jobs) * 4);
+    throw;
+  }
 }
 
 SampleWorkspace::~SampleWorkspace() {
-  if (partials_)
-    cudaFree(partials_);
-  if (tickets_)
-    cudaFree(tickets_);
+  detail::device_free(partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
+  detail::device_free(tickets_, static_cast<size_t>(max_jobs_) * 4);
+  partials_ = nullptr;
+  tickets_ = nullptr;
 }
 
 SampleWorkspace::SampleWorkspace(SampleWorkspace&& other) noexcept {

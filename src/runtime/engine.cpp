@@ -1,5 +1,6 @@
 // Engine: buffers for the largest bucket, capture per bucket, admission, replay, asynchronous outputs.
 #include "runtime/engine_state.hpp"
+#include "runtime/engine_validation.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -23,54 +24,7 @@ bool env_flag(const char* name) {
   return value != nullptr && std::strcmp(value, "1") == 0;
 }
 
-constexpr const char* kConfig = "EngineConfig";
-
-std::string join(const std::vector<int>& values) {
-  std::string text = "[";
-  for (size_t i = 0; i < values.size(); ++i)
-    text += (i ? ", " : "") + std::to_string(values[i]);
-  return text + "]";
-}
-
 } // namespace
-
-void validate_engine_config(const EngineConfig& c) {
-  require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind",
-          static_cast<int>(c.kind), "must be kSmc or kSpeculative");
-  require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
-  require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
-          "must be 1 for the speculative cycle");
-  require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps,
-          "must be in [1, 64]");
-  require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
-          "must be in [1, 256]");
-  require(c.max_requests >= 1 && c.max_requests <= 4096, kConfig, "max_requests", c.max_requests,
-          "must be in [1, 4096]");
-  require(c.max_seq_len >= c.draft_steps + 4, kConfig, "max_seq_len", c.max_seq_len,
-          "must be >= draft_steps + 4 (a 1-token prompt, its first token and one cycle)");
-  require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size,
-          "must be >= 2 (slot 0 is the dummy)");
-  // SMC weights divide by q, so its draft must sample (T_d > 0); speculative decoding may draft greedily.
-  if (c.kind == CycleKind::kSmc)
-    require(std::isfinite(c.draft_temperature) && c.draft_temperature > 0.0f, kConfig, "draft_temperature",
-            c.draft_temperature, "must be finite and > 0 for the SMC cycle");
-  else
-    require(std::isfinite(c.draft_temperature) && c.draft_temperature >= 0.0f, kConfig, "draft_temperature",
-            c.draft_temperature, "must be finite and >= 0");
-  require(std::isfinite(c.target_temperature) && c.target_temperature >= 0.0f, kConfig, "target_temperature",
-          c.target_temperature, "must be finite and >= 0");
-  require(std::isfinite(c.alpha) && c.alpha > 0.0f, kConfig, "alpha", c.alpha, "must be finite and > 0");
-  require(c.tau >= 0.0f && c.tau <= 1.0f, kConfig, "tau", c.tau, "must be in [0, 1]");
-  require(c.eos_id >= -1 && c.eos_id < c.vocab, kConfig, "eos_id", c.eos_id, "must be -1 or in [0, vocab)");
-  for (size_t i = 0; i < c.buckets.size(); ++i) {
-    require(c.buckets[i] >= 1 && c.buckets[i] <= c.max_requests, kConfig, "buckets", join(c.buckets),
-            "every bucket must be in [1, max_requests]");
-    require(i == 0 || c.buckets[i] > c.buckets[i - 1], kConfig, "buckets", join(c.buckets),
-            "must be strictly increasing (sorted, no duplicates)");
-  }
-  require(c.buckets.empty() || c.buckets.back() == c.max_requests, kConfig, "buckets", join(c.buckets),
-          "the largest bucket must equal max_requests");
-}
 
 SlotPoolView Engine::State::pool_view() {
   return {free_stack.data(), free_count.data(), refcount.data(), config.slot_pool_size, freed_bitmap.data()};
@@ -135,7 +89,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   allocate(s.free_stack, config.slot_pool_size, total);
   allocate(s.free_count, 1, total);
   allocate(s.refcount, config.slot_pool_size, total);
-  allocate(s.freed_bitmap, (config.slot_pool_size + 31) / 32, total);
+  allocate(s.freed_bitmap, (static_cast<size_t>(config.slot_pool_size) + 31) / 32, total);
   allocate(s.slot_table, static_cast<size_t>(R) * S, total);
   allocate(s.token_table, static_cast<size_t>(R) * S, total);
   allocate(s.seq_len, R, total);
@@ -325,7 +279,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
       cudaGraph_t graph = nullptr;
       const cudaError_t end = cudaStreamEndCapture(s.stream, &graph);
       if (failure.empty() && end != cudaSuccess) {
-        failure = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+        failure = std::string("cudaStreamEndCapture: ") + detail::describe_cuda_error(end);
         failure_code = end;
       }
       if (!failure.empty()) {
@@ -374,31 +328,8 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   State& s = *state_;
   const EngineConfig& c = s.config;
   constexpr const char* kWhere = "Engine::admit";
-  require(!prompt.empty(), kWhere, "prompt.size()", 0, "the prompt must hold at least one token");
+  const detail::ResolvedRequestParams resolved = detail::validate_request(c, prompt, params);
   const int P = static_cast<int>(prompt.size());
-  require(P + 1 + (s.steps + 1) <= c.max_seq_len, kWhere, "prompt.size()", P,
-          "leaves no room for one cycle (needs prompt + draft_steps + 2 <= max_seq_len)");
-  for (int i = 0; i < P; ++i) {
-    if (prompt[i] < 0 || prompt[i] >= c.vocab)
-      throw Error(std::string(kWhere) + ": prompt[" + std::to_string(i) + "] = " + std::to_string(prompt[i]) +
-                  ": token out of range [0, " + std::to_string(c.vocab) + ")");
-  }
-  const float draft_temperature =
-      params.draft_temperature < 0.0f ? c.draft_temperature : params.draft_temperature;
-  const float target_temperature =
-      params.target_temperature < 0.0f ? c.target_temperature : params.target_temperature;
-  const float alpha = params.alpha < 0.0f ? c.alpha : params.alpha;
-  const float tau = params.tau < 0.0f ? c.tau : params.tau;
-  require(std::isfinite(draft_temperature) &&
-              (draft_temperature > 0.0f || (draft_temperature == 0.0f && c.kind == CycleKind::kSpeculative)),
-          kWhere, "params.draft_temperature", draft_temperature,
-          "must be finite and > 0 (>= 0 for speculative)");
-  require(std::isfinite(target_temperature), kWhere, "params.target_temperature", target_temperature,
-          "must be finite and >= 0");
-  require(std::isfinite(alpha) && alpha > 0.0f, kWhere, "params.alpha", alpha, "must be finite and > 0");
-  require(tau <= 1.0f, kWhere, "params.tau", tau, "must be in [0, 1]");
-  require(params.max_new_tokens == -1 || params.max_new_tokens >= 1, kWhere, "params.max_new_tokens",
-          params.max_new_tokens, "must be -1 or >= 1");
   const auto free_slot = std::find(s.slot_owner.begin(), s.slot_owner.end(), RequestId{-1});
   require(free_slot != s.slot_owner.end(), kWhere, "live requests", c.max_requests,
           "every request slot is taken (max_requests); release or wait");
@@ -408,7 +339,8 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   cudaStream_t stream = s.stream;
 
   NvtxRange range("smc.admit");
-  detail::init_request_rows(b, q, params.seed, draft_temperature, target_temperature, alpha, tau, stream);
+  detail::init_request_rows(b, q, params.seed, resolved.draft_temperature, resolved.target_temperature,
+                            resolved.alpha, resolved.tau, stream);
   int32_t* token_row = s.token_table.data() + static_cast<size_t>(row) * c.max_seq_len;
   SMCGRAPH_CUDA_CHECK(
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));

@@ -1,11 +1,74 @@
 #include "smcgraph/runtime.hpp"
 
 #include <array>
+#include <atomic>
 #include <mutex>
 
 #include <nvtx3/nvToolsExt.h>
 
 namespace smcgraph {
+
+namespace {
+
+// Process-wide counters of smcgraph's own allocations (relaxed: each is a statistic read on its own; the
+// checks that compare them run after the allocating objects are gone, on the same thread).
+std::atomic<int64_t> g_device_allocations{0};
+std::atomic<int64_t> g_device_bytes{0};
+std::atomic<int64_t> g_peak_device_bytes{0};
+std::atomic<int64_t> g_pinned_allocations{0};
+std::atomic<int64_t> g_pinned_bytes{0};
+
+} // namespace
+
+DeviceMemoryStats device_memory_stats() {
+  DeviceMemoryStats stats;
+  stats.device_allocations = g_device_allocations.load(std::memory_order_relaxed);
+  stats.device_bytes = g_device_bytes.load(std::memory_order_relaxed);
+  stats.peak_device_bytes = g_peak_device_bytes.load(std::memory_order_relaxed);
+  stats.pinned_allocations = g_pinned_allocations.load(std::memory_order_relaxed);
+  stats.pinned_bytes = g_pinned_bytes.load(std::memory_order_relaxed);
+  return stats;
+}
+
+namespace detail {
+
+void* device_allocate(size_t bytes) {
+  void* d_pointer = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaMalloc(&d_pointer, bytes));
+  g_device_allocations.fetch_add(1, std::memory_order_relaxed);
+  const int64_t now = g_device_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed) +
+                      static_cast<int64_t>(bytes);
+  int64_t peak = g_peak_device_bytes.load(std::memory_order_relaxed);
+  while (now > peak && !g_peak_device_bytes.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+  return d_pointer;
+}
+
+void device_free(void* d_pointer, size_t bytes) noexcept {
+  if (d_pointer == nullptr)
+    return;
+  cudaFree(d_pointer); // a failed free (a poisoned context) leaves nothing to recover; the buffer is gone
+  g_device_allocations.fetch_sub(1, std::memory_order_relaxed);
+  g_device_bytes.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+void* pinned_allocate(size_t bytes) {
+  void* h_pointer = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaMallocHost(&h_pointer, bytes));
+  g_pinned_allocations.fetch_add(1, std::memory_order_relaxed);
+  g_pinned_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  return h_pointer;
+}
+
+void pinned_free(void* h_pointer, size_t bytes) noexcept {
+  if (h_pointer == nullptr)
+    return;
+  cudaFreeHost(h_pointer);
+  g_pinned_allocations.fetch_sub(1, std::memory_order_relaxed);
+  g_pinned_bytes.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+} // namespace detail
 
 bool Event::ready() const {
   const cudaError_t status = cudaEventQuery(event_);

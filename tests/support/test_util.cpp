@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,9 +20,24 @@ static uint64_t fresh_seed() {
 
 Rng::Rng() : seed_(fresh_seed()), engine_(seed_) {}
 
+SanitizerTool sanitizer_tool() {
+  const char* tool = std::getenv("SMCGRAPH_SANITIZER_TOOL");
+  if (tool == nullptr || tool[0] == '\0') {
+    const char* flag = std::getenv("SMCGRAPH_UNDER_SANITIZER");
+    return flag != nullptr && std::strcmp(flag, "1") == 0 ? SanitizerTool::kOther : SanitizerTool::kNone;
+  }
+  const std::pair<const char*, SanitizerTool> names[] = {{"memcheck", SanitizerTool::kMemcheck},
+                                                         {"racecheck", SanitizerTool::kRacecheck},
+                                                         {"synccheck", SanitizerTool::kSynccheck},
+                                                         {"initcheck", SanitizerTool::kInitcheck}};
+  for (const auto& [name, value] : names)
+    if (std::strcmp(tool, name) == 0)
+      return value;
+  return SanitizerTool::kOther;
+}
+
 bool under_sanitizer() {
-  const char* flag = std::getenv("SMCGRAPH_UNDER_SANITIZER");
-  return flag != nullptr && std::strcmp(flag, "1") == 0;
+  return sanitizer_tool() != SanitizerTool::kNone;
 }
 
 uint16_t float_to_bf16(float value) {

@@ -74,14 +74,24 @@ template <class T> DeviceBuffer<T> to_device(const std::vector<T>& host, cudaStr
   return buffer;
 }
 
-/// True under the compute-sanitizer test setups (they set SMCGRAPH_UNDER_SANITIZER=1). The tools slow kernels
-/// down 10-1000x, so the long engine-level loops run fewer repetitions there (same kernels, same paths), and
-/// device-memory accounting is left to the tool's own leak check.
+/// The compute-sanitizer tool a test runs under: the meson setups (tests/meson.build) set
+/// SMCGRAPH_UNDER_SANITIZER=1 and SMCGRAPH_SANITIZER_TOOL=memcheck / racecheck / synccheck / initcheck.
+enum class SanitizerTool { kNone, kMemcheck, kRacecheck, kSynccheck, kInitcheck, kOther };
+SanitizerTool sanitizer_tool();
+
+/// True under any compute-sanitizer setup. The tools slow kernels down 10-1000x (racecheck most, on kernels
+/// that use shared memory), so long loops, statistical draws and large shapes shrink there: the same kernels,
+/// code paths and assertions, fewer repetitions and smaller sizes (statistical thresholds stay valid for the
+/// smaller counts).
 bool under_sanitizer();
 
 /// `full` normally, `reduced` under a sanitizer.
 inline int sanitizer_scaled(int full, int reduced) {
   return under_sanitizer() ? reduced : full;
+}
+/// `full` normally, `racecheck` under racecheck (the slowest tool), `reduced` under the other tools.
+inline int sanitizer_scaled(int full, int reduced, int racecheck) {
+  return sanitizer_tool() == SanitizerTool::kRacecheck ? racecheck : sanitizer_scaled(full, reduced);
 }
 
 /// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).

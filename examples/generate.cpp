@@ -1,0 +1,204 @@
+// generate: text in, text out, through the captured cycle with the real model pair (SmolLM2-135M-Instruct
+// from its GGUF file): the chat template applied, SMC or speculative decoding, tokens/s.
+//
+//   ./run fetch-model                                   # once: .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+//   build/examples/generate --prompt "What is the capital of France?"             # greedy (speculative, T =
+//   0) build/examples/generate --kind smc --particles 8 --steps 4 --prompt "Write a haiku about GPUs."
+//   build/examples/generate --kind spec --temperature 0.8 --seed 7 --prompt "Tell me a story."
+//
+// --kind greedy (default): speculative decoding with a greedy target, exactly the target's greedy text;
+// --kind spec: rejection-based speculative decoding at the given target temperature; --kind smc: SMC
+// speculative decoding, the particle drawn by weight is printed. --draft-layers picks the draft's layers
+// (default 0-27: all but the last two). --raw sends the prompt without the chat template.
+//
+// Exit status: 0 ok, 1 a CUDA / model / engine error, 2 a bad flag, 77 no CUDA device.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "smcgraph/engine.hpp"
+#include "smcgraph/error.hpp"
+#include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/tokenizer.hpp"
+
+namespace {
+
+struct UsageError {
+  std::string message;
+};
+
+struct Options {
+  std::string model;
+  std::string prompt = "What is the capital of France? Answer in one sentence.";
+  std::string system;
+  std::string kind = "greedy";
+  int particles = 8, steps = 4, max_new = 128;
+  float temperature = -1.0f; // -1: the kind's default
+  uint64_t seed = 1;
+  std::string draft_layers = "0-27";
+  bool raw = false;
+};
+
+int to_int(const std::string& flag, const std::string& text) {
+  try {
+    size_t used = 0;
+    const int value = std::stoi(text, &used);
+    if (used == text.size())
+      return value;
+  } catch (...) {
+  }
+  throw UsageError{flag + ": '" + text + "' is not an integer"};
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  o.model = smcgraph::default_llama_model_path();
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc)
+        throw UsageError{flag + " needs a value"};
+      return argv[++i];
+    };
+    if (flag == "--model")
+      o.model = value();
+    else if (flag == "--prompt")
+      o.prompt = value();
+    else if (flag == "--system")
+      o.system = value();
+    else if (flag == "--kind")
+      o.kind = value();
+    else if (flag == "--particles")
+      o.particles = to_int(flag, value());
+    else if (flag == "--steps")
+      o.steps = to_int(flag, value());
+    else if (flag == "--max-new")
+      o.max_new = to_int(flag, value());
+    else if (flag == "--temperature")
+      o.temperature = std::stof(value());
+    else if (flag == "--seed")
+      o.seed = static_cast<uint64_t>(std::stoull(value()));
+    else if (flag == "--draft-layers")
+      o.draft_layers = value();
+    else if (flag == "--raw")
+      o.raw = true;
+    else if (flag == "--help" || flag == "-h")
+      throw UsageError{"see the comment at the top of examples/generate.cpp for the flags"};
+    else
+      throw UsageError{"unknown flag " + flag};
+  }
+  if (o.kind != "greedy" && o.kind != "spec" && o.kind != "smc")
+    throw UsageError{"--kind must be greedy, spec or smc, not '" + o.kind + "'"};
+  if (o.max_new < 1)
+    throw UsageError{"--max-new must be >= 1"};
+  return o;
+}
+
+int run(const Options& o) {
+  if (smcgraph::cuda_device_count() == 0) {
+    std::fprintf(stderr, "generate: no CUDA device\n");
+    return 77;
+  }
+  smcgraph::require(std::filesystem::exists(o.model), "generate", "--model", o.model,
+                    "not found (run ./run fetch-model, or pass --model PATH)");
+  const auto load_start = std::chrono::steady_clock::now();
+  const smcgraph::GgufFile file = smcgraph::GgufFile::open(o.model);
+  const smcgraph::Tokenizer tokenizer = smcgraph::Tokenizer::from_gguf(file);
+  auto weights = smcgraph::load_llama_weights(file);
+
+  std::vector<std::pair<std::string, std::string>> messages;
+  if (!o.system.empty())
+    messages.emplace_back("system", o.system);
+  messages.emplace_back("user", o.prompt);
+  const std::string text = o.raw ? o.prompt : tokenizer.apply_chat_template(messages, true);
+  const std::vector<int32_t> prompt = tokenizer.encode(text, /*parse_special=*/true);
+
+  const bool smc = o.kind == "smc";
+  const int particles = smc ? o.particles : 1;
+  const int max_seq_len =
+      std::min<int>(weights->config().context,
+                    (static_cast<int>(prompt.size()) + o.max_new + 2 * (o.steps + 1) + 127) / 128 * 128);
+  smcgraph::LlamaModelOptions model_options;
+  model_options.max_seq_len = max_seq_len;
+  model_options.pool_size = particles * max_seq_len + 2 * particles * (o.steps + 1) + 1;
+  model_options.max_tokens_per_forward = std::max(particles * (o.steps + 1), 128);
+  model_options.logits_dtype = smcgraph::DType::kFloat32;
+  smcgraph::LlamaModel target(weights, model_options);
+  model_options.layers = smcgraph::parse_llama_layers(o.draft_layers);
+  smcgraph::LlamaModel draft(weights, model_options);
+
+  smcgraph::EngineConfig config;
+  config.kind = smc ? smcgraph::CycleKind::kSmc : smcgraph::CycleKind::kSpeculative;
+  config.vocab = target.vocab();
+  config.particles = particles;
+  config.draft_steps = o.steps;
+  config.max_requests = 1;
+  config.max_seq_len = max_seq_len;
+  config.slot_pool_size = model_options.pool_size;
+  config.eos_id = tokenizer.eos_id();
+  if (o.kind == "greedy") {
+    config.draft_temperature = 0.0f;
+    config.target_temperature = 0.0f;
+  } else if (o.kind == "spec") {
+    config.target_temperature = o.temperature >= 0 ? o.temperature : 0.8f;
+    config.draft_temperature = config.target_temperature > 0 ? config.target_temperature : 0.0f;
+  } else {
+    config.target_temperature = o.temperature >= 0 ? o.temperature : 1.0f;
+  }
+  smcgraph::Engine engine(config, draft, target);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+
+  const auto start = std::chrono::steady_clock::now();
+  const smcgraph::RequestId id = engine.admit(prompt, {.seed = o.seed, .max_new_tokens = o.max_new});
+  int cycles = 0;
+  bool done = false;
+  std::string failure;
+  while (!done) {
+    engine.step();
+    ++cycles;
+    for (const smcgraph::RequestUpdate& update : engine.poll()) {
+      if (update.failed)
+        failure = update.reason;
+      done = done || update.finished || update.failed;
+    }
+  }
+  const smcgraph::RequestResult result = engine.result(id);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  engine.release(id);
+  if (!failure.empty())
+    throw smcgraph::Error("generate: the request failed: " + failure);
+
+  std::vector<int32_t> tokens = result.tokens;
+  const bool ended_with_eos = !tokens.empty() && tokens.back() == tokenizer.eos_id();
+  std::printf("%s\n", tokenizer.decode_lossy(tokens, /*skip_special=*/true).c_str());
+  std::fprintf(stderr,
+               "\n[%s: %zu prompt tokens, %zu new tokens%s in %d cycles (%.2f tokens/cycle), %.3f s = %.1f "
+               "tokens/s incl. admission; model load + engine capture %.2f s; draft layers %s of %d]\n",
+               o.kind.c_str(), prompt.size(), tokens.size(), ended_with_eos ? " (EOS)" : "", cycles,
+               cycles ? static_cast<double>(tokens.size()) / cycles : 0.0, seconds, tokens.size() / seconds,
+               load_s, o.draft_layers.c_str(), target.config().layers);
+  if (smc)
+    std::fprintf(stderr, "[smc: particle %d of %d drawn by weight, log Z-hat %.3f]\n", result.chosen,
+                 particles, result.log_evidence);
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "generate: %s\n", e.message.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "generate: %s\n", e.what());
+    return 1;
+  }
+}

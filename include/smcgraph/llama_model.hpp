@@ -1,0 +1,174 @@
+// LlamaModel: a Llama-architecture decoder read from a GGUF file (DESIGN.md §6.1), as a capturable Model.
+//
+// Weights are dequantised to bf16 once at load (LlamaWeights, device memory) and shared by every model built
+// from them: the target runs all layers, a draft runs an increasing subset (self-speculative layer skip) and
+// owns only its KV storage. Each model's KV storage is [layers run, pool_size, 2, kv_heads, head_dim] bf16,
+// indexed by the engine's slot ids (page size 1), so the engine, the slot pool and the reshuffle treat it
+// like the toy model.
+//
+// Numerics (the host reference in tests/reference/llama_ref.cpp follows the same rounding points): residual
+// stream in fp32; RMSNorm output, q, k, v, the attention output and the SwiGLU activation rounded to bf16;
+// every GEMM accumulates in fp32; RoPE rotates adjacent pairs (2i, 2i + 1) of the GGUF-permuted Q/K rows,
+// which is llama.cpp's "normal" RoPE and equals Hugging Face's rotate-half on un-permuted rows.
+//
+//   smcgraph::GgufFile file = smcgraph::GgufFile::open(path);
+//   auto weights = smcgraph::load_llama_weights(file);               // once; uploads bf16 weights
+//   smcgraph::LlamaModelOptions options;
+//   options.pool_size = 1 << 16; options.max_seq_len = 2048; options.max_tokens_per_forward = 4096;
+//   smcgraph::LlamaModel target(weights, options);                   // all layers
+//   options.layers = smcgraph::llama_layer_range(0, 24);               // a layer-subset draft, same weights
+//   smcgraph::LlamaModel draft(weights, options);
+//   smcgraph::Engine engine(config, draft, target);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/gguf.hpp"
+#include "smcgraph/model.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph {
+
+/// Largest head_dim the attention kernels support (SmolLM2 uses 64).
+inline constexpr int kLlamaMaxHeadDim = 128;
+
+/// The architecture, from the GGUF metadata (llama.* keys).
+struct LlamaConfig {
+  int layers = 0;             ///< llama.block_count
+  int hidden = 0;             ///< llama.embedding_length
+  int ffn = 0;                ///< llama.feed_forward_length
+  int heads = 0;              ///< llama.attention.head_count
+  int kv_heads = 0;           ///< llama.attention.head_count_kv (defaults to heads)
+  int head_dim = 0;           ///< hidden / heads
+  int vocab = 0;              ///< rows of token_embd
+  int context = 0;            ///< llama.context_length
+  float rope_base = 10000.0f; ///< llama.rope.freq_base
+  float rms_eps = 1e-5f;      ///< llama.attention.layer_norm_rms_epsilon
+  bool tied_head = true;      ///< no output.weight: token_embd is the LM head
+};
+
+/// Reads and validates the architecture keys (general.architecture must be "llama"); throws smcgraph::Error
+/// naming the key and value that is missing or out of range.
+LlamaConfig llama_config_from_gguf(const GgufFile& file);
+
+/// Host copy of every weight as bf16 bits (norm weights as float), in the GGUF's row order: a [rows, cols]
+/// matrix is ggml ne = [cols, rows]. Validates every tensor's presence and shape.
+struct LlamaHostWeights {
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm; ///< [hidden]
+    std::vector<uint16_t> q, k, v, o;       ///< [heads*hd, H], [kvh*hd, H] x2, [H, heads*hd]
+    std::vector<uint16_t> gate, up, down;   ///< [ffn, H], [ffn, H], [H, ffn]
+  };
+  LlamaConfig config;
+  std::vector<uint16_t> token_embd; ///< [vocab, hidden]
+  std::vector<uint16_t> output;     ///< [vocab, hidden]; empty when tied
+  std::vector<float> output_norm;   ///< [hidden]
+  std::vector<Layer> layers;
+};
+LlamaHostWeights load_llama_host_weights(const GgufFile& file);
+
+/// Device weights (bf16), shared by the models built from them. Immutable after construction.
+class LlamaWeights {
+public:
+  explicit LlamaWeights(const LlamaHostWeights& host);
+  const LlamaConfig& config() const { return config_; }
+  size_t device_bytes() const;
+
+  struct Layer {
+    const float* attn_norm;
+    const float* ffn_norm;
+    const uint16_t* qkv;     ///< [(heads + 2 kv_heads) * hd, H]: q rows, then k, then v
+    const uint16_t* o;       ///< [H, heads * hd]
+    const uint16_t* gate_up; ///< [2 ffn, H], gate and up rows interleaved in groups of kGateUpGroup
+    const uint16_t* down;    ///< [H, ffn]
+  };
+  const Layer& layer(int index) const { return layer_views_[index]; }
+  const uint16_t* token_embd() const { return token_embd_.data(); }
+  const uint16_t* head() const { return head_ ? head_ : token_embd_.data(); }
+  const float* output_norm() const { return output_norm_.data(); }
+  const float* rope_inv_freq() const { return rope_inv_freq_.data(); }
+  /// Rows of token_embd() and head(): vocab rounded up to a multiple of 64 with zero rows.
+  int vocab_padded() const { return vocab_padded_; }
+
+  /// Rows of gate and of up that alternate in gate_up (so one GEMM tile holds matching gate and up rows).
+  static constexpr int kGateUpGroup = 16;
+
+private:
+  LlamaConfig config_;
+  DeviceBuffer<uint16_t> token_embd_, output_;
+  DeviceBuffer<float> output_norm_, rope_inv_freq_;
+  std::vector<DeviceBuffer<float>> norms_;
+  std::vector<DeviceBuffer<uint16_t>> matrices_;
+  std::vector<Layer> layer_views_;
+  const uint16_t* head_ = nullptr;
+  int vocab_padded_ = 0;
+};
+
+/// Loads and uploads the weights of a GGUF file (config + host weights + LlamaWeights).
+std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file);
+
+/// [first, last) as a layer list.
+std::vector<int> llama_layer_range(int first, int last);
+
+/// A layer list from text: inclusive ranges and single layers, "0-27" or "0-11,18-29". Throws smcgraph::Error
+/// naming the text for anything else (the model checks the indices against its config).
+std::vector<int> parse_llama_layers(const std::string& text);
+
+/// File name of the real model the project fetches (./run fetch-model).
+inline constexpr const char* kSmolLM2FileName = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Where the tools look for it: $SMCGRAPH_MODEL_PATH, else .cache/models/<kSmolLM2FileName> in the current
+/// directory or the nearest parent that has it, else that relative path (which may not exist).
+std::string default_llama_model_path();
+
+struct LlamaModelOptions {
+  int pool_size = 1 << 16;           ///< KV slots (>= 2; slot 0 is the padding dummy)
+  int max_seq_len = 2048;            ///< row stride of ForwardArgs::slot_table; <= config.context
+  int max_tokens_per_forward = 4096; ///< rows x tokens_per_row of the largest forward (sizes the activations)
+  DType logits_dtype = DType::kFloat32; ///< kFloat32 or kBFloat16
+  std::vector<int> layers;              ///< layers to run, strictly increasing; empty: all (the target)
+};
+
+/// Throws smcgraph::Error naming the first bad option (checked against the weights' config).
+void validate_llama_options(const LlamaConfig& config, const LlamaModelOptions& options);
+
+class LlamaModel final : public Model {
+public:
+  LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaModelOptions& options);
+  ~LlamaModel() override;
+
+  /// Capturable: enqueues the embedding, per layer the fused kernels, and the LM head on `stream`; reads
+  /// every value that changes between replays from device memory. Throws for rows * tokens_per_row above
+  /// max_tokens_per_forward or null pointers. rows == 0 is a no-op.
+  void forward(const ForwardArgs& args, cudaStream_t stream) override;
+
+  int vocab() const override;
+  DType logits_dtype() const override { return options_.logits_dtype; }
+  int max_seq_len() const override { return options_.max_seq_len; }
+  const LlamaConfig& config() const;
+  const LlamaModelOptions& options() const { return options_; }
+  const std::vector<int>& layers() const { return layers_; }
+  /// Kernel launches per forward (for the floor: launches x node latency).
+  int launches_per_forward() const;
+  /// Bytes one forward must read at least: the weights of the layers run plus the LM head.
+  size_t weight_bytes_per_forward() const;
+
+  /// KV storage [layers().size(), pool_size, 2, kv_heads, head_dim] bf16 (tests read it).
+  const uint16_t* kv_data() const { return kv_.data(); }
+  void clear_kv(cudaStream_t stream) { kv_.fill_bytes(0, stream); }
+
+private:
+  struct Workspace;
+  std::shared_ptr<const LlamaWeights> weights_;
+  LlamaModelOptions options_;
+  std::vector<int> layers_;
+  DeviceBuffer<uint16_t> kv_;
+  std::unique_ptr<Workspace> workspace_;
+};
+
+} // namespace smcgraph

@@ -1,0 +1,352 @@
+// The Llama forward's GEMMs: Y[T, N] = A[T, K] W[N, K]^T on tensor cores (bf16 WMMA, fp32 accumulation) with
+// the neighbouring element-wise work fused in: the RMSNorm that produces A, and RoPE + KV write, the residual
+// add, SwiGLU or the logits store after it. A block stages its A rows once in shared memory (the norm needs
+// whole rows anyway), streams its W columns from global memory, and finishes its tile in shared memory, where
+// a column and its RoPE / SwiGLU partner meet.
+//
+// Two shapes: few tokens (decode, T <= 64): 16 columns per block and the 4 warps split K, so even a 576-wide
+// projection spreads over 36+ blocks; many tokens (prefill, large verify batches): 64 columns per block, one
+// warp per 16 columns, 64 rows per block.
+#include <algorithm>
+#include <cmath>
+
+#include <cuda_bf16.h>
+#include <cuda_pipeline.h>
+#include <mma.h>
+
+#include "kernels/launch_checks.hpp"
+#include "models/llama/llama_kernels.hpp"
+#include "models/llama/pdl.hpp"
+#include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
+
+namespace smcgraph::llama {
+namespace {
+
+using namespace nvcuda;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowPad = 8; // bf16 elements of padding per staged A row (bank spread, keeps 32-byte alignment)
+
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float value) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(value));
+}
+
+/// Shared memory of a variant: the A rows, the fp32 tile (one per K slice in the narrow shape) and, when
+/// `stage_w`, the block's 16 weight rows (narrow shape only).
+size_t smem_bytes(int m_frags, bool wide, int k, bool stage_w) {
+  const int n_warps = wide ? 4 : 1;
+  return static_cast<size_t>(16 * m_frags) * (k + kRowPad) * sizeof(uint16_t) +
+         static_cast<size_t>(kWarps / n_warps) * (16 * m_frags) * (16 * n_warps) * sizeof(float) +
+         (stage_w ? static_cast<size_t>(16) * (k + kRowPad) * sizeof(uint16_t) : 0);
+}
+
+template <int EPILOGUE> constexpr bool uses_norm() {
+  return EPILOGUE != static_cast<int>(GemmEpilogue::kResidualAdd);
+}
+
+template <int EPILOGUE, int M_FRAGS, int N_WARPS>
+__global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bool stage_w) {
+  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS, K_SPLIT = kWarps / N_WARPS;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int K = a.k, N = a.n, T = a.tokens;
+  const int lda = K + kRowPad;
+  __nv_bfloat16* a_tile = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* stage = reinterpret_cast<float*>(smem + static_cast<size_t>(BM) * lda * sizeof(uint16_t));
+  __nv_bfloat16* w_tile = reinterpret_cast<__nv_bfloat16*>(stage + static_cast<size_t>(K_SPLIT) * BM * BN);
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // The weights do not depend on the previous kernel: start copying this block's 16 rows of W (narrow shape)
+  // into shared memory before waiting for it (PDL), so their latency hides under its tail and the prologue.
+  if (N_WARPS == 1 && stage_w) {
+    const int vectors_per_row = K / 8;
+    const uint16_t* w_rows = a.weight + static_cast<size_t>(n0) * K;
+    for (int v = threadIdx.x; v < 16 * vectors_per_row; v += kThreads) {
+      const int row = v / vectors_per_row, column = (v % vectors_per_row) * 8;
+      __pipeline_memcpy_async(w_tile + static_cast<size_t>(row) * lda + column,
+                              w_rows + static_cast<size_t>(row) * K + column, 16);
+    }
+    __pipeline_commit();
+  }
+  pdl_wait();
+  pdl_trigger();
+
+  // Prologue: stage A's rows (zeros past T) as bf16.
+  for (int m = warp; m < BM; m += kWarps) {
+    const int t = m0 + m;
+    __nv_bfloat16* dst = a_tile + static_cast<size_t>(m) * lda;
+    if (t >= T) {
+      for (int c = lane; c < K; c += 32)
+        dst[c] = __float2bfloat16_rn(0.0f);
+      continue;
+    }
+    if constexpr (uses_norm<EPILOGUE>()) {
+      const float* x = a.x + static_cast<size_t>(t) * K;
+      float sum_squares = 0.0f;
+      for (int c = lane; c < K; c += 32)
+        sum_squares = fmaf(x[c], x[c], sum_squares);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1)
+        sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+      const float inv_rms = rsqrtf(sum_squares / static_cast<float>(K) + a.eps);
+      for (int c = lane; c < K; c += 32)
+        dst[c] = __float2bfloat16_rn(x[c] * inv_rms * a.norm_weight[c]);
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(a.a_bf16 + static_cast<size_t>(t) * K);
+      uint4* dst_vec = reinterpret_cast<uint4*>(dst);
+      for (int c = lane; c < K / 8; c += 32)
+        dst_vec[c] = src[c];
+    }
+  }
+  if (N_WARPS == 1 && stage_w)
+    __pipeline_wait_prior(0);
+  __syncthreads();
+
+  // Tensor-core main loop. K is cut into kWarps slices of whole 16-wide tiles; each slice is accumulated from
+  // zero and the slices are added in order (((s0 + s1) + s2) + s3), in both shapes: a row's result then
+  // depends on its own inputs only, not on T or the variant (batch invariance: a token's logits are the same
+  // in a 1-token decode and in a K + 1-token verify, so greedy speculative decoding reproduces greedy
+  // decoding). Narrow: warp w computes slice w of columns n0 .. n0 + 15. Wide: warp w computes every slice of
+  // columns n0 + 16 w .. n0 + 16 w + 15.
+  const int k_tiles = K / 16;
+  const int tiles_per_slice = (k_tiles + kWarps - 1) / kWarps;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> total[M_FRAGS];
+  const int wn = N_WARPS == 1 ? 0 : warp;
+  const bool w_in_smem = N_WARPS == 1 && stage_w;
+  const __nv_bfloat16* w_col =
+      w_in_smem ? w_tile
+                : reinterpret_cast<const __nv_bfloat16*>(a.weight) + static_cast<size_t>(n0 + wn * 16) * K;
+  const int ldw = w_in_smem ? lda : K;
+  const int first_slice = N_WARPS == 1 ? warp : 0, last_slice = N_WARPS == 1 ? warp + 1 : kWarps;
+  for (int slice = first_slice; slice < last_slice; ++slice) {
+    const int k_begin = slice * tiles_per_slice * 16;
+    const int k_end = min(K, k_begin + tiles_per_slice * 16);
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS];
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+      wmma::fill_fragment(acc[f], 0.0f);
+    // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
+    constexpr int kLoadsInFlight = 4;
+    int kk = k_begin;
+    for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[kLoadsInFlight];
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u)
+        wmma::load_matrix_sync(b[u], w_col + kk + 16 * u, ldw);
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+#pragma unroll
+        for (int f = 0; f < M_FRAGS; ++f) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
+          wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
+          wmma::mma_sync(acc[f], a_frag, b[u], acc[f]);
+        }
+      }
+    }
+    for (; kk < k_end; kk += 16) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+      wmma::load_matrix_sync(b, w_col + kk, ldw);
+#pragma unroll
+      for (int f = 0; f < M_FRAGS; ++f) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
+        wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk, lda);
+        wmma::mma_sync(acc[f], a_frag, b, acc[f]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f) {
+#pragma unroll
+      for (int i = 0; i < acc[f].num_elements; ++i)
+        total[f].x[i] = slice == first_slice ? acc[f].x[i] : total[f].x[i] + acc[f].x[i];
+    }
+  }
+  // Narrow: slice w lands in stage[w]; wide: the finished columns of warp w land in stage[0].
+  const int stage_index = N_WARPS == 1 ? warp : 0;
+#pragma unroll
+  for (int f = 0; f < M_FRAGS; ++f)
+    wmma::store_matrix_sync(stage + static_cast<size_t>(stage_index) * BM * BN + f * 16 * BN + wn * 16,
+                            total[f], BN, wmma::mem_row_major);
+  __syncthreads();
+  if constexpr (K_SPLIT > 1) {
+    for (int e = threadIdx.x; e < BM * BN; e += kThreads) {
+      float sum = stage[e];
+#pragma unroll
+      for (int s = 1; s < K_SPLIT; ++s)
+        sum += stage[s * BM * BN + e];
+      stage[e] = sum;
+    }
+    __syncthreads();
+  }
+
+  // Epilogue over the finished [BM, BN] tile.
+  for (int e = threadIdx.x; e < BM * BN; e += kThreads) {
+    const int m = e / BN, n = e % BN, t = m0 + m, col = n0 + n;
+    if (t >= T)
+      continue;
+    const float value = stage[e];
+    if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd)) {
+      a.residual[static_cast<size_t>(t) * N + col] += value;
+    } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kLogits)) {
+      if (col >= a.logits_cols || !a.live[t / a.tokens_per_row])
+        continue;
+      const size_t index = static_cast<size_t>(t) * a.logits_cols + col;
+      if (a.logits_dtype == DType::kFloat32)
+        static_cast<float*>(a.logits)[index] = value;
+      else
+        static_cast<uint16_t*>(a.logits)[index] = float_to_bf16_bits(value);
+    } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
+      const int within = col % (2 * kSwiGluGroup);
+      if (within >= kSwiGluGroup)
+        continue; // the up half: its gate partner writes the output
+      const float up = stage[e + kSwiGluGroup];
+      const int j = (col / (2 * kSwiGluGroup)) * kSwiGluGroup + within;
+      const float silu = value / (1.0f + expf(-value));
+      a.out_bf16[static_cast<size_t>(t) * (N / 2) + j] = float_to_bf16_bits(silu * up);
+    } else { // kQkvRope
+      const bool is_v = col >= a.q_dim + a.kv_dim;
+      float out = value;
+      if (!is_v) {
+        const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
+        // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
+        const float partner = stage[e ^ 1];
+        const float angle = static_cast<float>(a.positions[t]) * a.inv_freq[d / 2];
+        float s, c;
+        sincosf(angle, &s, &c);
+        out = (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
+      }
+      const uint16_t bits = float_to_bf16_bits(out);
+      if (col < a.q_dim) {
+        a.out_bf16[static_cast<size_t>(t) * a.q_dim + col] = bits;
+      } else if (a.live[t / a.tokens_per_row]) {
+        const int slot = a.out_slots[t];
+        if (slot > 0 && slot < a.pool_size) {
+          const int kv_col = is_v ? a.kv_dim + (col - a.q_dim - a.kv_dim) : col - a.q_dim;
+          a.kv[static_cast<size_t>(slot) * 2 * a.kv_dim + kv_col] = bits;
+        }
+      }
+    }
+  }
+}
+
+int max_optin_smem();
+
+template <int EPILOGUE, int M_FRAGS, int N_WARPS>
+void launch_variant(const GemmArgs& a, cudaStream_t stream) {
+  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS;
+  const bool wide = N_WARPS == 4;
+  const bool stage_w =
+      !wide && smem_bytes(M_FRAGS, false, a.k, true) <= static_cast<size_t>(max_optin_smem());
+  const dim3 grid(static_cast<unsigned>(a.n / BN), static_cast<unsigned>(detail::ceil_div(a.tokens, BM)));
+  launch_pdl(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS>, grid, dim3(kThreads),
+             smem_bytes(M_FRAGS, wide, a.k, stage_w), stream, a, stage_w);
+}
+
+template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
+  if (wide) {
+    switch (m_frags) {
+    case 1:
+      return launch_variant<EPILOGUE, 1, 4>(a, stream);
+    case 2:
+      return launch_variant<EPILOGUE, 2, 4>(a, stream);
+    default:
+      return launch_variant<EPILOGUE, 4, 4>(a, stream);
+    }
+  }
+  switch (m_frags) {
+  case 1:
+    return launch_variant<EPILOGUE, 1, 1>(a, stream);
+  case 2:
+    return launch_variant<EPILOGUE, 2, 1>(a, stream);
+  default:
+    return launch_variant<EPILOGUE, 4, 1>(a, stream);
+  }
+}
+
+int max_optin_smem() {
+  static const int bytes = [] {
+    int value = 0;
+    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                               current_device_info().device));
+    return value;
+  }();
+  return bytes;
+}
+
+template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
+  const size_t limit = std::min(bytes, static_cast<size_t>(max_optin_smem()));
+  SMCGRAPH_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  // One shared-memory carveout for every kernel of the forward: no L1 / shared reconfiguration between them.
+  SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+}
+
+template <int EPILOGUE> void set_smem_limits(int max_k) {
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1>, smem_bytes(1, false, max_k, true));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 1>, smem_bytes(2, false, max_k, true));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 1>, smem_bytes(4, false, max_k, true));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 4>, smem_bytes(1, true, max_k, false));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 4>, smem_bytes(2, true, max_k, false));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 4>, smem_bytes(4, true, max_k, false));
+}
+
+} // namespace
+
+void prepare_gemm(int max_k) {
+  require(max_k >= 16 && max_k % 16 == 0, "llama::prepare_gemm", "max_k", max_k,
+          "must be a positive multiple of 16");
+  require(smem_bytes(1, true, max_k, false) <= static_cast<size_t>(max_optin_smem()), "llama::prepare_gemm",
+          "max_k", max_k, "needs more shared memory than the device offers");
+  set_smem_limits<0>(max_k);
+  set_smem_limits<1>(max_k);
+  set_smem_limits<2>(max_k);
+  set_smem_limits<3>(max_k);
+}
+
+void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
+  constexpr const char* kWhere = "llama::gemm";
+  require(a.tokens >= 0, kWhere, "tokens", a.tokens, "must be >= 0");
+  require(a.n >= 16 && a.n % 16 == 0, kWhere, "n", a.n, "must be a positive multiple of 16");
+  require(a.k >= 16 && a.k % 16 == 0, kWhere, "k", a.k, "must be a positive multiple of 16");
+  require(a.weight != nullptr, kWhere, "weight", "null", "must be a device pointer");
+  if (a.tokens == 0)
+    return;
+  if (epilogue == GemmEpilogue::kResidualAdd) {
+    require(a.a_bf16 != nullptr && a.residual != nullptr, kWhere, "a_bf16 / residual", "null", "must be set");
+  } else {
+    require(a.x != nullptr && a.norm_weight != nullptr, kWhere, "x / norm_weight", "null", "must be set");
+  }
+  if (epilogue == GemmEpilogue::kQkvRope) {
+    require(a.head_dim % 2 == 0 && a.q_dim % a.head_dim == 0 && a.kv_dim % a.head_dim == 0 &&
+                a.n == a.q_dim + 2 * a.kv_dim,
+            kWhere, "n", a.n, "must equal q_dim + 2 kv_dim with head_dim dividing both");
+  }
+  if (epilogue == GemmEpilogue::kLogits)
+    require(a.logits != nullptr && a.logits_cols >= 1 && a.logits_cols <= a.n, kWhere, "logits_cols",
+            a.logits_cols, "must be in [1, n] with logits set");
+  if (epilogue == GemmEpilogue::kSwiGlu)
+    require(a.n % (2 * kSwiGluGroup) == 0, kWhere, "n", a.n, "must be a multiple of 16 (gate/up groups)");
+  // Rows per block: the fewest fragments that cover T, at most 4 (and what shared memory allows).
+  const int multiprocessors = current_device_info().multiprocessors;
+  // 64 columns a block when there are many tokens, or when N alone gives every SM two blocks.
+  const bool wide = a.n % 64 == 0 && (a.tokens > 64 || a.n / 64 >= 2 * multiprocessors);
+  int m_frags = a.tokens <= 16 ? 1 : a.tokens <= 32 ? 2 : 4;
+  while (m_frags > 1 && smem_bytes(m_frags, wide, a.k, false) > static_cast<size_t>(max_optin_smem()))
+    m_frags /= 2;
+  require(smem_bytes(m_frags, wide, a.k, false) <= static_cast<size_t>(max_optin_smem()), kWhere, "k", a.k,
+          "needs more shared memory than the device offers");
+  switch (epilogue) {
+  case GemmEpilogue::kQkvRope:
+    return launch_epilogue<0>(m_frags, wide, a, stream);
+  case GemmEpilogue::kResidualAdd:
+    return launch_epilogue<1>(m_frags, wide, a, stream);
+  case GemmEpilogue::kSwiGlu:
+    return launch_epilogue<2>(m_frags, wide, a, stream);
+  case GemmEpilogue::kLogits:
+    return launch_epilogue<3>(m_frags, wide, a, stream);
+  }
+}
+
+} // namespace smcgraph::llama

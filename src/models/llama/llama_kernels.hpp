@@ -1,0 +1,91 @@
+// Launchers of the Llama forward's kernels (internal). One forward = embed, then per layer
+//   QKV GEMM (RMSNorm prologue; RoPE, q store and KV write epilogue) -> attention (split-KV) -> O GEMM (+=
+//   residual)
+//   -> gate/up GEMM (RMSNorm prologue, SwiGLU epilogue) -> down GEMM (+= residual),
+// then the LM-head GEMM (RMSNorm prologue, logits epilogue). Every launcher validates its shape, takes the
+// stream last, never allocates or synchronizes, and reads every value that changes between replays from
+// device memory.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::llama {
+
+/// What the GEMM does around Y[T, N] = A[T, K] W[N, K]^T (bf16 operands, fp32 accumulation).
+enum class GemmEpilogue : int {
+  kQkvRope = 0,     ///< A = RMSNorm(x); RoPE on q and k columns; q -> q_out, k and v -> KV at out_slots
+  kResidualAdd = 1, ///< A = a_bf16; residual[T, N] += Y
+  kSwiGlu = 2,      ///< A = RMSNorm(x); gate/up rows interleaved in groups of 8: act[T, N / 2] = silu(g) * u
+  kLogits = 3,      ///< A = RMSNorm(x); logits[T, N] = Y (fp32 or bf16), live rows only
+};
+
+/// Rows of gate and of up that alternate in the fused gate/up weight (LlamaWeights::kGateUpGroup / 2).
+inline constexpr int kSwiGluGroup = 8;
+
+struct GemmArgs {
+  int tokens = 0, n = 0, k = 0;     ///< T, N, K (N and K multiples of 16)
+  int tokens_per_row = 1;           ///< token t belongs to row t / tokens_per_row
+  const uint16_t* weight = nullptr; ///< [N, K] bf16, row-major
+  const uint16_t* a_bf16 = nullptr; ///< [T, K] (kResidualAdd)
+  const float* x = nullptr;         ///< [T, K] fp32 residual stream (the RMSNorm prologue)
+  const float* norm_weight = nullptr;
+  float eps = 1e-5f;
+  float* residual = nullptr;    ///< [T, N] (kResidualAdd)
+  uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
+  void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped
+  int logits_cols = 0;
+  DType logits_dtype = DType::kFloat32;
+  const uint8_t* live = nullptr; ///< [rows]
+  // kQkvRope
+  int q_dim = 0, kv_dim = 0, head_dim = 0, pool_size = 0;
+  const float* inv_freq = nullptr;    ///< [head_dim / 2]
+  const int32_t* positions = nullptr; ///< [T]
+  const int32_t* out_slots = nullptr; ///< [T]
+  uint16_t* kv = nullptr;             ///< this layer's KV [pool_size, 2, kv_dim]
+};
+
+/// Sets the dynamic shared-memory limit of every GEMM variant for K up to `max_k` (call once, outside
+/// capture).
+void prepare_gemm(int max_k);
+void gemm(GemmEpilogue epilogue, const GemmArgs& args, cudaStream_t stream);
+/// Kernel launches one gemm() call makes (always 1).
+inline constexpr int kGemmLaunches = 1;
+
+/// Positions per attention chunk: the unit of the split-KV partials. Fixed, so the merge order of a token's
+/// partials depends on its own length only (batch invariance).
+inline constexpr int kAttentionChunk = 256;
+
+struct AttentionArgs {
+  int rows = 0, tokens_per_row = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int max_seq_len = 0, pool_size = 0;
+  int max_chunks = 0;           ///< attention_chunks(max_seq_len)
+  int splits = 1;               ///< blocks per (row, kv head); block s takes chunks s, s + splits, ...
+  float scale = 1.0f;           ///< 1 / sqrt(head_dim)
+  const uint16_t* q = nullptr;  ///< [T, heads * head_dim] bf16, after RoPE
+  const uint16_t* kv = nullptr; ///< this layer's KV [pool_size, 2, kv_heads * head_dim]
+  const int32_t *slot_table = nullptr, *seq_lens = nullptr, *positions = nullptr;
+  const uint8_t* live = nullptr;
+  uint16_t* out = nullptr;      ///< [T, heads * head_dim] bf16
+  float* partial_acc = nullptr; ///< [T, heads, max_chunks, head_dim]
+  float* partial_ml = nullptr;  ///< [T, heads, max_chunks, 2] running max and sum
+  int* counters = nullptr;      ///< [rows, kv_heads], zero between forwards (the kernel leaves them zero)
+};
+
+/// Sets the attention and embedding kernels' shared-memory carveout like the GEMMs' (call once, outside
+/// capture).
+void prepare_attention();
+int attention_chunks(int max_seq_len);
+/// Blocks per (row, kv head): enough to fill the GPU when rows are few, at most one per chunk.
+int choose_attention_splits(int rows, int kv_heads, int max_seq_len, int multiprocessors);
+/// One launch: the chunk partials and, in the last block of each (row, kv head), their merge.
+void attention(const AttentionArgs& args, cudaStream_t stream);
+
+/// x[t] = token_embd[tokens[t]] as fp32 (tokens clamped into [0, vocab); padding rows get zeros).
+void embed(int tokens, int tokens_per_row, int hidden, int vocab, const int32_t* token_ids,
+           const uint8_t* live, const uint16_t* token_embd, float* x, cudaStream_t stream);
+
+} // namespace smcgraph::llama

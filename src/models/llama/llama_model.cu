@@ -1,0 +1,267 @@
+// LlamaWeights (the bf16 device copy) and LlamaModel::forward: the order of the fused kernels of
+// llama_kernels.hpp, the activation workspace sized once at construction, nothing allocated per forward.
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "models/llama/llama_kernels.hpp"
+#include "smcgraph/error.hpp"
+#include "smcgraph/llama_model.hpp"
+
+namespace smcgraph {
+namespace {
+
+template <class T> DeviceBuffer<T> upload(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer<T> buffer(host.size());
+  buffer.copy_from_host(host.data(), host.size(), stream);
+  return buffer;
+}
+
+} // namespace
+
+LlamaWeights::LlamaWeights(const LlamaHostWeights& host) : config_(host.config) {
+  const LlamaConfig& c = config_;
+  require(static_cast<int>(host.layers.size()) == c.layers, "LlamaWeights", "layers.size()",
+          host.layers.size(), "must equal config.layers");
+  Stream stream;
+  const size_t H = c.hidden, F = c.ffn, qd = size_t(c.heads) * c.head_dim,
+               kvd = size_t(c.kv_heads) * c.head_dim;
+  // The head's rows padded with zeros to a multiple of 64 (whole GEMM tiles); logits stop at vocab.
+  vocab_padded_ = static_cast<int>((c.vocab + 63) / 64 * 64);
+  std::vector<uint16_t> padded(static_cast<size_t>(vocab_padded_) * H, 0);
+  std::copy(host.token_embd.begin(), host.token_embd.end(), padded.begin());
+  token_embd_ = upload(padded, stream);
+  stream.synchronize();
+  if (!host.output.empty()) {
+    std::copy(host.output.begin(), host.output.end(), padded.begin());
+    output_ = upload(padded, stream);
+    head_ = output_.data();
+    stream.synchronize();
+  }
+  output_norm_ = upload(host.output_norm, stream);
+  std::vector<float> inv_freq(c.head_dim / 2);
+  for (int i = 0; i < c.head_dim / 2; ++i)
+    inv_freq[i] = static_cast<float>(std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.head_dim));
+  rope_inv_freq_ = upload(inv_freq, stream);
+
+  // Every matrix of a layer in one buffer: qkv, o, gate/up (interleaved in groups of kGateUpGroup / 2), down.
+  const size_t qkv_elems = (qd + 2 * kvd) * H, o_elems = H * qd, gate_up_elems = 2 * F * H,
+               down_elems = H * F;
+  std::vector<uint16_t> packed(qkv_elems + o_elems + gate_up_elems + down_elems);
+  std::vector<float> norms(2 * H);
+  layer_views_.resize(c.layers);
+  constexpr int group = kGateUpGroup / 2;
+  static_assert(group == llama::kSwiGluGroup, "the gate/up interleave and the SwiGLU epilogue must agree");
+  for (int l = 0; l < c.layers; ++l) {
+    const LlamaHostWeights::Layer& w = host.layers[l];
+    uint16_t* out = packed.data();
+    out = std::copy(w.q.begin(), w.q.end(), out);
+    out = std::copy(w.k.begin(), w.k.end(), out);
+    out = std::copy(w.v.begin(), w.v.end(), out);
+    out = std::copy(w.o.begin(), w.o.end(), out);
+    for (size_t g = 0; g < F / group; ++g) {
+      out = std::copy(w.gate.begin() + g * group * H, w.gate.begin() + (g + 1) * group * H, out);
+      out = std::copy(w.up.begin() + g * group * H, w.up.begin() + (g + 1) * group * H, out);
+    }
+    std::copy(w.down.begin(), w.down.end(), out);
+    std::copy(w.attn_norm.begin(), w.attn_norm.end(), norms.begin());
+    std::copy(w.ffn_norm.begin(), w.ffn_norm.end(), norms.begin() + H);
+    matrices_.push_back(upload(packed, stream));
+    norms_.push_back(upload(norms, stream));
+    // The host vectors are reused: wait before the next layer overwrites them.
+    stream.synchronize();
+    const uint16_t* base = matrices_.back().data();
+    layer_views_[l] =
+        Layer{norms_.back().data(), norms_.back().data() + H,   base,
+              base + qkv_elems,     base + qkv_elems + o_elems, base + qkv_elems + o_elems + gate_up_elems};
+  }
+  stream.synchronize();
+}
+
+size_t LlamaWeights::device_bytes() const {
+  size_t bytes = token_embd_.bytes() + output_.bytes() + output_norm_.bytes() + rope_inv_freq_.bytes();
+  for (const auto& m : matrices_)
+    bytes += m.bytes();
+  for (const auto& n : norms_)
+    bytes += n.bytes();
+  return bytes;
+}
+
+std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file) {
+  return std::make_shared<const LlamaWeights>(load_llama_host_weights(file));
+}
+
+struct LlamaModel::Workspace {
+  DeviceBuffer<float> x;                       // [T, hidden] residual stream
+  DeviceBuffer<uint16_t> q, o, act;            // [T, q_dim], [T, q_dim], [T, ffn]
+  DeviceBuffer<float> partial_acc, partial_ml; // [T, heads, chunks, head_dim], [T, heads, chunks, 2]
+  DeviceBuffer<int> counters;                  // [T, kv_heads] (rows <= T)
+  int multiprocessors = 1;
+};
+
+LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaModelOptions& options)
+    : weights_(std::move(weights)), options_(options) {
+  require(weights_ != nullptr, "LlamaModel", "weights", "null", "must be loaded weights");
+  const LlamaConfig& c = weights_->config();
+  validate_llama_options(c, options_);
+  layers_ = options_.layers.empty() ? llama_layer_range(0, c.layers) : options_.layers;
+  const size_t T = options_.max_tokens_per_forward;
+  const size_t qd = size_t(c.heads) * c.head_dim, kvd = size_t(c.kv_heads) * c.head_dim;
+  kv_ = DeviceBuffer<uint16_t>(layers_.size() * options_.pool_size * 2 * kvd);
+  workspace_ = std::make_unique<Workspace>();
+  Workspace& w = *workspace_;
+  w.x = DeviceBuffer<float>(T * c.hidden);
+  w.q = DeviceBuffer<uint16_t>(T * qd);
+  w.o = DeviceBuffer<uint16_t>(T * qd);
+  w.act = DeviceBuffer<uint16_t>(T * c.ffn);
+  const size_t partials = T * c.heads * llama::attention_chunks(options_.max_seq_len);
+  w.partial_acc = DeviceBuffer<float>(partials * c.head_dim);
+  w.partial_ml = DeviceBuffer<float>(partials * 2);
+  w.counters = DeviceBuffer<int>(T * c.kv_heads);
+  w.multiprocessors = current_device_info().multiprocessors;
+  llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
+  llama::prepare_attention();
+  // Zero everything once: padding rows of the activations are read (and ignored) by the GEMMs.
+  Stream stream;
+  kv_.fill_bytes(0, stream);
+  w.x.fill_bytes(0, stream);
+  w.q.fill_bytes(0, stream);
+  w.o.fill_bytes(0, stream);
+  w.act.fill_bytes(0, stream);
+  w.partial_acc.fill_bytes(0, stream);
+  w.partial_ml.fill_bytes(0, stream);
+  w.counters.fill_bytes(0, stream);
+  stream.synchronize();
+}
+
+LlamaModel::~LlamaModel() = default;
+
+int LlamaModel::vocab() const {
+  return weights_->config().vocab;
+}
+const LlamaConfig& LlamaModel::config() const {
+  return weights_->config();
+}
+
+int LlamaModel::launches_per_forward() const {
+  // embed + per layer (qkv, attention, o, gate/up, down) + head.
+  return 2 + static_cast<int>(layers_.size()) * 5;
+}
+
+size_t LlamaModel::weight_bytes_per_forward() const {
+  const LlamaConfig& c = config();
+  const size_t H = c.hidden, qd = size_t(c.heads) * c.head_dim, kvd = size_t(c.kv_heads) * c.head_dim;
+  const size_t per_layer = ((qd + 2 * kvd) * H + H * qd + 3 * size_t(c.ffn) * H) * 2 + 2 * H * 4;
+  return layers_.size() * per_layer + size_t(c.vocab) * H * 2 + H * 4;
+}
+
+void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
+  constexpr const char* kWhere = "LlamaModel::forward";
+  require(args.rows >= 0, kWhere, "args.rows", args.rows, "must be >= 0");
+  require(args.tokens_per_row >= 1, kWhere, "args.tokens_per_row", args.tokens_per_row, "must be >= 1");
+  const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
+  require(tokens <= options_.max_tokens_per_forward, kWhere, "rows * tokens_per_row", tokens,
+          "exceeds LlamaModelOptions::max_tokens_per_forward");
+  if (args.rows == 0)
+    return;
+  require(args.tokens && args.positions && args.slot_table && args.seq_lens && args.out_slots && args.live &&
+              args.logits,
+          kWhere, "a pointer of args", "null", "every ForwardArgs pointer must be a device pointer");
+  const LlamaConfig& c = config();
+  Workspace& w = *workspace_;
+  const int T = static_cast<int>(tokens);
+  const int qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+
+  llama::embed(T, args.tokens_per_row, c.hidden, c.vocab, args.tokens, args.live, weights_->token_embd(),
+               w.x.data(), stream);
+
+  llama::AttentionArgs attention;
+  attention.rows = args.rows;
+  attention.tokens_per_row = args.tokens_per_row;
+  attention.heads = c.heads;
+  attention.kv_heads = c.kv_heads;
+  attention.head_dim = c.head_dim;
+  attention.max_seq_len = options_.max_seq_len;
+  attention.pool_size = options_.pool_size;
+  attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  attention.q = w.q.data();
+  attention.slot_table = args.slot_table;
+  attention.seq_lens = args.seq_lens;
+  attention.positions = args.positions;
+  attention.live = args.live;
+  attention.out = w.o.data();
+  attention.partial_acc = w.partial_acc.data();
+  attention.partial_ml = w.partial_ml.data();
+  attention.counters = w.counters.data();
+  attention.max_chunks = llama::attention_chunks(options_.max_seq_len);
+  attention.splits =
+      llama::choose_attention_splits(args.rows, c.kv_heads, options_.max_seq_len, w.multiprocessors);
+
+  llama::GemmArgs g;
+  g.tokens = T;
+  g.tokens_per_row = args.tokens_per_row;
+  g.live = args.live;
+  g.eps = c.rms_eps;
+  for (size_t local = 0; local < layers_.size(); ++local) {
+    const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
+    uint16_t* kv = kv_.data() + local * size_t(options_.pool_size) * 2 * kvd;
+
+    llama::GemmArgs qkv = g;
+    qkv.n = qd + 2 * kvd;
+    qkv.k = c.hidden;
+    qkv.weight = layer.qkv;
+    qkv.x = w.x.data();
+    qkv.norm_weight = layer.attn_norm;
+    qkv.out_bf16 = w.q.data();
+    qkv.q_dim = qd;
+    qkv.kv_dim = kvd;
+    qkv.head_dim = c.head_dim;
+    qkv.pool_size = options_.pool_size;
+    qkv.inv_freq = weights_->rope_inv_freq();
+    qkv.positions = args.positions;
+    qkv.out_slots = args.out_slots;
+    qkv.kv = kv;
+    llama::gemm(llama::GemmEpilogue::kQkvRope, qkv, stream);
+
+    attention.kv = kv;
+    llama::attention(attention, stream);
+
+    llama::GemmArgs o = g;
+    o.n = c.hidden;
+    o.k = qd;
+    o.weight = layer.o;
+    o.a_bf16 = w.o.data();
+    o.residual = w.x.data();
+    llama::gemm(llama::GemmEpilogue::kResidualAdd, o, stream);
+
+    llama::GemmArgs gate_up = g;
+    gate_up.n = 2 * c.ffn;
+    gate_up.k = c.hidden;
+    gate_up.weight = layer.gate_up;
+    gate_up.x = w.x.data();
+    gate_up.norm_weight = layer.ffn_norm;
+    gate_up.out_bf16 = w.act.data();
+    llama::gemm(llama::GemmEpilogue::kSwiGlu, gate_up, stream);
+
+    llama::GemmArgs down = g;
+    down.n = c.hidden;
+    down.k = c.ffn;
+    down.weight = layer.down;
+    down.a_bf16 = w.act.data();
+    down.residual = w.x.data();
+    llama::gemm(llama::GemmEpilogue::kResidualAdd, down, stream);
+  }
+
+  llama::GemmArgs head = g;
+  head.n = weights_->vocab_padded();
+  head.logits_cols = c.vocab;
+  head.k = c.hidden;
+  head.weight = weights_->head();
+  head.x = w.x.data();
+  head.norm_weight = weights_->output_norm();
+  head.logits = args.logits;
+  head.logits_dtype = options_.logits_dtype;
+  llama::gemm(llama::GemmEpilogue::kLogits, head, stream);
+}
+
+} // namespace smcgraph

@@ -1,0 +1,103 @@
+// The engine's host-side argument checks (see engine_validation.hpp). No CUDA call: the CPU suites and the
+// fuzz target run them without a device.
+#include "runtime/engine_validation.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/smc_kernels.hpp"
+
+namespace smcgraph {
+namespace {
+
+constexpr const char* kConfig = "EngineConfig";
+
+std::string join(const std::vector<int>& values) {
+  std::string text = "[";
+  for (size_t i = 0; i < values.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
+
+} // namespace
+
+void validate_engine_config(const EngineConfig& c) {
+  require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind",
+          static_cast<int>(c.kind), "must be kSmc or kSpeculative");
+  require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
+  require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
+          "must be 1 for the speculative cycle");
+  require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps,
+          "must be in [1, 64]");
+  require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
+          "must be in [1, 256]");
+  require(c.max_requests >= 1 && c.max_requests <= 4096, kConfig, "max_requests", c.max_requests,
+          "must be in [1, 4096]");
+  require(c.max_seq_len >= c.draft_steps + 4, kConfig, "max_seq_len", c.max_seq_len,
+          "must be >= draft_steps + 4 (a 1-token prompt, its first token and one cycle)");
+  require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size,
+          "must be >= 2 (slot 0 is the dummy)");
+  // Slot ids, counts and the freed-slot bitmap's word count are 32-bit ints on the device.
+  require(c.slot_pool_size <= (1 << 30), kConfig, "slot_pool_size", c.slot_pool_size, "must be <= 2^30");
+  // SMC weights divide by q, so its draft must sample (T_d > 0); speculative decoding may draft greedily.
+  if (c.kind == CycleKind::kSmc)
+    require(std::isfinite(c.draft_temperature) && c.draft_temperature > 0.0f, kConfig, "draft_temperature",
+            c.draft_temperature, "must be finite and > 0 for the SMC cycle");
+  else
+    require(std::isfinite(c.draft_temperature) && c.draft_temperature >= 0.0f, kConfig, "draft_temperature",
+            c.draft_temperature, "must be finite and >= 0");
+  require(std::isfinite(c.target_temperature) && c.target_temperature >= 0.0f, kConfig, "target_temperature",
+          c.target_temperature, "must be finite and >= 0");
+  require(std::isfinite(c.alpha) && c.alpha > 0.0f, kConfig, "alpha", c.alpha, "must be finite and > 0");
+  require(c.tau >= 0.0f && c.tau <= 1.0f, kConfig, "tau", c.tau, "must be in [0, 1]");
+  require(c.eos_id >= -1 && c.eos_id < c.vocab, kConfig, "eos_id", c.eos_id, "must be -1 or in [0, vocab)");
+  for (size_t i = 0; i < c.buckets.size(); ++i) {
+    require(c.buckets[i] >= 1 && c.buckets[i] <= c.max_requests, kConfig, "buckets", join(c.buckets),
+            "every bucket must be in [1, max_requests]");
+    require(i == 0 || c.buckets[i] > c.buckets[i - 1], kConfig, "buckets", join(c.buckets),
+            "must be strictly increasing (sorted, no duplicates)");
+  }
+  require(c.buckets.empty() || c.buckets.back() == c.max_requests, kConfig, "buckets", join(c.buckets),
+          "the largest bucket must equal max_requests");
+}
+
+namespace detail {
+
+ResolvedRequestParams validate_request(const EngineConfig& c, const std::vector<int32_t>& prompt,
+                                       const RequestParams& params) {
+  constexpr const char* kWhere = "Engine::admit";
+  require(!prompt.empty(), kWhere, "prompt.size()", 0, "the prompt must hold at least one token");
+  // In 64 bits: a prompt longer than INT_MAX must be refused, not wrap around.
+  const int64_t P = static_cast<int64_t>(prompt.size());
+  require(P + 1 + (c.draft_steps + 1) <= c.max_seq_len, kWhere, "prompt.size()", P,
+          "leaves no room for one cycle (needs prompt + draft_steps + 2 <= max_seq_len)");
+  for (int64_t i = 0; i < P; ++i) {
+    if (prompt[i] < 0 || prompt[i] >= c.vocab)
+      throw Error(std::string(kWhere) + ": prompt[" + std::to_string(i) + "] = " + std::to_string(prompt[i]) +
+                  ": token out of range [0, " + std::to_string(c.vocab) + ")");
+  }
+  ResolvedRequestParams resolved;
+  resolved.draft_temperature =
+      params.draft_temperature < 0.0f ? c.draft_temperature : params.draft_temperature;
+  resolved.target_temperature =
+      params.target_temperature < 0.0f ? c.target_temperature : params.target_temperature;
+  resolved.alpha = params.alpha < 0.0f ? c.alpha : params.alpha;
+  resolved.tau = params.tau < 0.0f ? c.tau : params.tau;
+  require(std::isfinite(resolved.draft_temperature) &&
+              (resolved.draft_temperature > 0.0f ||
+               (resolved.draft_temperature == 0.0f && c.kind == CycleKind::kSpeculative)),
+          kWhere, "params.draft_temperature", resolved.draft_temperature,
+          "must be finite and > 0 (>= 0 for speculative)");
+  require(std::isfinite(resolved.target_temperature), kWhere, "params.target_temperature",
+          resolved.target_temperature, "must be finite and >= 0");
+  require(std::isfinite(resolved.alpha) && resolved.alpha > 0.0f, kWhere, "params.alpha", resolved.alpha,
+          "must be finite and > 0");
+  require(resolved.tau <= 1.0f, kWhere, "params.tau", resolved.tau, "must be in [0, 1]");
+  require(params.max_new_tokens == -1 || params.max_new_tokens >= 1, kWhere, "params.max_new_tokens",
+          params.max_new_tokens, "must be -1 or >= 1");
+  return resolved;
+}
+
+} // namespace detail
+} // namespace smcgraph

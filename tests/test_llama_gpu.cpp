@@ -1,0 +1,631 @@
+// LlamaModel on the GPU against the host reference (tests/reference/llama_ref) on tiny random Llama files
+// (tests/support/gguf_writer), eagerly and inside captured graphs, with poisoned logits; then the engine
+// driving a tiny target and its layer-subset draft.
+//
+// Tolerance. The device follows the contract's rounding points but sums in fp32 in its own order (and uses
+// fp32 transcendentals), while the reference sums in double: every fp32 result differs by ~2^-24 relative,
+// which flips a bf16 rounding now and then, and each flip changes the next layer's inputs, so the
+// difference cascades towards the contract's own bf16 noise (its distance to the exact math, kExact), and at
+// most to that of two independent bf16 roundings (~1.4x). The bounds (reference::kLlama*, derived and
+// re-measured in tests/test_llama_cpu.cpp with an fp32-summing host reference) sit at that level:
+// |gpu - ref| <= 0.15 max(1, |ref|) per logit, argmax equal unless the reference's top-2 gap is within that
+// tolerance, rms(gpu - ref) <= rms(ref - exact) over the fp32 logits of a schedule, KV within one bf16 ulp
+// plus a slack of the head vector's rms (1/256 in the first layer run, whose inputs are the exact embeddings;
+// 0.125 deeper). Wrong math (RoPE pairing, head mapping, a missed or extra position, a wrong slot) moves
+// logits and KV by their own size, far outside.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "reference/llama_ref.hpp"
+#include "runtime/engine_state.hpp"
+#include "smcgraph/engine.hpp"
+#include "smcgraph/error.hpp"
+#include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
+#include "smcgraph/runtime.hpp"
+#include "support/engine_test_util.hpp"
+#include "support/gguf_writer.hpp"
+#include "support/test_util.hpp"
+
+using smcgraph::DeviceBuffer;
+using smcgraph::DType;
+using smcgraph::ForwardArgs;
+using smcgraph::GgufType;
+using smcgraph::LlamaHostWeights;
+using smcgraph::LlamaModel;
+using smcgraph::LlamaModelOptions;
+using smcgraph::LlamaWeights;
+using smcgraph::Stream;
+using smcgraph::reference::LlamaForwardInputs;
+using smcgraph::reference::LlamaNumerics;
+using smcgraph::reference::LlamaReference;
+using smcgraph::reference::LlamaSequences;
+using smcgraph::test::TinyLlamaSpec;
+namespace reference = smcgraph::reference;
+namespace test = smcgraph::test;
+
+namespace {
+
+constexpr uint8_t kPoison = 0xff; // NaN in fp32 and in bf16
+
+/// A tiny model file loaded twice: host weights for the reference, device weights for the models.
+struct Tiny {
+  TinyLlamaSpec spec;
+  LlamaHostWeights host;
+  std::shared_ptr<const LlamaWeights> weights;
+};
+
+std::unique_ptr<Tiny> make_tiny(const TinyLlamaSpec& spec) {
+  auto tiny = std::make_unique<Tiny>();
+  tiny->spec = spec;
+  tiny->host =
+      smcgraph::load_llama_host_weights(smcgraph::GgufFile::from_bytes(test::make_tiny_llama_gguf(spec)));
+  tiny->weights = std::make_shared<const LlamaWeights>(tiny->host);
+  return tiny;
+}
+
+struct Shape {
+  int layers, hidden, heads, kv_heads, ffn, vocab;
+  bool tied;
+  GgufType weight_type, embedding_type;
+};
+
+TinyLlamaSpec spec_of(const Shape& s, uint64_t seed, int context = 2048) {
+  TinyLlamaSpec spec;
+  spec.layers = s.layers;
+  spec.hidden = s.hidden;
+  spec.heads = s.heads;
+  spec.kv_heads = s.kv_heads;
+  spec.ffn = s.ffn;
+  spec.vocab = s.vocab;
+  spec.tied = s.tied;
+  spec.weight_type = s.weight_type;
+  spec.embedding_type = s.embedding_type;
+  spec.context = context;
+  spec.seed = seed;
+  return spec;
+}
+
+LlamaModelOptions options_of(int pool_size, int max_seq_len, int max_tokens, DType dtype,
+                             std::vector<int> layers = {}) {
+  LlamaModelOptions options;
+  options.pool_size = pool_size;
+  options.max_seq_len = max_seq_len;
+  options.max_tokens_per_forward = max_tokens;
+  options.logits_dtype = dtype;
+  options.layers = std::move(layers);
+  return options;
+}
+
+/// Device copies of a forward's inputs and a logits buffer; args() points at them.
+struct DeviceBatch {
+  int rows = 0, tokens_per_row = 0;
+  DeviceBuffer<int32_t> tokens, positions, slot_table, seq_lens, out_slots;
+  DeviceBuffer<uint8_t> live, logits;
+
+  DeviceBatch(const LlamaForwardInputs& in, int vocab, DType dtype, cudaStream_t stream)
+      : rows(in.rows), tokens_per_row(in.tokens_per_row), tokens(test::to_device(in.tokens, stream)),
+        positions(test::to_device(in.positions, stream)), slot_table(test::to_device(in.slot_table, stream)),
+        seq_lens(test::to_device(in.seq_lens, stream)), out_slots(test::to_device(in.out_slots, stream)),
+        live(test::to_device(in.live, stream)),
+        logits(static_cast<size_t>(in.rows) * in.tokens_per_row * vocab * smcgraph::dtype_bytes(dtype)) {}
+
+  ForwardArgs args() {
+    return ForwardArgs{rows,
+                       tokens_per_row,
+                       tokens.data(),
+                       positions.data(),
+                       slot_table.data(),
+                       seq_lens.data(),
+                       out_slots.data(),
+                       live.data(),
+                       logits.data()};
+  }
+  std::vector<uint8_t> download(cudaStream_t stream) const {
+    return test::to_host(logits.data(), logits.size(), stream);
+  }
+};
+
+/// Logits <- poison, then one forward (eagerly, or captured into a graph and replayed once); the bytes.
+std::vector<uint8_t> run_forward(LlamaModel& model, DeviceBatch& batch, bool captured, cudaStream_t stream) {
+  batch.logits.fill_bytes(kPoison, stream);
+  const ForwardArgs args = batch.args();
+  test::run_on_stream(captured, stream, [&](cudaStream_t s) { model.forward(args, s); });
+  return batch.download(stream);
+}
+
+std::vector<double> decode_logits(const std::vector<uint8_t>& bytes, DType dtype) {
+  const size_t element = smcgraph::dtype_bytes(dtype);
+  std::vector<double> values(bytes.size() / element);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kFloat32) {
+      float value;
+      std::memcpy(&value, bytes.data() + 4 * i, 4);
+      values[i] = value;
+    } else {
+      uint16_t bits;
+      std::memcpy(&bits, bytes.data() + 2 * i, 2);
+      values[i] = test::bf16_to_float(bits);
+    }
+  }
+  return values;
+}
+
+/// Empty when every byte of every padding row still holds the poison.
+std::string padding_problem(const LlamaForwardInputs& in, const std::vector<uint8_t>& bytes) {
+  const size_t row_bytes = bytes.size() / in.rows;
+  for (int row = 0; row < in.rows; ++row) {
+    if (in.live[row])
+      continue;
+    const auto begin = bytes.begin() + row * row_bytes;
+    if (!std::all_of(begin, begin + row_bytes, [](uint8_t b) { return b == kPoison; }))
+      return "padding row " + std::to_string(row) + " had its logits written";
+  }
+  return {};
+}
+
+std::vector<uint16_t> download_kv(const LlamaModel& model, cudaStream_t stream) {
+  const smcgraph::LlamaConfig& c = model.config();
+  const size_t count =
+      model.layers().size() * static_cast<size_t>(model.options().pool_size) * 2 * c.kv_heads * c.head_dim;
+  return test::to_host(model.kv_data(), count, stream);
+}
+
+/// The forward that feeds `tokens_per_row` tokens of the live rows for which `active(row)` holds (the other
+/// rows are padding this time), and advances them.
+template <class Active>
+LlamaForwardInputs step_inputs(LlamaSequences& s, int tokens_per_row, Active active,
+                               std::mt19937_64& engine) {
+  LlamaSequences view = s;
+  for (size_t row = 0; row < s.live.size(); ++row)
+    view.live[row] = s.live[row] && active(static_cast<int>(row)) ? 1 : 0;
+  const LlamaForwardInputs in = view.next(tokens_per_row, engine);
+  view.advance(tokens_per_row);
+  s.done = view.done;
+  return in;
+}
+
+/// One layer list under test: an fp32-logits and a bf16-logits model sharing the weights, and the contract
+/// and exact references of the same layers.
+struct Subject {
+  std::vector<int> layers;
+  std::unique_ptr<LlamaModel> fp32, bf16;
+  std::unique_ptr<LlamaReference> contract, exact;
+  double error_squares = 0.0, noise_squares = 0.0;
+  size_t compared = 0;
+  int near_ties = 0;
+  double max_error = 0.0;
+
+  Subject(const Tiny& tiny, std::vector<int> layer_list, int pool, int max_seq_len, int max_tokens)
+      : layers(std::move(layer_list)) {
+    fp32 = std::make_unique<LlamaModel>(tiny.weights,
+                                        options_of(pool, max_seq_len, max_tokens, DType::kFloat32, layers));
+    bf16 = std::make_unique<LlamaModel>(tiny.weights,
+                                        options_of(pool, max_seq_len, max_tokens, DType::kBFloat16, layers));
+    contract =
+        std::make_unique<LlamaReference>(tiny.host, layers, pool, max_seq_len, LlamaNumerics::kContract);
+    exact = std::make_unique<LlamaReference>(tiny.host, layers, pool, max_seq_len, LlamaNumerics::kExact);
+  }
+
+  /// One forward on both models (eager, then captured: bit-identical) against the references; KV checked.
+  void forward(const LlamaForwardInputs& in, cudaStream_t stream) {
+    const int vocab = contract->config().vocab;
+    std::vector<double> want(static_cast<size_t>(in.rows) * in.tokens_per_row * vocab, 0.0), ideal = want;
+    contract->forward(in, want);
+    exact->forward(in, ideal);
+    std::vector<uint8_t> fp32_bytes;
+    for (LlamaModel* model : {fp32.get(), bf16.get()}) {
+      const DType dtype = model->logits_dtype();
+      const char* dtype_text = smcgraph::dtype_name(dtype);
+      CAPTURE(dtype_text);
+      DeviceBatch batch(in, vocab, dtype, stream);
+      // The forward is idempotent: it rewrites the same KV before reading it, so the replay sees the same
+      // state.
+      const std::vector<uint8_t> eager = run_forward(*model, batch, false, stream);
+      const std::vector<uint8_t> graphed = run_forward(*model, batch, true, stream);
+      CHECK_MESSAGE(eager == graphed, "graph replay differs from the eager forward");
+      const std::string padding = padding_problem(in, eager);
+      CHECK_MESSAGE(padding.empty(), padding);
+      const reference::LogitsAgreement agreement = reference::compare_logits(
+          in, vocab, decode_logits(eager, dtype), want, &ideal, reference::kLlamaLogitTolerance);
+      CHECK_MESSAGE(agreement.ok(), agreement.problem << " (" << agreement.summary() << ")");
+      const reference::KvAgreement kv =
+          reference::compare_kv(download_kv(*model, stream), *contract, reference::kLlamaKvFirstLayerSlack,
+                                reference::kLlamaKvSlack);
+      CHECK_MESSAGE(kv.ok(), kv.problem);
+      if (dtype == DType::kFloat32) {
+        fp32_bytes = eager;
+        error_squares += agreement.rms_error * agreement.rms_error * agreement.compared;
+        noise_squares += agreement.rms_noise * agreement.rms_noise * agreement.compared;
+        compared += agreement.compared;
+        near_ties += agreement.near_ties;
+        max_error = std::max(max_error, agreement.max_error);
+        continue;
+      }
+      // bf16 logits are the fp32 logits rounded to nearest even (same weights, same KV, same kernels).
+      size_t differing = 0;
+      for (size_t i = 0; i < eager.size() / 2; ++i) {
+        if (!in.live[i / (static_cast<size_t>(in.tokens_per_row) * vocab)])
+          continue;
+        float value;
+        std::memcpy(&value, fp32_bytes.data() + 4 * i, 4);
+        uint16_t bits;
+        std::memcpy(&bits, eager.data() + 2 * i, 2);
+        differing += bits != test::float_to_bf16(value);
+      }
+      CHECK_MESSAGE(differing == 0, differing << " bf16 logits are not the rounded fp32 logits");
+    }
+  }
+
+  /// The schedule's noise ratio (fp32 logits) and a summary line.
+  std::string finish() const {
+    const double ratio = noise_squares > 0.0 ? std::sqrt(error_squares / noise_squares) : 0.0;
+    CHECK_MESSAGE(ratio <= reference::kLlamaNoiseFraction,
+                  "rms(gpu - contract) / rms(contract - exact) = " << ratio);
+    return std::to_string(compared) + " fp32 logits: max scaled error " + std::to_string(max_error) +
+           ", rms error / contract noise " + std::to_string(ratio) + ", near ties " +
+           std::to_string(near_ties);
+  }
+};
+
+std::string layers_text(const std::vector<int>& layers) {
+  if (layers.empty())
+    return "all";
+  std::string text;
+  for (int l : layers) {
+    if (!text.empty())
+      text += ',';
+    text += std::to_string(l);
+  }
+  return text;
+}
+
+} // namespace
+
+TEST_CASE("llama forward equals the reference: shapes, block sizes, slot tables, padding, graphs, drafts") {
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const Shape shapes[] = {
+      {3, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},    // head_dim 16, grouped KV
+      {3, 128, 4, 4, 256, 1000, false, GgufType::kQ8_0, GgufType::kF16}, // head_dim 32, untied head
+      {2, 128, 2, 1, 160, 517, true, GgufType::kF16, GgufType::kF16},    // head_dim 64, one KV head
+      {3, 256, 2, 2, 256, 700, false, GgufType::kQ4_1, GgufType::kQ8_0}, // head_dim 128 (the maximum)
+  };
+  constexpr int kPool = 1024, kMaxSeqLen = 128, kMaxTokens = 256, kRows = 6;
+  for (const Shape& shape : shapes) {
+    const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+    const std::vector<int> subset = shape.layers == 3 ? std::vector<int>{0, 2} : std::vector<int>{1};
+    for (const std::vector<int>& layers : {std::vector<int>{}, subset}) {
+      const std::string layer_list = layers_text(layers);
+      CAPTURE(shape.hidden);
+      CAPTURE(shape.heads);
+      CAPTURE(shape.kv_heads);
+      CAPTURE(layer_list);
+      Subject subject(*tiny, layers, kPool, kMaxSeqLen, kMaxTokens);
+      // Random distinct slots (never 0); even rows start with a 37-token prefill block, odd rows join later,
+      // so rows sit at different positions in every later forward.
+      LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 80), shape.vocab, kPool,
+                                                           kMaxSeqLen, 0.7, rng.engine());
+      const std::pair<int, int> schedule[] = {{37, 0}, {9, 2}, {5, 2}, {2, 2}, {1, 2}, {1, 1}, {5, 2}};
+      for (const auto& [per_row, who] : schedule) {
+        CAPTURE(per_row);
+        const auto active = [who = who](int row) { return who == 2 || row % 2 == who; };
+        const LlamaForwardInputs in = step_inputs(s, per_row, active, rng.engine());
+        subject.forward(in, stream);
+      }
+      MESSAGE("hidden ", shape.hidden, ", layers ", layer_list, ": ", subject.finish());
+    }
+  }
+}
+
+TEST_CASE("llama forward: a long row runs the split-KV attention and matches the reference") {
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const Shape shape{2, 64, 4, 2, 128, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  constexpr int kPool = 2048, kMaxSeqLen = 2048, kMaxTokens = 1024; // 2 rows x 499
+  Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens);
+  LlamaSequences s =
+      reference::random_llama_sequences({1500, 302}, shape.vocab, kPool, kMaxSeqLen, 1.0, rng.engine());
+  const auto row = [](int which) { return [which](int r) { return r == which; }; };
+  const auto every_row = [](int) { return true; };
+  for (int block = 0; block < 3; ++block) { // row 0's prefill in blocks of 499 tokens, row 1 padding
+    const LlamaForwardInputs in = step_inputs(s, 499, row(0), rng.engine());
+    subject.forward(in, stream);
+  }
+  subject.forward(step_inputs(s, 299, row(1), rng.engine()), stream);
+  // Both rows decode one token at a time: row 0 reads ~1500 positions (several splits), row 1 ~300.
+  for (int decode = 0; decode < 3; ++decode) {
+    CAPTURE(decode);
+    subject.forward(step_inputs(s, 1, every_row, rng.engine()), stream);
+  }
+  CHECK(s.done[0] == 1500);
+  MESSAGE("long row: ", subject.finish());
+}
+
+TEST_CASE("llama forward: argument errors and option validation") {
+  Stream stream;
+  const Shape shape{3, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, 7, 256));
+  LlamaModel model(tiny->weights, options_of(64, 32, 16, DType::kFloat32));
+  CHECK(model.vocab() == 300);
+  CHECK(model.max_seq_len() == 32);
+  CHECK(model.layers() == std::vector<int>{0, 1, 2});
+  CHECK(model.launches_per_forward() >= 2 + 3 * 5);
+  CHECK(model.weight_bytes_per_forward() > static_cast<size_t>(300) * 64 * 2);
+  CHECK(tiny->weights->device_bytes() > 0);
+
+  test::Rng rng(5);
+  LlamaSequences s = reference::random_llama_sequences({8, 8, 8, 8}, 300, 64, 32, 1.0, rng.engine());
+  const LlamaForwardInputs in = s.next(5, rng.engine()); // 4 x 5 = 20 tokens > 16
+  DeviceBatch batch(in, 300, DType::kFloat32, stream);
+  auto message_of = [&](const ForwardArgs& args) -> std::string {
+    try {
+      model.forward(args, stream);
+    } catch (const smcgraph::Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  std::string e = message_of(batch.args());
+  CHECK_MESSAGE(e.find("max_tokens_per_forward") != std::string::npos, e);
+  ForwardArgs fits = batch.args();
+  fits.rows = 3; // 15 tokens fit
+  CHECK_NOTHROW(model.forward(fits, stream));
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (int which = 0; which < 7; ++which) {
+    CAPTURE(which);
+    ForwardArgs args = fits;
+    switch (which) {
+    case 0:
+      args.tokens = nullptr;
+      break;
+    case 1:
+      args.positions = nullptr;
+      break;
+    case 2:
+      args.slot_table = nullptr;
+      break;
+    case 3:
+      args.seq_lens = nullptr;
+      break;
+    case 4:
+      args.out_slots = nullptr;
+      break;
+    case 5:
+      args.live = nullptr;
+      break;
+    default:
+      args.logits = nullptr;
+      break;
+    }
+    e = message_of(args);
+    CHECK_MESSAGE(e.find("pointer") != std::string::npos, e);
+  }
+  ForwardArgs bad = fits;
+  bad.tokens_per_row = 0;
+  CHECK_THROWS_AS(model.forward(bad, stream), smcgraph::Error);
+  bad = fits;
+  bad.rows = 0; // a no-op
+  CHECK_NOTHROW(model.forward(bad, stream));
+
+  auto construction_error = [&](const LlamaModelOptions& options) -> std::string {
+    try {
+      LlamaModel m(tiny->weights, options);
+    } catch (const smcgraph::Error& error) {
+      return error.what();
+    }
+    return "no error";
+  };
+  e = construction_error(options_of(64, 32, 16, DType::kFloat32, {1, 0}));
+  CHECK_MESSAGE(e.find("layers") != std::string::npos, e);
+  e = construction_error(options_of(64, 32, 16, DType::kFloat32, {0, 3}));
+  CHECK_MESSAGE(e.find("layers") != std::string::npos, e);
+  e = construction_error(options_of(64, 32, 16, DType::kFloat32, {2, 2}));
+  CHECK_MESSAGE(e.find("layers") != std::string::npos, e);
+  e = construction_error(options_of(1, 32, 16, DType::kFloat32));
+  CHECK_MESSAGE(e.find("pool_size") != std::string::npos, e);
+  e = construction_error(options_of(64, 257, 16, DType::kFloat32)); // context 256
+  CHECK_MESSAGE(e.find("max_seq_len") != std::string::npos, e);
+  e = construction_error(options_of(64, 32, 16, DType::kFloat16));
+  CHECK_MESSAGE(e.find("logits_dtype") != std::string::npos, e);
+  e = construction_error(options_of(64, 32, 0, DType::kFloat32));
+  CHECK_MESSAGE(e.find("max_tokens_per_forward") != std::string::npos, e);
+  CHECK_THROWS_AS(LlamaModel(nullptr, options_of(64, 32, 16, DType::kFloat32)), smcgraph::Error);
+}
+
+namespace {
+
+constexpr int kEnginePool = 1 << 13, kEngineMaxSeqLen = 160, kEngineMaxTokens = 256;
+
+/// A target (all layers) and a layer-subset draft over one tiny model, with their own KV.
+struct LlamaPair {
+  std::unique_ptr<LlamaModel> draft, target;
+  explicit LlamaPair(const Tiny& tiny) {
+    target = std::make_unique<LlamaModel>(
+        tiny.weights, options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+    draft = std::make_unique<LlamaModel>(
+        tiny.weights, options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 2}));
+  }
+};
+
+smcgraph::EngineConfig engine_config(smcgraph::CycleKind kind, int vocab) {
+  smcgraph::EngineConfig c;
+  c.kind = kind;
+  c.vocab = vocab;
+  c.max_seq_len = kEngineMaxSeqLen;
+  c.slot_pool_size = kEnginePool;
+  return c;
+}
+
+/// Whether each generated token is the target's greedy choice given the prompt and the tokens before it:
+/// one teacher-forced forward of the whole sequence on a separate target model. A token other than the
+/// argmax is excused when within the logit tolerance of it (the engine's forwards batch differently).
+struct GreedyCheck {
+  int tokens = 0, exact = 0, near_ties = 0;
+  std::string problem;
+};
+void check_greedy(LlamaModel& checker, const std::vector<int32_t>& prompt,
+                  const std::vector<int32_t>& generated, GreedyCheck& check, cudaStream_t stream) {
+  const int P = static_cast<int>(prompt.size()), G = static_cast<int>(generated.size());
+  const int vocab = checker.vocab(), max_seq_len = checker.max_seq_len();
+  LlamaForwardInputs in;
+  in.rows = 1;
+  in.tokens_per_row = P + G - 1;
+  in.tokens = prompt;
+  in.tokens.insert(in.tokens.end(), generated.begin(), generated.end() - 1);
+  in.slot_table.assign(max_seq_len, 0);
+  for (int p = 0; p < in.tokens_per_row; ++p) {
+    in.positions.push_back(p);
+    in.out_slots.push_back(p + 1);
+    in.slot_table[p] = p + 1;
+  }
+  in.seq_lens = {in.tokens_per_row};
+  in.live = {1};
+  DeviceBatch batch(in, vocab, DType::kFloat32, stream);
+  const std::vector<double> logits =
+      decode_logits(run_forward(checker, batch, false, stream), DType::kFloat32);
+  for (int i = 0; i < G; ++i) {
+    const double* l = logits.data() + static_cast<size_t>(P - 1 + i) * vocab;
+    const int top = static_cast<int>(std::max_element(l, l + vocab) - l);
+    ++check.tokens;
+    if (generated[i] == top) {
+      ++check.exact;
+      continue;
+    }
+    const double gap = l[top] - l[generated[i]];
+    if (generated[i] >= 0 && generated[i] < vocab &&
+        gap <= reference::kLlamaLogitTolerance * std::max(1.0, std::abs(l[top]))) {
+      ++check.near_ties;
+    } else if (check.problem.empty()) {
+      check.problem = "token " + std::to_string(i) + " = " + std::to_string(generated[i]) + ", greedy " +
+                      std::to_string(top) + " (gap " + std::to_string(gap) + ")";
+    }
+  }
+}
+
+} // namespace
+
+TEST_CASE(
+    "llama engine: greedy speculative decoding with a layer-subset draft is the target's greedy decoding") {
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  const Shape shape{3, 128, 4, 2, 256, 512, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  LlamaModel checker(tiny->weights, options_of(256, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+  Stream checker_stream;
+  constexpr int kNewTokens = 48;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 8 + 4 + 2 + 1; ++i)
+    prompts.push_back(test::random_prompt(rng, shape.vocab, 32));
+  std::vector<std::vector<int32_t>> first_run;
+  for (bool graphs : {true, false}) {
+    smcgraph::EngineConfig config = engine_config(smcgraph::CycleKind::kSpeculative, shape.vocab);
+    config.particles = 1;
+    config.draft_steps = 4;
+    config.max_requests = 8;
+    config.draft_temperature = 0.0f;
+    config.target_temperature = 0.0f;
+    config.use_graphs = graphs;
+    LlamaPair models(*tiny);
+    smcgraph::Engine engine(config, *models.draft, *models.target);
+    GreedyCheck check;
+    std::vector<std::vector<int32_t>> outputs;
+    long accepted = 0, cycles = 0;
+    size_t next_prompt = 0;
+    for (int bucket : {1, 2, 4, 8}) {
+      std::vector<smcgraph::RequestId> ids;
+      std::vector<size_t> prompt_of;
+      for (int i = 0; i < bucket; ++i) {
+        prompt_of.push_back(next_prompt);
+        ids.push_back(engine.admit(prompts[next_prompt++], {.seed = 1, .max_new_tokens = kNewTokens}));
+      }
+      CHECK(engine.current_bucket() == bucket);
+      std::set<smcgraph::RequestId> open(ids.begin(), ids.end());
+      while (!open.empty()) {
+        engine.step();
+        ++cycles;
+        for (const smcgraph::RequestUpdate& update : engine.poll()) {
+          REQUIRE_FALSE(update.failed);
+          accepted += static_cast<long>(update.tokens[0].size()) - 1;
+          if (update.finished)
+            open.erase(update.id);
+        }
+      }
+      for (int i = 0; i < bucket; ++i) {
+        const smcgraph::RequestResult result = engine.result(ids[i]);
+        REQUIRE(result.tokens.size() >= static_cast<size_t>(kNewTokens));
+        const std::vector<int32_t> generated(result.tokens.begin(), result.tokens.begin() + kNewTokens);
+        check_greedy(checker, prompts[prompt_of[i]], generated, check, checker_stream);
+        outputs.push_back(generated);
+        engine.release(ids[i]);
+      }
+      const smcgraph::SlotCheck slots = test::check_invariants(engine);
+      CHECK_MESSAGE(slots.ok, slots.problem);
+    }
+    CHECK_MESSAGE(check.problem.empty(), check.problem);
+    CHECK(check.near_ties * 10 <= check.tokens); // the engine's and the checker's forwards batch differently
+    CHECK(test::check_invariants(engine).free == config.slot_pool_size - 1);
+    MESSAGE((graphs ? "graphed" : "eager"), ": ", check.tokens, " tokens, ", check.exact,
+            " the teacher-forced argmax, ", check.near_ties,
+            " near ties; mean accepted draft tokens per cycle ",
+            static_cast<double>(accepted) / std::max<long>(1, cycles));
+    if (first_run.empty())
+      first_run = outputs;
+    else
+      CHECK(outputs == first_run); // graph and eager run the same kernels on the same inputs
+  }
+}
+
+TEST_CASE("llama engine: SMC cycles with a layer-subset draft keep the slot invariants") {
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  smcgraph::EngineConfig config = engine_config(smcgraph::CycleKind::kSmc, shape.vocab);
+  config.particles = 4;
+  config.draft_steps = 4;
+  config.max_requests = 4;
+  config.draft_temperature = 0.9f;
+  config.target_temperature = 1.0f;
+  LlamaPair models(*tiny);
+  smcgraph::Engine engine(config, *models.draft, *models.target);
+  std::vector<smcgraph::RequestId> ids;
+  for (int i = 0; i < 3; ++i)
+    ids.push_back(engine.admit(test::random_prompt(rng, shape.vocab, 20), {.seed = rng.bits()}));
+  REQUIRE(test::check_invariants(engine).ok);
+  for (int c = 0; c < 20; ++c) {
+    CAPTURE(c);
+    const std::vector<smcgraph::RequestUpdate> updates = test::cycle(engine);
+    REQUIRE(updates.size() == ids.size());
+    for (const smcgraph::RequestUpdate& update : updates) {
+      CHECK_FALSE(update.failed);
+      REQUIRE(update.tokens.size() == static_cast<size_t>(config.particles));
+      for (const std::vector<int32_t>& tokens : update.tokens) {
+        CHECK(tokens.size() == static_cast<size_t>(config.draft_steps + 1));
+        for (int32_t t : tokens)
+          CHECK((t >= 0 && t < shape.vocab));
+      }
+    }
+    const smcgraph::SlotCheck check = test::check_invariants(engine);
+    CHECK_MESSAGE(check.ok, check.problem);
+  }
+  for (smcgraph::RequestId id : ids) {
+    const smcgraph::RequestResult result = engine.result(id);
+    CHECK(result.tokens.size() == static_cast<size_t>(1 + 20 * (config.draft_steps + 1)));
+    CHECK(std::isfinite(result.log_evidence));
+    engine.release(id);
+  }
+  const smcgraph::SlotCheck check = test::check_invariants(engine);
+  CHECK(check.ok);
+  CHECK(check.free == config.slot_pool_size - 1);
+}
