@@ -1,0 +1,193 @@
+// The real model pair (SmolLM2-135M-Instruct, ./run fetch-model) through the engine: greedy speculative
+// decoding with the layer-subset draft equals greedy target-only decoding token for token, over 16 chat
+// prompts x 256 tokens, in every bucket, eager and graphed. The target-only reference is a host loop of
+// one-token forwards (the prompt prefilled in one forward, as admission does), argmax on the host. LlamaModel
+// is batch-invariant (a token's logits do not depend on the rows or tokens around it), so the equality is
+// exact, not up to ties. Skips with a message when the model file is absent (SMCGRAPH_MODEL_PATH or
+// .cache/models/).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "smcgraph/engine.hpp"
+#include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
+#include "smcgraph/runtime.hpp"
+#include "smcgraph/tokenizer.hpp"
+#include "support/engine_test_util.hpp"
+#include "support/test_util.hpp"
+
+namespace {
+
+using namespace smcgraph;
+
+constexpr const char* kQuestions[] = {
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the ocean at night.",
+    "Explain what a GPU is to a ten-year-old.",
+    "List three tips for staying focused while studying.",
+    "How do I make a cup of green tea?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What are the benefits of regular exercise?",
+    "Translate 'good morning, how are you?' into Spanish and French.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "What is 17 times 23? Show your work.",
+    "Describe a cat to someone who has never seen one.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a friendly robot.",
+    "How many continents are there, and what are they?",
+};
+
+/// Greedy target-only decoding: the prompt in one forward, then one token per forward; argmax on the host.
+std::vector<int32_t> greedy_reference(LlamaModel& model, const std::vector<int32_t>& prompt, int new_tokens,
+                                      int max_seq_len, cudaStream_t stream) {
+  const int vocab = model.vocab();
+  const int P = static_cast<int>(prompt.size());
+  std::vector<int32_t> slots(max_seq_len), positions(max_seq_len);
+  for (int p = 0; p < max_seq_len; ++p) {
+    slots[p] = p + 1; // this model's own KV storage; slot 0 stays the dummy
+    positions[p] = p;
+  }
+  DeviceBuffer<int32_t> d_slots = test::to_device(slots, stream),
+                        d_positions = test::to_device(positions, stream);
+  DeviceBuffer<int32_t> d_tokens(max_seq_len), d_seq_len(1);
+  DeviceBuffer<uint8_t> d_live = test::to_device(std::vector<uint8_t>{1}, stream);
+  DeviceBuffer<float> d_logits(static_cast<size_t>(P) * vocab);
+  std::vector<int32_t> sequence = prompt, generated;
+  int begin = 0;
+  while (static_cast<int>(generated.size()) < new_tokens) {
+    const int n = static_cast<int>(sequence.size()) - begin;
+    d_tokens.copy_from_host(sequence.data() + begin, n, stream);
+    const int32_t seq_len = begin + n;
+    d_seq_len.copy_from_host(&seq_len, 1, stream);
+    const ForwardArgs args{1,
+                           n,
+                           d_tokens.data(),
+                           d_positions.data() + begin,
+                           d_slots.data(),
+                           d_seq_len.data(),
+                           d_slots.data() + begin,
+                           d_live.data(),
+                           d_logits.data()};
+    model.forward(args, stream);
+    const std::vector<float> last = test::to_host(d_logits.data() + static_cast<size_t>(n - 1) * vocab,
+                                                  static_cast<size_t>(vocab), stream);
+    const int32_t next = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    generated.push_back(next);
+    begin = static_cast<int>(sequence.size());
+    sequence.push_back(next);
+  }
+  return generated;
+}
+
+} // namespace
+
+TEST_CASE(
+    "real model: greedy speculative decoding equals greedy target-only decoding, every bucket, eager and "
+    "graphed") {
+  const std::string path = default_llama_model_path();
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: real model file not found (run ./run fetch-model)");
+    return;
+  }
+  const GgufFile file = GgufFile::open(path);
+  const Tokenizer tokenizer = Tokenizer::from_gguf(file);
+  const auto weights = load_llama_weights(file);
+  // Sanitizers slow every kernel 10-1000x: fewer prompts, tokens and buckets, same paths.
+  const int prompts_used = test::sanitizer_scaled(16, 3, 2);
+  const int new_tokens = test::sanitizer_scaled(256, 12, 6);
+  const std::vector<int> buckets =
+      test::under_sanitizer() ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 4, 8, 16};
+  constexpr int kSteps = 4;
+  std::vector<std::vector<int32_t>> prompts;
+  size_t longest = 0;
+  for (int i = 0; i < prompts_used; ++i) {
+    prompts.push_back(tokenizer.encode(tokenizer.apply_chat_template({{"user", kQuestions[i]}}, true)));
+    longest = std::max(longest, prompts.back().size());
+  }
+  const int max_seq_len = static_cast<int>((longest + new_tokens + 2 * (kSteps + 1) + 127) / 128 * 128);
+  const int max_requests = buckets.back();
+
+  LlamaModelOptions options;
+  options.max_seq_len = max_seq_len;
+  options.pool_size = max_requests * max_seq_len + 1;
+  options.max_tokens_per_forward = std::max<int>(128, max_requests * (kSteps + 1));
+  options.logits_dtype = DType::kFloat32;
+
+  // The reference: target-only greedy decoding of every prompt.
+  std::vector<std::vector<int32_t>> reference;
+  {
+    LlamaModelOptions reference_options = options;
+    reference_options.max_tokens_per_forward = static_cast<int>(longest);
+    reference_options.pool_size = max_seq_len + 1;
+    LlamaModel target(weights, reference_options);
+    Stream stream;
+    for (const std::vector<int32_t>& prompt : prompts)
+      reference.push_back(greedy_reference(target, prompt, new_tokens, max_seq_len, stream));
+  }
+
+  for (const bool graphs : {true, false}) {
+    LlamaModel target(weights, options);
+    LlamaModelOptions draft_options = options;
+    draft_options.layers = parse_llama_layers("0-27");
+    LlamaModel draft(weights, draft_options);
+    EngineConfig config;
+    config.kind = CycleKind::kSpeculative;
+    config.vocab = target.vocab();
+    config.particles = 1;
+    config.draft_steps = kSteps;
+    config.max_requests = max_requests;
+    config.buckets = buckets;
+    config.max_seq_len = max_seq_len;
+    config.slot_pool_size = options.pool_size;
+    config.draft_temperature = 0.0f;
+    config.target_temperature = 0.0f;
+    config.use_graphs = graphs;
+    Engine engine(config, draft, target);
+    int compared = 0, mismatched = 0;
+    for (const int bucket : buckets) {
+      std::vector<RequestId> ids;
+      for (int i = 0; i < bucket; ++i)
+        ids.push_back(engine.admit(prompts[i % prompts_used], {.seed = 1, .max_new_tokens = new_tokens}));
+      REQUIRE(engine.current_bucket() == bucket);
+      std::set<RequestId> open(ids.begin(), ids.end());
+      for (int cycle = 0; !open.empty(); ++cycle) {
+        REQUIRE(cycle <= new_tokens + 1);
+        engine.step();
+        for (const RequestUpdate& update : engine.poll()) {
+          REQUIRE_MESSAGE(!update.failed, update.reason);
+          if (update.finished)
+            open.erase(update.id);
+        }
+      }
+      for (int i = 0; i < bucket; ++i) {
+        const RequestResult result = engine.result(ids[i]);
+        REQUIRE(result.tokens.size() >= static_cast<size_t>(new_tokens)); // a cycle may commit past the limit
+        const std::vector<int32_t> generated(result.tokens.begin(), result.tokens.begin() + new_tokens);
+        const std::vector<int32_t>& expected = reference[i % prompts_used];
+        ++compared;
+        if (generated != expected) {
+          ++mismatched;
+          const size_t first =
+              std::mismatch(generated.begin(), generated.end(), expected.begin()).first - generated.begin();
+          MESSAGE((graphs ? "graphed" : "eager"), " bucket ", bucket, " prompt ", i % prompts_used,
+                  ": first difference at token ", first, " (", generated[first], " vs ", expected[first],
+                  ")");
+        }
+        engine.release(ids[i]);
+      }
+      const SlotCheck slots = test::check_invariants(engine);
+      CHECK_MESSAGE(slots.ok, slots.problem);
+    }
+    CHECK(mismatched == 0);
+    MESSAGE((graphs ? "graphed" : "eager"), ": ", compared, " requests x ", new_tokens,
+            " tokens compared with greedy target-only decoding, ", mismatched, " differ");
+  }
+}
