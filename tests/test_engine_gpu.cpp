@@ -431,7 +431,7 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
   Engine& engine = *setup.engine;
   std::set<RequestId> live;
   int finished = 0, admitted = 0, compactions = 0;
-  const int cycles = test::sanitizer_scaled(2000, 200, 60);
+  const int cycles = test::sanitizer_scaled(2000, 200, 40); // racecheck: 60 did not finish in 330 s
   for (int c = 0; c < cycles; ++c) {
     if (live.size() < 8 && rng.uniform() < 0.3) {
       live.insert(
@@ -463,7 +463,7 @@ TEST_CASE("randomized churn: admissions, EOS, releases and compaction keep every
   CHECK(check.ok);
   CHECK(check.free == config.slot_pool_size - 1);
   MESSAGE("admitted " << admitted << ", finished " << finished << ", compactions " << compactions);
-  CHECK(finished > test::sanitizer_scaled(50, 5, 2));
+  CHECK(finished > test::sanitizer_scaled(50, 5, 1));
 }
 
 TEST_CASE("bad requests get clear errors") {

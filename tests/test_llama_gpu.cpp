@@ -334,12 +334,15 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
   const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
   constexpr int kPool = 2048, kMaxSeqLen = 2048, kMaxTokens = 1024; // 2 rows x 499
   Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens);
-  LlamaSequences s =
-      reference::random_llama_sequences({1500, 302}, shape.vocab, kPool, kMaxSeqLen, 1.0, rng.engine());
+  // Racecheck tracks every shared-memory access of the attention's position loop: a 600-token row there (3
+  // chunks of 256 positions, still several splits), 1500 elsewhere.
+  const int long_length = test::sanitizer_scaled(1500, 1500, 600);
+  LlamaSequences s = reference::random_llama_sequences({long_length, 302}, shape.vocab, kPool, kMaxSeqLen,
+                                                       1.0, rng.engine());
   const auto row = [](int which) { return [which](int r) { return r == which; }; };
   const auto every_row = [](int) { return true; };
-  for (int block = 0; block < 3; ++block) { // row 0's prefill in blocks of 499 tokens, row 1 padding
-    const LlamaForwardInputs in = step_inputs(s, 499, row(0), rng.engine());
+  for (int block = 0; block < 3; ++block) { // row 0's prefill in 3 blocks (499 tokens each), row 1 padding
+    const LlamaForwardInputs in = step_inputs(s, (long_length - 3) / 3, row(0), rng.engine());
     subject.forward(in, stream);
   }
   subject.forward(step_inputs(s, 299, row(1), rng.engine()), stream);
@@ -348,7 +351,7 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
     CAPTURE(decode);
     subject.forward(step_inputs(s, 1, every_row, rng.engine()), stream);
   }
-  CHECK(s.done[0] == 1500);
+  CHECK(s.done[0] == long_length);
   MESSAGE("long row: ", subject.finish());
 }
 
@@ -523,7 +526,7 @@ TEST_CASE(
   const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
   LlamaModel checker(tiny->weights, options_of(256, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
   Stream checker_stream;
-  constexpr int kNewTokens = 48;
+  const int kNewTokens = test::sanitizer_scaled(48, 48, 16); // racecheck: fewer tokens, every bucket still
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 8 + 4 + 2 + 1; ++i)
     prompts.push_back(test::random_prompt(rng, shape.vocab, 32));
