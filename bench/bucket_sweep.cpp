@@ -1608,16 +1608,21 @@ int run(const Options& o, const char* argv0) {
               run_spec ? "measured" : (spec_available ? "not requested" : "not measured"), spec_note.c_str());
   std::printf("grid: requests {%s} x N {%s} x K {%s} x V {%s} x logits {",
               join_ints(o.requests, ", ").c_str(), join_ints(o.particles, ", ").c_str(),
-              join_ints(o.steps, ", ").c_str(), join_ints(o.vocabs, ", ").c_str());
+              join_ints(o.steps, ", ").c_str(), join_ints(vocabs, ", ").c_str());
   for (size_t i = 0; i < o.dtypes.size(); ++i)
     std::printf("%s%s", i ? ", " : "", dtype_name(o.dtypes[i]));
   std::printf(
-      "}; %d cycles per phase after %d warm-up cycles from %d-token prompts; T_d %.2f, T_t %.2f, alpha %.2f, "
-      "tau %.2f; toy models hidden %d, window %d, draft perturbation %.2f; max_seq_len %d, slot pool %d\n",
+      "}; %d cycles per phase after %d warm-up cycles from %d-token prompts; T_d %.2f, T_t %.2f, alpha "
+      "%.2f, tau %.2f; ",
       o.cycles, kWarmupCycles, kPromptLength, constants.engine_defaults.draft_temperature,
       constants.engine_defaults.target_temperature, constants.engine_defaults.alpha,
-      constants.engine_defaults.tau, kToyHidden, kToyWindow, o.draft_perturbation, constants.max_seq_len,
-      constants.pool_size);
+      constants.engine_defaults.tau);
+  if (real)
+    std::printf("real model pair (below)");
+  else
+    std::printf("toy models hidden %d, window %d, draft perturbation %.2f", kToyHidden, kToyWindow,
+                o.draft_perturbation);
+  std::printf("; max_seq_len %d, slot pool %d\n", constants.max_seq_len, constants.pool_size);
   std::printf(
       "graph/eager = median GPU time per cycle; host = host time per step(); model = draft head + (K-1) "
       "draft "
