@@ -5,10 +5,13 @@
 #include <cstddef>
 #include <cstdio>
 #include <deque>
+#include <cstdlib>
 #include <filesystem>
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
+
+#include <sys/wait.h>
 
 namespace smcgraph::bench {
 namespace {
@@ -225,6 +228,37 @@ std::string format(double value, int decimals) {
   char text[64];
   std::snprintf(text, sizeof(text), "%.*f", std::clamp(decimals, 0, 17), value);
   return text;
+}
+
+std::string shell_quote(const std::string& text) {
+  std::string out = "'";
+  for (const char c : text)
+    out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+int run_command(const std::string& command) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const int status = std::system(command.c_str());
+  if (status == -1)
+    return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+std::string find_peer_script(const std::string& given, const char* name, const char* argv0) {
+  if (!given.empty())
+    return given;
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const fs::path executable_dir = fs::absolute(fs::path(argv0), error).parent_path();
+  for (const fs::path& candidate :
+       {fs::path("bench") / "peers" / name, executable_dir / ".." / ".." / "bench" / "peers" / name,
+        executable_dir / ".." / "bench" / "peers" / name}) {
+    if (fs::exists(candidate, error))
+      return candidate.lexically_normal().string();
+  }
+  return "";
 }
 
 } // namespace smcgraph::bench

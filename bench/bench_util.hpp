@@ -67,4 +67,15 @@ private:
 /// `value` with `decimals` digits after the point ("nan" / "inf" / "-inf" for non-finite values).
 std::string format(double value, int decimals);
 
+/// `text` in single quotes for a POSIX shell.
+std::string shell_quote(const std::string& text);
+
+/// Runs `command` through the shell (stdout and stderr flushed first); its exit status, 128 when a signal
+/// ended it, -1 when it could not start.
+int run_command(const std::string& command);
+
+/// `given` when not empty, else bench/peers/<name> found from the repository root (the cwd) or from the
+/// executable `argv0` in <root>/<build>/bench/; "" when absent.
+std::string find_peer_script(const std::string& given, const char* name, const char* argv0);
+
 } // namespace smcgraph::bench

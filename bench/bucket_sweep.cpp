@@ -58,7 +58,6 @@
 #include <tuple>
 #include <vector>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "bench_util.hpp"
@@ -75,7 +74,10 @@
 namespace {
 
 using namespace smcgraph;
+using smcgraph::bench::find_peer_script;
 using smcgraph::bench::format;
+using smcgraph::bench::run_command;
+using smcgraph::bench::shell_quote;
 
 constexpr int kPromptLength = 32;
 constexpr int kWarmupCycles = 3;
@@ -176,38 +178,6 @@ std::vector<std::string> split_list(const std::string& text) {
     if (!item.empty())
       items.push_back(item);
   return items;
-}
-
-std::string shell_quote(const std::string& text) {
-  std::string out = "'";
-  for (const char c : text)
-    out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-int run_command(const std::string& command) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const int status = std::system(command.c_str());
-  if (status == -1)
-    return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-}
-
-/// `name` beside this bench's sources: from the repository root, or from <root>/<build>/bench/bucket_sweep.
-std::string find_script(const std::string& given, const char* name, const char* argv0) {
-  if (!given.empty())
-    return given;
-  namespace fs = std::filesystem;
-  std::error_code error;
-  const fs::path executable_dir = fs::absolute(fs::path(argv0), error).parent_path();
-  for (const fs::path& candidate :
-       {fs::path("bench") / "peers" / name, executable_dir / ".." / ".." / "bench" / "peers" / name,
-        executable_dir / ".." / "bench" / "peers" / name}) {
-    if (fs::exists(candidate, error))
-      return candidate.lexically_normal().string();
-  }
-  return "";
 }
 
 /// Shortest text that reads back as the same float (JSON and safetensors metadata).
@@ -1212,7 +1182,7 @@ bool run_peers(const Options& o, const char* argv0, const Environment& env, cons
   }
   bool all_ok = true, any_rows = false;
   for (PeerRun& peer : peers) {
-    const std::string script = find_script(peer.given, peer.script.c_str(), argv0);
+    const std::string script = find_peer_script(peer.given, peer.script.c_str(), argv0);
     if (script.empty()) {
       std::printf("\npeers: %s skipped (bench/peers/%s not found; run from the repository root or pass "
                   "--%speer-script)\n",
@@ -1366,7 +1336,7 @@ bool run_peers(const Options& o, const char* argv0, const Environment& env, cons
 }
 
 void run_plots(const Options& o, const char* argv0, bool run_smc, bool run_spec) {
-  const std::string script = find_script(o.plot_script, "plot_sweep.py", argv0);
+  const std::string script = find_peer_script(o.plot_script, "plot_sweep.py", argv0);
   if (script.empty()) {
     std::printf("\nplots: skipped (bench/peers/plot_sweep.py not found; pass --plot-script)\n");
     return;
@@ -1473,7 +1443,7 @@ bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
     if (!out)
       throw Error("bucket_sweep: writing " + manifest + " failed");
   }
-  const std::string script = find_script("", "llama_peer.py", argv0);
+  const std::string script = find_peer_script("", "llama_peer.py", argv0);
   if (script.empty()) {
     std::printf("\npeers: skipped (bench/peers/llama_peer.py not found; run from the repository root)\n");
     return false;

@@ -20,8 +20,6 @@
 #include <tuple>
 #include <vector>
 
-#include <sys/wait.h>
-
 #include "bench_util.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
@@ -334,43 +332,6 @@ struct Result {
   double graph_median_us;
 };
 
-std::string shell_quote(const std::string& text) {
-  std::string out = "'";
-  for (const char c : text) {
-    if (c == '\'')
-      out += "'\\''";
-    else
-      out += c;
-  }
-  return out + "'";
-}
-
-int run_command(const std::string& command) {
-  std::fflush(stdout);
-  const int status = std::system(command.c_str());
-  if (status == -1)
-    return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-}
-
-std::string find_peer_script(const Options& options, const char* argv0) {
-  if (!options.peer_script.empty())
-    return options.peer_script;
-  namespace fs = std::filesystem;
-  std::error_code error;
-  const fs::path executable_dir = fs::absolute(fs::path(argv0), error).parent_path();
-  const std::vector<fs::path> candidates = {fs::path("bench") / "peers" /
-                                                "sample_peer.py", // run from the repository root
-                                            executable_dir / ".." / ".." / "bench" / "peers" /
-                                                "sample_peer.py", // <root>/<build>/bench/sample_bench
-                                            executable_dir / ".." / "bench" / "peers" / "sample_peer.py"};
-  for (const fs::path& candidate : candidates) {
-    if (fs::exists(candidate, error))
-      return candidate.string();
-  }
-  return "";
-}
-
 /// (rows, vocab, dtype) -> [(method, median_us)] from the peer CSV (columns
 /// method,rows,vocab,dtype,median_us,gbs).
 using PeerTable = std::map<std::tuple<int, int, std::string>, std::vector<std::pair<std::string, double>>>;
@@ -419,7 +380,7 @@ PeerTable read_peer_csv(const std::string& path) {
 }
 
 void run_peers(const Options& options, const char* argv0, const std::vector<Result>& results) {
-  const std::string script = find_peer_script(options, argv0);
+  const std::string script = smcgraph::bench::find_peer_script(options.peer_script, "sample_peer.py", argv0);
   if (script.empty()) {
     std::printf(
         "\npeers: skipped (bench/peers/sample_peer.py not found; run from the repository root or pass "
@@ -428,7 +389,7 @@ void run_peers(const Options& options, const char* argv0, const std::vector<Resu
   }
   const std::string probe =
       options.python + " -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'";
-  if (run_command(probe + " >/dev/null 2>&1") != 0) {
+  if (smcgraph::bench::run_command(probe + " >/dev/null 2>&1") != 0) {
     std::printf("\npeers: skipped (%s with a CUDA-enabled torch is not available)\n", options.python.c_str());
     return;
   }
@@ -436,8 +397,9 @@ void run_peers(const Options& options, const char* argv0, const std::vector<Resu
   const std::string peer_csv = (csv_dir / "sample_peer.csv").string();
   std::printf("\npeers: %s %s --csv %s%s\n", options.python.c_str(), script.c_str(), peer_csv.c_str(),
               options.quick ? " --quick" : "");
-  const int status = run_command(options.python + " " + shell_quote(script) + " --csv " +
-                                 shell_quote(peer_csv) + (options.quick ? " --quick" : ""));
+  const int status = smcgraph::bench::run_command(
+      options.python + " " + smcgraph::bench::shell_quote(script) + " --csv " +
+      smcgraph::bench::shell_quote(peer_csv) + (options.quick ? " --quick" : ""));
   if (status != 0)
     std::printf("peers: the peer script exited with status %d; comparing what it wrote\n", status);
   const PeerTable peers = read_peer_csv(peer_csv);
