@@ -39,15 +39,7 @@ EngineConfig small_config(int particles = 4, int steps = 4, int max_requests = 8
 }
 
 ToyModelConfig toy_for(const EngineConfig& c, DType dtype = DType::kFloat32) {
-  ToyModelConfig t;
-  t.vocab = c.vocab;
-  t.hidden = 32;
-  t.window = 16;
-  t.pool_size = c.slot_pool_size;
-  t.max_seq_len = c.max_seq_len;
-  t.logits_dtype = dtype;
-  t.weight_seed = 1234;
-  return t;
+  return test::toy_for(c, /*weight_seed=*/1234, /*hidden=*/32, dtype);
 }
 
 /// Models and an engine built together (each engine needs its own models: the KV lives in the model).

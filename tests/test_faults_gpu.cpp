@@ -40,13 +40,7 @@ EngineConfig config_for(int particles, int max_requests) {
 }
 
 ToyModelConfig toy_for(const EngineConfig& c) {
-  ToyModelConfig t;
-  t.vocab = c.vocab;
-  t.hidden = 16;
-  t.pool_size = c.slot_pool_size;
-  t.max_seq_len = c.max_seq_len;
-  t.weight_seed = 5;
-  return t;
+  return test::toy_for(c, /*weight_seed=*/5, /*hidden=*/16);
 }
 
 /// A model wrapper that misbehaves on purpose.

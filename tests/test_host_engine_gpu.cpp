@@ -43,14 +43,7 @@ EngineConfig serving_config(int max_requests, bool use_graphs = true) {
 }
 
 ToyModelConfig toy_for(const EngineConfig& c) {
-  ToyModelConfig t;
-  t.vocab = c.vocab;
-  t.hidden = 32;
-  t.window = 16;
-  t.pool_size = c.slot_pool_size;
-  t.max_seq_len = c.max_seq_len;
-  t.weight_seed = 77;
-  return t;
+  return test::toy_for(c, /*weight_seed=*/77);
 }
 
 struct Setup {

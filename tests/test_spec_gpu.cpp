@@ -40,15 +40,7 @@ EngineConfig spec_config(int max_requests, int steps = 4, int vocab = 512) {
 }
 
 ToyModelConfig toy_for(const EngineConfig& c) {
-  ToyModelConfig t;
-  t.vocab = c.vocab;
-  t.hidden = 32;
-  t.window = 16;
-  t.pool_size = c.slot_pool_size;
-  t.max_seq_len = c.max_seq_len;
-  t.logits_dtype = DType::kFloat32;
-  t.weight_seed = 99;
-  return t;
+  return test::toy_for(c, /*weight_seed=*/99);
 }
 
 /// Greedy target-only decoding on the host with the bit-exact toy reference, one token per forward.

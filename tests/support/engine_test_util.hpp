@@ -8,6 +8,7 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/model.hpp"
 #include "smcgraph/slots.hpp"
+#include "smcgraph/toy_model.hpp"
 #include "support/test_util.hpp"
 
 namespace smcgraph::test {
@@ -18,6 +19,20 @@ inline std::vector<int32_t> random_prompt(Rng& rng, int vocab, int max_length) {
   for (auto& t : prompt)
     t = static_cast<int32_t>(rng.integer(0, vocab - 1));
   return prompt;
+}
+
+/// A toy model sized for an engine config (vocabulary, KV pool, row length) with a suite's own weights.
+inline ToyModelConfig toy_for(const EngineConfig& c, uint64_t weight_seed, int hidden = 32,
+                              DType dtype = DType::kFloat32) {
+  ToyModelConfig t;
+  t.vocab = c.vocab;
+  t.hidden = hidden;
+  t.window = 16;
+  t.pool_size = c.slot_pool_size;
+  t.max_seq_len = c.max_seq_len;
+  t.logits_dtype = dtype;
+  t.weight_seed = weight_seed;
+  return t;
 }
 
 /// Waits for the engine and checks its slot pool against its tables.
