@@ -9,11 +9,14 @@
 //   4. admit       fill the freed request slots with waiting requests (continuous batching), and compact()
 //                  when the live requests are scattered so that a smaller captured bucket covers them.
 //
+// clang-format off
 //   smcgraph::examples::ServeOptions options;
-//   options.on_finish = [](const smcgraph::examples::ServedRequest& done) { send(done.index,
-//   done.result.tokens); }; smcgraph::examples::ServeStats stats = smcgraph::examples::serve(engine,
-//   requests, options); std::printf("%.0f tokens/s, p99 latency %.1f ms\n", stats.tokens_per_s,
-//   stats.latency_p99_ms);
+//   options.on_finish = [](const smcgraph::examples::ServedRequest& done) {
+//     send(done.index, done.result.tokens);
+//   };
+//   smcgraph::examples::ServeStats stats = smcgraph::examples::serve(engine, requests, options);
+//   std::printf("%.0f tokens/s, p99 latency %.1f ms\n", stats.tokens_per_s, stats.latency_p99_ms);
+// clang-format on
 //
 // Two consequences of overlapping that a server must know about:
 //   - a request that finishes in cycle t has already been queued into cycle t + 1 (step() ran before poll()),

@@ -1,15 +1,15 @@
 // The particle stages of the SMC cycle (DESIGN.md §2 steps 6-8): importance weights, per-request
 // systematic resampling, and the slot-table reshuffle that applies the resampling plan.
 //
-//   smcgraph::WeightInputs in{{d_draft_logq, 1, rows}, {d_target_logp, k, 1}, d_logz, {d_draft_tokens, 1,
-//   rows},
-//                             d_alpha, d_live, rows, k, eos_id};
+// clang-format off
+//   smcgraph::WeightInputs in{{d_draft_logq, 1, rows}, {d_target_logp, k, 1}, d_logz,
+//                             {d_draft_tokens, 1, rows}, d_alpha, d_live, rows, k, eos_id};
 //   smcgraph::accumulate_weights(in, d_logw, d_finished, d_first_eos, stream);
 //   smcgraph::ResampleInputs rs{d_live, d_tau, d_seeds, d_draw_counters, requests, n};
 //   smcgraph::ResampleOutputs ro{d_ancestor, d_ess, d_resampled, d_log_evidence};
 //   smcgraph::resample(rs, d_logw, ro, stream);
-//   smcgraph::reshuffle(pool, tables, d_ancestor, d_finished, stream);  // every cycle, even for an identity
-//   plan
+//   smcgraph::reshuffle(pool, tables, d_ancestor, d_finished, stream);  // every cycle, even for an identity plan
+// clang-format on
 #pragma once
 
 #include <cstdint>
