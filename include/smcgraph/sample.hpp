@@ -71,7 +71,8 @@ struct ScoreOutputs {
 };
 
 /// Scratch for the split-vocabulary combine, sized for the largest launch it will serve. Allocated and
-/// zeroed once (outside any capture); launches leave it zeroed again.
+/// zeroed once (outside any capture; the constructor waits for the zeroing, so any stream may use it at
+/// once); launches leave it zeroed again.
 class SampleWorkspace {
 public:
   SampleWorkspace() = default;

@@ -132,7 +132,8 @@ struct PackOutputs {
 };
 
 /// Scratch of the cross-tile look-back: an exit counter, a generation and one status word per row tile.
-/// Allocated and zeroed once, outside any capture; every launch leaves it ready for the next one (graph
+/// Allocated and zeroed once, outside any capture (the constructor waits for the zeroing, so any stream may
+/// use it at once); every launch leaves it ready for the next one (graph
 /// replays need no memset). Launches that share a workspace must be ordered (one stream or one graph).
 class PackWorkspace {
 public:

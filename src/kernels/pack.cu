@@ -416,7 +416,10 @@ PackWorkspace::PackWorkspace(int max_rows) : max_rows_(max_rows) {
   require(max_rows >= 1, "smcgraph::PackWorkspace", "max_rows", max_rows, "must be >= 1");
   words_ =
       DeviceBuffer<unsigned long long>(static_cast<size_t>(kStatusWords) + static_cast<size_t>(max_rows));
-  SMCGRAPH_CUDA_CHECK(cudaMemset(words_.data(), 0, words_.bytes()));
+  // Zeroed before the constructor returns: the default stream is not ordered with the caller's non-blocking
+  // streams, so an asynchronous memset could land after the first verify_and_pack() on them.
+  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(words_.data(), 0, words_.bytes(), nullptr));
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 
 PackLaunchShape pack_launch_shape(int rows, int gamma, int width, DType dtype, bool include_next,

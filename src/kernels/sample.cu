@@ -30,7 +30,10 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab) : max_jobs_(max_jo
   partials_ = detail::device_allocate(static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
   try {
     tickets_ = static_cast<uint32_t*>(detail::device_allocate(static_cast<size_t>(max_jobs) * 4));
-    SMCGRAPH_CUDA_CHECK(cudaMemset(tickets_, 0, static_cast<size_t>(max_jobs) * 4));
+    // Zeroed before the constructor returns: the default stream is not ordered with the caller's
+    // non-blocking streams, so an asynchronous memset could land after the first sample() on them.
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(tickets_, 0, static_cast<size_t>(max_jobs) * 4, nullptr));
+    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   } catch (...) { // the destructor will not run: free what the constructor took
     detail::device_free(partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
     detail::device_free(tickets_, static_cast<size_t>(max_jobs) * 4);
