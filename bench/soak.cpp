@@ -45,6 +45,7 @@
 #include <cuda_runtime_api.h>
 
 #include "bench_util.hpp"
+#include "cli.hpp"
 #include "runtime/engine_state.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
@@ -60,9 +61,10 @@ namespace {
 
 constexpr const char* kProgram = "soak";
 
-struct UsageError {
-  std::string message;
-};
+using smcgraph::cli::bad_value;
+using smcgraph::cli::parse_integer;
+using smcgraph::cli::parse_positive;
+using smcgraph::cli::UsageError;
 
 struct Options {
   std::vector<CycleKind> kinds = {CycleKind::kSmc, CycleKind::kSpeculative};
@@ -138,55 +140,15 @@ void print_help() {
       d.pool_slots, d.max_prompt, d.max_new, d.pressure_cycles, d.check_every, d.rss_growth_limit);
 }
 
-UsageError bad_value(const std::string& flag, const std::string& value, const std::string& requirement) {
-  return UsageError{flag + " = '" + value + "': " + requirement};
-}
-
-template <class T> T parse_integer(const std::string& flag, const std::string& text, T lo, T hi) {
-  T value{};
-  const char* end = text.data() + text.size();
-  const auto [stop, error] = std::from_chars(text.data(), end, value);
-  if (text.empty() || error == std::errc::invalid_argument || stop != end)
-    throw bad_value(flag, text, "expected an integer");
-  if (error == std::errc::result_out_of_range || value < lo || value > hi)
-    throw bad_value(flag, text, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return value;
-}
-
-double parse_positive(const std::string& flag, const std::string& text, bool zero_allowed) {
-  char* stop = nullptr;
-  const double value = std::strtod(text.c_str(), &stop);
-  if (text.empty() || stop != text.c_str() + text.size())
-    throw bad_value(flag, text, "expected a number");
-  if (!(value > 0.0 || (zero_allowed && value == 0.0)) || value > 1e9)
-    throw bad_value(flag, text, zero_allowed ? "must be in [0, 1e9]" : "must be in (0, 1e9]");
-  return value;
-}
-
 Options parse_options(int argc, char** argv) {
   Options o;
   constexpr int kIntMax = std::numeric_limits<int>::max();
   constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string inline_value;
-    bool has_inline_value = false;
-    if (flag.rfind("--", 0) == 0 && flag.find('=') != std::string::npos) {
-      inline_value = flag.substr(flag.find('=') + 1);
-      flag = flag.substr(0, flag.find('='));
-      has_inline_value = true;
-    }
-    auto value = [&]() -> std::string {
-      if (has_inline_value)
-        return inline_value;
-      if (i + 1 >= argc)
-        throw UsageError{flag + " needs a value (see --help)"};
-      return argv[++i];
-    };
-    auto no_value = [&] {
-      if (has_inline_value)
-        throw UsageError{flag + " takes no value (got '" + inline_value + "')"};
-    };
+  smcgraph::cli::Flags flags(argc, argv);
+  while (flags.next()) {
+    const std::string flag = flags.flag();
+    auto value = [&] { return flags.value(); };
+    auto no_value = [&] { flags.no_value(); };
     if (flag == "--help" || flag == "-h") {
       print_help();
       std::exit(0);
@@ -257,7 +219,7 @@ Options parse_options(int argc, char** argv) {
       no_value();
       o.quiet = true;
     } else {
-      throw UsageError{"unknown flag '" + std::string(argv[i]) + "' (see --help)"};
+      throw UsageError{"unknown flag '" + flags.raw() + "' (see --help)"};
     }
   }
   if (o.eos >= o.vocab)

@@ -29,6 +29,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cli.hpp"
 #include "host_engine_loop.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
@@ -39,9 +40,10 @@ namespace {
 constexpr const char* kProgram = "host_engine";
 
 /// A bad command line: the message names the flag and the value. main() prints it and exits 2.
-struct UsageError {
-  std::string message;
-};
+using smcgraph::cli::bad_value;
+using smcgraph::cli::parse_float;
+using smcgraph::cli::parse_integer;
+using smcgraph::cli::UsageError;
 
 struct Options {
   int requests = 512;
@@ -132,65 +134,16 @@ void print_help() {
 
 // ---- parsing -------------------------------------------------------------------------------------------
 
-UsageError bad_value(const std::string& flag, const std::string& value, const std::string& requirement) {
-  return UsageError{flag + " = '" + value + "': " + requirement};
-}
-
-template <class T> T parse_integer(const std::string& flag, const std::string& text, T lo, T hi) {
-  T value{};
-  const char* end = text.data() + text.size();
-  const auto [stop, error] = std::from_chars(text.data(), end, value);
-  if (text.empty() || error == std::errc::invalid_argument || stop != end)
-    throw bad_value(flag, text, "expected an integer");
-  if (error == std::errc::result_out_of_range || value < lo || value > hi)
-    throw bad_value(flag, text, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return value;
-}
-
-/// `strictly_above_lo`: the value must be > lo (else >= lo).
-float parse_float(const std::string& flag, const std::string& text, float lo, bool strictly_above_lo,
-                  float hi) {
-  char* stop = nullptr;
-  errno = 0;
-  const float value = std::strtof(text.c_str(), &stop);
-  if (text.empty() || stop != text.c_str() + text.size())
-    throw bad_value(flag, text, "expected a number");
-  const bool low_ok = strictly_above_lo ? value > lo : value >= lo;
-  if (errno == ERANGE || !std::isfinite(value) || !low_ok || value > hi) {
-    std::ostringstream requirement;
-    requirement << "must be finite and " << (strictly_above_lo ? "> " : ">= ") << lo;
-    if (hi < std::numeric_limits<float>::max())
-      requirement << " and <= " << hi;
-    throw bad_value(flag, text, requirement.str());
-  }
-  return value;
-}
-
 Options parse_options(int argc, char** argv) {
   Options o;
   constexpr int kIntMax = std::numeric_limits<int>::max();
   constexpr float kFloatMax = std::numeric_limits<float>::max();
   bool min_new_given = false, max_new_given = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string inline_value;
-    bool has_inline_value = false;
-    if (flag.rfind("--", 0) == 0 && flag.find('=') != std::string::npos) {
-      inline_value = flag.substr(flag.find('=') + 1);
-      flag = flag.substr(0, flag.find('='));
-      has_inline_value = true;
-    }
-    auto value = [&]() -> std::string {
-      if (has_inline_value)
-        return inline_value;
-      if (i + 1 >= argc)
-        throw UsageError{flag + " needs a value (see --help)"};
-      return argv[++i];
-    };
-    auto no_value = [&] {
-      if (has_inline_value)
-        throw UsageError{flag + " takes no value (got '" + inline_value + "')"};
-    };
+  smcgraph::cli::Flags flags(argc, argv);
+  while (flags.next()) {
+    const std::string flag = flags.flag();
+    auto value = [&] { return flags.value(); };
+    auto no_value = [&] { flags.no_value(); };
     if (flag == "--help" || flag == "-h") {
       print_help();
       std::exit(0);
@@ -258,7 +211,7 @@ Options parse_options(int argc, char** argv) {
       if (o.results_path.empty())
         throw bad_value(flag, o.results_path, "expected a file path");
     } else {
-      throw UsageError{"unknown flag '" + std::string(argv[i]) + "' (see --help)"};
+      throw UsageError{"unknown flag '" + flags.raw() + "' (see --help)"};
     }
   }
 
