@@ -2,6 +2,7 @@
 // per-row gather/scatter; every value that changes between replays is read from device memory.
 #include "kernels/cycle_io.hpp"
 #include "kernels/launch_checks.hpp"
+#include "kernels/slots_device.cuh"
 
 #include <algorithm>
 

@@ -27,6 +27,7 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/verify.hpp"
 #include "kernels/launch_checks.hpp"
+#include "kernels/verify_device.cuh"
 
 namespace smcgraph {
 using detail::ceil_div;

@@ -5,6 +5,7 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
 #include "kernels/launch_checks.hpp"
+#include "kernels/slots_device.cuh"
 
 namespace smcgraph {
 namespace {

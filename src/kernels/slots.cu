@@ -9,6 +9,7 @@
 #include "smcgraph/slots.hpp"
 #include "smcgraph/types.hpp"
 #include "kernels/launch_checks.hpp"
+#include "kernels/slots_device.cuh"
 
 namespace smcgraph {
 using detail::ceil_div;

@@ -5,6 +5,7 @@
 // from one position of the row (the residual max(0, p - q) at the first rejection, or p at position gamma)
 // by Gumbel-max in log space, in one pass over that position's logits.
 #include "kernels/logits_pass.cuh"
+#include "kernels/verify_device.cuh"
 
 #include <climits>
 #include <cmath>
