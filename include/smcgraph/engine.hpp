@@ -31,10 +31,14 @@ enum class CycleKind : uint8_t {
   kSpeculative = 1, ///< rejection-based speculative decoding (N = 1)
 };
 
+/// Largest K (EngineConfig::draft_steps); within what the verifiers accept (kMaxGamma) and what the Philox
+/// counter's step field numbers (kMaxStep), both checked where the config is validated.
+inline constexpr int kMaxDraftSteps = 64;
+
 struct EngineConfig {
   CycleKind kind = CycleKind::kSmc;
   int vocab = 32000;            ///< must equal both models' vocab()
-  int draft_steps = 4;          ///< K >= 1
+  int draft_steps = 4;          ///< K in [1, kMaxDraftSteps]
   int particles = 4;            ///< N >= 1 (1 for kSpeculative)
   int max_requests = 16;        ///< request slots; the largest bucket
   std::vector<int> buckets;     ///< request-slot counts to capture; empty: powers of two up to max_requests

@@ -6,9 +6,14 @@
 #include <string>
 
 #include "smcgraph/error.hpp"
+#include "smcgraph/philox.hpp"
+#include "smcgraph/verify.hpp"
 #include "smcgraph/smc_kernels.hpp"
 
 namespace smcgraph {
+
+static_assert(kMaxDraftSteps <= kMaxGamma, "the verifiers must accept K draft tokens");
+static_assert(static_cast<uint32_t>(kMaxDraftSteps) < kMaxStep, "every draft step needs its own Philox step");
 namespace {
 
 constexpr const char* kConfig = "EngineConfig";
@@ -28,8 +33,9 @@ void validate_engine_config(const EngineConfig& c) {
   require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
   require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
           "must be 1 for the speculative cycle");
-  require(c.draft_steps >= 1 && c.draft_steps <= 64, kConfig, "draft_steps", c.draft_steps,
-          "must be in [1, 64]");
+  static const std::string steps_range = "must be in [1, " + std::to_string(kMaxDraftSteps) + "]";
+  require(c.draft_steps >= 1 && c.draft_steps <= kMaxDraftSteps, kConfig, "draft_steps", c.draft_steps,
+          steps_range.c_str());
   require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
           "must be in [1, 256]");
   require(c.max_requests >= 1 && c.max_requests <= 4096, kConfig, "max_requests", c.max_requests,
