@@ -1,6 +1,7 @@
 // Small kernels that move data between the engine's tables and the model/sampler buffers of a cycle:
 // admission (row init, prompt slots, first token), forward inputs, commit and the per-cycle output block.
-// Internal to the library (graphs/ and src/runtime/ use them).
+// Internal to the library (graphs/ and src/runtime/ use them). One file per stage: admission.cu,
+// forward_inputs.cu, commit.cu, output_packing.cu.
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-// Device pieces of the slot pool shared by the kernels (slots.cu, reshuffle.cu, cycle_io.cu): reference
+// Device pieces of the slot pool shared by the kernels (slots.cu, reshuffle.cu, commit.cu): reference
 // counting and the refcounted row copy. Internal: compiled by nvcc only.
 #pragma once
 

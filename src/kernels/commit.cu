@@ -1,0 +1,98 @@
+// Commit (cycle_io.hpp): the cycle's tokens into the tables and lengths of every live row, for the SMC cycle
+// (K + 1 tokens) and the speculative one (accepted + 1, rejected slots back to the pool).
+#include "kernels/cycle_io.hpp"
+#include "kernels/launch_checks.hpp"
+#include "kernels/slots_device.cuh"
+
+#include <algorithm>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::detail {
+namespace {
+
+constexpr int kThreads = 128;
+
+int blocks_for(int count) {
+  return static_cast<int>(ceil_div(count, kThreads));
+}
+
+__global__ void CommitCycleKernel(CycleBuffers b, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
+  const int stride = b.steps + 1;
+  int32_t* cycle = b.cycle_tokens + r * stride;
+  if (!b.tables.live[r]) {
+    for (int k = 0; k < stride; ++k)
+      cycle[k] = kInvalidToken;
+    b.committed[r] = 0;
+    return;
+  }
+  const int L = b.tables.seq_len[r];
+  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  for (int k = 0; k < b.steps; ++k)
+    cycle[k] = tokens[L + k] = b.draft_tokens[k * b.max_rows + r];
+  cycle[b.steps] = tokens[L + b.steps] = b.bonus_tokens[r];
+  b.tables.seq_len[r] = L + stride;
+  // first_eos (from the weights): -1 nothing counts (finished before), K none, else the EOS column.
+  const int eos = b.first_eos[r];
+  b.committed[r] = eos < 0 ? 0 : (eos >= b.steps ? stride : eos + 1);
+  if (b.row_flags[r] & kRowDataFaults)
+    b.tables.live[r] = 0; // the request fails; its rows stop here
+}
+
+__global__ void CommitSpeculativeKernel(CycleBuffers b, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
+  const int stride = b.steps + 1;
+  int32_t* cycle = b.cycle_tokens + r * stride;
+  if (!b.tables.live[r]) {
+    for (int k = 0; k < stride; ++k)
+      cycle[k] = kInvalidToken;
+    b.committed[r] = 0;
+    b.first_eos[r] = -1;
+    return;
+  }
+  const int L = b.tables.seq_len[r];
+  const int accepted = min(max(b.accepted[r], 0), b.steps);
+  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  int eos = -1;
+  for (int k = 0; k <= accepted; ++k) {
+    const int32_t token = k < accepted ? b.draft_tokens[k * b.max_rows + r] : b.next_tokens[r];
+    cycle[k] = tokens[L + k] = token;
+    if (eos < 0 && token == b.eos_id)
+      eos = k;
+  }
+  for (int k = accepted + 1; k < stride; ++k)
+    cycle[k] = kInvalidToken;
+  // The slots of rejected positions go back (the KV written there is stale and never read).
+  for (int position = L + accepted + 1; position <= L + b.steps; ++position)
+    device::release_slot(b.pool, slots[position]);
+  b.tables.seq_len[r] = L + accepted + 1;
+  b.committed[r] = eos < 0 ? accepted + 1 : eos + 1;
+  b.first_eos[r] = eos < 0 ? b.steps : eos;
+  if (eos >= 0) {
+    b.finished[r] = 1;
+    b.tables.live[r] = 0; // a finished speculative row stops decoding
+  }
+  if (b.row_flags[r] & kRowDataFaults)
+    b.tables.live[r] = 0;
+}
+
+} // namespace
+
+void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  CommitCycleKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  CommitSpeculativeKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace smcgraph::detail

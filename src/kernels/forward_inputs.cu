@@ -1,0 +1,79 @@
+// Forward inputs (cycle_io.hpp): the draft head's, draft steps' and target verify's tokens, positions,
+// lengths and KV slots of every row, gathered from the tables inside the captured cycle.
+#include "kernels/cycle_io.hpp"
+#include "kernels/launch_checks.hpp"
+
+#include <algorithm>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::detail {
+namespace {
+
+constexpr int kThreads = 128;
+
+int blocks_for(int count) {
+  return static_cast<int>(ceil_div(count, kThreads));
+}
+
+__global__ void PrepareDraftInputsKernel(CycleBuffers b, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
+  const int max_len = b.tables.max_seq_len;
+  const bool live = b.tables.live[r] != 0;
+  const int L = b.tables.seq_len[r];
+  const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * max_len;
+  const int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * max_len;
+  // Live rows have L >= 2 and slots for positions < L + K + 1 (alloc ran first); padding rows point at the
+  // dummy slot 0 and position 0.
+  for (int j = 0; j < 2; ++j) {
+    const int position = L - 2 + j;
+    b.head_tokens[2 * r + j] = live ? tokens[position] : 0;
+    b.head_positions[2 * r + j] = live ? position : 0;
+    b.head_out_slots[2 * r + j] = live ? slots[position] : 0;
+  }
+  b.head_seq_lens[r] = live ? L : 0;
+  for (int s = 1; s < b.steps; ++s) {
+    const int position = L + s - 1;
+    b.step_positions[(s - 1) * b.max_rows + r] = live ? position : 0;
+    b.step_out_slots[(s - 1) * b.max_rows + r] = live ? slots[position] : 0;
+    b.step_seq_lens[(s - 1) * b.max_rows + r] = live ? position + 1 : 0;
+  }
+  for (int j = 0; j <= b.steps; ++j) {
+    const int position = L - 1 + j;
+    b.verify_positions[r * (b.steps + 1) + j] = live ? position : 0;
+    b.verify_out_slots[r * (b.steps + 1) + j] = live ? slots[position] : 0;
+  }
+  b.verify_seq_lens[r] = live ? L + b.steps : 0;
+}
+
+__global__ void PrepareVerifyInputsKernel(CycleBuffers b, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
+  const bool live = b.tables.live[r] != 0;
+  const int L = b.tables.seq_len[r];
+  int32_t* out = b.verify_tokens + r * (b.steps + 1);
+  out[0] = live ? b.tables.token_table[static_cast<int64_t>(r) * b.tables.max_seq_len + L - 1] : 0;
+  for (int k = 0; k < b.steps; ++k)
+    out[1 + k] = live ? b.draft_tokens[k * b.max_rows + r] : 0;
+  if (b.draft_logprobs_rows != nullptr)
+    for (int k = 0; k < b.steps; ++k)
+      b.draft_logprobs_rows[r * b.steps + k] = b.draft_logprobs[k * b.max_rows + r];
+}
+
+} // namespace
+
+void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  PrepareDraftInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  PrepareVerifyInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace smcgraph::detail

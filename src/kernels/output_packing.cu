@@ -1,0 +1,81 @@
+// Output packing (cycle_io.hpp): one cycle's outputs into the pinned buffer the host reads (layout below).
+#include "kernels/cycle_io.hpp"
+#include "kernels/launch_checks.hpp"
+
+#include <algorithm>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::detail {
+namespace {
+
+constexpr int kThreads = 128;
+
+int blocks_for(int count) {
+  return static_cast<int>(ceil_div(count, kThreads));
+}
+
+size_t align_up(size_t value, size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+__global__ void PackOutputsKernel(CycleBuffers b, int rows, uint8_t* out, OutputLayout layout) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  const int requests = rows / b.particles;
+  if (r < rows) {
+    const int stride = b.steps + 1;
+    int32_t* tokens = reinterpret_cast<int32_t*>(out + layout.tokens) + r * stride;
+    for (int k = 0; k < stride; ++k)
+      tokens[k] = b.cycle_tokens[r * stride + k];
+    reinterpret_cast<int32_t*>(out + layout.first_eos)[r] = b.first_eos[r];
+    reinterpret_cast<int32_t*>(out + layout.ancestor)[r] = b.particles > 1 ? b.ancestor[r] : r;
+    reinterpret_cast<uint32_t*>(out + layout.row_flags)[r] = b.row_flags[r];
+    reinterpret_cast<int32_t*>(out + layout.seq_len)[r] = b.tables.seq_len[r];
+    reinterpret_cast<int32_t*>(out + layout.committed)[r] = b.committed[r];
+    reinterpret_cast<int32_t*>(out + layout.accepted)[r] = b.accepted != nullptr ? b.accepted[r] : 0;
+    out[layout.finished + r] = b.finished[r];
+    out[layout.live + r] = b.tables.live[r];
+  }
+  if (r < requests) {
+    out[layout.resampled + r] = b.resampled[r];
+    reinterpret_cast<double*>(out + layout.ess)[r] = b.ess[r];
+  }
+  if (r == 0)
+    *reinterpret_cast<uint32_t*>(out + layout.status) = *b.status;
+}
+
+} // namespace
+
+OutputLayout output_layout(int rows, int requests, int steps) {
+  OutputLayout layout;
+  size_t offset = 0;
+  auto take = [&](size_t bytes, size_t alignment) {
+    offset = align_up(offset, alignment);
+    const size_t at = offset;
+    offset += bytes;
+    return at;
+  };
+  layout.ess = take(sizeof(double) * requests, 8);
+  layout.tokens = take(sizeof(int32_t) * rows * (steps + 1), 4);
+  layout.first_eos = take(sizeof(int32_t) * rows, 4);
+  layout.ancestor = take(sizeof(int32_t) * rows, 4);
+  layout.row_flags = take(sizeof(uint32_t) * rows, 4);
+  layout.seq_len = take(sizeof(int32_t) * rows, 4);
+  layout.committed = take(sizeof(int32_t) * rows, 4);
+  layout.accepted = take(sizeof(int32_t) * rows, 4);
+  layout.status = take(sizeof(uint32_t), 4);
+  layout.finished = take(rows, 1);
+  layout.live = take(rows, 1);
+  layout.resampled = take(requests, 1);
+  layout.bytes = align_up(offset, 8);
+  return layout;
+}
+
+void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream) {
+  const OutputLayout layout = output_layout(rows, rows / b.particles, b.steps);
+  PackOutputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows, out, layout);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace smcgraph::detail
