@@ -20,6 +20,7 @@
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
 #include "support/gguf_writer.hpp"
 
 using smcgraph::Error;
@@ -128,22 +129,9 @@ std::string message_of(const std::vector<uint8_t>& bytes) {
 }
 
 std::optional<std::filesystem::path> real_model_path() {
-  namespace fs = std::filesystem;
   std::error_code error;
-  if (const char* path = std::getenv("SMCGRAPH_MODEL_PATH"); path != nullptr && *path != '\0')
-    return fs::is_regular_file(path, error) ? std::optional<fs::path>(path) : std::nullopt;
-  const fs::path relative = fs::path(".cache") / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (const char* root = std::getenv("SMCGRAPH_SOURCE_ROOT"); root != nullptr && *root != '\0')
-    return fs::is_regular_file(fs::path(root) / relative, error)
-               ? std::optional<fs::path>(fs::path(root) / relative)
-               : std::nullopt;
-  for (fs::path dir = fs::current_path(error); !dir.empty(); dir = dir.parent_path()) {
-    if (fs::is_regular_file(dir / relative, error))
-      return dir / relative;
-    if (dir == dir.parent_path())
-      break;
-  }
-  return std::nullopt;
+  const std::filesystem::path path = smcgraph::default_llama_model_path();
+  return std::filesystem::is_regular_file(path, error) ? std::optional(path) : std::nullopt;
 }
 
 } // namespace

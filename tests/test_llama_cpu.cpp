@@ -139,22 +139,7 @@ std::vector<double> feed_in_blocks(LlamaReference& ref, LlamaSequences s, int bl
 }
 
 std::filesystem::path real_model_path() {
-  if (const char* path = std::getenv("SMCGRAPH_MODEL_PATH"))
-    return path;
-  std::filesystem::path root;
-  if (const char* source = std::getenv("SMCGRAPH_SOURCE_ROOT")) {
-    root = source;
-  } else {
-    for (auto dir = std::filesystem::current_path(); !dir.empty(); dir = dir.parent_path()) {
-      if (std::filesystem::exists(dir / "include" / "smcgraph" / "llama_model.hpp")) {
-        root = dir;
-        break;
-      }
-      if (dir == dir.parent_path())
-        break;
-    }
-  }
-  return root / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  return smcgraph::default_llama_model_path();
 }
 
 } // namespace

@@ -21,6 +21,7 @@
 #include "models/llama/unicode_tables.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
+#include "smcgraph/llama_model.hpp"
 #include "smcgraph/tokenizer.hpp"
 #include "support/fuzz_corpus.hpp"
 #include "support/gguf_writer.hpp"
@@ -109,10 +110,7 @@ fs::path source_root() {
 }
 
 fs::path model_path() {
-  if (const char* path = std::getenv("SMCGRAPH_MODEL_PATH"); path != nullptr && *path != '\0')
-    return path;
-  const fs::path root = source_root();
-  return root.empty() ? fs::path() : root / ".cache" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  return smcgraph::default_llama_model_path();
 }
 
 // --- A minimal JSON reader for the corpus lines ---------------------------------------------------------

@@ -122,8 +122,9 @@ std::vector<int> parse_llama_layers(const std::string& text);
 
 /// File name of the real model the project fetches (./run fetch-model).
 inline constexpr const char* kSmolLM2FileName = "SmolLM2-135M-Instruct.Q4_1.gguf";
-/// Where the tools look for it: $SMCGRAPH_MODEL_PATH, else .cache/models/<kSmolLM2FileName> in the current
-/// directory or the nearest parent that has it, else that relative path (which may not exist).
+/// Where the tools and tests look for it: $SMCGRAPH_MODEL_PATH; else .cache/models/<kSmolLM2FileName> under
+/// $SMCGRAPH_SOURCE_ROOT (the repository, which meson's test setup passes); else in the current directory or
+/// the nearest parent that has it; else that relative path. The file may not exist: callers check.
 std::string default_llama_model_path();
 
 struct LlamaModelOptions {

@@ -139,6 +139,8 @@ std::string default_llama_model_path() {
   if (const char* path = std::getenv("SMCGRAPH_MODEL_PATH"); path != nullptr && *path != '\0')
     return path;
   const std::filesystem::path relative = std::filesystem::path(".cache") / "models" / kSmolLM2FileName;
+  if (const char* root = std::getenv("SMCGRAPH_SOURCE_ROOT"); root != nullptr && *root != '\0')
+    return (std::filesystem::path(root) / relative).string();
   std::error_code error;
   for (std::filesystem::path dir = std::filesystem::current_path(error); !error && !dir.empty();
        dir = dir.parent_path()) {
