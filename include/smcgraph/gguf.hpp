@@ -114,6 +114,8 @@ size_t gguf_type_block_bytes(GgufType type);
 const char* gguf_type_name(GgufType type);
 /// "uint8", ..., "array"; "unknown" for a number that is not a value type.
 const char* gguf_value_type_name(GgufValueType type);
+/// Bytes of one scalar value of `type` in the file (1, 2, 4 or 8); 0 for string, array and unknown numbers.
+size_t gguf_value_type_size(GgufValueType type);
 
 /// IEEE half -> float (exact, subnormals, infinities and NaN included).
 float gguf_fp16_to_float(uint16_t bits);

@@ -15,28 +15,6 @@ namespace smcgraph::test {
 
 namespace {
 
-size_t scalar_size(GgufValueType type) {
-  switch (type) {
-  case GgufValueType::kUint8:
-  case GgufValueType::kInt8:
-  case GgufValueType::kBool:
-    return 1;
-  case GgufValueType::kUint16:
-  case GgufValueType::kInt16:
-    return 2;
-  case GgufValueType::kUint32:
-  case GgufValueType::kInt32:
-  case GgufValueType::kFloat32:
-    return 4;
-  case GgufValueType::kUint64:
-  case GgufValueType::kInt64:
-  case GgufValueType::kFloat64:
-    return 8;
-  default:
-    return 0;
-  }
-}
-
 class ByteSink {
 public:
   std::vector<uint8_t> bytes;
@@ -72,7 +50,7 @@ void put_payload(ByteSink& sink, const GgufMetaValue& value) {
       put_payload(sink, item);
     return;
   default:
-    sink.put_bits(value.bits, scalar_size(value.type));
+    sink.put_bits(value.bits, gguf_value_type_size(value.type));
     return;
   }
 }
@@ -125,7 +103,8 @@ uint64_t fnv1a(const std::string& text) {
 } // namespace
 
 GgufMetaValue GgufMetaValue::integer(GgufValueType type, int64_t value) {
-  require(scalar_size(type) != 0 && type != GgufValueType::kFloat32 && type != GgufValueType::kFloat64,
+  require(gguf_value_type_size(type) != 0 && type != GgufValueType::kFloat32 &&
+              type != GgufValueType::kFloat64,
           "GgufMetaValue::integer", "type", static_cast<uint32_t>(type), "must be an integer type or bool");
   GgufMetaValue v;
   v.type = type;

@@ -77,30 +77,6 @@ const char* ggml_type_name(uint32_t type) {
   return type < std::size(kNames) ? kNames[type] : "unknown";
 }
 
-size_t value_type_size(GgufValueType type) {
-  switch (type) {
-  case GgufValueType::kUint8:
-  case GgufValueType::kInt8:
-  case GgufValueType::kBool:
-    return 1;
-  case GgufValueType::kUint16:
-  case GgufValueType::kInt16:
-    return 2;
-  case GgufValueType::kUint32:
-  case GgufValueType::kInt32:
-  case GgufValueType::kFloat32:
-    return 4;
-  case GgufValueType::kUint64:
-  case GgufValueType::kInt64:
-  case GgufValueType::kFloat64:
-    return 8;
-  case GgufValueType::kString:
-  case GgufValueType::kArray:
-    return 0;
-  }
-  return 0;
-}
-
 bool is_integer(GgufValueType type) {
   switch (type) {
   case GgufValueType::kUint8:
@@ -303,7 +279,7 @@ Value read_array(Cursor& cursor, const uint8_t* data, int depth) {
   value.element_type = static_cast<GgufValueType>(element_type);
   const uint64_t length_offset = cursor.pos();
   value.count = cursor.read<uint64_t>("array length");
-  const size_t element_size = value_type_size(value.element_type);
+  const size_t element_size = gguf_value_type_size(value.element_type);
   const uint64_t min_element_bytes = element_size                                   ? element_size
                                      : value.element_type == GgufValueType::kString ? 8
                                                                                     : kMinArrayBytes;
@@ -345,7 +321,7 @@ Value read_value(Cursor& cursor, const uint8_t* data, uint32_t raw_type, uint64_
     return value;
   }
   value.offset = cursor.pos();
-  cursor.skip(value_type_size(type), "value");
+  cursor.skip(gguf_value_type_size(type), "value");
   if (type == GgufValueType::kBool)
     check_bools(cursor, data, value.offset, 1);
   return value;
@@ -584,7 +560,7 @@ std::vector<int64_t> GgufFile::get_int_array(const std::string& key) const {
   const Value& v = impl_->value(key);
   if (v.type != GgufValueType::kArray || !is_integer(v.element_type))
     impl_->wrong_type(key, v, "array of integers (uint8..int64 or bool)");
-  const size_t element_size = value_type_size(v.element_type);
+  const size_t element_size = gguf_value_type_size(v.element_type);
   std::vector<int64_t> out(static_cast<size_t>(v.count));
   for (uint64_t i = 0; i < v.count; ++i)
     out[i] = impl_->integer_at(key, v.element_type, v.offset + i * element_size);
@@ -595,7 +571,7 @@ std::vector<double> GgufFile::get_float_array(const std::string& key) const {
   const Value& v = impl_->value(key);
   if (v.type != GgufValueType::kArray || (!is_float(v.element_type) && !is_integer(v.element_type)))
     impl_->wrong_type(key, v, "array of numbers (float32, float64 or integers)");
-  const size_t element_size = value_type_size(v.element_type);
+  const size_t element_size = gguf_value_type_size(v.element_type);
   std::vector<double> out(static_cast<size_t>(v.count));
   for (uint64_t i = 0; i < v.count; ++i)
     out[i] = impl_->number_at(key, v.element_type, v.offset + i * element_size);
@@ -708,6 +684,30 @@ size_t gguf_type_block_bytes(GgufType type) {
 const char* gguf_type_name(GgufType type) {
   return supported_tensor_type(static_cast<uint32_t>(type)) ? ggml_type_name(static_cast<uint32_t>(type))
                                                             : "unknown";
+}
+
+size_t gguf_value_type_size(GgufValueType type) {
+  switch (type) {
+  case GgufValueType::kUint8:
+  case GgufValueType::kInt8:
+  case GgufValueType::kBool:
+    return 1;
+  case GgufValueType::kUint16:
+  case GgufValueType::kInt16:
+    return 2;
+  case GgufValueType::kUint32:
+  case GgufValueType::kInt32:
+  case GgufValueType::kFloat32:
+    return 4;
+  case GgufValueType::kUint64:
+  case GgufValueType::kInt64:
+  case GgufValueType::kFloat64:
+    return 8;
+  case GgufValueType::kString:
+  case GgufValueType::kArray:
+    return 0;
+  }
+  return 0;
 }
 
 const char* gguf_value_type_name(GgufValueType type) {
