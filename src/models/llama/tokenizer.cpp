@@ -48,77 +48,63 @@ const ByteAlphabet& byte_alphabet() {
 // `pos` (1..4) and its code point, or 0 when the bytes at `pos` do not start a well-formed sequence.
 constexpr uint32_t kInvalid = 0xffffffffu;
 
-int utf8_sequence(const unsigned char* s, size_t size, size_t pos, uint32_t& code_point) {
-  const unsigned char b0 = s[pos];
-  if (b0 < 0x80) {
-    code_point = b0;
-    return 1;
-  }
+// What a UTF-8 lead byte announces (Unicode Table 3-7): the sequence length (0: not a lead byte; 1: ASCII)
+// and the allowed range of the second byte (narrower after E0, ED, F0 and F4).
+struct Utf8Lead {
   int length = 0;
-  unsigned char low = 0x80, high = 0xbf; // allowed range of the second byte
-  if (b0 >= 0xc2 && b0 <= 0xdf) {
-    length = 2;
+  unsigned char low = 0x80, high = 0xbf;
+};
+
+Utf8Lead utf8_lead(unsigned char b0) {
+  Utf8Lead lead;
+  if (b0 < 0x80) {
+    lead.length = 1;
+  } else if (b0 >= 0xc2 && b0 <= 0xdf) {
+    lead.length = 2;
   } else if (b0 >= 0xe0 && b0 <= 0xef) {
-    length = 3;
+    lead.length = 3;
     if (b0 == 0xe0)
-      low = 0xa0;
+      lead.low = 0xa0;
     if (b0 == 0xed)
-      high = 0x9f;
+      lead.high = 0x9f;
   } else if (b0 >= 0xf0 && b0 <= 0xf4) {
-    length = 4;
+    lead.length = 4;
     if (b0 == 0xf0)
-      low = 0x90;
+      lead.low = 0x90;
     if (b0 == 0xf4)
-      high = 0x8f;
-  } else {
-    return 0;
+      lead.high = 0x8f;
   }
-  if (pos + length > size)
-    return 0;
-  if (s[pos + 1] < low || s[pos + 1] > high)
-    return 0;
-  for (int k = 2; k < length; ++k)
-    if ((s[pos + k] & 0xc0) != 0x80)
-      return 0;
-  uint32_t cp = b0 & (0x7f >> length);
-  for (int k = 1; k < length; ++k)
-    cp = (cp << 6) | (s[pos + k] & 0x3f);
-  code_point = cp;
-  return length;
+  return lead;
 }
 
 // Length of the maximal subpart of an ill-formed sequence at `pos` (Unicode §3.9 "U+FFFD substitution of
-// maximal subparts"): the lead byte and the continuation bytes that still fit, at least 1.
+// maximal subparts"): the lead byte and the continuation bytes that still fit, at least 1. For a well-formed
+// sequence it is the sequence's length.
 int utf8_maximal_subpart(const unsigned char* s, size_t size, size_t pos) {
-  const unsigned char b0 = s[pos];
-  int length = 0;
-  unsigned char low = 0x80, high = 0xbf;
-  if (b0 >= 0xc2 && b0 <= 0xdf) {
-    length = 2;
-  } else if (b0 >= 0xe0 && b0 <= 0xef) {
-    length = 3;
-    if (b0 == 0xe0)
-      low = 0xa0;
-    if (b0 == 0xed)
-      high = 0x9f;
-  } else if (b0 >= 0xf0 && b0 <= 0xf4) {
-    length = 4;
-    if (b0 == 0xf0)
-      low = 0x90;
-    if (b0 == 0xf4)
-      high = 0x8f;
-  } else {
+  const Utf8Lead lead = utf8_lead(s[pos]);
+  if (lead.length <= 1)
     return 1;
-  }
   int taken = 1;
-  for (int k = 1; k < length && pos + k < size; ++k) {
+  for (int k = 1; k < lead.length && pos + k < size; ++k) {
     const unsigned char b = s[pos + k];
-    const bool fits = k == 1 ? (b >= low && b <= high) : (b & 0xc0) == 0x80;
+    const bool fits = k == 1 ? (b >= lead.low && b <= lead.high) : (b & 0xc0) == 0x80;
     if (!fits)
       break;
     ++taken;
   }
   return taken;
+}
+
+// The well-formed sequence at `pos`: its length and code point, or 0 when it is ill-formed.
+int utf8_sequence(const unsigned char* s, size_t size, size_t pos, uint32_t& code_point) {
+  const Utf8Lead lead = utf8_lead(s[pos]);
+  if (lead.length == 0 || utf8_maximal_subpart(s, size, pos) != lead.length)
+    return 0;
+  uint32_t cp = lead.length == 1 ? s[pos] : s[pos] & (0x7f >> lead.length);
+  for (int k = 1; k < lead.length; ++k)
+    cp = (cp << 6) | (s[pos + k] & 0x3f);
+  code_point = cp;
+  return lead.length;
 }
 
 void append_utf8(std::string& out, uint32_t cp) {
