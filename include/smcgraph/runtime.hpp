@@ -189,6 +189,7 @@ struct DeviceInfo {
   int multiprocessors = 0;
   int compute_major = 0;
   int compute_minor = 0;
+  int shared_memory_optin_bytes = 0; ///< largest dynamic shared memory a block may opt in to
 };
 const DeviceInfo& current_device_info();
 

@@ -114,6 +114,8 @@ const DeviceInfo& current_device_info() {
         cudaDeviceGetAttribute(&info.compute_major, cudaDevAttrComputeCapabilityMajor, device));
     SMCGRAPH_CUDA_CHECK(
         cudaDeviceGetAttribute(&info.compute_minor, cudaDevAttrComputeCapabilityMinor, device));
+    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&info.shared_memory_optin_bytes,
+                                               cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     cache[device] = info;
   });
   return cache[device];

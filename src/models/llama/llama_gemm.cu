@@ -230,7 +230,10 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   }
 }
 
-int max_optin_smem();
+/// Dynamic shared memory a block of the current device may opt in to (cached per device).
+int max_optin_smem() {
+  return current_device_info().shared_memory_optin_bytes;
+}
 
 template <int EPILOGUE, int M_FRAGS, int N_WARPS>
 void launch_variant(const GemmArgs& a, cudaStream_t stream) {
@@ -262,16 +265,6 @@ template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmA
   default:
     return launch_variant<EPILOGUE, 4, 1>(a, stream);
   }
-}
-
-int max_optin_smem() {
-  static const int bytes = [] {
-    int value = 0;
-    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                               current_device_info().device));
-    return value;
-  }();
-  return bytes;
 }
 
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
