@@ -94,7 +94,7 @@ import sys
 import time
 
 import llama_torch  # beside this script: the GGUF loading and the PyTorch forward, shared with tests/hf_compare.py
-from toy_torch import CSV_COLUMNS
+from toy_torch import CSV_COLUMNS, median_forwards_us
 
 ALL_METHODS = ["hf_generate_greedy", "hf_assisted", "torch_spec_eager", "torch_spec_graph", "torch_smc_eager",
                "torch_smc_graph"]
@@ -527,30 +527,7 @@ def main():
                 draft.forward(*one)
             target.forward(*verify)
 
-        if not on_gpu:
-            forwards()
-            begin = time.perf_counter()
-            forwards()
-            return 1e6 * (time.perf_counter() - begin)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forwards()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            forwards()
-        for _ in range(MODEL_WARMUP):
-            graph.replay()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(MODEL_REPETITIONS + 1)]
-        events[0].record()
-        for i in range(MODEL_REPETITIONS):
-            graph.replay()
-            events[i + 1].record()
-        torch.cuda.synchronize()
-        result = statistics.median(1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(MODEL_REPETITIONS))
-        del graph
-        return result
+        return median_forwards_us(torch, forwards, on_gpu, MODEL_WARMUP, MODEL_REPETITIONS)
 
     # ------------------------------------------------------------------------------------------------------------
     # HF transformers methods

@@ -37,6 +37,35 @@ CSV_COLUMNS = ["method", "requests", "particles", "steps", "vocab", "dtype", "cy
                "cycle_p90_us", "model_us", "nonmodel_us", "valid", "device", "torch"]
 
 
+def median_forwards_us(torch, forwards, on_gpu, warmup=MODEL_WARMUP, repetitions=MODEL_REPETITIONS):
+    """Median microseconds of `forwards()` replayed as one CUDA graph (captured on a side stream, warmed up, timed
+    with CUDA events); on the CPU one timed call after one warm-up call. Shared by the toy and llama peers."""
+    if not on_gpu:
+        forwards()
+        start = time.perf_counter()
+        forwards()
+        return 1e6 * (time.perf_counter() - start)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forwards()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        forwards()
+    for _ in range(warmup):
+        graph.replay()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repetitions + 1)]
+    events[0].record()
+    for i in range(repetitions):
+        graph.replay()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    result = statistics.median(1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(repetitions))
+    del graph
+    return result
+
+
 def load_safetensors(path):
     """(metadata, {name: (shape, raw little-endian float32 bytes)}) of a safetensors file; F32 only."""
     with open(path, "rb") as f:
@@ -204,30 +233,7 @@ class ToyKit:
                 draft.forward(*one)
             target.forward(*verify)
 
-        if not self.on_gpu:
-            forwards()
-            start = time.perf_counter()
-            forwards()
-            return 1e6 * (time.perf_counter() - start)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forwards()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            forwards()
-        for _ in range(MODEL_WARMUP):
-            graph.replay()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(MODEL_REPETITIONS + 1)]
-        events[0].record()
-        for i in range(MODEL_REPETITIONS):
-            graph.replay()
-            events[i + 1].record()
-        torch.cuda.synchronize()
-        result = statistics.median(1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(MODEL_REPETITIONS))
-        del graph
-        return result
+        return median_forwards_us(torch, forwards, self.on_gpu)
 
     def timing_prompts(self, requests, vocab, length):
         torch = self.torch
