@@ -94,7 +94,7 @@ import sys
 import time
 
 import llama_torch  # beside this script: the GGUF loading and the PyTorch forward, shared with tests/hf_compare.py
-from toy_torch import CSV_COLUMNS, median_forwards_us
+from toy_torch import CSV_COLUMNS, median_cycle_us, median_forwards_us
 
 ALL_METHODS = ["hf_generate_greedy", "hf_assisted", "torch_spec_eager", "torch_spec_graph", "torch_smc_eager",
                "torch_smc_graph"]
@@ -471,22 +471,7 @@ def main():
                 run.resample()
 
     def time_cycles(driver, cycles):
-        if on_gpu:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(cycles + 1)]
-            events[0].record()
-            for i in range(cycles):
-                driver.cycle()
-                events[i + 1].record()
-            torch.cuda.synchronize()
-            us = [1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(cycles)]
-        else:
-            us = []
-            for _ in range(cycles):
-                begin = time.perf_counter()
-                driver.cycle()
-                us.append(1e6 * (time.perf_counter() - begin))
-        us.sort()
-        return statistics.median(us), us[min(len(us) - 1, math.ceil(0.9 * len(us)) - 1)]
+        return median_cycle_us(torch, driver, cycles, on_gpu)
 
     def time_call(fn, repeats):
         """Median us of fn() over `repeats` calls after one warm-up call; returns (us, last result)."""

@@ -37,6 +37,27 @@ CSV_COLUMNS = ["method", "requests", "particles", "steps", "vocab", "dtype", "cy
                "cycle_p90_us", "model_us", "nonmodel_us", "valid", "device", "torch"]
 
 
+def median_cycle_us(torch, driver, cycles, on_gpu):
+    """(median, p90) microseconds of `cycles` calls of driver.cycle(), each bracketed by CUDA events on the GPU,
+    by perf_counter on the CPU. Shared by the toy and llama peers."""
+    if on_gpu:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(cycles + 1)]
+        events[0].record()
+        for i in range(cycles):
+            driver.cycle()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        us = [1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(cycles)]
+    else:
+        us = []
+        for _ in range(cycles):
+            start = time.perf_counter()
+            driver.cycle()
+            us.append(1e6 * (time.perf_counter() - start))
+    us.sort()
+    return statistics.median(us), us[min(len(us) - 1, math.ceil(0.9 * len(us)) - 1)]
+
+
 def median_forwards_us(torch, forwards, on_gpu, warmup=MODEL_WARMUP, repetitions=MODEL_REPETITIONS):
     """Median microseconds of `forwards()` replayed as one CUDA graph (captured on a side stream, warmed up, timed
     with CUDA events); on the CPU one timed call after one warm-up call. Shared by the toy and llama peers."""
@@ -188,23 +209,7 @@ class ToyKit:
         return self._weights_cache[vocab]
 
     def time_cycles(self, driver, cycles):
-        torch = self.torch
-        if self.on_gpu:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(cycles + 1)]
-            events[0].record()
-            for i in range(cycles):
-                driver.cycle()
-                events[i + 1].record()
-            torch.cuda.synchronize()
-            us = [1000.0 * events[i].elapsed_time(events[i + 1]) for i in range(cycles)]
-        else:
-            us = []
-            for _ in range(cycles):
-                start = time.perf_counter()
-                driver.cycle()
-                us.append(1e6 * (time.perf_counter() - start))
-        us.sort()
-        return statistics.median(us), us[min(len(us) - 1, math.ceil(0.9 * len(us)) - 1)]
+        return median_cycle_us(self.torch, driver, cycles, self.on_gpu)
 
     def time_model_forwards(self, draft_weights, target_weights, logits_dtype, rows, steps):
         """Draft head (rows x 2) + (K - 1) draft steps (rows x 1) + verify (rows x K + 1) in one graph."""
