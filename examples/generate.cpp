@@ -17,21 +17,24 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
 #include "smcgraph/runtime.hpp"
+#include "smcgraph/smc_kernels.hpp"
 #include "smcgraph/tokenizer.hpp"
 
 namespace {
 
-struct UsageError {
-  std::string message;
-};
+using smcgraph::cli::parse_float;
+using smcgraph::cli::parse_integer;
+using smcgraph::cli::UsageError;
 
 struct Options {
   std::string model;
@@ -45,58 +48,43 @@ struct Options {
   bool raw = false;
 };
 
-int to_int(const std::string& flag, const std::string& text) {
-  try {
-    size_t used = 0;
-    const int value = std::stoi(text, &used);
-    if (used == text.size())
-      return value;
-  } catch (...) {
-  }
-  throw UsageError{flag + ": '" + text + "' is not an integer"};
-}
-
 Options parse(int argc, char** argv) {
   Options o;
   o.model = smcgraph::default_llama_model_path();
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc)
-        throw UsageError{flag + " needs a value"};
-      return argv[++i];
-    };
+  constexpr int kIntMax = std::numeric_limits<int>::max();
+  smcgraph::cli::Flags flags(argc, argv);
+  while (flags.next()) {
+    const std::string& flag = flags.flag();
     if (flag == "--model")
-      o.model = value();
+      o.model = flags.value();
     else if (flag == "--prompt")
-      o.prompt = value();
+      o.prompt = flags.value();
     else if (flag == "--system")
-      o.system = value();
+      o.system = flags.value();
     else if (flag == "--kind")
-      o.kind = value();
+      o.kind = flags.value();
     else if (flag == "--particles")
-      o.particles = to_int(flag, value());
+      o.particles = parse_integer(flag, flags.value(), 1, smcgraph::kMaxResampleParticles);
     else if (flag == "--steps")
-      o.steps = to_int(flag, value());
+      o.steps = parse_integer(flag, flags.value(), 1, smcgraph::kMaxDraftSteps);
     else if (flag == "--max-new")
-      o.max_new = to_int(flag, value());
+      o.max_new = parse_integer(flag, flags.value(), 1, kIntMax / 2);
     else if (flag == "--temperature")
-      o.temperature = std::stof(value());
+      o.temperature = parse_float(flag, flags.value(), 0.0f, false, 1e6f);
     else if (flag == "--seed")
-      o.seed = static_cast<uint64_t>(std::stoull(value()));
+      o.seed = parse_integer<uint64_t>(flag, flags.value(), 0, std::numeric_limits<uint64_t>::max());
     else if (flag == "--draft-layers")
-      o.draft_layers = value();
-    else if (flag == "--raw")
+      o.draft_layers = flags.value();
+    else if (flag == "--raw") {
+      flags.no_value();
       o.raw = true;
-    else if (flag == "--help" || flag == "-h")
+    } else if (flag == "--help" || flag == "-h")
       throw UsageError{"see the comment at the top of examples/generate.cpp for the flags"};
     else
-      throw UsageError{"unknown flag " + flag};
+      throw UsageError{"unknown flag '" + flags.raw() + "'"};
   }
   if (o.kind != "greedy" && o.kind != "spec" && o.kind != "smc")
-    throw UsageError{"--kind must be greedy, spec or smc, not '" + o.kind + "'"};
-  if (o.max_new < 1)
-    throw UsageError{"--max-new must be >= 1"};
+    throw smcgraph::cli::bad_value("--kind", o.kind, "must be greedy, spec or smc");
   return o;
 }
 

@@ -14,10 +14,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
@@ -25,24 +27,16 @@
 
 namespace {
 
-struct UsageError {
-  std::string message;
-};
+using smcgraph::cli::parse_integer;
+using smcgraph::cli::UsageError;
 
+/// Comma-separated token ids, each in [0, 2^31).
 std::vector<int> parse_ints(const std::string& text, const char* flag) {
   std::vector<int> values;
   std::stringstream stream(text);
   std::string item;
-  while (std::getline(stream, item, ',')) {
-    try {
-      size_t used = 0;
-      values.push_back(std::stoi(item, &used));
-      if (used != item.size())
-        throw UsageError{};
-    } catch (...) {
-      throw UsageError{std::string(flag) + ": '" + item + "' is not an integer"};
-    }
-  }
+  while (std::getline(stream, item, ','))
+    values.push_back(parse_integer(flag, item, 0, std::numeric_limits<int>::max()));
   return values;
 }
 
@@ -118,35 +112,31 @@ int argmax(const float* row, int vocab) {
 int run(int argc, char** argv) {
   std::string model_path, tokens_text, logits_out, greedy_out, agreement;
   int greedy = 0, max_len = 2048;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc)
-        throw UsageError{flag + " needs a value"};
-      return argv[++i];
-    };
+  smcgraph::cli::Flags flags(argc, argv);
+  while (flags.next()) {
+    const std::string& flag = flags.flag();
     if (flag == "--model")
-      model_path = value();
+      model_path = flags.value();
     else if (flag == "--tokens")
-      tokens_text = value();
+      tokens_text = flags.value();
     else if (flag == "--logits-out")
-      logits_out = value();
+      logits_out = flags.value();
     else if (flag == "--greedy")
-      greedy = parse_ints(value(), "--greedy").at(0);
+      greedy = parse_integer(flag, flags.value(), 0, 1 << 20);
     else if (flag == "--greedy-out")
-      greedy_out = value();
+      greedy_out = flags.value();
     else if (flag == "--agreement")
-      agreement = value();
+      agreement = flags.value();
     else if (flag == "--max-len")
-      max_len = parse_ints(value(), "--max-len").at(0);
+      max_len = parse_integer(flag, flags.value(), 1, 1 << 24);
     else
-      throw UsageError{"unknown flag " + flag};
+      throw UsageError{"unknown flag '" + flags.raw() + "'"};
   }
   if (model_path.empty() || tokens_text.empty())
     throw UsageError{"--model and --tokens are required"};
   const std::vector<int> prompt = parse_ints(tokens_text, "--tokens");
-  if (prompt.empty() || greedy < 0)
-    throw UsageError{"--tokens must be non-empty and --greedy >= 0"};
+  if (prompt.empty())
+    throw UsageError{"--tokens must name at least one token"};
   if (smcgraph::cuda_device_count() == 0) {
     std::fprintf(stderr, "llama_logits: no CUDA device\n");
     return 77;
