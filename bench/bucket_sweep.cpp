@@ -1645,6 +1645,10 @@ int run(const Options& o, const char* argv0) {
     for (const DType dtype : o.dtypes) {
       if (engine_kinds.empty())
         break;
+      // The pair of this (V, dtype): the real models (weights shared, loaded once) or the toy pair.
+      std::unique_ptr<LlamaModel> llama_target, llama_draft;
+      ToyModelPair toy_models;
+      ModelPair models;
       if (real) {
         LlamaModelOptions options;
         options.pool_size = constants.pool_size;
@@ -1652,35 +1656,20 @@ int run(const Options& o, const char* argv0) {
         options.max_tokens_per_forward =
             std::max(128, o.requests.back() * std::max(max_particles, kValidationPrompts) * (max_steps + 1));
         options.logits_dtype = dtype;
-        LlamaModel target(llama_weights, options);
+        llama_target = std::make_unique<LlamaModel>(llama_weights, options);
         options.layers = draft_layers;
-        LlamaModel draft(llama_weights, options);
-        ModelPair pair{&draft, &target, true};
-        pair.draft_weight_bytes = draft.weight_bytes_per_forward();
-        pair.target_weight_bytes = target.weight_bytes_per_forward();
-        const LlamaConfig& c = target.config();
+        llama_draft = std::make_unique<LlamaModel>(llama_weights, options);
+        models = ModelPair{llama_draft.get(), llama_target.get(), true};
+        models.draft_weight_bytes = llama_draft->weight_bytes_per_forward();
+        models.target_weight_bytes = llama_target->weight_bytes_per_forward();
+        const LlamaConfig& c = llama_target->config();
         const size_t kv_token_layer = size_t{2} * c.kv_heads * c.head_dim * sizeof(uint16_t);
-        pair.draft_kv_bytes_per_token = kv_token_layer * draft.layers().size();
-        pair.target_kv_bytes_per_token = kv_token_layer * target.layers().size();
+        models.draft_kv_bytes_per_token = kv_token_layer * llama_draft->layers().size();
+        models.target_kv_bytes_per_token = kv_token_layer * llama_target->layers().size();
         if (o.peers && real_greedy.empty()) {
           progress.update(done, "greedy validation tokens for the peers");
-          real_greedy = real_greedy_tokens(pair, constants, kRealGreedyTokens, o.steps.front());
+          real_greedy = real_greedy_tokens(models, constants, kRealGreedyTokens, o.steps.front());
         }
-        for (const auto& [kind, particles] : engine_kinds) {
-          for (const int steps : o.steps) {
-            const int done_before = done;
-            try {
-              sweep_engine(ctx, pair, kind, vocab, dtype, particles, steps, results);
-            } catch (const Error& error) {
-              all_valid = false;
-              std::printf("\n%s V = %d %s N = %d K = %d: FAILED: %s\n", kind_name(kind), vocab,
-                          dtype_name(dtype), particles, steps, error.what());
-              std::fflush(stdout);
-              done = done_before + static_cast<int>(o.requests.size());
-            }
-          }
-        }
-        continue;
       }
       ToyModelConfig toy;
       toy.vocab = vocab;
@@ -1690,11 +1679,13 @@ int run(const Options& o, const char* argv0) {
       toy.max_seq_len = constants.max_seq_len;
       toy.logits_dtype = dtype;
       toy.weight_seed = kWeightSeed;
-      ToyModelPair toy_models = ToyModel::pair(toy, o.draft_perturbation);
-      const ModelPair models{toy_models.draft.get(), toy_models.target.get()};
+      if (!real) {
+        toy_models = ToyModel::pair(toy, o.draft_perturbation);
+        models = ModelPair{toy_models.draft.get(), toy_models.target.get()};
+      }
 
-      if (run_smc || run_spec) { // the peers' inputs: weights once per vocabulary, validation tokens per
-                                 // (kind, V, dtype)
+      if (!real && (run_smc || run_spec)) { // the toy peers' inputs: weights once per vocabulary, validation
+                                            // tokens per (kind, V, dtype)
         if (!weight_files.count(vocab)) {
           const std::string name = "toy_weights_v" + std::to_string(vocab) + ".safetensors";
           progress.update(done, "writing " + name);
