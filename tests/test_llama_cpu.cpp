@@ -212,6 +212,13 @@ TEST_CASE("llama config errors name the key") {
     CHECK_MESSAGE(contains(e, "256"), e);
   }
   {
+    PatchedGguf p(spec); // a hidden size past kLlamaMaxHidden (the GEMMs' register-held norm rows)
+    p.set_int("llama.embedding_length", smcgraph::kLlamaMaxHidden + 16);
+    const std::string e = config_error(p);
+    CHECK_MESSAGE(contains(e, "llama.embedding_length"), e);
+    CHECK_MESSAGE(contains(e, "1040"), e);
+  }
+  {
     PatchedGguf p(spec);
     p.rename_key("llama.block_count");
     const std::string e = config_error(p);

@@ -334,8 +334,8 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
   const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
   constexpr int kPool = 2048, kMaxSeqLen = 2048, kMaxTokens = 1024; // 2 rows x 499
   Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens);
-  // Racecheck tracks every shared-memory access of the attention's position loop: a 600-token row there (3
-  // chunks of 256 positions, still several splits), 1500 elsewhere.
+  // Racecheck tracks every shared-memory access of the attention's position loop: a 600-token row there (10
+  // chunks of 64 positions, still several splits), 1500 elsewhere.
   const int long_length = test::sanitizer_scaled(1500, 1500, 600);
   LlamaSequences s = reference::random_llama_sequences({long_length, 302}, shape.vocab, kPool, kMaxSeqLen,
                                                        1.0, rng.engine());

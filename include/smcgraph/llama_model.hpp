@@ -37,6 +37,8 @@ namespace smcgraph {
 
 /// Largest head_dim the attention kernels support (SmolLM2 uses 64).
 inline constexpr int kLlamaMaxHeadDim = 128;
+/// Largest hidden size: the GEMMs' RMSNorm prologue holds a whole row in registers (32 lanes x 32 floats).
+inline constexpr int kLlamaMaxHidden = 1024;
 
 /// The architecture, from the GGUF metadata (llama.* keys).
 struct LlamaConfig {

@@ -18,6 +18,7 @@
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
+#include "smcgraph/llama_model.hpp"
 #include "smcgraph/runtime.hpp"
 
 namespace smcgraph::llama {
@@ -28,6 +29,15 @@ using namespace nvcuda;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowPad = 8; // bf16 elements of padding per staged A row (bank spread, keeps 32-byte alignment)
+/// float4s of an RMSNorm row each lane holds in registers: rows up to 32 * 4 * kNormVec = 1024 wide.
+constexpr int kNormVec = 8;
+constexpr int kMaxNormK = 32 * 4 * kNormVec;
+/// Rows of A a block holds at most (4 fragments of 16).
+constexpr int kMaxBlockRows = 64;
+/// Rows a warp normalises at once (a block has at least 16 rows, 4 a warp).
+constexpr int kNormRows = 2;
+static_assert(kMaxNormK == kLlamaMaxHidden,
+              "the RMSNorm prologue must hold a row of the largest hidden size");
 
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float value) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(value));
@@ -70,38 +80,90 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     }
     __pipeline_commit();
   }
+  // The epilogue's per-row inputs (position, KV slot, live) and the RoPE frequencies are not written by the
+  // forward's kernels: they were complete before its first kernel (embed) passed its pdl_wait(), and this
+  // kernel starts only after its predecessor's pdl_wait() (pdl.hpp), so they are read here, before waiting,
+  // and their latency leaves the critical path.
+  __shared__ int row_position[kMaxBlockRows], row_slot[kMaxBlockRows];
+  __shared__ unsigned char row_live[kMaxBlockRows];
+  __shared__ float rope_freq[kLlamaMaxHeadDim / 2];
+  constexpr bool kQkv = EPILOGUE == static_cast<int>(GemmEpilogue::kQkvRope);
+  constexpr bool kLogitsOut = EPILOGUE == static_cast<int>(GemmEpilogue::kLogits);
+  if constexpr (kQkv || kLogitsOut) {
+    if (threadIdx.x < BM && m0 + static_cast<int>(threadIdx.x) < T) {
+      const int t = m0 + threadIdx.x;
+      row_live[threadIdx.x] = a.live[t / a.tokens_per_row];
+      if constexpr (kQkv) {
+        row_position[threadIdx.x] = a.positions[t];
+        row_slot[threadIdx.x] = a.out_slots[t];
+      }
+    }
+    if (kQkv && threadIdx.x < a.head_dim / 2)
+      rope_freq[threadIdx.x] = a.inv_freq[threadIdx.x];
+  }
   pdl_wait();
   pdl_trigger();
 
-  // Prologue: stage A's rows (zeros past T) as bf16.
-  for (int m = warp; m < BM; m += kWarps) {
-    const int t = m0 + m;
-    __nv_bfloat16* dst = a_tile + static_cast<size_t>(m) * lda;
-    if (t >= T) {
-      for (int c = lane; c < K; c += 32)
-        dst[c] = __float2bfloat16_rn(0.0f);
-      continue;
-    }
-    if constexpr (uses_norm<EPILOGUE>()) {
-      const float* x = a.x + static_cast<size_t>(t) * K;
-      float sum_squares = 0.0f;
-      for (int c = lane; c < K; c += 32)
-        sum_squares = fmaf(x[c], x[c], sum_squares);
+  // Prologue: stage A's rows (zeros past T) as bf16. Every global load of a row is issued before the first
+  // one is used, so a row costs one memory latency, not one per 32 elements.
+  if constexpr (uses_norm<EPILOGUE>()) {
+    const int k4 = K / 4;
+    const float4* norm4 = reinterpret_cast<const float4*>(a.norm_weight);
+    float4 gamma[kNormVec];
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1)
-        sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-      const float inv_rms = rsqrtf(sum_squares / static_cast<float>(K) + a.eps);
-      for (int c = lane; c < K; c += 32)
-        dst[c] = __float2bfloat16_rn(x[c] * inv_rms * a.norm_weight[c]);
-    } else {
-      const uint4* src = reinterpret_cast<const uint4*>(a.a_bf16 + static_cast<size_t>(t) * K);
-      uint4* dst_vec = reinterpret_cast<uint4*>(dst);
-      for (int c = lane; c < K / 8; c += 32)
-        dst_vec[c] = src[c];
+    for (int i = 0; i < kNormVec; ++i)
+      gamma[i] = lane + 32 * i < k4 ? norm4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // kNormRows rows a warp at a time: their loads are in flight together.
+    for (int m_first = warp; m_first < BM; m_first += kNormRows * kWarps) {
+      float4 v[kNormRows][kNormVec];
+#pragma unroll
+      for (int r = 0; r < kNormRows; ++r) {
+        const int t = m0 + m_first + r * kWarps;
+        const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<size_t>(t) * K);
+#pragma unroll
+        for (int i = 0; i < kNormVec; ++i)
+          v[r][i] = (t < T && lane + 32 * i < k4) ? x4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int r = 0; r < kNormRows; ++r) {
+        const int m = m_first + r * kWarps, t = m0 + m;
+        float sum_squares = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kNormVec; ++i)
+          sum_squares +=
+              v[r][i].x * v[r][i].x + v[r][i].y * v[r][i].y + v[r][i].z * v[r][i].z + v[r][i].w * v[r][i].w;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+          sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+        const float inv_rms = t < T ? rsqrtf(sum_squares / static_cast<float>(K) + a.eps) : 0.0f;
+        uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
+#pragma unroll
+        for (int i = 0; i < kNormVec; ++i) {
+          if (lane + 32 * i < k4) {
+            const float4 x = v[r][i], g = gamma[i];
+            const uint32_t lo = float_to_bf16_bits(x.x * inv_rms * g.x) |
+                                static_cast<uint32_t>(float_to_bf16_bits(x.y * inv_rms * g.y)) << 16;
+            const uint32_t hi = float_to_bf16_bits(x.z * inv_rms * g.z) |
+                                static_cast<uint32_t>(float_to_bf16_bits(x.w * inv_rms * g.w)) << 16;
+            dst[lane + 32 * i] = make_uint2(lo, hi);
+          }
+        }
+      }
     }
+  } else {
+    // Copied straight into shared memory (cp.async): all of the block's loads are in flight at once.
+    const int vectors_per_row = K / 8;
+    for (int v = threadIdx.x; v < BM * vectors_per_row; v += kThreads) {
+      const int m = v / vectors_per_row, column = (v % vectors_per_row) * 8, t = m0 + m;
+      __nv_bfloat16* dst = a_tile + static_cast<size_t>(m) * lda + column;
+      if (t < T)
+        __pipeline_memcpy_async(dst, a.a_bf16 + static_cast<size_t>(t) * K + column, 16);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __pipeline_commit();
   }
-  if (N_WARPS == 1 && stage_w)
-    __pipeline_wait_prior(0);
+  __pipeline_wait_prior(0);
   __syncthreads();
 
   // Tensor-core main loop. K is cut into kWarps slices of whole 16-wide tiles; each slice is accumulated from
@@ -128,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     for (int f = 0; f < M_FRAGS; ++f)
       wmma::fill_fragment(acc[f], 0.0f);
     // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
-    constexpr int kLoadsInFlight = 4;
+    constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
     int kk = k_begin;
     for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[kLoadsInFlight];
@@ -189,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd)) {
       a.residual[static_cast<size_t>(t) * N + col] += value;
     } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kLogits)) {
-      if (col >= a.logits_cols || !a.live[t / a.tokens_per_row])
+      if (col >= a.logits_cols || !row_live[m])
         continue;
       const size_t index = static_cast<size_t>(t) * a.logits_cols + col;
       if (a.logits_dtype == DType::kFloat32)
@@ -211,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
         const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
         // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
         const float partner = stage[e ^ 1];
-        const float angle = static_cast<float>(a.positions[t]) * a.inv_freq[d / 2];
+        const float angle = static_cast<float>(row_position[m]) * rope_freq[d / 2];
         float s, c;
         sincosf(angle, &s, &c);
         out = (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
@@ -219,8 +281,8 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       const uint16_t bits = float_to_bf16_bits(out);
       if (col < a.q_dim) {
         a.out_bf16[static_cast<size_t>(t) * a.q_dim + col] = bits;
-      } else if (a.live[t / a.tokens_per_row]) {
-        const int slot = a.out_slots[t];
+      } else if (row_live[m]) {
+        const int slot = row_slot[m];
         if (slot > 0 && slot < a.pool_size) {
           const int kv_col = is_v ? a.kv_dim + (col - a.q_dim - a.kv_dim) : col - a.q_dim;
           a.kv[static_cast<size_t>(slot) * 2 * a.kv_dim + kv_col] = bits;
@@ -230,9 +292,17 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   }
 }
 
-/// Dynamic shared memory a block of the current device may opt in to (cached per device).
+/// Static shared memory of the kernel, rounded up for alignment: the epilogue's per-row inputs and the RoPE
+/// frequencies (ptxas reports 896 bytes).
+constexpr int kStaticSmemBytes = 1024;
+static_assert(kMaxBlockRows * (2 * sizeof(int) + 1) + kLlamaMaxHeadDim / 2 * sizeof(float) + 128 <=
+                  kStaticSmemBytes,
+              "the static shared memory must fit its reserve");
+
+/// Dynamic shared memory a block of the current device may opt in to next to the static part (cached per
+/// device).
 int max_optin_smem() {
-  return current_device_info().shared_memory_optin_bytes;
+  return current_device_info().shared_memory_optin_bytes - kStaticSmemBytes;
 }
 
 template <int EPILOGUE, int M_FRAGS, int N_WARPS>
@@ -308,10 +378,19 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
     return;
   if (epilogue == GemmEpilogue::kResidualAdd) {
     require(a.a_bf16 != nullptr && a.residual != nullptr, kWhere, "a_bf16 / residual", "null", "must be set");
+    require(reinterpret_cast<uintptr_t>(a.a_bf16) % 16 == 0, kWhere, "a_bf16", "misaligned",
+            "must be 16-byte aligned (cp.async)");
   } else {
     require(a.x != nullptr && a.norm_weight != nullptr, kWhere, "x / norm_weight", "null", "must be set");
+    require(a.k <= kMaxNormK, kWhere, "k", a.k,
+            "must be <= 1024 for an RMSNorm prologue (a row is held in registers)");
+    require(reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+                reinterpret_cast<uintptr_t>(a.norm_weight) % 16 == 0,
+            kWhere, "x / norm_weight", "misaligned", "must be 16-byte aligned (float4 loads)");
   }
   if (epilogue == GemmEpilogue::kQkvRope) {
+    require(a.head_dim <= kLlamaMaxHeadDim, kWhere, "head_dim", a.head_dim,
+            "must be <= kLlamaMaxHeadDim (128)");
     require(a.head_dim % 2 == 0 && a.q_dim % a.head_dim == 0 && a.kv_dim % a.head_dim == 0 &&
                 a.n == a.q_dim + 2 * a.kv_dim,
             kWhere, "n", a.n, "must equal q_dim + 2 kv_dim with head_dim dividing both");

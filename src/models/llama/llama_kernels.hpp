@@ -55,9 +55,10 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& args, cudaStream_t stream);
 /// Kernel launches one gemm() call makes (always 1).
 inline constexpr int kGemmLaunches = 1;
 
-/// Positions per attention chunk: the unit of the split-KV partials. Fixed, so the merge order of a token's
-/// partials depends on its own length only (batch invariance).
-inline constexpr int kAttentionChunk = 256;
+/// Positions per attention chunk: the unit of the split-KV partials (a warp's work item). Fixed, so the merge
+/// order of a token's partials depends on its own length only (batch invariance); small, so a short decode
+/// row still spreads over several warps and blocks.
+inline constexpr int kAttentionChunk = 64;
 
 struct AttentionArgs {
   int rows = 0, tokens_per_row = 0, heads = 0, kv_heads = 0, head_dim = 0;

@@ -44,6 +44,8 @@ LlamaConfig llama_config_from_gguf(const GgufFile& file) {
                    ? config_int(file, "llama.attention.head_count_kv", 1, 1024)
                    : c.heads;
   c.context = config_int(file, "llama.context_length", 1, 1 << 24);
+  require(c.hidden % 16 == 0 && c.hidden <= kLlamaMaxHidden, kConfigWhere, "llama.embedding_length", c.hidden,
+          "must be a multiple of 16 and <= kLlamaMaxHidden (1024)");
   require(c.hidden % c.heads == 0, kConfigWhere, "llama.embedding_length", c.hidden,
           "must be a multiple of llama.attention.head_count");
   c.head_dim = c.hidden / c.heads;
@@ -56,7 +58,6 @@ LlamaConfig llama_config_from_gguf(const GgufFile& file) {
           "must be a multiple of 16 and <= kLlamaMaxHeadDim (128)");
   require(c.heads % c.kv_heads == 0, kConfigWhere, "llama.attention.head_count_kv", c.kv_heads,
           "must divide llama.attention.head_count");
-  require(c.hidden % 16 == 0, kConfigWhere, "llama.embedding_length", c.hidden, "must be a multiple of 16");
   require(c.ffn % 16 == 0, kConfigWhere, "llama.feed_forward_length", c.ffn, "must be a multiple of 16");
   c.rope_base = static_cast<float>(file.get_float("llama.rope.freq_base", 10000.0));
   require(std::isfinite(c.rope_base) && c.rope_base > 1.0f, kConfigWhere, "llama.rope.freq_base", c.rope_base,
