@@ -9,7 +9,7 @@
 # the sanitizer-sized loops, SMCGRAPH_REQUIRE_GPU=1), with its own log base so the cells run side by side on
 # one GPU: --jobs at a time (default: the number of CPU cores), racecheck cells first (the slowest). The suites
 # are the `gpu` suite without `fault-injection` (that one traps on purpose), as `meson test --list` names them.
-# A cell running past --cell-timeout seconds (default 480; meson's timeout of a GPU suite, 1200 s, scaled) is
+# A cell running past --cell-timeout seconds (default 1200: meson's timeout of a GPU suite under a sanitizer) is
 # stopped and reported as TIMEOUT.
 #
 # Prints a markdown table suite x tool (status, wall seconds, the tool's error / hazard counts parsed from its
@@ -23,7 +23,7 @@ build=build
 tools="racecheck,memcheck,initcheck,synccheck"
 suites=""
 jobs="$(nproc)"
-cell_timeout=480
+cell_timeout=1200
 do_build=1
 while [ $# -gt 0 ]; do
   case "$1" in
