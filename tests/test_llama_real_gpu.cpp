@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -97,17 +99,24 @@ TEST_CASE(
     MESSAGE("skipped: real model file not found (run ./run fetch-model)");
     return;
   }
+  if (test::sanitizer_tool() == test::SanitizerTool::kRacecheck) {
+    // Measured on the H100 machine (128 GiB of host memory): racecheck's host memory grew to 130.8 GB (RSS)
+    // and the OOM killer stopped the run even at 1 prompt x 3 tokens in one bucket. The Llama kernels run
+    // under racecheck in llama_gpu (tiny configs, every variant); memcheck, synccheck and initcheck run this
+    // suite. Exit 77 so the sanitizer matrix shows SKIP, not a pass.
+    std::fprintf(stderr, "llama_real_gpu: skipped under racecheck (it needs more than 128 GB of host memory "
+                         "on the real model); llama_gpu racechecks the same kernels\n");
+    std::fflush(stderr);
+    std::_Exit(77);
+  }
   const GgufFile file = GgufFile::open(path);
   const Tokenizer tokenizer = Tokenizer::from_gguf(file);
   const auto weights = load_llama_weights(file);
-  // Sanitizers slow every kernel 10-1000x: fewer prompts, tokens and buckets, same paths. Racecheck, the
-  // slowest (every shared-memory access of the 152 kernels a forward is tracked), gets one prompt of 3 tokens
-  // in one bucket, eager and graphed; llama_gpu runs the same kernels under it over many more shapes.
-  const int prompts_used = test::sanitizer_scaled(16, 3, 1);
-  const int new_tokens = test::sanitizer_scaled(256, 12, 3);
-  const std::vector<int> buckets = !test::under_sanitizer()               ? std::vector<int>{1, 2, 4, 8, 16}
-                                   : test::sanitizer_scaled(2, 2, 1) == 2 ? std::vector<int>{1, 2}
-                                                                          : std::vector<int>{1};
+  // Sanitizers slow every kernel 10-1000x: fewer prompts, tokens and buckets, same paths.
+  const int prompts_used = test::sanitizer_scaled(16, 3);
+  const int new_tokens = test::sanitizer_scaled(256, 12);
+  const std::vector<int> buckets =
+      test::under_sanitizer() ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 4, 8, 16};
   constexpr int kSteps = 4;
   std::vector<std::vector<int32_t>> prompts;
   size_t longest = 0;
