@@ -11,8 +11,10 @@
 // |gpu - ref| <= 0.15 max(1, |ref|) per logit, argmax equal unless the reference's top-2 gap is within that
 // tolerance, rms(gpu - ref) <= rms(ref - exact) over the fp32 logits of a schedule, KV within one bf16 ulp
 // plus a slack of the head vector's rms (1/256 in the first layer run, whose inputs are the exact embeddings;
-// 0.125 deeper). Wrong math (RoPE pairing, head mapping, a missed or extra position, a wrong slot) moves
-// logits and KV by their own size, far outside.
+// 0.125 deeper), plus what two RMSNorm outputs rounding to the neighbouring bf16 value would change
+// (LlamaReference::kv_flip: the device's rsqrtf scale is within 2 ulp of the contract's; without it a
+// first-layer V once differed by 3 ulp, seed 11713376921205938077). Wrong math (RoPE pairing, head mapping, a
+// missed or extra position, a wrong slot) moves logits and KV by their own size, far outside.
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -73,6 +73,7 @@ LlamaReference::LlamaReference(const LlamaHostWeights& weights, std::vector<int>
   require(pool_size >= 1 && max_seq_len >= 1, "LlamaReference", "pool_size", pool_size,
           "and max_seq_len must be >= 1");
   kv_.assign(layers_.size() * pool_size * 2 * c.kv_heads * c.head_dim, 0.0);
+  kv_flip_.assign(kv_.size(), 0.0);
 }
 
 double LlamaReference::to_float(double value) const {
@@ -141,10 +142,30 @@ void LlamaReference::forward(const LlamaForwardInputs& in, std::vector<double>& 
       tokens.push_back(std::move(t));
     }
   }
-  auto kv_at = [&](size_t layer, int slot, int kind, int kv_head) {
-    return kv_.data() + ((layer * pool_size_ + slot) * 2 + kind) * kvd + static_cast<size_t>(kv_head) * hd;
+  auto kv_offset = [&](size_t layer, int slot, int kind, int kv_head) {
+    return ((layer * pool_size_ + slot) * 2 + kind) * kvd + static_cast<size_t>(kv_head) * hd;
   };
-  std::vector<double> n(H), k(kvd), v(kvd), o(qd), act(F), scores;
+  auto kv_at = [&](size_t layer, int slot, int kind, int kv_head) {
+    return kv_.data() + kv_offset(layer, slot, kind, kv_head);
+  };
+  // The sum of the two largest ulp(n_i) |w_i|: what two inputs rounding the other way change in w . n.
+  auto flip_of = [&](const uint16_t* w, const double* n_row) {
+    double first = 0.0, second = 0.0;
+    for (int i = 0; i < H; ++i) {
+      int exponent = 0;
+      std::frexp(n_row[i], &exponent);
+      const double change =
+          n_row[i] == 0.0 ? 0.0 : std::ldexp(1.0, exponent - 8) * std::abs(bf16_value(w[i]));
+      if (change > first) {
+        second = first;
+        first = change;
+      } else if (change > second) {
+        second = change;
+      }
+    }
+    return first + second;
+  };
+  std::vector<double> n(H), k(kvd), v(kvd), k_flip(kvd), v_flip(kvd), o(qd), act(F), scores;
   for (size_t li = 0; li < layers_.size(); ++li) {
     const LlamaHostWeights::Layer& L = weights_.layers[layers_[li]];
     // q, k, v of every token; K and V stored before any attention.
@@ -156,6 +177,8 @@ void LlamaReference::forward(const LlamaForwardInputs& in, std::vector<double>& 
       for (int r = 0; r < kvd; ++r) {
         k[r] = to_float(dot(L.k.data() + static_cast<size_t>(r) * H, n.data(), H));
         v[r] = to_bf16(to_float(dot(L.v.data() + static_cast<size_t>(r) * H, n.data(), H)));
+        k_flip[r] = flip_of(L.k.data() + static_cast<size_t>(r) * H, n.data());
+        v_flip[r] = flip_of(L.v.data() + static_cast<size_t>(r) * H, n.data());
       }
       for (int h = 0; h < c.heads; ++h)
         rope(t.q.data() + h * hd, t.position);
@@ -169,6 +192,10 @@ void LlamaReference::forward(const LlamaForwardInputs& in, std::vector<double>& 
         for (int d = 0; d < hd; ++d) {
           kv_at(li, t.slot, 0, h)[d] = to_bf16(k[h * hd + d]);
           kv_at(li, t.slot, 1, h)[d] = v[h * hd + d];
+          // RoPE mixes the pair (2i, 2i + 1) with weights of magnitude <= 1.
+          const int pair = h * hd + (d & ~1);
+          kv_flip_[kv_offset(li, t.slot, 0, h) + d] = k_flip[pair] + k_flip[pair + 1];
+          kv_flip_[kv_offset(li, t.slot, 1, h) + d] = v_flip[h * hd + d];
         }
       }
     }
@@ -381,7 +408,7 @@ KvAgreement compare_kv_values(Get got, const LlamaReference& want, double first_
       a.differing += difference != 0.0;
       if (rms > 0.0)
         a.max_excess = std::max(a.max_excess, difference / rms);
-      if (!(difference <= ulp + allowed_slack) && a.problem.empty()) {
+      if (!(difference <= ulp + allowed_slack + want.kv_flip()[vector * hd + d]) && a.problem.empty()) {
         const size_t slot = vector / (2 * c.kv_heads) % want.pool_size();
         std::snprintf(text, sizeof(text), "layer %zu slot %zu %s head %zu dim %d: got %.9g, want %.9g", layer,
                       slot, vector / c.kv_heads % 2 ? "V" : "K", vector % c.kv_heads, d, g, w[d]);

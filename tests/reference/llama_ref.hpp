@@ -56,7 +56,16 @@ public:
   /// contract modes.
   const std::vector<double>& kv() const { return kv_; }
   std::vector<double>& kv() { return kv_; }
-  void clear_kv() { kv_.assign(kv_.size(), 0.0); }
+  void clear_kv() {
+    kv_.assign(kv_.size(), 0.0);
+    kv_flip_.assign(kv_flip_.size(), 0.0);
+  }
+  /// Per stored K/V element (the layout of kv()), how far it moves if two of the RMSNorm outputs it is
+  /// computed from round to the neighbouring bf16 value: the sum of the two largest ulp(n_i) |w_i| (K: of
+  /// both RoPE partners). The device's norm scale comes from rsqrtf (within 2 ulp of the contract's), so an
+  /// input a hair from a bf16 rounding boundary may round the other way; compare_kv allows this on top of its
+  /// slack.
+  const std::vector<double>& kv_flip() const { return kv_flip_; }
 
   /// One forward: per layer, every live token's K and V is written first (slot = out_slots, dropped when
   /// outside [0, pool_size)), then every live token attends over positions 0 .. min(p, seq_len - 1) read
@@ -76,7 +85,7 @@ private:
   std::vector<int> layers_;
   int pool_size_, max_seq_len_;
   LlamaNumerics numerics_;
-  std::vector<double> kv_;
+  std::vector<double> kv_, kv_flip_;
 };
 
 /// bf16 rounding (nearest even) of a float, as the device's __float2bfloat16_rn (NaN stays NaN).
