@@ -1594,12 +1594,13 @@ int run(const Options& o, const char* argv0) {
                 o.draft_perturbation);
   std::printf("; max_seq_len %d, slot pool %d\n", constants.max_seq_len, constants.pool_size);
   std::printf(
-      "graph/eager = median GPU time per cycle; host = host time per step(); model = draft head + (K-1) "
-      "draft "
-      "steps + verify timed alone; nonmodel = graph - model; floor = (logits the samplers read: K draft + "
-      "K+1 "
-      "target columns per row, + state) / copy bandwidth + non-model nodes x node floor; tok/c = tokens "
-      "committed per row and cycle; tokens/s = requests x tok/c / graph time\n");
+      "graph/eager = median GPU time per cycle; host = host time per step(); model = draft head + "
+      "(K-1) draft steps + verify timed alone; nonmodel = graph - model (it can be slightly negative "
+      "with the real model: inside the cycle's graph a forward's first launch overlaps the end of the "
+      "stage before it (programmatic dependent launch), timed alone it does not); floor = (logits the "
+      "samplers read: K draft + K+1 target columns per row, + state) / copy bandwidth + non-model "
+      "nodes x node floor; tok/c = tokens committed per row and cycle; tokens/s = requests x tok/c / "
+      "graph time\n");
   std::fflush(stdout);
 
   bench::Csv csv(o.csv);
