@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "fuzz/engine_fuzz_input.hpp"
+#include "reference/cycle_ref.hpp"
 #include "runtime/engine_validation.hpp"
+#include "runtime/request_outcome.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "support/fuzz_corpus.hpp"
@@ -185,4 +187,83 @@ TEST_CASE("a sticky CUDA error's message says the context is unusable; other err
     CHECK(contains(e.what(), "CUDA error in cudaErrorIllegalAddress at "));
     CHECK(contains(e.what(), kStickyErrorNote));
   }
+}
+
+TEST_CASE("classify_request: each outcome, its reason, and the order in which causes win") {
+  using smcgraph::detail::classify_request;
+  using smcgraph::detail::RequestCycleReport;
+  using smcgraph::detail::RequestOutcome;
+  // flags, all_finished, any_live, length, prompt_length, max_new_tokens
+  const RequestCycleReport running{0, false, true, 20, 10, 16};
+  CHECK(classify_request(running).outcome == RequestOutcome::kRunning);
+  CHECK(classify_request(running).reason.empty());
+  CHECK(!classify_request(running).finished());
+  CHECK(!classify_request(running).failed());
+
+  RequestCycleReport r = running;
+  r.flags = smcgraph::kFlagNanLogit | smcgraph::kFlagSlotsExhausted | smcgraph::kFlagMaxLength;
+  r.all_finished = true;
+  auto v = classify_request(r); // a fault outranks every finish cause, and names only the faults
+  CHECK(v.outcome == RequestOutcome::kFailed);
+  CHECK(v.failed());
+  CHECK(v.reason == "nan or +inf logit, slot pool exhausted");
+
+  r = running;
+  r.flags = smcgraph::kFlagMaxLength;
+  r.all_finished = true;
+  r.length = 26; // also at the token budget
+  v = classify_request(r);
+  CHECK(v.outcome == RequestOutcome::kMaxLength);
+  CHECK(v.finished());
+  CHECK(v.reason == "max sequence length");
+
+  r = running;
+  r.all_finished = true;
+  r.length = 26;
+  CHECK(classify_request(r).outcome == RequestOutcome::kEos);
+  CHECK(classify_request(r).reason == "eos");
+
+  r = running;
+  r.length = 26; // 16 generated: the budget
+  r.any_live = false;
+  CHECK(classify_request(r).outcome == RequestOutcome::kMaxNewTokens);
+  CHECK(classify_request(r).reason == "max_new_tokens");
+  r.length = 25; // one short of it
+  CHECK(classify_request(r).outcome == RequestOutcome::kRowsNotLive);
+  CHECK(classify_request(r).failed());
+  CHECK(classify_request(r).reason == "rows not live");
+
+  r = running;
+  r.max_new_tokens = 0; // no limit
+  r.length = 1000;
+  CHECK(classify_request(r).outcome == RequestOutcome::kRunning);
+  r.flags = 1u << 6; // a flag that is neither a fault nor max length changes nothing
+  CHECK(classify_request(r).outcome == RequestOutcome::kRunning);
+}
+
+TEST_CASE("classify_request agrees with the reference's independent decision on every combination") {
+  int compared = 0;
+  for (uint32_t flags = 0; flags < (1u << 7); ++flags) {
+    for (int finished_live = 0; finished_live < 4; ++finished_live) {
+      for (int generated = 0; generated <= 4; ++generated) {
+        for (const int max_new_tokens : {-1, 0, 1, 3, 4}) {
+          const bool all_finished = finished_live & 1, any_live = (finished_live & 2) != 0;
+          const smcgraph::detail::RequestVerdict got = smcgraph::detail::classify_request(
+              {flags, all_finished, any_live, 7 + generated, 7, max_new_tokens});
+          const smcgraph::reference::RequestDecision want =
+              smcgraph::reference::decide_request(flags, all_finished, any_live, generated, max_new_tokens);
+          CAPTURE(flags);
+          CAPTURE(all_finished);
+          CAPTURE(any_live);
+          CAPTURE(generated);
+          CAPTURE(max_new_tokens);
+          REQUIRE(got.finished() == want.finished);
+          REQUIRE(got.failed() == want.failed);
+          REQUIRE(got.reason == want.reason);
+          ++compared;
+        }
+      }
+    }
+  }
+  CHECK(compared == 128 * 4 * 5 * 5);
 }

@@ -1,6 +1,7 @@
 // Engine: buffers for the largest bucket, capture per bucket, admission, replay, asynchronous outputs.
 #include "runtime/engine_state.hpp"
 #include "runtime/engine_validation.hpp"
+#include "runtime/request_outcome.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -464,23 +465,15 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
     update.resampled = out[layout.resampled + q] != 0;
     update.ess = ess[q];
     request.length = seq_len[q * N];
-    if (request_flags & kRequestFailureFlags) {
-      update.failed = request.failed = true;
-      update.reason = request.reason = describe_flags(request_flags & kRequestFailureFlags);
-      update.tokens.assign(N, {});
-    } else if (request_flags & kFlagMaxLength) {
-      update.finished = request.finished = true;
-      update.reason = request.reason = "max sequence length";
-    } else if (all_finished) {
-      update.finished = request.finished = true;
-      update.reason = request.reason = "eos";
-    } else if (request.max_new_tokens > 0 &&
-               request.length - request.prompt_length >= request.max_new_tokens) {
-      update.finished = request.finished = true;
-      update.reason = request.reason = "max_new_tokens";
-    } else if (!any_live) {
-      update.failed = request.failed = true;
-      update.reason = request.reason = "rows not live";
+    const detail::RequestVerdict verdict =
+        detail::classify_request({request_flags, all_finished, any_live, request.length,
+                                  request.prompt_length, request.max_new_tokens});
+    if (verdict.outcome != detail::RequestOutcome::kRunning) {
+      update.finished = request.finished = verdict.finished();
+      update.failed = request.failed = verdict.failed();
+      update.reason = request.reason = verdict.reason;
+      if (verdict.outcome == detail::RequestOutcome::kFailed)
+        update.tokens.assign(N, {}); // a failed cycle's tokens are not results
     }
     updates.push_back(std::move(update));
   }

@@ -12,6 +12,38 @@
 #include "support/test_util.hpp"
 
 namespace smcgraph::reference {
+
+namespace {
+
+bool any_failure_flag(uint32_t flags) {
+  return (flags & kRequestFailureFlags) != 0;
+}
+
+} // namespace
+
+RequestDecision decide_request(uint32_t flags, bool all_finished, bool any_live, int generated,
+                               int max_new_tokens) {
+  // Every cause that can end a request this cycle, most serious first; the first that applies decides. A
+  // fault outranks everything (its tokens are not results), hitting max_seq_len outranks EOS (the row was
+  // cut, whatever it sampled), EOS outranks the token budget, and a request with no live row and no other
+  // cause has failed.
+  struct Cause {
+    bool applies, failed;
+    std::string reason;
+  };
+  const Cause causes[] = {
+      {any_failure_flag(flags), true,
+       any_failure_flag(flags) ? describe_flags(flags & kRequestFailureFlags) : ""},
+      {(flags & kFlagMaxLength) != 0, false, "max sequence length"},
+      {all_finished, false, "eos"},
+      {max_new_tokens > 0 && generated >= max_new_tokens, false, "max_new_tokens"},
+      {!any_live, true, "rows not live"},
+  };
+  for (const Cause& cause : causes)
+    if (cause.applies)
+      return {!cause.failed, cause.failed, cause.reason};
+  return {};
+}
 namespace {
 
 constexpr const char* kWhere = "SmcCycleReference";
@@ -566,24 +598,14 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
     update.resampled = resampled_[q] != 0;
     update.ess = ess_[q];
     request.length = slots_.seq_len[q * N];
-    if (request_flags & kRequestFailureFlags) {
-      update.failed = request.failed = true;
-      update.reason = request.reason = describe_flags(request_flags & kRequestFailureFlags);
-      update.tokens.assign(N, {});
-    } else if (request_flags & kFlagMaxLength) {
-      update.finished = request.finished = true;
-      update.reason = request.reason = "max sequence length";
-    } else if (all_finished) {
-      update.finished = request.finished = true;
-      update.reason = request.reason = "eos";
-    } else if (request.max_new_tokens > 0 &&
-               request.length - request.prompt_length >= request.max_new_tokens) {
-      update.finished = request.finished = true;
-      update.reason = request.reason = "max_new_tokens";
-    } else if (!any_live) {
-      update.failed = request.failed = true;
-      update.reason = request.reason = "rows not live";
-    }
+    const RequestDecision decision =
+        decide_request(request_flags, all_finished, any_live, request.length - request.prompt_length,
+                       request.max_new_tokens);
+    update.finished = request.finished = decision.finished;
+    update.failed = request.failed = decision.failed;
+    update.reason = request.reason = decision.reason;
+    if (any_failure_flag(request_flags))
+      update.tokens.assign(N, {}); // the failed cycle's tokens are not results
     updates.push_back(std::move(update));
   }
   return updates;

@@ -50,6 +50,18 @@
 namespace smcgraph::reference {
 
 /// Draws the reference made and how many were near ties (SampleResult::near_tie()).
+/// What poll() reports for a request after a cycle: finished, failed (with the reason) or neither. Decided
+/// here on its own terms, not by calling the engine's detail::classify_request, so that the engine tests can
+/// catch a mistake in either (test_engine_cpu compares the two over every combination of inputs).
+struct RequestDecision {
+  bool finished = false, failed = false;
+  std::string reason;
+};
+/// `flags` ORs the request's row flags this cycle; `generated` = tokens after the prompt; max_new_tokens <= 0
+/// is no limit.
+RequestDecision decide_request(uint32_t flags, bool all_finished, bool any_live, int generated,
+                               int max_new_tokens);
+
 struct CycleSampleStats {
   long samples = 0;          ///< admission first tokens, draft tokens and bonus tokens of live rows
   long near_ties = 0;        ///< draws whose winner the device's float race may legitimately pick differently
