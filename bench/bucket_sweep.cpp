@@ -62,6 +62,7 @@
 
 #include "bench_util.hpp"
 #include "runtime/engine_state.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"

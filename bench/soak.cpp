@@ -47,6 +47,7 @@
 #include "bench_util.hpp"
 #include "cli.hpp"
 #include "runtime/engine_state.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"

@@ -41,6 +41,7 @@
 #include "reference/cycle_ref.hpp"
 #include "reference/slots_ref.hpp"
 #include "runtime/engine_state.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/engine_state.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"

@@ -12,6 +12,7 @@
 
 #include "../examples/host_engine_loop.hpp"
 #include "runtime/engine_state.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"

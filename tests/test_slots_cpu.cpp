@@ -6,6 +6,7 @@
 #include <set>
 
 #include "reference/slots_ref.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/types.hpp"

@@ -7,6 +7,7 @@
 
 #include "reference/slots_ref.hpp"
 #include "reference/smc_ref.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/smc_kernels.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/types.hpp"

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "reference/smc_ref.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/smc_kernels.hpp"
 #include "support/test_util.hpp"

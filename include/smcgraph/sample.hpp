@@ -73,6 +73,10 @@ struct ScoreOutputs {
 /// Scratch for the split-vocabulary combine, sized for the largest launch it will serve. Allocated and
 /// zeroed once (outside any capture; the constructor waits for the zeroing, so any stream may use it at
 /// once); launches leave it zeroed again.
+namespace detail {
+struct SampleWorkspaceAccess; // the sampler's launcher (src/kernels/sample.cu): the scratch pointers
+} // namespace detail
+
 class SampleWorkspace {
 public:
   SampleWorkspace() = default;
@@ -86,11 +90,9 @@ public:
   int max_jobs() const noexcept { return max_jobs_; }
   int max_vocab() const noexcept { return max_vocab_; }
   size_t bytes() const noexcept { return bytes_; }
-  void* partials() const noexcept { return partials_; }
-  uint32_t* tickets() const noexcept { return tickets_; }
-  int max_partials() const noexcept { return max_partials_; }
 
 private:
+  friend struct detail::SampleWorkspaceAccess;
   int max_jobs_ = 0, max_vocab_ = 0, max_partials_ = 0;
   size_t bytes_ = 0;
   void* partials_ = nullptr;

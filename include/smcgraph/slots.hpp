@@ -16,7 +16,6 @@
 //   smcgraph::alloc_cycle_slots(pool, tables, n, k + 1, d_out_slots, d_row_flags, d_status, stream);
 //   ...
 //   smcgraph::release_rows(pool, tables, d_release_mask, stream);               // retirement
-//   assert(smcgraph::check_slot_invariants_device(pool, tables, stream).ok);    // debugging / tests
 #pragma once
 
 #include <cstdint>
@@ -98,28 +97,5 @@ void release_rows(const SlotPoolView& pool, const RowTablesView& tables, const u
 /// is released. `request_mask` has rows / N entries.
 void fan_out_rows(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
                   const uint8_t* request_mask, cudaStream_t stream);
-
-/// Result of the slot invariant check.
-struct SlotCheck {
-  bool ok = true;
-  std::string problem; ///< the first violation found, empty when ok
-  int free = 0;        ///< free_count
-  int referenced = 0;  ///< distinct slots referenced by the tables
-};
-
-/// Host check of the pool against the tables: ids in range; no id twice on the free stack; slot 0 never
-/// free, never referenced, refcount 0; every slot's refcount equals the number of references to it
-/// (slot_table[r][0 .. seq_len[r]) over all rows); free slots have refcount 0; free + referenced ==
-/// pool_size - 1 (no slot leaked). `slot_table` is [rows, max_seq_len]; `free_stack` holds at least
-/// free_count ids.
-SlotCheck check_slot_invariants(const std::vector<int32_t>& free_stack, int free_count,
-                                const std::vector<int32_t>& refcount, const std::vector<int32_t>& slot_table,
-                                const std::vector<int32_t>& seq_len, const std::vector<uint8_t>& live,
-                                int rows, int max_seq_len, int pool_size);
-
-/// Copies pool and tables to the host (synchronizing `stream`) and runs check_slot_invariants. For tests
-/// and debugging; not capturable.
-SlotCheck check_slot_invariants_device(const SlotPoolView& pool, const RowTablesView& tables,
-                                       cudaStream_t stream);
 
 } // namespace smcgraph

@@ -66,6 +66,13 @@ SampleWorkspace& SampleWorkspace::operator=(SampleWorkspace&& other) noexcept {
 
 namespace detail {
 
+/// The workspace's scratch, for the launcher only (not part of SampleWorkspace's public interface).
+struct SampleWorkspaceAccess {
+  static void* partials(const SampleWorkspace& w) { return w.partials_; }
+  static uint32_t* tickets(const SampleWorkspace& w) { return w.tickets_; }
+  static int max_partials(const SampleWorkspace& w) { return w.max_partials_; }
+};
+
 void launch_logits_pass(const char* where, const LogitsView& logits, const RowParams& params,
                         const RowRandom& random, uint32_t stream_word, PassArgs args,
                         SampleWorkspace& workspace, cudaStream_t stream) {
@@ -103,10 +110,10 @@ void launch_logits_pass(const char* where, const LogitsView& logits, const RowPa
           "exceeds the workspace (SampleWorkspace max_jobs)");
 
   args.splits = sample_splits(args.vocab, dtype);
-  require(jobs * args.splits <= workspace.max_partials(), where, "rows * positions * splits",
-          jobs * args.splits, "exceeds the workspace");
-  args.partials = static_cast<PassState*>(workspace.partials());
-  args.tickets = workspace.tickets();
+  require(jobs * args.splits <= SampleWorkspaceAccess::max_partials(workspace), where,
+          "rows * positions * splits", jobs * args.splits, "exceeds the workspace");
+  args.partials = static_cast<PassState*>(SampleWorkspaceAccess::partials(workspace));
+  args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
   const dim3 grid(static_cast<unsigned>(jobs * args.splits));
   switch (dtype) {

@@ -1,9 +1,9 @@
-// Host check of the slot pool against the row tables (slots.hpp), and its device convenience wrapper.
+// Host check of the slot pool against the row tables (slot_checker.hpp), and its device convenience wrapper.
 #include <string>
 #include <vector>
 
 #include "smcgraph/error.hpp"
-#include "smcgraph/slots.hpp"
+#include "runtime/slot_checker.hpp"
 
 namespace smcgraph {
 namespace {

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/slots.hpp"
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "runtime/engine_state.hpp"
+#include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/model.hpp"
 #include "smcgraph/slots.hpp"
