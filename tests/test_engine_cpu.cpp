@@ -11,6 +11,7 @@
 
 #include "fuzz/engine_fuzz_input.hpp"
 #include "reference/cycle_ref.hpp"
+#include "runtime/cycle_state.hpp"
 #include "runtime/engine_validation.hpp"
 #include "runtime/request_outcome.hpp"
 #include "smcgraph/engine.hpp"
@@ -266,4 +267,37 @@ TEST_CASE("classify_request agrees with the reference's independent decision on 
     }
   }
   CHECK(compared == 128 * 4 * 5 * 5);
+}
+
+TEST_CASE("the cycle-state table is consistent: unique names, members and views; compaction per request") {
+  using smcgraph::detail::Extent;
+  const std::string problems = smcgraph::detail::cycle_state_problems();
+  CHECK_MESSAGE(problems.empty(), problems);
+  const auto table = smcgraph::detail::describe_cycle_state();
+  REQUIRE(table.size() >= 40);
+  smcgraph::detail::StateDims dims;
+  dims.rows = 12;
+  dims.requests = 3;
+  dims.particles = 4;
+  dims.steps = 5;
+  dims.max_seq_len = 64;
+  dims.pool = 100;
+  int views = 0, compacted = 0;
+  for (const auto& row : table) {
+    CAPTURE(row.name);
+    CHECK(row.element_bytes >= 1);
+    CHECK(row.element_bytes <= 8);
+    views += row.has_view;
+    compacted += row.compacted;
+    if (row.compacted)
+      CHECK(smcgraph::detail::elements_per_request(row.extent, dims) > 0);
+  }
+  // CycleBuffers' 43 buffer pointers are each wired by one row; compact() moves the 16 per-request buffers.
+  CHECK(views == 43);
+  CHECK(compacted == 16);
+  CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12 * 4);
+  dims.steps = 1; // one draft step: the step buffers keep one row each
+  CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12);
+  CHECK(smcgraph::detail::extent_count(Extent::kPoolWords, dims) == 4);
+  CHECK(smcgraph::detail::elements_per_request(Extent::kRowsBySeq, dims) == 4 * 64);
 }

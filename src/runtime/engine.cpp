@@ -1,5 +1,6 @@
 // Engine: buffers for the largest bucket, capture per bucket, admission, replay, asynchronous outputs.
 #include "runtime/engine_state.hpp"
+#include "runtime/cycle_state.hpp"
 #include "runtime/engine_validation.hpp"
 #include "runtime/request_outcome.hpp"
 
@@ -39,28 +40,7 @@ size_t Engine::State::logits_bytes(int row_count, int tokens) const {
   return static_cast<size_t>(row_count) * tokens * vocab * dtype_bytes(draft->logits_dtype());
 }
 
-namespace {
-
-template <class T> void allocate(DeviceBuffer<T>& buffer, size_t count, size_t& total) {
-  buffer = DeviceBuffer<T>(std::max<size_t>(count, 1));
-  total += buffer.bytes();
-}
-
-void zero_all(Engine::State& s) {
-  auto zero = [&](auto& buffer) { buffer.fill_bytes(0, s.stream); };
-  zero(s.free_stack), zero(s.free_count), zero(s.refcount), zero(s.freed_bitmap), zero(s.slot_table),
-      zero(s.token_table);
-  zero(s.seq_len), zero(s.live), zero(s.finished), zero(s.resampled), zero(s.release_mask),
-      zero(s.request_mask);
-  zero(s.draft_temperature), zero(s.target_temperature), zero(s.alpha), zero(s.tau), zero(s.logw),
-      zero(s.ess);
-  zero(s.log_evidence), zero(s.row_flags), zero(s.status), zero(s.draw_counters), zero(s.seeds);
-  zero(s.draft_logits), zero(s.target_logits), zero(s.prefill_logits), zero(s.outputs_device);
-  zero(s.draft_tokens), zero(s.bonus_tokens), zero(s.first_eos), zero(s.ancestor), zero(s.cycle_tokens);
-  zero(s.committed), zero(s.draft_step_logits), zero(s.accepted), zero(s.next_tokens);
-}
-
-} // namespace
+namespace {} // namespace
 
 Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_(std::make_unique<State>()) {
   validate_engine_config(config);
@@ -86,72 +66,13 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   s.eager = !s.config.use_graphs;
 
   const int R = s.rows, K = s.steps, Q = config.max_requests, S = config.max_seq_len;
+  // Every buffer of the cycle state (runtime/cycle_state.cpp), then the objects that own their memory.
   size_t& total = s.device_bytes;
-  allocate(s.free_stack, config.slot_pool_size, total);
-  allocate(s.free_count, 1, total);
-  allocate(s.refcount, config.slot_pool_size, total);
-  allocate(s.freed_bitmap, (static_cast<size_t>(config.slot_pool_size) + 31) / 32, total);
-  allocate(s.slot_table, static_cast<size_t>(R) * S, total);
-  allocate(s.token_table, static_cast<size_t>(R) * S, total);
-  allocate(s.seq_len, R, total);
-  allocate(s.live, R, total);
-  allocate(s.finished, R, total);
-  allocate(s.resampled, Q, total);
-  allocate(s.release_mask, R, total);
-  allocate(s.request_mask, Q, total);
-  allocate(s.draft_temperature, R, total);
-  allocate(s.target_temperature, R, total);
-  allocate(s.alpha, R, total);
-  allocate(s.tau, Q, total);
-  allocate(s.logw, R, total);
-  allocate(s.ess, Q, total);
-  allocate(s.log_evidence, Q, total);
-  allocate(s.row_flags, R, total);
-  allocate(s.status, 1, total);
-  allocate(s.draw_counters, Q, total);
-  allocate(s.seeds, Q, total);
-  allocate(s.head_tokens, 2 * R, total);
-  allocate(s.head_positions, 2 * R, total);
-  allocate(s.head_out_slots, 2 * R, total);
-  allocate(s.head_seq_lens, R, total);
-  allocate(s.step_positions, static_cast<size_t>(std::max(K - 1, 1)) * R, total);
-  allocate(s.step_out_slots, static_cast<size_t>(std::max(K - 1, 1)) * R, total);
-  allocate(s.step_seq_lens, static_cast<size_t>(std::max(K - 1, 1)) * R, total);
-  allocate(s.verify_tokens, static_cast<size_t>(R) * (K + 1), total);
-  allocate(s.verify_positions, static_cast<size_t>(R) * (K + 1), total);
-  allocate(s.verify_out_slots, static_cast<size_t>(R) * (K + 1), total);
-  allocate(s.verify_seq_lens, R, total);
-  allocate(s.cycle_slots, static_cast<size_t>(R) * (K + 1), total);
-  allocate(s.draft_tokens, static_cast<size_t>(K) * R, total);
-  allocate(s.draft_logprobs, static_cast<size_t>(K) * R, total);
-  allocate(s.scratch_logz, R, total);
-  allocate(s.target_logprobs, static_cast<size_t>(R) * K, total);
-  allocate(s.bonus_tokens, R, total);
-  allocate(s.bonus_logprobs, R, total);
-  allocate(s.bonus_logz, R, total);
-  allocate(s.first_eos, R, total);
-  allocate(s.ancestor, R, total);
-  allocate(s.cycle_tokens, static_cast<size_t>(R) * (K + 1), total);
-  allocate(s.committed, R, total);
+  total += detail::allocate_cycle_state(s);
   if (config.kind == CycleKind::kSpeculative) {
-    allocate(s.draft_step_logits, s.logits_bytes(R, K), total);
-    allocate(s.draft_logprobs_rows, static_cast<size_t>(R) * K, total);
-    allocate(s.packed_logprobs, static_cast<size_t>(R) * K, total);
-    allocate(s.packed_tokens, static_cast<size_t>(R) * K, total);
-    allocate(s.accepted, R, total);
-    allocate(s.next_tokens, R, total);
-    allocate(s.packed_offsets, R, total);
-    allocate(s.packed_total, 1, total);
     s.pack_workspace = PackWorkspace(R);
     total += s.pack_workspace.bytes();
   }
-  allocate(s.draft_logits, s.logits_bytes(R, 2), total);
-  allocate(s.target_logits, s.logits_bytes(R, K + 1), total);
-  allocate(s.prefill_logits, s.logits_bytes(1, s.prefill_chunk), total);
-  allocate(s.positions_iota, S, total);
-  allocate(s.admit_scalars, 4, total);
-  allocate(s.admit_floats, 4, total);
-  allocate(s.outputs_device, detail::output_layout(R, Q, K).bytes, total);
   const size_t output_bytes = detail::output_layout(R, Q, K).bytes;
   for (int p = 0; p < 2; ++p) {
     s.outputs_host[p] = PinnedBuffer<uint8_t>(output_bytes);
@@ -161,60 +82,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   s.workspace = SampleWorkspace(R * (K + 1), config.vocab);
   total += s.workspace.bytes();
 
-  detail::CycleBuffers& b = s.buffers;
-  b.pool = s.pool_view();
-  b.tables = s.tables_view();
-  b.particles = config.particles;
-  b.steps = K;
-  b.max_rows = R;
-  b.draft_temperature = s.draft_temperature.data();
-  b.target_temperature = s.target_temperature.data();
-  b.alpha = s.alpha.data();
-  b.finished = s.finished.data();
-  b.logw = s.logw.data();
-  b.row_flags = s.row_flags.data();
-  b.seeds = s.seeds.data();
-  b.draw_counters = s.draw_counters.data();
-  b.tau = s.tau.data();
-  b.ess = s.ess.data();
-  b.resampled = s.resampled.data();
-  b.log_evidence = s.log_evidence.data();
-  b.status = s.status.data();
-  b.head_tokens = s.head_tokens.data();
-  b.head_positions = s.head_positions.data();
-  b.head_out_slots = s.head_out_slots.data();
-  b.head_seq_lens = s.head_seq_lens.data();
-  b.step_positions = s.step_positions.data();
-  b.step_out_slots = s.step_out_slots.data();
-  b.step_seq_lens = s.step_seq_lens.data();
-  b.verify_tokens = s.verify_tokens.data();
-  b.verify_positions = s.verify_positions.data();
-  b.verify_out_slots = s.verify_out_slots.data();
-  b.verify_seq_lens = s.verify_seq_lens.data();
-  b.cycle_slots = s.cycle_slots.data();
-  b.draft_tokens = s.draft_tokens.data();
-  b.draft_logprobs = s.draft_logprobs.data();
-  b.scratch_logz = s.scratch_logz.data();
-  b.target_logprobs = s.target_logprobs.data();
-  b.bonus_tokens = s.bonus_tokens.data();
-  b.bonus_logprobs = s.bonus_logprobs.data();
-  b.bonus_logz = s.bonus_logz.data();
-  b.first_eos = s.first_eos.data();
-  b.ancestor = s.ancestor.data();
-  b.cycle_tokens = s.cycle_tokens.data();
-  b.committed = s.committed.data();
-  b.eos_id = config.eos_id;
-  if (config.kind == CycleKind::kSpeculative) {
-    b.draft_logprobs_rows = s.draft_logprobs_rows.data();
-    b.accepted = s.accepted.data();
-    b.next_tokens = s.next_tokens.data();
-    b.packed_offsets = s.packed_offsets.data();
-    b.packed_total = s.packed_total.data();
-    b.packed_tokens = s.packed_tokens.data();
-    b.packed_logprobs = s.packed_logprobs.data();
-  }
-
-  zero_all(s);
+  detail::wire_cycle_views(s);
+  detail::zero_cycle_state(s);
   {
     // Padding rows run through the samplers too: give them legal parameters so they raise no flags.
     const std::vector<float> ones(R, 1.0f);
@@ -604,14 +473,8 @@ void Engine::release(RequestId id) {
 
 void Engine::compact() {
   State& s = *state_;
-  const int N = s.config.particles, S = s.config.max_seq_len;
+  const int N = s.config.particles;
   cudaStream_t stream = s.stream;
-  auto move_rows = [&](auto& buffer, int from, int to, int per_row) {
-    using T = std::remove_reference_t<decltype(*buffer.data())>;
-    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(buffer.data() + static_cast<size_t>(to) * per_row,
-                                        buffer.data() + static_cast<size_t>(from) * per_row,
-                                        sizeof(T) * per_row, cudaMemcpyDeviceToDevice, stream));
-  };
   int low = 0;
   for (int high = static_cast<int>(s.slot_owner.size()) - 1; high > low; --high) {
     if (s.slot_owner[high] < 0)
@@ -621,23 +484,7 @@ void Engine::compact() {
     if (low >= high)
       break;
     // Rows move by copy: no refcount changes; the old rows are emptied.
-    move_rows(s.slot_table, high, low, N * S);
-    move_rows(s.token_table, high, low, N * S);
-    for (auto* per_row : {&s.seq_len})
-      move_rows(*per_row, high, low, N);
-    move_rows(s.live, high, low, N);
-    move_rows(s.finished, high, low, N);
-    move_rows(s.logw, high, low, N);
-    move_rows(s.row_flags, high, low, N);
-    move_rows(s.draft_temperature, high, low, N);
-    move_rows(s.target_temperature, high, low, N);
-    move_rows(s.alpha, high, low, N);
-    move_rows(s.seeds, high, low, 1);
-    move_rows(s.draw_counters, high, low, 1);
-    move_rows(s.tau, high, low, 1);
-    move_rows(s.ess, high, low, 1);
-    move_rows(s.resampled, high, low, 1);
-    move_rows(s.log_evidence, high, low, 1);
+    detail::move_request_state(s, high, low);
     SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.live.data() + high * N, 0, N, stream));
     SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(s.seq_len.data() + high * N, 0, sizeof(int32_t) * N, stream));
     const RequestId id = s.slot_owner[high];

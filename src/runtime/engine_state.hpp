@@ -74,7 +74,8 @@ struct Engine::State {
   int vocab = 0;
   int prefill_chunk = 0;
 
-  // Device memory (sized for the largest bucket).
+  // Device memory (sized for the largest bucket). Each DeviceBuffer below has one row in the cycle-state table
+  // (runtime/cycle_state.cpp): its extent, zeroing, compaction and CycleBuffers view are declared there.
   DeviceBuffer<int32_t> free_stack, free_count, refcount;
   DeviceBuffer<uint32_t> freed_bitmap; ///< deferred frees, pushed in id order (slots.hpp)
   DeviceBuffer<int32_t> slot_table, token_table, seq_len;

@@ -1,0 +1,264 @@
+#include "runtime/cycle_state.hpp"
+
+#include <algorithm>
+#include <tuple>
+#include <type_traits>
+
+#include "smcgraph/error.hpp"
+
+namespace smcgraph::detail {
+namespace {
+
+using State = Engine::State;
+using B = CycleBuffers;
+constexpr Kinds kBoth = Kinds::kBoth, kSpec = Kinds::kSpeculativeOnly;
+constexpr bool kZeroed = true, kUninit = false, kMoved = true, kStays = false;
+
+template <class T>
+constexpr StateBuffer<T> buffer(const char* name, DeviceBuffer<T> State::*member, Extent extent, bool zeroed,
+                                bool compacted, Kinds kinds, T* B::*view = nullptr) {
+  return {name, member, extent, zeroed, compacted, kinds, view};
+}
+
+// clang-format off
+// name, member, extent, zeroed, moved by compact(), kinds, CycleBuffers view
+const auto kCycleState = std::make_tuple(
+    // The slot pool and the row tables (slots.hpp; viewed through pool_view() / tables_view()).
+    buffer("free_stack",         &State::free_stack,         Extent::kPool,              kZeroed, kStays, kBoth),
+    buffer("free_count",         &State::free_count,         Extent::kOne,               kZeroed, kStays, kBoth),
+    buffer("refcount",           &State::refcount,           Extent::kPool,              kZeroed, kStays, kBoth),
+    buffer("freed_bitmap",       &State::freed_bitmap,       Extent::kPoolWords,         kZeroed, kStays, kBoth),
+    buffer("slot_table",         &State::slot_table,         Extent::kRowsBySeq,         kZeroed, kMoved, kBoth),
+    buffer("token_table",        &State::token_table,        Extent::kRowsBySeq,         kZeroed, kMoved, kBoth),
+    buffer("seq_len",            &State::seq_len,            Extent::kRows,              kZeroed, kMoved, kBoth),
+    buffer("live",               &State::live,               Extent::kRows,              kZeroed, kMoved, kBoth),
+    // Per row and per request.
+    buffer("finished",           &State::finished,           Extent::kRows,              kZeroed, kMoved, kBoth, &B::finished),
+    buffer("resampled",          &State::resampled,          Extent::kRequests,          kZeroed, kMoved, kBoth, &B::resampled),
+    buffer("release_mask",       &State::release_mask,       Extent::kRows,              kZeroed, kStays, kBoth),
+    buffer("request_mask",       &State::request_mask,       Extent::kRequests,          kZeroed, kStays, kBoth),
+    buffer("draft_temperature",  &State::draft_temperature,  Extent::kRows,              kZeroed, kMoved, kBoth, &B::draft_temperature),
+    buffer("target_temperature", &State::target_temperature, Extent::kRows,              kZeroed, kMoved, kBoth, &B::target_temperature),
+    buffer("alpha",              &State::alpha,              Extent::kRows,              kZeroed, kMoved, kBoth, &B::alpha),
+    buffer("tau",                &State::tau,                Extent::kRequests,          kZeroed, kMoved, kBoth, &B::tau),
+    buffer("logw",               &State::logw,               Extent::kRows,              kZeroed, kMoved, kBoth, &B::logw),
+    buffer("ess",                &State::ess,                Extent::kRequests,          kZeroed, kMoved, kBoth, &B::ess),
+    buffer("log_evidence",       &State::log_evidence,       Extent::kRequests,          kZeroed, kMoved, kBoth, &B::log_evidence),
+    buffer("row_flags",          &State::row_flags,          Extent::kRows,              kZeroed, kMoved, kBoth, &B::row_flags),
+    buffer("status",             &State::status,             Extent::kOne,               kZeroed, kStays, kBoth, &B::status),
+    buffer("draw_counters",      &State::draw_counters,      Extent::kRequests,          kZeroed, kMoved, kBoth, &B::draw_counters),
+    buffer("seeds",              &State::seeds,              Extent::kRequests,          kZeroed, kMoved, kBoth, &B::seeds),
+    // Forward inputs, rebuilt every cycle.
+    buffer("head_tokens",        &State::head_tokens,        Extent::kRowsByTwo,         kUninit, kStays, kBoth, &B::head_tokens),
+    buffer("head_positions",     &State::head_positions,     Extent::kRowsByTwo,         kUninit, kStays, kBoth, &B::head_positions),
+    buffer("head_out_slots",     &State::head_out_slots,     Extent::kRowsByTwo,         kUninit, kStays, kBoth, &B::head_out_slots),
+    buffer("head_seq_lens",      &State::head_seq_lens,      Extent::kRows,              kUninit, kStays, kBoth, &B::head_seq_lens),
+    buffer("step_positions",     &State::step_positions,     Extent::kRowsByDraftSteps,  kUninit, kStays, kBoth, &B::step_positions),
+    buffer("step_out_slots",     &State::step_out_slots,     Extent::kRowsByDraftSteps,  kUninit, kStays, kBoth, &B::step_out_slots),
+    buffer("step_seq_lens",      &State::step_seq_lens,      Extent::kRowsByDraftSteps,  kUninit, kStays, kBoth, &B::step_seq_lens),
+    buffer("verify_tokens",      &State::verify_tokens,      Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::verify_tokens),
+    buffer("verify_positions",   &State::verify_positions,   Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::verify_positions),
+    buffer("verify_out_slots",   &State::verify_out_slots,   Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::verify_out_slots),
+    buffer("verify_seq_lens",    &State::verify_seq_lens,    Extent::kRows,              kUninit, kStays, kBoth, &B::verify_seq_lens),
+    // Samples, scores and the commit's results.
+    buffer("cycle_slots",        &State::cycle_slots,        Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::cycle_slots),
+    buffer("draft_tokens",       &State::draft_tokens,       Extent::kRowsByK,           kZeroed, kStays, kBoth, &B::draft_tokens),
+    buffer("draft_logprobs",     &State::draft_logprobs,     Extent::kRowsByK,           kUninit, kStays, kBoth, &B::draft_logprobs),
+    buffer("scratch_logz",       &State::scratch_logz,       Extent::kRows,              kUninit, kStays, kBoth, &B::scratch_logz),
+    buffer("target_logprobs",    &State::target_logprobs,    Extent::kRowsByK,           kUninit, kStays, kBoth, &B::target_logprobs),
+    buffer("bonus_tokens",       &State::bonus_tokens,       Extent::kRows,              kZeroed, kStays, kBoth, &B::bonus_tokens),
+    buffer("bonus_logprobs",     &State::bonus_logprobs,     Extent::kRows,              kUninit, kStays, kBoth, &B::bonus_logprobs),
+    buffer("bonus_logz",         &State::bonus_logz,         Extent::kRows,              kUninit, kStays, kBoth, &B::bonus_logz),
+    buffer("first_eos",          &State::first_eos,          Extent::kRows,              kZeroed, kStays, kBoth, &B::first_eos),
+    buffer("ancestor",           &State::ancestor,           Extent::kRows,              kZeroed, kStays, kBoth, &B::ancestor),
+    buffer("cycle_tokens",       &State::cycle_tokens,       Extent::kRowsByKPlus1,      kZeroed, kStays, kBoth, &B::cycle_tokens),
+    buffer("committed",          &State::committed,          Extent::kRows,              kZeroed, kStays, kBoth, &B::committed),
+    // The speculative cycle's verification and packing.
+    buffer("draft_step_logits",  &State::draft_step_logits,  Extent::kStepLogitsBytes,   kZeroed, kStays, kSpec),
+    buffer("draft_logprobs_rows",&State::draft_logprobs_rows,Extent::kRowsByK,           kUninit, kStays, kSpec, &B::draft_logprobs_rows),
+    buffer("packed_logprobs",    &State::packed_logprobs,    Extent::kRowsByK,           kUninit, kStays, kSpec, &B::packed_logprobs),
+    buffer("packed_tokens",      &State::packed_tokens,      Extent::kRowsByK,           kUninit, kStays, kSpec, &B::packed_tokens),
+    buffer("accepted",           &State::accepted,           Extent::kRows,              kZeroed, kStays, kSpec, &B::accepted),
+    buffer("next_tokens",        &State::next_tokens,        Extent::kRows,              kZeroed, kStays, kSpec, &B::next_tokens),
+    buffer("packed_offsets",     &State::packed_offsets,     Extent::kRows,              kUninit, kStays, kSpec, &B::packed_offsets),
+    buffer("packed_total",       &State::packed_total,       Extent::kOne,               kUninit, kStays, kSpec, &B::packed_total),
+    // Model outputs (the model's logits dtype), admission scratch and the output block.
+    buffer("draft_logits",       &State::draft_logits,       Extent::kDraftLogitsBytes,  kZeroed, kStays, kBoth),
+    buffer("target_logits",      &State::target_logits,      Extent::kTargetLogitsBytes, kZeroed, kStays, kBoth),
+    buffer("prefill_logits",     &State::prefill_logits,     Extent::kPrefillLogitsBytes,kZeroed, kStays, kBoth),
+    buffer("positions_iota",     &State::positions_iota,     Extent::kSeq,               kUninit, kStays, kBoth),
+    buffer("admit_scalars",      &State::admit_scalars,      Extent::kFour,              kUninit, kStays, kBoth),
+    buffer("admit_floats",       &State::admit_floats,       Extent::kFour,              kUninit, kStays, kBoth),
+    buffer("outputs_device",     &State::outputs_device,     Extent::kOutputBytes,       kZeroed, kStays, kBoth));
+// clang-format on
+
+bool applies(Kinds kinds, const Engine::State& s) {
+  return kinds == Kinds::kBoth || s.config.kind == CycleKind::kSpeculative;
+}
+
+template <class F> void for_each_buffer(F&& f) {
+  std::apply([&](const auto&... entry) { (f(entry), ...); }, kCycleState);
+}
+
+} // namespace
+
+StateDims state_dims(const Engine::State& s) {
+  StateDims d;
+  d.rows = static_cast<size_t>(s.rows);
+  d.requests = static_cast<size_t>(s.config.max_requests);
+  d.steps = static_cast<size_t>(s.steps);
+  d.max_seq_len = static_cast<size_t>(s.config.max_seq_len);
+  d.pool = static_cast<size_t>(s.config.slot_pool_size);
+  d.draft_logits_bytes = s.logits_bytes(s.rows, 2);
+  d.target_logits_bytes = s.logits_bytes(s.rows, s.steps + 1);
+  d.step_logits_bytes = s.logits_bytes(s.rows, s.steps);
+  d.prefill_logits_bytes = s.logits_bytes(1, s.prefill_chunk);
+  d.output_bytes = output_layout(s.rows, s.config.max_requests, s.steps).bytes;
+  d.particles = s.config.particles;
+  return d;
+}
+
+size_t extent_count(Extent extent, const StateDims& d) {
+  switch (extent) {
+  case Extent::kOne:
+    return 1;
+  case Extent::kFour:
+    return 4;
+  case Extent::kPool:
+    return d.pool;
+  case Extent::kPoolWords:
+    return (d.pool + 31) / 32;
+  case Extent::kRows:
+    return d.rows;
+  case Extent::kRequests:
+    return d.requests;
+  case Extent::kRowsBySeq:
+    return d.rows * d.max_seq_len;
+  case Extent::kRowsByTwo:
+    return 2 * d.rows;
+  case Extent::kRowsByKPlus1:
+    return d.rows * (d.steps + 1);
+  case Extent::kRowsByK:
+    return d.rows * d.steps;
+  case Extent::kRowsByDraftSteps:
+    return d.rows * (d.steps > 1 ? d.steps - 1 : 1);
+  case Extent::kSeq:
+    return d.max_seq_len;
+  case Extent::kDraftLogitsBytes:
+    return d.draft_logits_bytes;
+  case Extent::kTargetLogitsBytes:
+    return d.target_logits_bytes;
+  case Extent::kStepLogitsBytes:
+    return d.step_logits_bytes;
+  case Extent::kPrefillLogitsBytes:
+    return d.prefill_logits_bytes;
+  case Extent::kOutputBytes:
+    return d.output_bytes;
+  }
+  return 0;
+}
+
+size_t elements_per_request(Extent extent, const StateDims& d) {
+  const size_t n = static_cast<size_t>(d.particles);
+  switch (extent) {
+  case Extent::kRows:
+    return n;
+  case Extent::kRequests:
+    return 1;
+  case Extent::kRowsBySeq:
+    return n * d.max_seq_len;
+  default:
+    return 0;
+  }
+}
+
+std::vector<StateBufferInfo> describe_cycle_state() {
+  std::vector<StateBufferInfo> rows;
+  for_each_buffer([&](const auto& entry) {
+    using Element = typename std::remove_cvref_t<decltype(entry)>::element_type;
+    rows.push_back({entry.name, sizeof(Element), entry.extent, entry.zeroed, entry.compacted,
+                    entry.kinds == Kinds::kSpeculativeOnly, entry.view != nullptr});
+  });
+  return rows;
+}
+
+std::string cycle_state_problems() {
+  std::string problems;
+  auto note = [&](const std::string& text) { problems += (problems.empty() ? "" : "; ") + text; };
+  size_t index = 0;
+  for_each_buffer([&](const auto& a) {
+    size_t other = 0;
+    for_each_buffer([&](const auto& b) {
+      if (other++ <= index)
+        return;
+      if (std::string(a.name) == b.name)
+        note(std::string("name ") + a.name + " twice");
+      if constexpr (std::is_same_v<decltype(a.member), decltype(b.member)>) {
+        if (a.member == b.member)
+          note(std::string(a.name) + " and " + b.name + " are the same member");
+        if (a.view != nullptr && a.view == b.view)
+          note(std::string(a.name) + " and " + b.name + " have the same view");
+      }
+    });
+    StateDims probe;
+    probe.particles = 2;
+    probe.max_seq_len = 3;
+    if (a.compacted && elements_per_request(a.extent, probe) == 0)
+      note(std::string(a.name) + " is compacted but its extent is not per row or per request");
+    ++index;
+  });
+  return problems;
+}
+
+size_t allocate_cycle_state(Engine::State& s) {
+  const StateDims dims = state_dims(s);
+  size_t total = 0;
+  for_each_buffer([&](const auto& entry) {
+    if (!applies(entry.kinds, s))
+      return;
+    auto& target = s.*entry.member;
+    using Buffer = std::remove_reference_t<decltype(target)>;
+    target = Buffer(std::max<size_t>(extent_count(entry.extent, dims), 1));
+    total += target.bytes();
+  });
+  return total;
+}
+
+void zero_cycle_state(Engine::State& s) {
+  for_each_buffer([&](const auto& entry) {
+    if (entry.zeroed && applies(entry.kinds, s))
+      (s.*entry.member).fill_bytes(0, s.stream);
+  });
+}
+
+void wire_cycle_views(Engine::State& s) {
+  CycleBuffers& b = s.buffers;
+  b.pool = s.pool_view();
+  b.tables = s.tables_view();
+  b.particles = s.config.particles;
+  b.steps = s.steps;
+  b.max_rows = s.rows;
+  b.eos_id = s.config.eos_id;
+  for_each_buffer([&](const auto& entry) {
+    if (entry.view != nullptr && applies(entry.kinds, s))
+      b.*entry.view = (s.*entry.member).data();
+  });
+}
+
+void move_request_state(Engine::State& s, int from, int to) {
+  const StateDims dims = state_dims(s);
+  for_each_buffer([&](const auto& entry) {
+    if (!entry.compacted || !applies(entry.kinds, s))
+      return;
+    auto& buffer = s.*entry.member;
+    using T = std::remove_reference_t<decltype(*buffer.data())>;
+    const size_t per_request = elements_per_request(entry.extent, dims);
+    require(per_request > 0, "Engine::compact", entry.name, static_cast<int>(entry.extent),
+            "is marked compacted but its extent is not per row or per request");
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(buffer.data() + static_cast<size_t>(to) * per_request,
+                                        buffer.data() + static_cast<size_t>(from) * per_request,
+                                        sizeof(T) * per_request, cudaMemcpyDeviceToDevice, s.stream));
+  });
+}
+
+} // namespace smcgraph::detail
