@@ -38,24 +38,27 @@
 // --peers runs each kind's peer after the sweep (smc_peer.csv / spec_peer.csv beside the CSV), prints
 // smcgraph's ratios to every peer method of the same run and rewrites the CSV with per-method peer columns.
 //
+// Files: this one drives the engines (engine driving, the model forwards timed alone, the peer validation
+// tokens, the table and CSV rows, the sweep of one engine config, run() and main()); in bench/sweep/:
+//   sweep_common.hpp  the constants, options, model pair and result types the pieces share
+//   options.cpp       the command line (--help, parse_options)
+//   manifest.cpp      the peer files: toy weights (safetensors), the manifest, the JSON helpers
+//   peers.cpp         the PyTorch peers (smc, spec and the real model's), their ratios, the plots
+//
 // Exit status: 0; 1 when a validation failed; 2 when it could not run; 3 when a peer failed or reported an
 // invalid result (smcgraph's own numbers are still written).
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <deque>
+#include <exception>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <set>
-#include <sstream>
+#include <memory>
 #include <string>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -71,73 +74,16 @@
 #include "smcgraph/slots.hpp"
 #include "smcgraph/tokenizer.hpp"
 #include "smcgraph/toy_model.hpp"
+#include "sweep/sweep_common.hpp"
+
+namespace smcgraph::sweep {
+
+using smcgraph::bench::format;
+
+// Declared in sweep/sweep_common.hpp; run() fills it when the real model pair is swept.
+std::vector<std::vector<int32_t>> g_real_prompts;
 
 namespace {
-
-using namespace smcgraph;
-using smcgraph::bench::find_peer_script;
-using smcgraph::bench::format;
-using smcgraph::bench::run_command;
-using smcgraph::bench::shell_quote;
-
-constexpr int kPromptLength = 32;
-constexpr int kWarmupCycles = 3;
-constexpr int kToyHidden = 32;
-constexpr int kToyWindow = 16;
-constexpr uint64_t kWeightSeed = 2026;
-constexpr int kValidationPrompts = 4;
-constexpr int kValidationCycles = 6;
-// Near-greedy drafting for the peer validation: logits closer than ~50 x T_d to the maximum are the only ones
-// Gumbel noise can reorder, so both sides draw the argmax except at (near-)ties, which the peer recognises.
-constexpr float kValidationDraftTemperature = 1e-6f;
-// The spec kind runs greedy speculative decoding, timed and validated alike: the draft by argmax (T_d = 0,
-// which the engine accepts for kSpeculative) and a greedy target (T_t = 0), so its tokens are those of greedy
-// target-only decoding and its PyTorch peer (greedy too) commits the same tokens per cycle.
-constexpr float kSpecDraftTemperature = 0.0f;
-constexpr float kSpecTargetTemperature = 0.0f;
-constexpr int kModelLaunchesPerGraph = 10, kModelRepetitions = 20, kModelWarmup = 3;
-// Small state the non-model kernels of a cycle must touch, per row: per token position (K + 1 of them) the
-// slot id, token, position, out slot and sequence length of the forward inputs, the log-probs, the slot
-// table / token table / refcount writes of alloc and commit and the packed outputs (16 4-byte values), plus
-// per-row scalars (logw, flags, live, finished, ancestor, ESS, draw counter, ...). Three orders of magnitude
-// below the logits the samplers read, so the estimate's precision does not matter.
-constexpr int64_t kStateBytesPerToken = 64;
-constexpr int64_t kStateBytesPerRow = 128;
-
-const char* const kPeerManifestName = "bucket_sweep_peer.json";
-const char* const kPeerCsvName = "smc_peer.csv";
-const char* const kSpecPeerCsvName = "spec_peer.csv";
-
-struct Options {
-  std::vector<std::string> kinds{"smc", "spec"};
-  std::vector<int> requests{1, 2, 4, 8, 16, 32, 64};
-  std::vector<int> particles{4, 8};
-  std::vector<int> steps{4, 8};
-  std::vector<int> vocabs{32000, 128256};
-  std::vector<DType> dtypes{DType::kFloat32, DType::kBFloat16};
-  int cycles = 30;
-  float draft_perturbation = 0.3f;
-  std::string csv = "results/bucket_sweep.csv";
-  bool quick = false, peers = false, plots = false, progress = true;
-  std::string python = "python3";
-  std::string peer_script, spec_peer_script, plot_script; // empty: found from the cwd or the executable
-  std::string peer_methods;  // empty: each peer's default methods; spec_* names go to spec_peer.py
-  std::string model = "toy"; ///< toy: the embedded pair; smollm2: the real pair from its GGUF file
-  std::string model_path;    ///< empty: $SMCGRAPH_MODEL_PATH or .cache/models/ found from the cwd
-  std::string draft_layers = "0-27";
-};
-
-/// A draft and a target (the toy pair or the real one) plus what the roofline needs of the real one.
-struct ModelPair {
-  Model* draft = nullptr;
-  Model* target = nullptr;
-  bool real = false;
-  size_t draft_weight_bytes = 0, target_weight_bytes = 0; ///< bytes one forward must read at least
-  size_t draft_kv_bytes_per_token = 0, target_kv_bytes_per_token = 0;
-};
-
-/// Chat prompts of the real model (their last kPromptLength tokens); empty for the toy pair.
-std::vector<std::vector<int32_t>> g_real_prompts;
 
 // ---------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -145,10 +91,6 @@ std::vector<std::vector<int32_t>> g_real_prompts;
 int round_up(int value, int multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
-
-struct Summary {
-  double median_us = NAN, p90_us = NAN;
-};
 
 Summary summarize(std::vector<double> us) {
   Summary summary;
@@ -161,60 +103,6 @@ Summary summarize(std::vector<double> us) {
   return summary;
 }
 
-std::string join_ints(const std::vector<int>& values, const char* separator = ",") {
-  std::string text;
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (i)
-      text += separator;
-    text += std::to_string(values[i]);
-  }
-  return text;
-}
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> items;
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ','))
-    if (!item.empty())
-      items.push_back(item);
-  return items;
-}
-
-/// Shortest text that reads back as the same float (JSON and safetensors metadata).
-std::string float_text(float value) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.9g", static_cast<double>(value));
-  return text;
-}
-
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escape[8];
-      std::snprintf(escape, sizeof(escape), "\\u%04x", c);
-      out += escape;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
-std::string json_int_array(const std::vector<int32_t>& values) {
-  std::string text = "[";
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (i)
-      text += ',';
-    text += std::to_string(values[i]);
-  }
-  return text + "]";
-}
-
 /// Prompt of request slot `q` (timing phases; the peer uses the same rule, see toy_weights_io.md).
 std::vector<int32_t> timing_prompt(int q, int vocab) {
   if (!g_real_prompts.empty()) // the real model: chat prompts, so acceptance is that of real text
@@ -225,20 +113,6 @@ std::vector<int32_t> timing_prompt(int q, int vocab) {
         static_cast<int32_t>((static_cast<int64_t>(q + 1) * 7919 + static_cast<int64_t>(i) * 104729) % vocab);
   return prompt;
 }
-
-// The real model pair (--model smollm2): its vocabulary and the chat prompts the timing phases use.
-constexpr int kRealVocab = 49152;
-constexpr int kRealGreedyTokens = 64; // greedy tokens per prompt the peers must reproduce
-constexpr const char* kRealPrompts[] = {
-    "What is the capital of France? Answer in one sentence.",
-    "Write a short poem about the ocean at night.",
-    "Explain what a GPU is to a ten-year-old.",
-    "List three tips for staying focused while studying.",
-    "How do I make a cup of green tea?",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "What are the benefits of regular exercise?",
-    "Translate 'good morning, how are you?' into Spanish and French.",
-};
 
 /// Prompt `q` of the peer validation (written to the manifest).
 std::vector<int32_t> validation_prompt(int q, int vocab) {
@@ -276,6 +150,8 @@ private:
   bool tty_;
 };
 
+} // namespace
+
 // ---------------------------------------------------------------------------------------------------------
 // Engine driving
 
@@ -288,6 +164,8 @@ void drain(Engine& engine, std::vector<RequestUpdate>& updates) {
   }
   engine.synchronize();
 }
+
+namespace {
 
 /// Validation of what cycles reported: every update of a live request carries N particles x (K + 1)
 /// in-vocabulary tokens and no failure; `expected` updates in total.
@@ -405,10 +283,6 @@ double host_us_per_step(Engine& engine, int cycles, std::vector<RequestUpdate>& 
 // ---------------------------------------------------------------------------------------------------------
 // Model forwards on their own
 
-struct ModelTiming {
-  double head_us = NAN, step_us = NAN, verify_us = NAN, cycle_us = NAN;
-};
-
 /// Inputs of the draft head / draft step / target verify forwards at a bucket's shape: random in-vocabulary
 /// tokens at mid-sequence positions (full window), valid distinct slots, every row live. The models' KV
 /// storage is written at free slots only (the bench calls this while the engine holds no request), and the
@@ -506,38 +380,10 @@ private:
   DeviceBuffer<uint8_t> logits_;
 };
 
+} // namespace
+
 // ---------------------------------------------------------------------------------------------------------
-// Results
-
-struct Row {
-  std::string kind;
-  int vocab = 0;
-  DType dtype = DType::kFloat32;
-  int particles = 0, steps = 0, requests = 0, rows = 0;
-  Summary graph, eager;
-  double host_step_us = NAN, eager_host_step_us = NAN;
-  ModelTiming model;
-  double nonmodel_us = NAN;
-  int64_t logits_bytes = 0, state_bytes = 0;
-  double bytes_floor_us = NAN, node_floor_total_us = NAN, floor_us = NAN;
-  int64_t graph_nodes = 0, nonmodel_nodes = 0;
-  double tokens_per_cycle =
-      NAN; ///< tokens committed per row and cycle (K + 1 for smc; accepted + 1 for spec)
-  double tokens_per_s = NAN, capture_ms = NAN, engine_mb = NAN, construct_ms = NAN;
-  std::string model_name = "toy";
-  int64_t cycle_bytes = 0;    ///< real model: weights per forward, KV read, logits (the HBM roofline's bytes)
-  double roofline_us = NAN;   ///< cycle_bytes / copy bandwidth
-  double ess_over_n = NAN;    ///< smc: mean ESS / N over the timed cycles' request updates
-  double resample_rate = NAN; ///< smc: fraction of request cycles that resampled
-  bool valid = true;
-  std::string problem;
-};
-
-struct Environment {
-  std::string device;
-  double copy_gbs = NAN;
-  double node_floor_us = NAN;
-};
+// Results: the CSV columns and cells (Row and Environment are in sweep/sweep_common.hpp)
 
 const std::vector<std::string> kCsvColumns = {"device",
                                               "kind",
@@ -627,202 +473,10 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
           format(row.resample_rate, 3)};
 }
 
+namespace {
+
 // ---------------------------------------------------------------------------------------------------------
-// Peer files: the toy weights (safetensors layout) and the manifest
-
-/// Writes the draft and target weights of `toy` (draft head perturbed by `draft_perturbation`, as
-/// ToyModel::pair) and the engine config as a safetensors file (bench/peers/toy_weights_io.md).
-void write_toy_weights(const std::string& path, const ToyModelConfig& toy, float draft_perturbation,
-                       const EngineConfig& engine_config) {
-  static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
-  ToyModelConfig target_config = toy;
-  target_config.head_perturbation = 0.0f;
-  ToyModelConfig draft_config = toy;
-  draft_config.head_perturbation = draft_perturbation;
-  const ToyModelWeights target = make_toy_model_weights(target_config);
-  const ToyModelWeights draft = make_toy_model_weights(draft_config);
-
-  struct Tensor {
-    std::string name;
-    const std::vector<float>* data;
-    std::vector<int64_t> shape;
-  };
-  const int64_t V = toy.vocab, H = toy.hidden;
-  std::vector<Tensor> tensors;
-  for (const auto& [prefix, weights] : {std::pair<std::string, const ToyModelWeights*>{"target", &target},
-                                        std::pair<std::string, const ToyModelWeights*>{"draft", &draft}}) {
-    tensors.push_back({prefix + ".embedding", &weights->embedding, {V, H}});
-    tensors.push_back({prefix + ".position", &weights->position, {kToyPositionPeriod, H}});
-    tensors.push_back({prefix + ".head", &weights->head, {V, H}});
-    tensors.push_back({prefix + ".bias", &weights->bias, {V}});
-  }
-
-  const std::vector<std::pair<std::string, std::string>> metadata = {
-      {"format", "smcgraph-toy-weights-1"},
-      {"vocab", std::to_string(toy.vocab)},
-      {"hidden", std::to_string(toy.hidden)},
-      {"window", std::to_string(toy.window)},
-      {"position_period", std::to_string(kToyPositionPeriod)},
-      {"pool_size", std::to_string(toy.pool_size)},
-      {"max_seq_len", std::to_string(toy.max_seq_len)},
-      {"weight_seed", std::to_string(toy.weight_seed)},
-      {"draft_perturbation", float_text(draft_perturbation)},
-      {"engine.vocab", std::to_string(engine_config.vocab)},
-      {"engine.max_seq_len", std::to_string(engine_config.max_seq_len)},
-      {"engine.slot_pool_size", std::to_string(engine_config.slot_pool_size)},
-      {"engine.max_requests", std::to_string(engine_config.max_requests)},
-      {"engine.draft_temperature", float_text(engine_config.draft_temperature)},
-      {"engine.target_temperature", float_text(engine_config.target_temperature)},
-      {"engine.alpha", float_text(engine_config.alpha)},
-      {"engine.tau", float_text(engine_config.tau)},
-      {"engine.eos_id", std::to_string(engine_config.eos_id)},
-  };
-  std::string header = "{\"__metadata__\":{";
-  for (size_t i = 0; i < metadata.size(); ++i) {
-    if (i)
-      header += ',';
-    header += json_string(metadata[i].first);
-    header += ':';
-    header += json_string(metadata[i].second);
-  }
-  header += "}";
-  size_t offset = 0;
-  for (const Tensor& tensor : tensors) {
-    const size_t bytes = tensor.data->size() * sizeof(float);
-    int64_t elements = 1;
-    for (const int64_t extent : tensor.shape)
-      elements *= extent;
-    require(static_cast<size_t>(elements) == tensor.data->size(), "write_toy_weights", "tensor elements",
-            tensor.data->size(), "do not match the shape");
-    header += ',';
-    header += json_string(tensor.name);
-    header += ":{\"dtype\":\"F32\",\"shape\":[";
-    for (size_t i = 0; i < tensor.shape.size(); ++i) {
-      if (i)
-        header += ',';
-      header += std::to_string(tensor.shape[i]);
-    }
-    header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
-    offset += bytes;
-  }
-  header += "}";
-  while (header.size() % 8 != 0)
-    header += ' '; // the data section starts 8-byte aligned
-
-  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty())
-    std::filesystem::create_directories(parent);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out)
-    throw Error("bucket_sweep: cannot open " + path + " for writing");
-  const uint64_t header_bytes = header.size();
-  out.write(reinterpret_cast<const char*>(&header_bytes), sizeof(header_bytes));
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  for (const Tensor& tensor : tensors)
-    out.write(reinterpret_cast<const char*>(tensor.data->data()),
-              static_cast<std::streamsize>(tensor.data->size() * sizeof(float)));
-  if (!out)
-    throw Error("bucket_sweep: writing " + path + " failed");
-}
-
-/// The engine's tokens for the validation prompts (greedy target; smc: near-zero draft temperature, spec:
-/// greedy draft).
-struct ValidationRecord {
-  CycleKind kind = CycleKind::kSmc;
-  int vocab = 0;
-  DType dtype = DType::kFloat32;
-  int particles = 0, steps = 0, cycles = 0;
-  float draft_temperature = kValidationDraftTemperature;
-  std::vector<std::vector<int32_t>> prompts, tokens; ///< tokens: particle 0's generated tokens (x_P first)
-  bool ok = true;
-  std::string problem;
-};
-
-struct SweepConstants {
-  int max_seq_len = 0, pool_size = 0;
-  EngineConfig engine_defaults; ///< temperatures, alpha, tau, eos of the timed engines
-};
-
-/// The validation entries of one kind as a JSON array (`indent` before each entry).
-std::string json_validation(const std::vector<ValidationRecord>& validation, const SweepConstants& k,
-                            const char* indent) {
-  std::ostringstream j;
-  j << "[";
-  for (size_t v = 0; v < validation.size(); ++v) {
-    const ValidationRecord& r = validation[v];
-    j << (v ? ",\n" : "\n") << indent << "{\"vocab\": " << r.vocab
-      << ", \"dtype\": " << json_string(dtype_name(r.dtype)) << ", \"particles\": " << r.particles
-      << ", \"steps\": " << r.steps << ", \"cycles\": " << r.cycles
-      << ", \"draft_temperature\": " << float_text(r.draft_temperature)
-      << ", \"target_temperature\": 0, \"alpha\": 1, \"tau\": " << float_text(k.engine_defaults.tau)
-      << ", \"engine_ok\": " << (r.ok ? "true" : "false") << ",\n"
-      << indent << " \"prompts\": [";
-    for (size_t p = 0; p < r.prompts.size(); ++p)
-      j << (p ? ", " : "") << json_int_array(r.prompts[p]);
-    j << "],\n" << indent << " \"tokens\": [";
-    for (size_t p = 0; p < r.tokens.size(); ++p)
-      j << (p ? ", " : "") << json_int_array(r.tokens[p]);
-    j << "]}";
-  }
-  return j.str();
-}
-
-/// `validation`: the smc entries; `spec_validation`: the spec entries (the `spec` section is written when
-/// `with_spec`).
-void write_manifest(const std::string& path, const Options& o, const Environment& env,
-                    const SweepConstants& k, const std::map<int, std::string>& weight_files,
-                    const std::vector<ValidationRecord>& validation, bool with_smc, bool with_spec,
-                    const std::vector<ValidationRecord>& spec_validation) {
-  std::ostringstream j;
-  j << "{\n  \"format\": \"smcgraph-bucket-sweep-peer-1\",\n";
-  j << "  \"device\": " << json_string(env.device) << ",\n";
-  j << "  \"kinds\": [" << (with_smc ? "\"smc\"" : "") << (with_smc && with_spec ? ", " : "")
-    << (with_spec ? "\"spec\"" : "") << "],\n";
-  j << "  \"vocabs\": [" << join_ints(o.vocabs, ", ") << "],\n";
-  j << "  \"dtypes\": [";
-  for (size_t i = 0; i < o.dtypes.size(); ++i)
-    j << (i ? ", " : "") << json_string(dtype_name(o.dtypes[i]));
-  j << "],\n";
-  j << "  \"particles\": [" << join_ints(o.particles, ", ") << "],\n";
-  j << "  \"steps\": [" << join_ints(o.steps, ", ") << "],\n";
-  j << "  \"requests\": [" << join_ints(o.requests, ", ") << "],\n";
-  j << "  \"cycles\": " << o.cycles << ",\n";
-  j << "  \"warmup_cycles\": " << kWarmupCycles << ",\n";
-  j << "  \"prompt_length\": " << kPromptLength << ",\n";
-  j << "  \"timing_prompt\": \"token i of request slot q: ((q + 1) * 7919 + i * 104729) % vocab\",\n";
-  j << "  \"max_seq_len\": " << k.max_seq_len << ",\n";
-  j << "  \"slot_pool_size\": " << k.pool_size << ",\n";
-  j << "  \"draft_temperature\": " << float_text(k.engine_defaults.draft_temperature) << ",\n";
-  j << "  \"target_temperature\": " << float_text(k.engine_defaults.target_temperature) << ",\n";
-  j << "  \"alpha\": " << float_text(k.engine_defaults.alpha) << ",\n";
-  j << "  \"tau\": " << float_text(k.engine_defaults.tau) << ",\n";
-  j << "  \"eos_id\": " << k.engine_defaults.eos_id << ",\n";
-  j << "  \"toy\": {\"hidden\": " << kToyHidden << ", \"window\": " << kToyWindow
-    << ", \"position_period\": " << kToyPositionPeriod << ", \"weight_seed\": " << kWeightSeed
-    << ", \"draft_perturbation\": " << float_text(o.draft_perturbation) << "},\n";
-  j << "  \"weights\": {";
-  bool first = true;
-  for (const auto& [vocab, file] : weight_files) {
-    j << (first ? "" : ", ") << json_string(std::to_string(vocab)) << ": " << json_string(file);
-    first = false;
-  }
-  j << "},\n";
-  j << "  \"validation\": " << json_validation(validation, k, "    ") << "\n  ]";
-  if (with_spec) {
-    j << ",\n  \"spec\": {\"particles\": 1, \"steps\": [" << join_ints(o.steps, ", ") << "], \"requests\": ["
-      << join_ints(o.requests, ", ") << "], \"draft_temperature\": " << float_text(kSpecDraftTemperature)
-      << ", \"target_temperature\": " << float_text(kSpecTargetTemperature)
-      << ",\n    \"validation\": " << json_validation(spec_validation, k, "      ") << "\n    ]}";
-  }
-  j << "\n}\n";
-  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty())
-    std::filesystem::create_directories(parent);
-  std::ofstream out(path, std::ios::trunc);
-  out << j.str();
-  if (!out)
-    throw Error("bucket_sweep: writing " + path + " failed");
-}
+// Peer validation tokens (the peer files are written by sweep/manifest.cpp)
 
 /// Runs the engine with a greedy target on the validation prompts and keeps particle 0's tokens, for the peer
 /// to reproduce: smc with a near-zero draft temperature, spec (N = 1) with the greedy draft it is timed with.
@@ -1073,439 +727,6 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   for (const RequestId id : ids)
     engine.release(id);
   engine.synchronize();
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Peers
-
-struct PeerResult {
-  double cycle_us = NAN, model_us = NAN, tokens_per_s = NAN, tokens_per_cycle = NAN;
-  bool valid = true;
-};
-/// (requests, particles, steps, vocab, dtype) -> method -> result.
-using PeerKey = std::tuple<int, int, int, int, std::string>;
-using PeerTable = std::map<PeerKey, std::map<std::string, PeerResult>>;
-
-std::vector<std::string> split_csv_line(const std::string& line) {
-  std::vector<std::string> cells;
-  std::stringstream stream(line);
-  std::string cell;
-  while (std::getline(stream, cell, ','))
-    cells.push_back(cell);
-  return cells;
-}
-
-PeerTable read_peer_csv(const std::string& path, std::vector<std::string>& methods) {
-  PeerTable table;
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line))
-    return table;
-  if (!line.empty() && line.back() == '\r') // Python's csv module ends lines with \r\n
-    line.pop_back();
-  const std::vector<std::string> header = split_csv_line(line);
-  const auto column = [&](const char* name) {
-    const auto it = std::find(header.begin(), header.end(), name);
-    return it == header.end() ? -1 : static_cast<int>(it - header.begin());
-  };
-  const int method = column("method"), requests = column("requests"), particles = column("particles"),
-            steps = column("steps"), vocab = column("vocab"), dtype = column("dtype"),
-            cycle = column("cycle_us"), model = column("model_us"), valid = column("valid"),
-            tokens_per_s = column("tokens_per_s"), tokens_per_cycle = column("tokens_per_cycle");
-  if (std::min({method, requests, particles, steps, vocab, dtype, cycle}) < 0)
-    return table;
-  while (std::getline(in, line)) {
-    if (!line.empty() && line.back() == '\r')
-      line.pop_back();
-    const std::vector<std::string> cells = split_csv_line(line);
-    if (static_cast<int>(cells.size()) < static_cast<int>(header.size()))
-      continue;
-    try {
-      PeerResult result;
-      result.cycle_us = std::stod(cells[cycle]);
-      result.model_us = model >= 0 ? std::stod(cells[model]) : NAN;
-      result.tokens_per_s = tokens_per_s >= 0 ? std::stod(cells[tokens_per_s]) : NAN;
-      result.tokens_per_cycle = tokens_per_cycle >= 0 ? std::stod(cells[tokens_per_cycle]) : NAN;
-      result.valid = valid < 0 || cells[valid] == "1";
-      table[{std::stoi(cells[requests]), std::stoi(cells[particles]), std::stoi(cells[steps]),
-             std::stoi(cells[vocab]), cells[dtype]}][cells[method]] = result;
-      if (std::find(methods.begin(), methods.end(), cells[method]) == methods.end())
-        methods.push_back(cells[method]);
-    } catch (const std::exception&) {
-      continue; // "nan" or a malformed line: skip it
-    }
-  }
-  return table;
-}
-
-/// One cycle kind's PyTorch peer: its script, its CSV and what it reported.
-struct PeerRun {
-  std::string kind;   ///< "smc" or "spec": the sweep rows it compares with
-  std::string script; ///< file name in bench/peers/
-  std::string given;  ///< --peer-script / --spec-peer-script
-  std::string csv_name;
-  std::string csv;                  ///< path beside the sweep's CSV
-  std::vector<std::string> methods; ///< in the peer CSV's order
-  PeerTable table;
-};
-
-/// The --peer-methods names meant for `kind`'s peer (spec_* for spec, the others for smc); "" when none was
-/// given (the peer's defaults).
-std::string peer_methods_for(const Options& o, const std::string& kind, bool& none_left) {
-  none_left = false;
-  if (o.peer_methods.empty())
-    return "";
-  std::string methods;
-  for (const std::string& method : split_list(o.peer_methods)) {
-    if ((method.rfind("spec_", 0) == 0) != (kind == "spec"))
-      continue;
-    methods += (methods.empty() ? "" : ",") + method;
-  }
-  none_left = methods.empty();
-  return methods;
-}
-
-/// Runs the peer of every measured kind, prints smcgraph's ratios to them and rewrites the CSV with the peer
-/// columns added. Returns false when a peer could not run or reported a failure or an invalid result.
-bool run_peers(const Options& o, const char* argv0, const Environment& env, const std::string& manifest,
-               const std::vector<Row>& results, bool run_smc, bool run_spec) {
-  const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
-  std::vector<PeerRun> peers;
-  if (run_smc)
-    peers.push_back({"smc", "smc_peer.py", o.peer_script, kPeerCsvName, "", {}, {}});
-  if (run_spec)
-    peers.push_back({"spec", "spec_peer.py", o.spec_peer_script, kSpecPeerCsvName, "", {}, {}});
-  const std::string probe =
-      o.python + " -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)'";
-  if (run_command(probe + " >/dev/null 2>&1") != 0) {
-    std::printf("\npeers: skipped (%s with a CUDA-enabled torch is not available)\n", o.python.c_str());
-    return false;
-  }
-  bool all_ok = true, any_rows = false;
-  for (PeerRun& peer : peers) {
-    const std::string script = find_peer_script(peer.given, peer.script.c_str(), argv0);
-    if (script.empty()) {
-      std::printf("\npeers: %s skipped (bench/peers/%s not found; run from the repository root or pass "
-                  "--%speer-script)\n",
-                  peer.kind.c_str(), peer.script.c_str(), peer.kind == "spec" ? "spec-" : "");
-      all_ok = false;
-      continue;
-    }
-    bool none_left = false;
-    const std::string methods = peer_methods_for(o, peer.kind, none_left);
-    if (none_left) {
-      std::printf("\npeers: %s skipped (--peer-methods names none of its methods)\n", peer.kind.c_str());
-      continue;
-    }
-    peer.csv = (csv_dir / peer.csv_name).string();
-    std::error_code ignored;
-    std::filesystem::remove(peer.csv, ignored); // never compare with an earlier run's rows
-    std::string command = o.python + " " + shell_quote(script) + " --manifest " + shell_quote(manifest) +
-                          " --csv " + shell_quote(peer.csv);
-    if (!methods.empty())
-      command += " --methods " + shell_quote(methods);
-    std::printf("\npeers: %s\n", command.c_str());
-    const int status = run_command(command);
-    if (status != 0) {
-      std::printf("peers: the peer exited with status %d; comparing what it wrote\n", status);
-      all_ok = false;
-    }
-    peer.table = read_peer_csv(peer.csv, peer.methods);
-    if (peer.table.empty()) {
-      std::printf("peers: no rows in %s\n", peer.csv.c_str());
-      all_ok = false;
-    }
-    any_rows = any_rows || !peer.table.empty();
-  }
-  if (!any_rows)
-    return false;
-
-  const auto peer_of = [&](const std::string& kind) -> const PeerRun* {
-    for (const PeerRun& peer : peers)
-      if (peer.kind == kind && !peer.table.empty())
-        return &peer;
-    return nullptr;
-  };
-  const auto find_result = [&](const Row& row) -> const std::map<std::string, PeerResult>* {
-    const PeerRun* peer = peer_of(row.kind);
-    if (peer == nullptr)
-      return nullptr;
-    const auto it =
-        peer->table.find({row.requests, row.particles, row.steps, row.vocab, dtype_name(row.dtype)});
-    return it == peer->table.end() ? nullptr : &it->second;
-  };
-
-  if (peer_of("smc") != nullptr) {
-    std::printf(
-        "\nsmcgraph (graph replay, GPU time per cycle) vs the PyTorch peer in this run; ratio = peer time / "
-        "smcgraph time (> 1: smcgraph faster); nonmodel = cycle - the implementation's own model forwards\n");
-    std::printf("%7s %5s %2s %2s %8s %10s %10s  %-20s %10s %7s %10s %7s\n", "vocab", "dtype", "N", "K",
-                "requests", "smcg_us", "smcg_nm", "peer", "peer_us", "ratio", "peer_nm", "nm_rat");
-    for (const Row& row : results) {
-      if (row.kind != "smc")
-        continue;
-      const auto* found = find_result(row);
-      if (found == nullptr)
-        continue;
-      for (const auto& [method, peer] : *found) {
-        const double peer_nonmodel = peer.cycle_us - peer.model_us;
-        std::printf("%7d %5s %2d %2d %8d %10s %10s  %-20s %10s %6sx %10s %6sx%s\n", row.vocab,
-                    dtype_name(row.dtype), row.particles, row.steps, row.requests,
-                    format(row.graph.median_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(),
-                    method.c_str(), format(peer.cycle_us, 1).c_str(),
-                    format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
-                    format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
-      }
-    }
-  }
-  if (peer_of("spec") != nullptr) {
-    std::printf("\nsmcgraph spec (greedy speculative decoding, graph replay) vs its PyTorch peer in this "
-                "run; tps_rat = smcgraph tokens/s / peer tokens/s (> 1: smcgraph faster; tok/c = tokens "
-                "per row and cycle, accepted + 1, each side's own); cyc_rat = peer time / smcgraph time "
-                "per cycle; nonmodel as above\n");
-    std::printf("%7s %5s %2s %8s %10s %6s %10s  %-24s %10s %6s %10s %7s %7s %10s %7s\n", "vocab", "dtype",
-                "K", "requests", "smcg_us", "tok/c", "smcg_tok/s", "peer", "peer_us", "tok/c", "peer_tok/s",
-                "tps_rat", "cyc_rat", "peer_nm", "nm_rat");
-    for (const Row& row : results) {
-      if (row.kind != "spec")
-        continue;
-      const auto* found = find_result(row);
-      if (found == nullptr)
-        continue;
-      for (const auto& [method, peer] : *found) {
-        const double peer_nonmodel = peer.cycle_us - peer.model_us;
-        std::printf("%7d %5s %2d %8d %10s %6s %10s  %-24s %10s %6s %10s %6sx %6sx %10s %6sx%s\n", row.vocab,
-                    dtype_name(row.dtype), row.steps, row.requests, format(row.graph.median_us, 1).c_str(),
-                    format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
-                    method.c_str(), format(peer.cycle_us, 1).c_str(),
-                    format(peer.tokens_per_cycle, 2).c_str(), format(peer.tokens_per_s, 0).c_str(),
-                    format(row.tokens_per_s / peer.tokens_per_s, 2).c_str(),
-                    format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
-                    format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
-      }
-    }
-  }
-
-  // The CSV again, with per-method peer columns (smc methods first); a row has values only for its kind's
-  // peer. Spec methods add their tokens/s and smcgraph's tokens/s over it (their tokens per cycle may
-  // differ).
-  std::vector<std::string> header = kCsvColumns;
-  std::vector<std::pair<std::string, std::string>> columns; // (kind, method)
-  for (const PeerRun& peer : peers) {
-    for (const std::string& method : peer.methods) {
-      columns.emplace_back(peer.kind, method);
-      header.push_back(method + "_us");
-      header.push_back(method + "_over_graph");
-      header.push_back(method + "_nonmodel_us");
-      header.push_back(method + "_nonmodel_over_smcgraph");
-      if (peer.kind == "spec") {
-        header.push_back(method + "_tokens_per_s");
-        header.push_back(method + "_tokens_per_s_smcgraph_over_peer");
-      }
-    }
-  }
-  bench::Csv csv(o.csv);
-  csv.row(header);
-  bool peer_valid = true;
-  for (const Row& row : results) {
-    std::vector<std::string> cells = csv_cells(env, row);
-    const auto* found = find_result(row);
-    for (const auto& [kind, method] : columns) {
-      PeerResult peer;
-      if (kind == row.kind && found != nullptr && found->count(method))
-        peer = found->at(method);
-      peer_valid = peer_valid && peer.valid;
-      const double peer_nonmodel = peer.cycle_us - peer.model_us;
-      cells.push_back(format(peer.cycle_us, 2));
-      cells.push_back(format(peer.cycle_us / row.graph.median_us, 3));
-      cells.push_back(format(peer_nonmodel, 2));
-      cells.push_back(format(peer_nonmodel / row.nonmodel_us, 3));
-      if (kind == "spec") {
-        cells.push_back(format(peer.tokens_per_s, 0));
-        cells.push_back(format(row.tokens_per_s / peer.tokens_per_s, 3));
-      }
-    }
-    csv.row(cells);
-  }
-  std::string peer_csvs;
-  for (const PeerRun& peer : peers)
-    if (!peer.csv.empty())
-      peer_csvs += (peer_csvs.empty() ? "" : ", ") + peer.csv;
-  std::printf("peers: columns added to %s (peer CSV%s: %s)\n", o.csv.c_str(), peers.size() > 1 ? "s" : "",
-              peer_csvs.c_str());
-  return all_ok && peer_valid;
-}
-
-void run_plots(const Options& o, const char* argv0, bool run_smc, bool run_spec) {
-  const std::string script = find_peer_script(o.plot_script, "plot_sweep.py", argv0);
-  if (script.empty()) {
-    std::printf("\nplots: skipped (bench/peers/plot_sweep.py not found; pass --plot-script)\n");
-    return;
-  }
-  const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
-  const std::string out_dir = (csv_dir / "plots").string();
-  std::string command = o.python + " " + shell_quote(script) + " --sweep " + shell_quote(o.csv) + " --out " +
-                        shell_quote(out_dir);
-  for (const auto& [measured, name] : {std::pair<bool, const char*>{run_smc, kPeerCsvName},
-                                       std::pair<bool, const char*>{run_spec, kSpecPeerCsvName}}) {
-    const std::string peer_csv = (csv_dir / name).string();
-    if (o.peers && measured && std::filesystem::exists(peer_csv))
-      command += " --peer " + shell_quote(peer_csv);
-  }
-  std::printf("\nplots: %s\n", command.c_str());
-  const int status = run_command(command);
-  if (status != 0)
-    std::printf("plots: the plot script exited with status %d\n", status);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Peers of the real model (bench/peers/llama_peer.py)
-
-/// smcgraph's greedy continuation of each prompt: the speculative cycle with T_d = T_t = 0, which equals
-/// greedy target-only decoding; the peers reproduce it before they time anything.
-std::vector<std::vector<int32_t>> real_greedy_tokens(const ModelPair& models, const SweepConstants& k,
-                                                     int max_new_tokens, int steps) {
-  EngineConfig config;
-  config.kind = CycleKind::kSpeculative;
-  config.vocab = kRealVocab;
-  config.particles = 1;
-  config.draft_steps = steps;
-  config.max_requests = static_cast<int>(g_real_prompts.size());
-  config.max_seq_len = k.max_seq_len;
-  config.slot_pool_size = k.pool_size;
-  config.draft_temperature = 0.0f;
-  config.target_temperature = 0.0f;
-  Engine engine(config, *models.draft, *models.target);
-  std::vector<RequestId> ids;
-  for (size_t q = 0; q < g_real_prompts.size(); ++q)
-    ids.push_back(engine.admit(g_real_prompts[q], {.seed = q, .max_new_tokens = max_new_tokens}));
-  std::set<RequestId> finished;
-  for (int cycle = 0; finished.size() < ids.size(); ++cycle) {
-    require(cycle < 100000, "bucket_sweep", "greedy validation cycles", cycle, "did not finish");
-    engine.step();
-    std::vector<RequestUpdate> updates;
-    drain(engine, updates);
-    for (const RequestUpdate& update : updates) {
-      if (update.failed)
-        throw Error("bucket_sweep: greedy validation request failed: " + update.reason);
-      if (update.finished)
-        finished.insert(update.id);
-    }
-  }
-  std::vector<std::vector<int32_t>> tokens;
-  for (const RequestId id : ids) {
-    tokens.push_back(engine.result(id).tokens);
-    engine.release(id);
-  }
-  return tokens;
-}
-
-/// Writes the peer manifest, runs bench/peers/llama_peer.py and prints smcgraph's tokens/s over each peer
-/// method's at the same (kind, requests, N, K). Returns false when the peer could not run or was invalid.
-bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
-                    const std::string& model_path, const std::vector<Row>& results,
-                    const std::vector<std::vector<int32_t>>& greedy) {
-  const std::filesystem::path csv_dir = std::filesystem::path(o.csv).parent_path();
-  const std::string manifest = (csv_dir / "llama_peer.json").string();
-  const std::string peer_csv = (csv_dir / "llama_peer.csv").string();
-  {
-    // The format bench/peers/llama_peer.py reads (its header documents it).
-    std::ostringstream j;
-    const EngineConfig defaults;
-    j << "{\n  \"format\": \"smcgraph-llama-peer-1\",\n  \"device\": " << json_string(env.device) << ",\n";
-    j << "  \"model\": " << json_string(std::filesystem::absolute(model_path).string()) << ",\n";
-    j << "  \"draft_layers\": [" << join_ints(parse_llama_layers(o.draft_layers), ", ") << "],\n";
-    j << "  \"logits_dtype\": \"bf16\",\n  \"eos_id\": -1,\n";
-    j << "  \"prompts\": [";
-    for (size_t p = 0; p < g_real_prompts.size(); ++p)
-      j << (p ? ", " : "") << json_int_array(g_real_prompts[p]);
-    j << "],\n  \"greedy\": {\"new_tokens\": " << kRealGreedyTokens << ", \"tokens\": [";
-    for (size_t p = 0; p < greedy.size(); ++p)
-      j << (p ? ", " : "") << json_int_array(greedy[p]);
-    j << "]},\n";
-    j << "  \"generate\": {\"requests\": [" << join_ints(o.requests, ", ") << "], \"new_tokens\": 128},\n";
-    const bool with_spec = std::find(o.kinds.begin(), o.kinds.end(), "spec") != o.kinds.end();
-    const bool with_smc = std::find(o.kinds.begin(), o.kinds.end(), "smc") != o.kinds.end();
-    if (with_spec)
-      j << "  \"spec\": {\"steps\": [" << join_ints(o.steps, ", ") << "], \"requests\": ["
-        << join_ints(o.requests, ", ") << "], \"cycles\": " << o.cycles
-        << ", \"warmup_cycles\": " << kWarmupCycles << ", \"new_tokens\": 128},\n";
-    if (with_smc)
-      j << "  \"smc\": {\"particles\": [" << join_ints(o.particles, ", ") << "], \"steps\": ["
-        << join_ints(o.steps, ", ") << "], \"requests\": [" << join_ints(o.requests, ", ")
-        << "], \"cycles\": " << o.cycles << ", \"warmup_cycles\": " << kWarmupCycles
-        << ", \"draft_temperature\": " << float_text(defaults.draft_temperature)
-        << ", \"target_temperature\": " << float_text(defaults.target_temperature)
-        << ", \"alpha\": " << float_text(defaults.alpha) << ", \"tau\": " << float_text(defaults.tau)
-        << "},\n";
-    j << "  \"requests\": [" << join_ints(o.requests, ", ") << "]\n}\n";
-    std::ofstream out(manifest, std::ios::trunc);
-    out << j.str();
-    if (!out)
-      throw Error("bucket_sweep: writing " + manifest + " failed");
-  }
-  const std::string script = find_peer_script("", "llama_peer.py", argv0);
-  if (script.empty()) {
-    std::printf("\npeers: skipped (bench/peers/llama_peer.py not found; run from the repository root)\n");
-    return false;
-  }
-  std::error_code ignored;
-  std::filesystem::remove(peer_csv, ignored);
-  std::string command = o.python + " " + shell_quote(script) + " --manifest " + shell_quote(manifest) +
-                        " --csv " + shell_quote(peer_csv);
-  if (!o.peer_methods.empty())
-    command += " --methods " + shell_quote(o.peer_methods);
-  std::printf("\npeers: %s\n", command.c_str());
-  std::fflush(stdout);
-  bool ok = run_command(command) == 0;
-  // The peer CSV: method,kind,requests,particles,steps,tokens_per_s,cycle_us,valid (one row per point).
-  std::ifstream in(peer_csv);
-  std::string line;
-  std::vector<std::string> header;
-  if (!std::getline(in, line)) {
-    std::printf("peers: no rows in %s\n", peer_csv.c_str());
-    return false;
-  }
-  header = split_csv_line(line);
-  const auto column = [&](const char* name) {
-    return static_cast<int>(std::find(header.begin(), header.end(), name) - header.begin());
-  };
-  const int c_method = column("method"), c_requests = column("requests"), c_particles = column("particles"),
-            c_steps = column("steps"), c_tps = column("tokens_per_s"), c_valid = column("valid");
-  std::printf(
-      "\nsmcgraph (graph replay) vs the real-model peers in this run: ratio = smcgraph request tokens/s "
-      "/ peer tokens/s at the same kind, requests, N, K (> 1: smcgraph faster)\n");
-  std::printf("%-26s %5s %8s %2s %2s %12s %12s %8s\n", "peer", "kind", "requests", "N", "K", "peer_tok/s",
-              "smcg_tok/s", "ratio");
-  while (std::getline(in, line)) {
-    const std::vector<std::string> cells = split_csv_line(line);
-    if (cells.size() < header.size())
-      continue;
-    // The method names say the kind: hf_generate_greedy is plain greedy decoding, *smc* the SMC cycle, the
-    // rest (hf_assisted, torch_spec_*) greedy speculative decoding.
-    const std::string& method = cells[c_method];
-    const std::string kind = method.find("smc") != std::string::npos ? "smc"
-                             : method.rfind("hf_generate", 0) == 0   ? "greedy"
-                                                                     : "spec";
-    const int requests = std::atoi(cells[c_requests].c_str());
-    const int particles = std::atoi(cells[c_particles].c_str()), steps = std::atoi(cells[c_steps].c_str());
-    const double peer_tps = std::atof(cells[c_tps].c_str());
-    const bool valid = cells[c_valid] == "1" || cells[c_valid] == "True" || cells[c_valid] == "true";
-    ok = ok && valid;
-    // A greedy (non-speculative) peer compares with smcgraph's spec row (greedy) of the same requests.
-    double smcgraph_tps = NAN;
-    for (const Row& row : results) {
-      const bool same_kind = row.kind == kind || (kind == "greedy" && row.kind == "spec");
-      if (same_kind && row.requests == requests && (kind != "smc" || row.particles == particles) &&
-          (steps == 0 || row.steps == steps) && row.dtype == DType::kBFloat16)
-        smcgraph_tps = std::isnan(smcgraph_tps) ? row.tokens_per_s : std::max(smcgraph_tps, row.tokens_per_s);
-    }
-    std::printf("%-26s %5s %8d %2d %2d %12s %12s %7sx%s\n", cells[c_method].c_str(), kind.c_str(), requests,
-                particles, steps, format(peer_tps, 1).c_str(), format(smcgraph_tps, 0).c_str(),
-                format(smcgraph_tps / peer_tps, 1).c_str(), valid ? "" : "  (peer INVALID)");
-  }
-  std::fflush(stdout);
-  return ok;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1764,207 +985,17 @@ int run(const Options& o, const char* argv0) {
   return peers_ok ? 0 : 3;
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Command line
-
-void print_usage() {
-  std::printf(
-      "usage: bucket_sweep [options]\n"
-      "  --quick               a small subset: requests {1, 8, 64} x N {4} x K {4} x V {32000} x {fp32, "
-      "bf16},\n"
-      "                        20 cycles per phase\n"
-      "  --requests LIST       request-slot buckets, e.g. 1,2,4,8,16,32,64 (the largest is max_requests)\n"
-      "  --particles LIST      N values (default 4,8)\n"
-      "  --steps LIST          K values (default 4,8)\n"
-      "  --vocabs LIST         V values (default 32000,128256)\n"
-      "  --dtypes LIST         logits dtypes, fp32 and/or bf16 (default fp32,bf16)\n"
-      "  --kinds LIST          cycle kinds, smc and/or spec (default both; spec runs with N = 1 and is "
-      "reported as\n"
-      "                        pending when the engine rejects kSpeculative)\n"
-      "  --cycles C            timed cycles per phase (default 30)\n"
-      "  --perturbation P      draft head perturbation of the toy pair (default 0.3)\n"
-      "  --csv PATH            CSV output (default results/bucket_sweep.csv); the peer files go beside it\n"
-      "  --peers               run the PyTorch peers afterwards (same grid, same weights): "
-      "bench/peers/smc_peer.py\n"
-      "                        for smc, bench/peers/spec_peer.py for spec; print the ratios and add "
-      "per-method peer\n"
-      "                        columns to the CSV\n"
-      "  --peer-methods LIST   methods for the peers (default: all of "
-      "torch_eager,torch_graph_draft,torch_graph_cycle\n"
-      "                        for smc and spec_torch_eager,spec_torch_graph_draft for spec; spec_* names go "
-      "to the\n"
-      "                        spec peer, the others to the smc peer)\n"
-      "  --plots               run bench/peers/plot_sweep.py afterwards (PNGs in <csv dir>/plots)\n"
-      "  --python PYTHON       interpreter for --peers / --plots (default python3)\n"
-      "  --peer-script PATH    default: bench/peers/smc_peer.py found from the cwd or the executable\n"
-      "  --spec-peer-script PATH  default: bench/peers/spec_peer.py found likewise\n"
-      "  --plot-script PATH    default: bench/peers/plot_sweep.py found likewise\n"
-      "  --no-progress         no progress line on stderr\n"
-      "  --model toy|smollm2   the embedded toy pair (default) or the real pair SmolLM2-135M-Instruct from "
-      "its\n"
-      "                        GGUF file (./run fetch-model); smollm2 has one vocabulary (49152), adds the "
-      "HBM\n"
-      "                        roofline columns and runs bench/peers/llama_peer.py with --peers\n"
-      "  --model-path PATH     the GGUF file (default $SMCGRAPH_MODEL_PATH or .cache/models/ found from the "
-      "cwd)\n"
-      "  --draft-layers LIST   layers of the real model's draft, e.g. 0-27 (default) or 0-11,18-29\n"
-      "exit status: 0; 1 a validation failed; 2 could not run; 3 a peer failed or reported invalid "
-      "results\n");
-}
-
-bool parse_int_list(const std::string& text, std::vector<int>& out) {
-  out.clear();
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ',')) {
-    if (item.empty())
-      continue;
-    char* end = nullptr;
-    const long value = std::strtol(item.c_str(), &end, 10);
-    if (*end != '\0' || value < 1 || value > 1 << 20)
-      return false;
-    out.push_back(static_cast<int>(value));
-  }
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return !out.empty();
-}
-
-/// Returns -1 to go on, else the exit status.
-int parse_options(int argc, char** argv, Options& o) {
-  bool explicit_lists[6] = {false, false, false, false, false, false};
-  bool explicit_cycles = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "bucket_sweep: %s needs a value\n", arg.c_str());
-        return nullptr;
-      }
-      return argv[++i];
-    };
-    const auto bad = [&](const char* text) {
-      std::fprintf(stderr, "bucket_sweep: bad value for %s: '%s'\n", arg.c_str(), text);
-      return 2;
-    };
-    if (arg == "--help" || arg == "-h") {
-      print_usage();
-      return 0;
-    } else if (arg == "--quick") {
-      o.quick = true;
-    } else if (arg == "--peers") {
-      o.peers = true;
-    } else if (arg == "--plots") {
-      o.plots = true;
-    } else if (arg == "--no-progress") {
-      o.progress = false;
-    } else if (arg == "--requests" || arg == "--particles" || arg == "--steps" || arg == "--vocabs") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      const int which = arg == "--requests" ? 0 : arg == "--particles" ? 1 : arg == "--steps" ? 2 : 3;
-      std::vector<int>& list = which == 0   ? o.requests
-                               : which == 1 ? o.particles
-                               : which == 2 ? o.steps
-                                            : o.vocabs;
-      if (!parse_int_list(text, list))
-        return bad(text);
-      explicit_lists[which] = true;
-    } else if (arg == "--dtypes") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      o.dtypes.clear();
-      for (const std::string& name : split_list(text)) {
-        if (name == "fp32")
-          o.dtypes.push_back(DType::kFloat32);
-        else if (name == "bf16")
-          o.dtypes.push_back(DType::kBFloat16);
-        else
-          return bad(text);
-      }
-      if (o.dtypes.empty())
-        return bad(text);
-      explicit_lists[4] = true;
-    } else if (arg == "--kinds") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      o.kinds = split_list(text);
-      for (const std::string& kind : o.kinds)
-        if (kind != "smc" && kind != "spec")
-          return bad(text);
-      if (o.kinds.empty())
-        return bad(text);
-      explicit_lists[5] = true;
-    } else if (arg == "--cycles") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      o.cycles = std::atoi(text);
-      if (o.cycles < 1 || o.cycles > 10000)
-        return bad(text);
-      explicit_cycles = true;
-    } else if (arg == "--perturbation") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      char* end = nullptr;
-      o.draft_perturbation = std::strtof(text, &end);
-      if (*end != '\0' || !(o.draft_perturbation >= 0.0f) || !std::isfinite(o.draft_perturbation))
-        return bad(text);
-    } else if (arg == "--model") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      o.model = text;
-      if (o.model != "toy" && o.model != "smollm2")
-        return bad(text);
-    } else if (arg == "--model-path" || arg == "--draft-layers") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      (arg == "--model-path" ? o.model_path : o.draft_layers) = text;
-    } else if (arg == "--csv" || arg == "--python" || arg == "--peer-script" || arg == "--spec-peer-script" ||
-               arg == "--plot-script" || arg == "--peer-methods") {
-      const char* text = value();
-      if (!text)
-        return 2;
-      (arg == "--csv"                ? o.csv
-       : arg == "--python"           ? o.python
-       : arg == "--peer-script"      ? o.peer_script
-       : arg == "--spec-peer-script" ? o.spec_peer_script
-       : arg == "--plot-script"      ? o.plot_script
-                                     : o.peer_methods) = text;
-    } else {
-      std::fprintf(stderr, "bucket_sweep: unknown argument '%s' (see --help)\n", arg.c_str());
-      return 2;
-    }
-  }
-  if (o.quick) { // explicit lists win over --quick
-    if (!explicit_lists[0])
-      o.requests = {1, 8, 64};
-    if (!explicit_lists[1])
-      o.particles = {4};
-    if (!explicit_lists[2])
-      o.steps = {4};
-    if (!explicit_lists[3])
-      o.vocabs = {32000};
-    if (!explicit_cycles)
-      o.cycles = 20;
-  }
-  return -1;
-}
-
 } // namespace
 
+} // namespace smcgraph::sweep
+
 int main(int argc, char** argv) {
-  Options options;
-  const int status = parse_options(argc, argv, options);
+  smcgraph::sweep::Options options;
+  const int status = smcgraph::sweep::parse_options(argc, argv, options);
   if (status >= 0)
     return status;
   try {
-    return run(options, argv[0]);
+    return smcgraph::sweep::run(options, argv[0]);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "\nbucket_sweep: %s\n", error.what());
     return 2;
