@@ -11,7 +11,54 @@
 namespace smcgraph::detail {
 namespace {
 
-__global__ void InitRequestRowsKernel(CycleBuffers b, int request, uint64_t seed, float draft_temperature,
+// What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers, filled
+// by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
+struct RequestRowsView {
+  RowTablesView tables; ///< written: live
+  int particles = 1;
+  float *draft_temperature, *target_temperature, *alpha, *tau;
+  uint8_t *finished, *resampled;
+  double *logw, *ess, *log_evidence;
+  uint32_t *row_flags, *draw_counters;
+  uint64_t* seeds;
+};
+
+RequestRowsView request_rows_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .particles = b.particles, .draft_temperature = b.draft_temperature,
+          .target_temperature = b.target_temperature, .alpha = b.alpha, .tau = b.tau, .finished = b.finished,
+          .resampled = b.resampled, .logw = b.logw, .ess = b.ess, .log_evidence = b.log_evidence,
+          .row_flags = b.row_flags, .draw_counters = b.draw_counters, .seeds = b.seeds};
+  // clang-format on
+}
+
+struct AdmitAllocView {
+  SlotPoolView pool;    ///< slots popped
+  RowTablesView tables; ///< written: slot_table, seq_len, live
+  uint32_t *row_flags, *status;
+};
+
+AdmitAllocView admit_alloc_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.pool = b.pool, .tables = b.tables, .row_flags = b.row_flags, .status = b.status};
+  // clang-format on
+}
+
+struct AdmitFinishView {
+  RowTablesView tables; ///< read: live; written: token_table, live
+  int particles = 1, eos_id = -1;
+  const uint32_t* row_flags;
+  uint8_t* finished;
+};
+
+AdmitFinishView admit_finish_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .particles = b.particles, .eos_id = b.eos_id, .row_flags = b.row_flags,
+          .finished = b.finished};
+  // clang-format on
+}
+
+__global__ void InitRequestRowsKernel(RequestRowsView b, int request, uint64_t seed, float draft_temperature,
                                       float target_temperature, float alpha, float tau) {
   const int particle = threadIdx.x;
   if (particle < b.particles) {
@@ -35,7 +82,7 @@ __global__ void InitRequestRowsKernel(CycleBuffers b, int request, uint64_t seed
 }
 
 // One thread: admission is rare and eager; slots are popped from the top of the free stack.
-__global__ void AdmitAllocKernel(CycleBuffers b, int row, int prompt_length) {
+__global__ void AdmitAllocKernel(AdmitAllocView b, int row, int prompt_length) {
   const int needed = prompt_length + 1;
   const int available = *b.pool.free_count;
   int32_t* slots = b.tables.slot_table + static_cast<int64_t>(row) * b.tables.max_seq_len;
@@ -55,7 +102,7 @@ __global__ void AdmitAllocKernel(CycleBuffers b, int row, int prompt_length) {
   b.tables.seq_len[row] = needed;
 }
 
-__global__ void AdmitFinishKernel(CycleBuffers b, int row, int prompt_length, const int32_t* first_token) {
+__global__ void AdmitFinishKernel(AdmitFinishView b, int row, int prompt_length, const int32_t* first_token) {
   const int32_t token = *first_token;
   if (!b.tables.live[row])
     return;
@@ -79,19 +126,19 @@ __global__ void SetIntKernel(int32_t* destination, int value) {
 
 void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float draft_temperature,
                        float target_temperature, float alpha, float tau, cudaStream_t stream) {
-  InitRequestRowsKernel<<<1, std::max(32, b.particles), 0, stream>>>(b, request, seed, draft_temperature,
-                                                                     target_temperature, alpha, tau);
+  InitRequestRowsKernel<<<1, std::max(32, b.particles), 0, stream>>>(
+      request_rows_view(b), request, seed, draft_temperature, target_temperature, alpha, tau);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
 void admit_alloc(const CycleBuffers& b, int row, int prompt_length, cudaStream_t stream) {
-  AdmitAllocKernel<<<1, 1, 0, stream>>>(b, row, prompt_length);
+  AdmitAllocKernel<<<1, 1, 0, stream>>>(admit_alloc_view(b), row, prompt_length);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
 void admit_finish(const CycleBuffers& b, int row, int prompt_length, const int32_t* first_token,
                   cudaStream_t stream) {
-  AdmitFinishKernel<<<1, 1, 0, stream>>>(b, row, prompt_length, first_token);
+  AdmitFinishKernel<<<1, 1, 0, stream>>>(admit_finish_view(b), row, prompt_length, first_token);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -18,7 +18,44 @@ int blocks_for(int count) {
   return static_cast<int>(ceil_div(count, kThreads));
 }
 
-__global__ void CommitCycleKernel(CycleBuffers b, int rows) {
+// What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers, filled
+// by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
+struct CommitView {
+  RowTablesView tables; ///< read: live, seq_len; written: token_table, seq_len, live
+  int steps = 1, max_rows = 0;
+  const int32_t *draft_tokens, *bonus_tokens, *first_eos;
+  const uint32_t* row_flags;
+  int32_t *cycle_tokens, *committed;
+};
+
+CommitView commit_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .steps = b.steps, .max_rows = b.max_rows, .draft_tokens = b.draft_tokens,
+          .bonus_tokens = b.bonus_tokens, .first_eos = b.first_eos, .row_flags = b.row_flags,
+          .cycle_tokens = b.cycle_tokens, .committed = b.committed};
+  // clang-format on
+}
+
+struct SpeculativeCommitView {
+  RowTablesView tables; ///< read: live, seq_len, slot_table; written: token_table, seq_len, live
+  SlotPoolView pool;    ///< the rejected positions' slots are released into it
+  int steps = 1, max_rows = 0, eos_id = -1;
+  const int32_t *draft_tokens, *accepted, *next_tokens;
+  const uint32_t* row_flags;
+  int32_t *cycle_tokens, *committed, *first_eos;
+  uint8_t* finished;
+};
+
+SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .pool = b.pool, .steps = b.steps, .max_rows = b.max_rows, .eos_id = b.eos_id,
+          .draft_tokens = b.draft_tokens, .accepted = b.accepted, .next_tokens = b.next_tokens,
+          .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens, .committed = b.committed,
+          .first_eos = b.first_eos, .finished = b.finished};
+  // clang-format on
+}
+
+__global__ void CommitCycleKernel(CommitView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
@@ -43,7 +80,7 @@ __global__ void CommitCycleKernel(CycleBuffers b, int rows) {
     b.tables.live[r] = 0; // the request fails; its rows stop here
 }
 
-__global__ void CommitSpeculativeKernel(CycleBuffers b, int rows) {
+__global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
@@ -86,12 +123,12 @@ __global__ void CommitSpeculativeKernel(CycleBuffers b, int rows) {
 } // namespace
 
 void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  CommitCycleKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  CommitCycleKernel<<<blocks_for(rows), kThreads, 0, stream>>>(commit_view(b), rows);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  CommitSpeculativeKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  CommitSpeculativeKernel<<<blocks_for(rows), kThreads, 0, stream>>>(speculative_commit_view(b), rows);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

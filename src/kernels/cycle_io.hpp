@@ -13,7 +13,10 @@
 
 namespace smcgraph::detail {
 
-/// Device buffers every cycle kernel reads or writes (fixed addresses, sized for the largest bucket).
+/// Device buffers every cycle kernel reads or writes (fixed addresses, sized for the largest bucket; declared
+/// and wired by the cycle-state table, runtime/cycle_state.cpp). The launchers below take it whole; each
+/// kernel receives a narrow view of it, declared in its stage file, that lists what it reads (pointers to const)
+/// and writes.
 struct CycleBuffers {
   SlotPoolView pool;
   RowTablesView tables; ///< rows = the largest bucket's rows

@@ -17,7 +17,45 @@ int blocks_for(int count) {
   return static_cast<int>(ceil_div(count, kThreads));
 }
 
-__global__ void PrepareDraftInputsKernel(CycleBuffers b, int rows) {
+// What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers, filled
+// by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
+struct DraftInputsView {
+  RowTablesView tables; ///< read: live, seq_len, slot_table, token_table
+  int steps = 1, max_rows = 0;
+  int32_t *head_tokens, *head_positions, *head_out_slots, *head_seq_lens;
+  int32_t *step_positions, *step_out_slots, *step_seq_lens;
+  int32_t *verify_positions, *verify_out_slots, *verify_seq_lens;
+};
+
+DraftInputsView draft_inputs_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .steps = b.steps, .max_rows = b.max_rows, .head_tokens = b.head_tokens,
+          .head_positions = b.head_positions, .head_out_slots = b.head_out_slots,
+          .head_seq_lens = b.head_seq_lens, .step_positions = b.step_positions,
+          .step_out_slots = b.step_out_slots, .step_seq_lens = b.step_seq_lens,
+          .verify_positions = b.verify_positions, .verify_out_slots = b.verify_out_slots,
+          .verify_seq_lens = b.verify_seq_lens};
+  // clang-format on
+}
+
+struct VerifyInputsView {
+  RowTablesView tables; ///< read: live, seq_len, token_table
+  int steps = 1, max_rows = 0;
+  const int32_t* draft_tokens;
+  const float* draft_logprobs;
+  int32_t* verify_tokens;
+  float* draft_logprobs_rows; ///< null in the SMC cycle
+};
+
+VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .steps = b.steps, .max_rows = b.max_rows, .draft_tokens = b.draft_tokens,
+          .draft_logprobs = b.draft_logprobs, .verify_tokens = b.verify_tokens,
+          .draft_logprobs_rows = b.draft_logprobs_rows};
+  // clang-format on
+}
+
+__global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
@@ -49,7 +87,7 @@ __global__ void PrepareDraftInputsKernel(CycleBuffers b, int rows) {
   b.verify_seq_lens[r] = live ? L + b.steps : 0;
 }
 
-__global__ void PrepareVerifyInputsKernel(CycleBuffers b, int rows) {
+__global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
@@ -67,12 +105,12 @@ __global__ void PrepareVerifyInputsKernel(CycleBuffers b, int rows) {
 } // namespace
 
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  PrepareDraftInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  PrepareDraftInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(draft_inputs_view(b), rows);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  PrepareVerifyInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows);
+  PrepareVerifyInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(verify_inputs_view(b), rows);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -20,7 +20,28 @@ size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-__global__ void PackOutputsKernel(CycleBuffers b, int rows, uint8_t* out, OutputLayout layout) {
+/// What the packing kernel reads: a narrow, read-only view of CycleBuffers, filled by name (designated
+/// initializers, packed: a line per field would repeat one shape in every stage file).
+struct OutputsView {
+  RowTablesView tables; ///< read: live, seq_len
+  int particles = 1, steps = 1;
+  const int32_t *cycle_tokens, *first_eos, *ancestor, *committed;
+  const int32_t* accepted; ///< null in the SMC cycle
+  const uint32_t *row_flags, *status;
+  const uint8_t *finished, *resampled;
+  const double* ess;
+};
+
+OutputsView outputs_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .particles = b.particles, .steps = b.steps, .cycle_tokens = b.cycle_tokens,
+          .first_eos = b.first_eos, .ancestor = b.ancestor, .committed = b.committed, .accepted = b.accepted,
+          .row_flags = b.row_flags, .status = b.status, .finished = b.finished, .resampled = b.resampled,
+          .ess = b.ess};
+  // clang-format on
+}
+
+__global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputLayout layout) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   const int requests = rows / b.particles;
   if (r < rows) {
@@ -74,7 +95,7 @@ OutputLayout output_layout(int rows, int requests, int steps) {
 
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream) {
   const OutputLayout layout = output_layout(rows, rows / b.particles, b.steps);
-  PackOutputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(b, rows, out, layout);
+  PackOutputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(outputs_view(b), rows, out, layout);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
