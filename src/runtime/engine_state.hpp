@@ -134,7 +134,7 @@ private:
 };
 
 /// Alloc, forward inputs, draft head and steps with their samples, and the target verify forward: the
-/// part both cycle kinds share (graphs/smc_cycle.cpp).
+/// part both cycle kinds share (graphs/draft_and_verify.cpp).
 void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, cudaStream_t stream);
 
 /// The SMC cycle recipe (graphs/smc_cycle.cpp): every stage of DESIGN.md §2 for `bucket_requests` request
