@@ -64,7 +64,6 @@
 #include <unistd.h>
 
 #include "bench_util.hpp"
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
@@ -157,8 +156,7 @@ private:
 
 /// Everything the engine still holds for the host: pending updates and cycles in flight.
 void drain(Engine& engine, std::vector<RequestUpdate>& updates) {
-  Engine::State& state = engine.state();
-  while (!state.in_flight.empty() || !state.pending_updates.empty()) {
+  while (!engine.polled_all()) {
     for (RequestUpdate& update : engine.poll())
       updates.push_back(std::move(update));
   }
@@ -213,10 +211,7 @@ int64_t check_updates(const std::vector<RequestUpdate>& updates, size_t expected
 }
 
 void check_slots(Engine& engine, UpdateCheck& check) {
-  engine.synchronize();
-  Engine::State& state = engine.state();
-  const SlotCheck slots =
-      check_slot_invariants_device(state.pool_view(), state.tables_view(), engine.stream());
+  const SlotCheck slots = check_engine_slots(engine);
   if (!slots.ok)
     check.fail("slot invariants: " + slots.problem);
 }

@@ -20,7 +20,6 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/toy_model.hpp"
-#include "runtime/engine_state.hpp"
 
 using namespace smcgraph;
 
@@ -152,10 +151,7 @@ int run(const Options& o) {
     engine.set_eager(true);
     const double eager_us = gpu_us_per_cycle(engine, std::max(5, o.cycles / 3));
     engine.set_eager(false);
-    engine.synchronize();
-    auto& state = engine.state();
-    const SlotCheck check =
-        check_slot_invariants_device(state.pool_view(), state.tables_view(), engine.stream());
+    const SlotCheck check = check_engine_slots(engine);
     if (!check.ok) {
       std::fprintf(stderr, "slot invariants broken at bucket %d: %s\n", info.requests, check.problem.c_str());
       valid = false;

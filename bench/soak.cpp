@@ -46,7 +46,6 @@
 
 #include "bench_util.hpp"
 #include "cli.hpp"
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
@@ -541,10 +540,8 @@ void Soak::periodic_checks() {
   if (counters_.cycles < next_check_)
     return;
   next_check_ = counters_.cycles + o_.check_every;
-  Engine::State& state = engine_.state();
   ++counters_.checks_run;
-  const SlotCheck check =
-      check_slot_invariants_device(state.pool_view(), state.tables_view(), engine_.stream());
+  const SlotCheck check = check_engine_slots(engine_);
   if (check.ok) {
     ++counters_.checks_passed;
   } else {
@@ -621,10 +618,7 @@ int Soak::run() {
   for (const auto& [id, request] : live_)
     engine_.release(id);
   live_.clear();
-  engine_.synchronize();
-  Engine::State& state = engine_.state();
-  const SlotCheck final_check =
-      check_slot_invariants_device(state.pool_view(), state.tables_view(), engine_.stream());
+  const SlotCheck final_check = check_engine_slots(engine_);
   ++counters_.checks_run;
   if (final_check.ok)
     ++counters_.checks_passed;

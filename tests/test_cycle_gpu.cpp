@@ -40,7 +40,6 @@
 
 #include "reference/cycle_ref.hpp"
 #include "reference/slots_ref.hpp"
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
@@ -275,42 +274,50 @@ private:
     return false;
   }
 
+  /// The first `count` elements of a buffer of the engine's cycle state (Engine::inspect).
+  template <class T> void read_state(std::vector<T>& out, const char* name, size_t count) {
+    out = engine_->inspect(name).as<T>();
+    REQUIRE(out.size() >= count);
+    out.resize(count);
+  }
+  template <class T> void read_state(T& out, const char* name) { out = engine_->inspect(name).as<T>().at(0); }
+
   DeviceSnapshot snapshot() {
     engine_->synchronize();
-    Engine::State& s = engine_->state();
     cudaStream_t stream = engine_->stream();
-    const int pool = config_.slot_pool_size, R = s.rows, Q = config_.max_requests, K = s.steps;
+    const int pool = config_.slot_pool_size, Q = config_.max_requests, R = Q * config_.particles,
+              K = config_.draft_steps;
     const size_t cells = static_cast<size_t>(R) * config_.max_seq_len;
     DeviceSnapshot d;
     d.slots.pool_size = pool;
     d.slots.rows = R;
     d.slots.max_seq_len = config_.max_seq_len;
-    d.slots.free_stack = test::to_host(s.free_stack.data(), pool - 1, stream);
-    d.slots.free_count = test::to_host(s.free_count.data(), 1, stream)[0];
-    d.slots.refcount = test::to_host(s.refcount.data(), pool, stream);
-    d.slots.slot_table = test::to_host(s.slot_table.data(), cells, stream);
-    d.slots.token_table = test::to_host(s.token_table.data(), cells, stream);
-    d.slots.seq_len = test::to_host(s.seq_len.data(), R, stream);
-    d.slots.live = test::to_host(s.live.data(), R, stream);
-    d.logw = test::to_host(s.logw.data(), R, stream);
-    d.ess = test::to_host(s.ess.data(), Q, stream);
-    d.log_evidence = test::to_host(s.log_evidence.data(), Q, stream);
-    d.finished = test::to_host(s.finished.data(), R, stream);
-    d.resampled = test::to_host(s.resampled.data(), Q, stream);
-    d.row_flags = test::to_host(s.row_flags.data(), R, stream);
-    d.draw_counters = test::to_host(s.draw_counters.data(), Q, stream);
-    d.seeds = test::to_host(s.seeds.data(), Q, stream);
-    d.status = test::to_host(s.status.data(), 1, stream)[0];
-    d.cycle_slots = test::to_host(s.cycle_slots.data(), static_cast<size_t>(R) * (K + 1), stream);
-    d.draft_tokens = test::to_host(s.draft_tokens.data(), static_cast<size_t>(K) * R, stream);
-    d.bonus_tokens = test::to_host(s.bonus_tokens.data(), R, stream);
-    d.first_eos = test::to_host(s.first_eos.data(), R, stream);
-    d.ancestor = test::to_host(s.ancestor.data(), R, stream);
-    d.cycle_tokens = test::to_host(s.cycle_tokens.data(), static_cast<size_t>(R) * (K + 1), stream);
-    d.draft_logprobs = test::to_host(s.draft_logprobs.data(), static_cast<size_t>(K) * R, stream);
-    d.target_logprobs = test::to_host(s.target_logprobs.data(), static_cast<size_t>(R) * K, stream);
-    d.bonus_logprobs = test::to_host(s.bonus_logprobs.data(), R, stream);
-    d.bonus_logz = test::to_host(s.bonus_logz.data(), R, stream);
+    read_state(d.slots.free_stack, "free_stack", pool - 1);
+    read_state(d.slots.free_count, "free_count");
+    read_state(d.slots.refcount, "refcount", pool);
+    read_state(d.slots.slot_table, "slot_table", cells);
+    read_state(d.slots.token_table, "token_table", cells);
+    read_state(d.slots.seq_len, "seq_len", R);
+    read_state(d.slots.live, "live", R);
+    read_state(d.logw, "logw", R);
+    read_state(d.ess, "ess", Q);
+    read_state(d.log_evidence, "log_evidence", Q);
+    read_state(d.finished, "finished", R);
+    read_state(d.resampled, "resampled", Q);
+    read_state(d.row_flags, "row_flags", R);
+    read_state(d.draw_counters, "draw_counters", Q);
+    read_state(d.seeds, "seeds", Q);
+    read_state(d.status, "status");
+    read_state(d.cycle_slots, "cycle_slots", static_cast<size_t>(R) * (K + 1));
+    read_state(d.draft_tokens, "draft_tokens", static_cast<size_t>(K) * R);
+    read_state(d.bonus_tokens, "bonus_tokens", R);
+    read_state(d.first_eos, "first_eos", R);
+    read_state(d.ancestor, "ancestor", R);
+    read_state(d.cycle_tokens, "cycle_tokens", static_cast<size_t>(R) * (K + 1));
+    read_state(d.draft_logprobs, "draft_logprobs", static_cast<size_t>(K) * R);
+    read_state(d.target_logprobs, "target_logprobs", static_cast<size_t>(R) * K);
+    read_state(d.bonus_logprobs, "bonus_logprobs", R);
+    read_state(d.bonus_logz, "bonus_logz", R);
     const ToyModelConfig& draft = models_.draft->config();
     const ToyModelConfig& target = models_.target->config();
     d.draft_kv =

@@ -9,7 +9,6 @@
 #include <set>
 #include <vector>
 
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
@@ -128,20 +127,10 @@ TEST_CASE("graph and eager runs are bit-identical over 50 cycles") {
       CAPTURE(c);
       REQUIRE(same_updates(ua, ub));
     }
-    a.engine->synchronize();
-    b.engine->synchronize();
-    auto& sa = a.engine->state();
-    auto& sb = b.engine->state();
-    cudaStream_t stream = a.engine->stream();
-    CHECK(test::to_host(sa.token_table.data(), sa.token_table.size(), stream) ==
-          test::to_host(sb.token_table.data(), sb.token_table.size(), stream));
-    CHECK(test::to_host(sa.slot_table.data(), sa.slot_table.size(), stream) ==
-          test::to_host(sb.slot_table.data(), sb.slot_table.size(), stream));
-    CHECK(test::to_host(sa.refcount.data(), sa.refcount.size(), stream) ==
-          test::to_host(sb.refcount.data(), sb.refcount.size(), stream));
-    const auto wa = test::to_host(sa.logw.data(), sa.logw.size(), stream);
-    const auto wb = test::to_host(sb.logw.data(), sb.logw.size(), stream);
-    CHECK(std::memcmp(wa.data(), wb.data(), wa.size() * sizeof(double)) == 0);
+    for (const char* name : {"token_table", "slot_table", "refcount", "logw"}) { // logw: bit for bit
+      CAPTURE(name);
+      CHECK(a.engine->inspect(name).bytes == b.engine->inspect(name).bytes);
+    }
   }
 }
 
@@ -186,21 +175,21 @@ TEST_CASE("KV invariant: draft KV for positions < L - 2, target KV for positions
   const int H = setup.models.target->hidden();
   for (int i = 0; i < 3; ++i)
     engine.admit(random_prompt(rng, config.vocab, 40), {.seed = rng.bits()});
-  auto& s = engine.state();
+  const int rows = config.max_requests * config.particles;
   const int cycles = test::sanitizer_scaled(12, 12, 5);
   for (int c = 0; c < cycles; ++c) {
     cycle(engine);
     engine.synchronize();
-    const auto tokens = test::to_host(s.token_table.data(), s.token_table.size(), engine.stream());
-    const auto slots = test::to_host(s.slot_table.data(), s.slot_table.size(), engine.stream());
-    const auto lengths = test::to_host(s.seq_len.data(), s.seq_len.size(), engine.stream());
-    const auto live = test::to_host(s.live.data(), s.live.size(), engine.stream());
+    const auto tokens = engine.inspect("token_table").as<int32_t>();
+    const auto slots = engine.inspect("slot_table").as<int32_t>();
+    const auto lengths = engine.inspect("seq_len").as<int32_t>();
+    const auto live = engine.inspect("live").as<uint8_t>();
     const auto draft_kv = test::to_host(setup.models.draft->kv_data(),
                                         static_cast<size_t>(config.slot_pool_size) * H, engine.stream());
     const auto target_kv = test::to_host(setup.models.target->kv_data(),
                                          static_cast<size_t>(config.slot_pool_size) * H, engine.stream());
     long checked = 0;
-    for (int r = 0; r < s.rows; ++r) {
+    for (int r = 0; r < rows; ++r) {
       if (!live[r])
         continue;
       const int L = lengths[r];
@@ -264,7 +253,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
     for (RequestId id : {ids[0], ids[2]})
       first_tokens.push_back(engine.result(id).tokens.at(0));
     for (int c = 0; c < cycles; ++c) {
-      probe[c].resize(engine.state().rows);
+      probe[c].resize(static_cast<size_t>(config.max_requests) * config.particles);
       for (const RequestUpdate& update : cycle(engine)) {
         REQUIRE_FALSE(update.finished);
         const int q = update.id == ids[0] ? 0 : 2;
@@ -319,23 +308,22 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
 
   Setup setup(config);
   Engine& engine = *setup.engine;
-  auto& s = engine.state();
   const std::vector<RequestId> ids = admit_eos_requests(engine, prompts, seeds);
-  std::vector<double> frozen(s.rows, std::nan(""));
+  std::vector<double> frozen(static_cast<size_t>(config.max_requests) * config.particles, std::nan(""));
   int frozen_checks = 0;
   for (int c = 0; c < cycles && engine.live_requests() > 0; ++c) {
     CAPTURE(c);
     const std::vector<RequestUpdate> updates = cycle(engine);
     engine.synchronize();
-    const auto lengths = test::to_host(s.seq_len.data(), s.seq_len.size(), engine.stream());
-    const auto live = test::to_host(s.live.data(), s.live.size(), engine.stream());
+    const auto lengths = engine.inspect("seq_len").as<int32_t>();
+    const auto live = engine.inspect("live").as<uint8_t>();
     for (int slot_index : {1, 3})
       for (int i = 0; i < N; ++i) {
         CHECK(lengths[slot_index * N + i] == 0);
         CHECK(live[slot_index * N + i] == 0);
       }
-    const auto finished = test::to_host(s.finished.data(), s.finished.size(), engine.stream());
-    const auto logw = test::to_host(s.logw.data(), s.logw.size(), engine.stream());
+    const auto finished = engine.inspect("finished").as<uint8_t>();
+    const auto logw = engine.inspect("logw").as<double>();
     for (const RequestUpdate& update : updates) {
       const int q = update.id == ids[0] ? 0 : 2;
       for (int i = 0; i < N; ++i) {
@@ -354,7 +342,7 @@ TEST_CASE("padding rows touch no slot but 0; EOS drafted or drawn as the bonus f
                                        [&](const Hit& h) { return h.cycle >= 0 && h.cycle <= c; });
       CHECK(update.finished == all_hit);
     }
-    for (int r = 0; r < s.rows; ++r) {
+    for (int r = 0; r < static_cast<int>(frozen.size()); ++r) {
       if (!finished[r])
         continue;
       if (std::isnan(frozen[r])) {
@@ -588,4 +576,48 @@ TEST_CASE("a model that synchronizes during capture fails the capture with the s
   Engine engine(eager, syncing, *models.target);
   engine.admit({1, 2, 3});
   CHECK(cycle(engine).size() == 1);
+}
+
+TEST_CASE(
+    "Engine::inspect copies the cycle state's buffers by name; unknown names and wrong types are errors") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const EngineConfig config = small_config(4, 3, 4);
+  Setup setup(config);
+  Engine& engine = *setup.engine;
+  const std::vector<RequestId> ids = {
+      engine.admit(random_prompt(rng, config.vocab, 20), {.seed = rng.bits()})};
+  cycle(engine);
+  const std::vector<std::string> names = engine.state_buffer_names();
+  auto has = [&](const char* name) { return std::find(names.begin(), names.end(), name) != names.end(); };
+  CHECK(has("token_table"));
+  CHECK(has("logw"));
+  CHECK_FALSE(has("accepted")); // a speculative-cycle buffer: this engine runs SMC
+  for (const std::string& name : names) {
+    CAPTURE(name);
+    const StateBufferCopy copy = engine.inspect(name);
+    CHECK(copy.name == name);
+    CHECK(copy.element_bytes >= 1);
+    CHECK(copy.size() >= 1);
+    CHECK(copy.bytes.size() == copy.size() * copy.element_bytes);
+  }
+  const std::vector<int32_t> lengths = engine.inspect("seq_len").as<int32_t>();
+  REQUIRE(lengths.size() == static_cast<size_t>(config.max_requests * config.particles));
+  CHECK(lengths[0] == 20 + 1 + config.draft_steps + 1); // prompt, first token, one cycle of K + 1
+  CHECK(engine.inspect("live").as<uint8_t>().at(0) == 1);
+  CHECK(engine.polled_all()); // cycle() = step() + poll()
+  engine.step();
+  CHECK_FALSE(engine.polled_all());
+  engine.poll();
+  CHECK(engine.polled_all());
+  std::string message;
+  try {
+    engine.inspect("no_such_buffer");
+  } catch (const smcgraph::Error& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("no_such_buffer") != std::string::npos, message);
+  CHECK_THROWS_AS(engine.inspect("seq_len").as<double>(), smcgraph::Error);
+  CHECK_THROWS_AS(engine.inspect("accepted"), smcgraph::Error);
+  engine.release(ids[0]);
 }

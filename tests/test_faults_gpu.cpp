@@ -11,7 +11,6 @@
 #include <stdexcept>
 #include <vector>
 
-#include "runtime/engine_state.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/sample.hpp"

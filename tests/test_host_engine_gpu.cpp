@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "../examples/host_engine_loop.hpp"
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"

@@ -26,7 +26,6 @@
 #include <vector>
 
 #include "reference/llama_ref.hpp"
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"

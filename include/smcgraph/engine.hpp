@@ -16,12 +16,14 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
+#include "smcgraph/error.hpp"
 #include "smcgraph/model.hpp"
 
 namespace smcgraph {
@@ -103,6 +105,22 @@ struct BucketInfo {
   size_t graph_nodes = 0;
 };
 
+/// One device buffer of the engine's cycle state copied to the host (Engine::inspect).
+struct StateBufferCopy {
+  std::string name;
+  size_t element_bytes = 0;   ///< bytes of one element (its type's size)
+  std::vector<uint8_t> bytes; ///< the whole buffer
+  size_t size() const { return element_bytes == 0 ? 0 : bytes.size() / element_bytes; }
+  /// The elements as T; throws unless sizeof(T) is the buffer's element size.
+  template <class T> std::vector<T> as() const {
+    require(sizeof(T) == element_bytes, "StateBufferCopy::as", name.c_str(), sizeof(T),
+            "is not the buffer's element size");
+    std::vector<T> values(size());
+    std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+    return values;
+  }
+};
+
 class Engine {
 public:
   /// Validates, allocates everything for the largest bucket, warms up eagerly and captures one graph per
@@ -147,9 +165,19 @@ public:
   /// Waits for everything enqueued so far.
   void synchronize();
 
-  /// Test access to the engine's device state (slot pool, tables, weights); see engine_state.hpp.
+  /// True when every launched cycle's updates have been returned by poll().
+  bool polled_all() const;
+
+  /// Read-only inspection for tests and debugging (not the hot path): waits for the engine's stream, then
+  /// copies one buffer of the cycle state to the host. `name` is a row of the cycle-state table
+  /// (state_buffer_names(): "token_table", "slot_table", "seq_len", "live", "logw", "free_stack", ...); the
+  /// buffer holds the largest bucket's rows. Throws for an unknown name or one this cycle kind lacks.
+  StateBufferCopy inspect(const std::string& name);
+  /// The names inspect() accepts for this engine's cycle kind.
+  std::vector<std::string> state_buffer_names() const;
+
+  /// The engine's device state (internal: src/runtime/engine_state.hpp).
   struct State;
-  State& state();
 
 private:
   std::unique_ptr<State> state_;

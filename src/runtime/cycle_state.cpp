@@ -210,6 +210,37 @@ std::string cycle_state_problems() {
   return problems;
 }
 
+StateBufferCopy copy_state_buffer(Engine::State& s, const std::string& name) {
+  constexpr const char* kWhere = "Engine::inspect";
+  StateBufferCopy copy;
+  bool found = false;
+  for_each_buffer([&](const auto& entry) {
+    if (found || name != entry.name)
+      return;
+    found = true;
+    require(applies(entry.kinds, s), kWhere, "name", name, "is not a buffer of this engine's cycle kind");
+    const auto& buffer = s.*entry.member;
+    copy.name = name;
+    copy.element_bytes = sizeof(typename std::remove_cvref_t<decltype(entry)>::element_type);
+    copy.bytes.resize(buffer.bytes());
+    SMCGRAPH_CUDA_CHECK(
+        cudaMemcpyAsync(copy.bytes.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost, s.stream));
+  });
+  require(found, kWhere, "name", name,
+          "is not a buffer of the cycle state (see Engine::state_buffer_names())");
+  s.stream.synchronize();
+  return copy;
+}
+
+std::vector<std::string> state_buffer_names(const Engine::State& s) {
+  std::vector<std::string> names;
+  for_each_buffer([&](const auto& entry) {
+    if (applies(entry.kinds, s))
+      names.push_back(entry.name);
+  });
+  return names;
+}
+
 size_t allocate_cycle_state(Engine::State& s) {
   const StateDims dims = state_dims(s);
   size_t total = 0;

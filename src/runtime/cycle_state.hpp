@@ -76,6 +76,11 @@ std::vector<StateBufferInfo> describe_cycle_state();
 /// whose extent is not per row or per request. (test_engine_cpu checks it is empty.)
 std::string cycle_state_problems();
 
+/// Engine::inspect: a copy of the named buffer (the caller has synchronized the engine's stream).
+StateBufferCopy copy_state_buffer(Engine::State& s, const std::string& name);
+/// The table's names of the buffers this engine's cycle kind has.
+std::vector<std::string> state_buffer_names(const Engine::State& s);
+
 /// Allocates every buffer of the engine's kind (at least one element each); returns the bytes allocated.
 size_t allocate_cycle_state(Engine::State& s);
 /// Zero-fills the buffers the table marks zeroed, on the engine's stream.

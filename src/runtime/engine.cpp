@@ -530,8 +530,15 @@ size_t Engine::device_bytes() const {
 void Engine::synchronize() {
   state_->stream.synchronize();
 }
-Engine::State& Engine::state() {
-  return *state_;
+bool Engine::polled_all() const {
+  return state_->in_flight.empty() && state_->pending_updates.empty();
+}
+StateBufferCopy Engine::inspect(const std::string& name) {
+  state_->stream.synchronize();
+  return detail::copy_state_buffer(*state_, name);
+}
+std::vector<std::string> Engine::state_buffer_names() const {
+  return detail::state_buffer_names(*state_);
 }
 
 } // namespace smcgraph

@@ -1,4 +1,5 @@
-// The engine's device state and host bookkeeping (internal; tests reach it through Engine::state()).
+// The engine's device state and host bookkeeping (internal: the engine, the recipes in graphs/ and the
+// cycle-state table use it; tests and benches read the device state through Engine::inspect()).
 #pragma once
 
 #include <array>
@@ -74,8 +75,9 @@ struct Engine::State {
   int vocab = 0;
   int prefill_chunk = 0;
 
-  // Device memory (sized for the largest bucket). Each DeviceBuffer below has one row in the cycle-state table
-  // (runtime/cycle_state.cpp): its extent, zeroing, compaction and CycleBuffers view are declared there.
+  // Device memory (sized for the largest bucket). Each DeviceBuffer below has one row in the cycle-state
+  // table (runtime/cycle_state.cpp): its extent, zeroing, compaction and CycleBuffers view are declared
+  // there.
   DeviceBuffer<int32_t> free_stack, free_count, refcount;
   DeviceBuffer<uint32_t> freed_bitmap; ///< deferred frees, pushed in id order (slots.hpp)
   DeviceBuffer<int32_t> slot_table, token_table, seq_len;

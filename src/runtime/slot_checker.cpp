@@ -123,4 +123,13 @@ SlotCheck check_slot_invariants_device(const SlotPoolView& pool, const RowTables
                                tables.max_seq_len, pool.pool_size);
 }
 
+SlotCheck check_engine_slots(Engine& engine) {
+  const EngineConfig& c = engine.config();
+  const int32_t free_count = engine.inspect("free_count").as<int32_t>().at(0);
+  return check_slot_invariants(
+      engine.inspect("free_stack").as<int32_t>(), free_count, engine.inspect("refcount").as<int32_t>(),
+      engine.inspect("slot_table").as<int32_t>(), engine.inspect("seq_len").as<int32_t>(),
+      engine.inspect("live").as<uint8_t>(), c.max_requests * c.particles, c.max_seq_len, c.slot_pool_size);
+}
+
 } // namespace smcgraph

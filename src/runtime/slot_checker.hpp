@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 
 namespace smcgraph {
@@ -36,5 +37,8 @@ SlotCheck check_slot_invariants(const std::vector<int32_t>& free_stack, int free
 /// and debugging; not capturable.
 SlotCheck check_slot_invariants_device(const SlotPoolView& pool, const RowTablesView& tables,
                                        cudaStream_t stream);
+
+/// Waits for the engine and checks its slot pool against all of its rows' tables (through Engine::inspect).
+SlotCheck check_engine_slots(Engine& engine);
 
 } // namespace smcgraph

@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/engine_state.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/model.hpp"
@@ -38,9 +37,7 @@ inline ToyModelConfig toy_for(const EngineConfig& c, uint64_t weight_seed, int h
 
 /// Waits for the engine and checks its slot pool against its tables.
 inline SlotCheck check_invariants(Engine& engine) {
-  engine.synchronize();
-  auto& s = engine.state();
-  return check_slot_invariants_device(s.pool_view(), s.tables_view(), engine.stream());
+  return check_engine_slots(engine);
 }
 
 /// A model that forwards to another; fault-injecting test models derive from it and add their fault after
