@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -166,21 +167,12 @@ private:
     ++pos_;
   }
   static void utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-      out.push_back(static_cast<char>(cp));
-    } else if (cp < 0x800) {
-      out.push_back(static_cast<char>(0xc0 | (cp >> 6)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    } else if (cp < 0x10000) {
-      out.push_back(static_cast<char>(0xe0 | (cp >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    } else {
-      out.push_back(static_cast<char>(0xf0 | (cp >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-      out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-    }
+    // The lead byte carries the top bits, each continuation byte 6 more.
+    static constexpr uint8_t kLead[] = {0x00, 0xc0, 0xe0, 0xf0};
+    const int continuation = cp < 0x80 ? 0 : cp < 0x800 ? 1 : cp < 0x10000 ? 2 : 3;
+    out.push_back(static_cast<char>(kLead[continuation] | (cp >> (6 * continuation))));
+    for (int k = continuation - 1; k >= 0; --k)
+      out.push_back(static_cast<char>(0x80 | ((cp >> (6 * k)) & 0x3f)));
   }
   uint32_t hex4() {
     if (pos_ + 4 > s_.size())
@@ -203,35 +195,20 @@ private:
         continue;
       }
       const char e = s_[pos_++];
-      switch (e) {
-      case 'n':
-        out.push_back('\n');
-        break;
-      case 't':
-        out.push_back('\t');
-        break;
-      case 'r':
-        out.push_back('\r');
-        break;
-      case 'b':
-        out.push_back('\b');
-        break;
-      case 'f':
-        out.push_back('\f');
-        break;
-      case 'u': {
+      if (e == 'u') {
         uint32_t cp = hex4();
         if (cp >= 0xd800 && cp < 0xdc00 && s_.substr(pos_, 2) == "\\u") {
           pos_ += 2;
           cp = 0x10000 + ((cp - 0xd800) << 10) + (hex4() - 0xdc00);
         }
         utf8(out, cp);
-        break;
+        continue;
       }
-      default:
-        out.push_back(e);
-        break; // \" \\ \/
-      }
+      // The one-character escapes: b f n r t stand for control characters, anything else for itself (\"
+      // \\ \/).
+      static constexpr std::string_view kFrom = "bfnrt", kTo = "\b\f\n\r\t";
+      const size_t at = kFrom.find(e);
+      out.push_back(at == std::string_view::npos ? e : kTo[at]);
     }
   }
   Json value_() {

@@ -55,18 +55,27 @@ SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
   // clang-format on
 }
 
+/// Row r's cycle-token row when the row is live; otherwise the row commits nothing this cycle (its cycle
+/// tokens are invalid, none counts) and the result is null.
+template <class View> __device__ __forceinline__ int32_t* live_cycle_row(const View& b, int r) {
+  const int stride = b.steps + 1;
+  int32_t* cycle = b.cycle_tokens + r * stride;
+  if (b.tables.live[r])
+    return cycle;
+  for (int k = 0; k < stride; ++k)
+    cycle[k] = kInvalidToken;
+  b.committed[r] = 0;
+  return nullptr;
+}
+
 __global__ void CommitCycleKernel(CommitView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
   const int stride = b.steps + 1;
-  int32_t* cycle = b.cycle_tokens + r * stride;
-  if (!b.tables.live[r]) {
-    for (int k = 0; k < stride; ++k)
-      cycle[k] = kInvalidToken;
-    b.committed[r] = 0;
+  int32_t* cycle = live_cycle_row(b, r);
+  if (cycle == nullptr)
     return;
-  }
   const int L = b.tables.seq_len[r];
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   for (int k = 0; k < b.steps; ++k)
@@ -85,11 +94,8 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   if (r >= rows)
     return;
   const int stride = b.steps + 1;
-  int32_t* cycle = b.cycle_tokens + r * stride;
-  if (!b.tables.live[r]) {
-    for (int k = 0; k < stride; ++k)
-      cycle[k] = kInvalidToken;
-    b.committed[r] = 0;
+  int32_t* cycle = live_cycle_row(b, r);
+  if (cycle == nullptr) {
     b.first_eos[r] = -1;
     return;
   }

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <numeric>
+#include <span>
 
 #include "reference/sample_ref.hpp"
 #include "reference/smc_ref.hpp"
@@ -573,19 +576,21 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
     CycleRequestRef& request = requests_.at(id);
     if (request.finished || request.failed)
       continue;
+    // The request's rows are [first, first + N): their flags ORed, all finished, any live.
+    const int first = q * N;
+    const auto rows_of = [&](const auto& per_row) { return std::span(per_row).subspan(first, N); };
+    const uint32_t request_flags =
+        std::accumulate(rows_of(row_flags_).begin(), rows_of(row_flags_).end(), 0u, std::bit_or<>());
+    const bool all_finished = std::ranges::all_of(rows_of(finished_), [](uint8_t f) { return f != 0; });
+    const bool any_live = std::ranges::any_of(rows_of(slots_.live), [](uint8_t l) { return l != 0; });
     RequestUpdate update;
     update.id = id;
     update.cycle = request.cycles++;
-    uint32_t request_flags = 0;
-    bool all_finished = true, any_live = false;
-    update.tokens.resize(N);
-    update.ancestors.resize(N);
+    update.tokens.assign(N, {});
+    update.ancestors.assign(N, 0);
     for (int i = 0; i < N; ++i) {
-      const int r = q * N + i;
-      request_flags |= row_flags_[r];
-      all_finished = all_finished && finished_[r] != 0;
-      any_live = any_live || slots_.live[r] != 0;
-      update.ancestors[i] = ancestor_[r] - q * N;
+      const int r = first + i;
+      update.ancestors[i] = ancestor_[r] - first;
       const int counted = first_eos_[r] < 0 ? 0 : (first_eos_[r] >= K ? K + 1 : first_eos_[r] + 1);
       // A row that committed nothing this cycle (not live, or finished before) reports no tokens. (The engine
       // reads its `committed` count instead, which CommitCycleKernel leaves stale for rows that are not
