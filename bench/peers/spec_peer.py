@@ -54,9 +54,7 @@ cycle_p90_us, model_us, nonmodel_us, valid, device, torch), then tokens_per_cycl
 validation or a slot check failed, 2 when it could not run.
 """
 
-import argparse
 import csv
-import json
 import math
 import os
 import sys
@@ -72,44 +70,17 @@ RECORD_TOP = 16  # logits kept per validated token
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--manifest", default="results/bucket_sweep_peer.json",
-                        help="written by bucket_sweep with the spec kind in its grid "
-                             "(default results/bucket_sweep_peer.json)")
-    parser.add_argument("--csv", default="results/spec_peer.csv", help="CSV output path (parents are created)")
-    parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of the methods")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: eager method only, wall-clock timing (for checking the logic without a GPU)")
-    parser.add_argument("--only-validate", action="store_true", help="validate, do not time")
-    parser.add_argument("--skip-validation", action="store_true", help="time without validating first")
-    parser.add_argument("--cycles", type=int, default=0, help="timed cycles per run (default: the manifest's)")
-    parser.add_argument("--requests", default="", help="subset of the manifest's request counts, e.g. 1,8")
-    args = parser.parse_args()
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in ALL_METHODS]
-    if unknown:
-        parser.error("unknown method(s) %s; known: %s" % (", ".join(unknown), ", ".join(ALL_METHODS)))
-    args.requests = [int(x) for x in args.requests.split(",") if x.strip()]
-    return args
+    parser = toy_torch.peer_argument_parser(__doc__, "results/spec_peer.csv", ALL_METHODS,
+                                            "written by bucket_sweep with the spec kind in its grid (default results/bucket_sweep_peer.json)")
+    return toy_torch.parse_peer_arguments(parser, ALL_METHODS)
 
 
 def main():
     args = parse_args()
-    try:
-        import torch
-    except ImportError as error:
-        print("spec_peer: torch is not importable (%s)" % error, file=sys.stderr)
+    loaded = toy_torch.import_torch_and_manifest("spec_peer", args)
+    if loaded == 2:
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("spec_peer: torch.cuda.is_available() is False (use --device cpu to check the logic)", file=sys.stderr)
-        return 2
-    try:
-        with open(args.manifest) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as error:
-        print("spec_peer: cannot read the manifest %s (%s); run bucket_sweep first" % (args.manifest, error),
-              file=sys.stderr)
-        return 2
+    torch, manifest = loaded
     spec = manifest.get("spec")
     if not isinstance(spec, dict):
         print("spec_peer: the manifest %s has no `spec` section; run bucket_sweep with the spec kind in --kinds"

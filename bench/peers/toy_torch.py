@@ -2,6 +2,11 @@
 target model with its slot-indexed KV cache, and the timing helpers, so both peers run the same models the same
 way. Imported by the peers (they put their own directory on sys.path by being run as scripts); not a script.
 
+  peer_argument_parser(...)         the command line both peers share (manifest, csv, methods, device, ...);
+  parse_peer_arguments(parser, methods)
+                                    parses it, checks the method names, splits --requests
+  import_torch_and_manifest(prog, args)
+                                    (torch, manifest) or the exit status 2 after a message naming what is missing
   load_safetensors(path)            (metadata, {name: (shape, raw float32 bytes)}) of toy_weights_v<V>.safetensors
   ToyKit(torch, device, manifest, manifest_dir)
     .Weights(tensors, prefix)       one model's weights on the device (E [V, H], P [period, H], W [V, H], b [V])
@@ -23,11 +28,13 @@ The model (toy_weights_io.md): kv[slot] = E[t] + P[p % period]; hidden = mean of
 the slot table; logits = b + W g(hidden), g(x) = x / (1 + |x|).
 """
 
+import argparse
 import json
 import math
 import os
 import statistics
 import struct
+import sys
 import time
 
 BASE_POSITION = 100  # positions of the stand-alone model forwards (full window)
@@ -35,6 +42,53 @@ MODEL_REPETITIONS = 20
 MODEL_WARMUP = 3
 CSV_COLUMNS = ["method", "requests", "particles", "steps", "vocab", "dtype", "cycle_us", "tokens_per_s",
                "cycle_p90_us", "model_us", "nonmodel_us", "valid", "device", "torch"]
+
+
+def peer_argument_parser(description, default_csv, methods, manifest_help):
+    """The options both cycle peers take; the caller may add its own before parse_peer_arguments."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--manifest", default="results/bucket_sweep_peer.json", help=manifest_help)
+    parser.add_argument("--csv", default=default_csv, help="CSV output path (parents are created)")
+    parser.add_argument("--methods", default=",".join(methods), help="comma-separated subset of the methods")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: eager method only, wall-clock timing (for checking the logic without a GPU)")
+    parser.add_argument("--only-validate", action="store_true", help="validate, do not time")
+    parser.add_argument("--skip-validation", action="store_true", help="time without validating first")
+    parser.add_argument("--cycles", type=int, default=0, help="timed cycles per run (default: the manifest's)")
+    parser.add_argument("--requests", default="", help="subset of the manifest's request counts, e.g. 1,8")
+    return parser
+
+
+def parse_peer_arguments(parser, methods):
+    """Parses the command line; --methods must name known methods (a usage error otherwise)."""
+    args = parser.parse_args()
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in methods]
+    if unknown:
+        parser.error("unknown method(s) %s; known: %s" % (", ".join(unknown), ", ".join(methods)))
+    args.requests = [int(x) for x in args.requests.split(",") if x.strip()]
+    return args
+
+
+def import_torch_and_manifest(prog, args):
+    """(torch, manifest) for a peer run, or 2 (the exit status) after a message: torch missing, no CUDA device
+    for --device cuda, or a manifest that cannot be read."""
+    try:
+        import torch
+    except ImportError as error:
+        print("%s: torch is not importable (%s)" % (prog, error), file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("%s: torch.cuda.is_available() is False (use --device cpu to check the logic)" % prog, file=sys.stderr)
+        return 2
+    try:
+        with open(args.manifest) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as error:
+        print("%s: cannot read the manifest %s (%s); run bucket_sweep first" % (prog, args.manifest, error),
+              file=sys.stderr)
+        return 2
+    return torch, manifest
 
 
 def median_cycle_us(torch, driver, cycles, on_gpu):
