@@ -235,6 +235,25 @@ TEST_CASE("sample() matches the host reference across dtypes, vocabularies and r
   CHECK(tally.mismatches * 10000 <= tally.checked);
 }
 
+TEST_CASE("a workspace zeroed on the caller's stream (CUB style) serves the next launch on it") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Batch batch = random_batch(rng, dtype, 48, 128256, 128256, 0.01);
+    DeviceBatch waited(batch); // the constructor that waits for its zeroing
+    const Outputs want = waited.run(false);
+    DeviceBatch device(batch);
+    // Replaced by one zeroed on the batch's non-blocking stream, not waited for: the launch right after it
+    // on that stream must see the zeros.
+    device.workspace = smcgraph::SampleWorkspace(batch.rows, batch.vocab, device.stream);
+    const Outputs eager = device.run(false);
+    CHECK(eager.bitwise_equal(want));
+    device.workspace = smcgraph::SampleWorkspace(batch.rows, batch.vocab, device.stream);
+    const Outputs graphed = device.run(true);
+    CHECK(graphed.bitwise_equal(want));
+  }
+}
+
 TEST_CASE("sample() tokens match the reference on >= 10^4 rows (near-tie rate)") {
   test::Rng rng;
   INFO("seed " << rng.seed());

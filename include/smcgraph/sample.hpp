@@ -71,8 +71,9 @@ struct ScoreOutputs {
 };
 
 /// Scratch for the split-vocabulary combine, sized for the largest launch it will serve. Allocated and
-/// zeroed once (outside any capture; the constructor waits for the zeroing, so any stream may use it at
-/// once); launches leave it zeroed again.
+/// zeroed once, outside any capture; launches leave it zeroed again. With a stream (CUB style) the zeroing
+/// is enqueued on it and the constructor does not wait: use the workspace on that stream or on streams
+/// ordered after it. Without one the constructor waits for the zeroing, so any stream may use it at once.
 namespace detail {
 struct SampleWorkspaceAccess; // the sampler's launcher (src/kernels/sample.cu): the scratch pointers
 } // namespace detail
@@ -81,6 +82,7 @@ class SampleWorkspace {
 public:
   SampleWorkspace() = default;
   SampleWorkspace(int max_jobs, int max_vocab);
+  SampleWorkspace(int max_jobs, int max_vocab, cudaStream_t stream);
   ~SampleWorkspace();
   SampleWorkspace(SampleWorkspace&& other) noexcept;
   SampleWorkspace& operator=(SampleWorkspace&& other) noexcept;

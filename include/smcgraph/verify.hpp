@@ -132,13 +132,15 @@ struct PackOutputs {
 };
 
 /// Scratch of the cross-tile look-back: an exit counter, a generation and one status word per row tile.
-/// Allocated and zeroed once, outside any capture (the constructor waits for the zeroing, so any stream may
-/// use it at once); every launch leaves it ready for the next one (graph
+/// Allocated and zeroed once, outside any capture; every launch leaves it ready for the next one (graph
 /// replays need no memset). Launches that share a workspace must be ordered (one stream or one graph).
 class PackWorkspace {
 public:
   PackWorkspace() = default;
+  /// Zeroes its words and waits, so any stream may use it at once.
   explicit PackWorkspace(int max_rows);
+  /// CUB style: zeroes on `stream` without waiting; use it on that stream or streams ordered after it.
+  PackWorkspace(int max_rows, cudaStream_t stream);
   int max_rows() const noexcept { return max_rows_; }
   unsigned long long* words() noexcept { return words_.data(); }
   size_t bytes() const noexcept { return words_.bytes(); }

@@ -413,13 +413,17 @@ void PackOutputs::validate(const char* where, int64_t required_rows) const {
   require(total != nullptr, where, "out.total", "null", "must be a device pointer");
 }
 
-PackWorkspace::PackWorkspace(int max_rows) : max_rows_(max_rows) {
+PackWorkspace::PackWorkspace(int max_rows, cudaStream_t stream) : max_rows_(max_rows) {
   require(max_rows >= 1, "smcgraph::PackWorkspace", "max_rows", max_rows, "must be >= 1");
   words_ =
       DeviceBuffer<unsigned long long>(static_cast<size_t>(kStatusWords) + static_cast<size_t>(max_rows));
-  // Zeroed before the constructor returns: the default stream is not ordered with the caller's non-blocking
-  // streams, so an asynchronous memset could land after the first verify_and_pack() on them.
-  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(words_.data(), 0, words_.bytes(), nullptr));
+  // Zeroed on the caller's stream (CUB style): work enqueued on it after the constructor sees the zeros.
+  words_.fill_bytes(0, stream);
+}
+
+PackWorkspace::PackWorkspace(int max_rows) : PackWorkspace(max_rows, nullptr) {
+  // The zeroing ran on the default stream, which the caller's non-blocking streams do not wait for: wait
+  // here, so any stream may use the workspace at once.
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 

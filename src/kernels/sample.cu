@@ -19,7 +19,15 @@ int sample_splits(int vocab, DType dtype) {
   return static_cast<int>(ceil_div(vocab, split_length));
 }
 
-SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab) : max_jobs_(max_jobs), max_vocab_(max_vocab) {
+SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab)
+    : SampleWorkspace(max_jobs, max_vocab, nullptr) {
+  // The zeroing ran on the default stream, which the caller's non-blocking streams do not wait for: wait
+  // here, so any stream may use the workspace at once.
+  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+}
+
+SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab, cudaStream_t stream)
+    : max_jobs_(max_jobs), max_vocab_(max_vocab) {
   require(max_jobs >= 1, "SampleWorkspace", "max_jobs", max_jobs, "must be >= 1");
   require(max_vocab >= 1, "SampleWorkspace", "max_vocab", max_vocab, "must be >= 1");
   const int64_t partials = static_cast<int64_t>(max_jobs) * sample_splits(max_vocab, DType::kFloat32);
@@ -30,10 +38,8 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab) : max_jobs_(max_jo
   partials_ = detail::device_allocate(static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
   try {
     tickets_ = static_cast<uint32_t*>(detail::device_allocate(static_cast<size_t>(max_jobs) * 4));
-    // Zeroed before the constructor returns: the default stream is not ordered with the caller's
-    // non-blocking streams, so an asynchronous memset could land after the first sample() on them.
-    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(tickets_, 0, static_cast<size_t>(max_jobs) * 4, nullptr));
-    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    // Zeroed on the caller's stream (CUB style): work enqueued on it after the constructor sees the zeros.
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(tickets_, 0, static_cast<size_t>(max_jobs) * 4, stream));
   } catch (...) { // the destructor will not run: free what the constructor took
     detail::device_free(partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
     detail::device_free(tickets_, static_cast<size_t>(max_jobs) * 4);

@@ -70,7 +70,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   size_t& total = s.device_bytes;
   total += detail::allocate_cycle_state(s);
   if (config.kind == CycleKind::kSpeculative) {
-    s.pack_workspace = PackWorkspace(R);
+    s.pack_workspace = PackWorkspace(R, s.stream);
     total += s.pack_workspace.bytes();
   }
   const size_t output_bytes = detail::output_layout(R, Q, K).bytes;
@@ -79,7 +79,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
     s.outputs_ready[p] = std::make_unique<Event>();
   }
   // The sampler serves K + 1 positions of every row (score) at most.
-  s.workspace = SampleWorkspace(R * (K + 1), config.vocab);
+  s.workspace = SampleWorkspace(R * (K + 1), config.vocab, s.stream);
   total += s.workspace.bytes();
 
   detail::wire_cycle_views(s);
