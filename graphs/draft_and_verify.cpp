@@ -15,7 +15,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
   const char* const alloc_name = speculative ? "spec.alloc" : "smc.alloc";
   const char* const draft_name = speculative ? "spec.draft" : "smc.draft";
   const char* const verify_name = speculative ? "spec.verify_forward" : "smc.verify";
-  const int N = s.config.particles, K = s.steps, V = s.vocab;
+  const int N = s.config.particles, K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests * N;
   const CycleBuffers& b = s.buffers;
   RowTablesView tables = b.tables;

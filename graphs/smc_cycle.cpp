@@ -16,7 +16,7 @@
 namespace smcgraph::detail {
 
 void enqueue_smc_cycle(Engine::State& s, int bucket_requests, cudaStream_t stream) {
-  const int N = s.config.particles, K = s.steps, V = s.vocab;
+  const int N = s.config.particles, K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests * N;
   const CycleBuffers& b = s.buffers;
   RowTablesView tables = b.tables;

@@ -16,7 +16,7 @@
 namespace smcgraph::detail {
 
 void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stream) {
-  const int K = s.steps, V = s.vocab;
+  const int K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests; // N = 1
   const CycleBuffers& b = s.buffers;
   const RowRandom random{b.seeds, b.draw_counters, 1};

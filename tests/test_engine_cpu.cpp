@@ -279,7 +279,7 @@ TEST_CASE("the cycle-state table is consistent: unique names, members and views;
   dims.rows = 12;
   dims.requests = 3;
   dims.particles = 4;
-  dims.steps = 5;
+  dims.draft_steps = 5;
   dims.max_seq_len = 64;
   dims.pool = 100;
   int views = 0, compacted = 0;
@@ -296,7 +296,7 @@ TEST_CASE("the cycle-state table is consistent: unique names, members and views;
   CHECK(views == 43);
   CHECK(compacted == 16);
   CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12 * 4);
-  dims.steps = 1; // one draft step: the step buffers keep one row each
+  dims.draft_steps = 1; // one draft step: the step buffers keep one row each
   CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12);
   CHECK(smcgraph::detail::extent_count(Extent::kPoolWords, dims) == 4);
   CHECK(smcgraph::detail::elements_per_request(Extent::kRowsBySeq, dims) == 4 * 64);

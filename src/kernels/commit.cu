@@ -22,7 +22,7 @@ int blocks_for(int count) {
 // by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
 struct CommitView {
   RowTablesView tables; ///< read: live, seq_len; written: token_table, seq_len, live
-  int steps = 1, max_rows = 0;
+  int draft_steps = 1, max_rows = 0;
   const int32_t *draft_tokens, *bonus_tokens, *first_eos;
   const uint32_t* row_flags;
   int32_t *cycle_tokens, *committed;
@@ -30,16 +30,16 @@ struct CommitView {
 
 CommitView commit_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .steps = b.steps, .max_rows = b.max_rows, .draft_tokens = b.draft_tokens,
-          .bonus_tokens = b.bonus_tokens, .first_eos = b.first_eos, .row_flags = b.row_flags,
-          .cycle_tokens = b.cycle_tokens, .committed = b.committed};
+  return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
+          .draft_tokens = b.draft_tokens, .bonus_tokens = b.bonus_tokens, .first_eos = b.first_eos,
+          .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens, .committed = b.committed};
   // clang-format on
 }
 
 struct SpeculativeCommitView {
   RowTablesView tables; ///< read: live, seq_len, slot_table; written: token_table, seq_len, live
   SlotPoolView pool;    ///< the rejected positions' slots are released into it
-  int steps = 1, max_rows = 0, eos_id = -1;
+  int draft_steps = 1, max_rows = 0, eos_id = -1;
   const int32_t *draft_tokens, *accepted, *next_tokens;
   const uint32_t* row_flags;
   int32_t *cycle_tokens, *committed, *first_eos;
@@ -48,17 +48,17 @@ struct SpeculativeCommitView {
 
 SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .pool = b.pool, .steps = b.steps, .max_rows = b.max_rows, .eos_id = b.eos_id,
-          .draft_tokens = b.draft_tokens, .accepted = b.accepted, .next_tokens = b.next_tokens,
-          .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens, .committed = b.committed,
-          .first_eos = b.first_eos, .finished = b.finished};
+  return {.tables = b.tables, .pool = b.pool, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
+          .eos_id = b.eos_id, .draft_tokens = b.draft_tokens, .accepted = b.accepted,
+          .next_tokens = b.next_tokens, .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens,
+          .committed = b.committed, .first_eos = b.first_eos, .finished = b.finished};
   // clang-format on
 }
 
 /// Row r's cycle-token row when the row is live; otherwise the row commits nothing this cycle (its cycle
 /// tokens are invalid, none counts) and the result is null.
 template <class View> __device__ __forceinline__ int32_t* live_cycle_row(const View& b, int r) {
-  const int stride = b.steps + 1;
+  const int stride = b.draft_steps + 1;
   int32_t* cycle = b.cycle_tokens + r * stride;
   if (b.tables.live[r])
     return cycle;
@@ -72,19 +72,19 @@ __global__ void CommitCycleKernel(CommitView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
-  const int stride = b.steps + 1;
+  const int stride = b.draft_steps + 1;
   int32_t* cycle = live_cycle_row(b, r);
   if (cycle == nullptr)
     return;
   const int L = b.tables.seq_len[r];
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
-  for (int k = 0; k < b.steps; ++k)
+  for (int k = 0; k < b.draft_steps; ++k)
     cycle[k] = tokens[L + k] = b.draft_tokens[k * b.max_rows + r];
-  cycle[b.steps] = tokens[L + b.steps] = b.bonus_tokens[r];
+  cycle[b.draft_steps] = tokens[L + b.draft_steps] = b.bonus_tokens[r];
   b.tables.seq_len[r] = L + stride;
   // first_eos (from the weights): -1 nothing counts (finished before), K none, else the EOS column.
   const int eos = b.first_eos[r];
-  b.committed[r] = eos < 0 ? 0 : (eos >= b.steps ? stride : eos + 1);
+  b.committed[r] = eos < 0 ? 0 : (eos >= b.draft_steps ? stride : eos + 1);
   if (b.row_flags[r] & kRowDataFaults)
     b.tables.live[r] = 0; // the request fails; its rows stop here
 }
@@ -93,14 +93,14 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
-  const int stride = b.steps + 1;
+  const int stride = b.draft_steps + 1;
   int32_t* cycle = live_cycle_row(b, r);
   if (cycle == nullptr) {
     b.first_eos[r] = -1;
     return;
   }
   const int L = b.tables.seq_len[r];
-  const int accepted = min(max(b.accepted[r], 0), b.steps);
+  const int accepted = min(max(b.accepted[r], 0), b.draft_steps);
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   int eos = -1;
@@ -113,11 +113,11 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   for (int k = accepted + 1; k < stride; ++k)
     cycle[k] = kInvalidToken;
   // The slots of rejected positions go back (the KV written there is stale and never read).
-  for (int position = L + accepted + 1; position <= L + b.steps; ++position)
+  for (int position = L + accepted + 1; position <= L + b.draft_steps; ++position)
     device::release_slot(b.pool, slots[position]);
   b.tables.seq_len[r] = L + accepted + 1;
   b.committed[r] = eos < 0 ? accepted + 1 : eos + 1;
-  b.first_eos[r] = eos < 0 ? b.steps : eos;
+  b.first_eos[r] = eos < 0 ? b.draft_steps : eos;
   if (eos >= 0) {
     b.finished[r] = 1;
     b.tables.live[r] = 0; // a finished speculative row stops decoding

@@ -15,13 +15,13 @@ namespace smcgraph::detail {
 
 /// Device buffers every cycle kernel reads or writes (fixed addresses, sized for the largest bucket; declared
 /// and wired by the cycle-state table, runtime/cycle_state.cpp). The launchers below take it whole; each
-/// kernel receives a narrow view of it, declared in its stage file, that lists what it reads (pointers to const)
-/// and writes.
+/// kernel receives a narrow view of it, declared in its stage file, that lists what it reads (pointers to
+/// const) and writes.
 struct CycleBuffers {
   SlotPoolView pool;
   RowTablesView tables; ///< rows = the largest bucket's rows
   int particles = 1;    ///< N
-  int steps = 1;        ///< K
+  int draft_steps = 1;  ///< K (EngineConfig::draft_steps)
   int max_rows = 0;     ///< rows of the largest bucket (= tables.rows)
   // per row
   float* draft_temperature = nullptr;
@@ -90,7 +90,7 @@ struct OutputLayout {
   size_t status = 0;    ///< uint32
   size_t bytes = 0;
 };
-OutputLayout output_layout(int rows, int requests, int steps);
+OutputLayout output_layout(int rows, int requests, int draft_steps);
 
 // Admission (eager).
 void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float draft_temperature,

@@ -21,7 +21,7 @@ int blocks_for(int count) {
 // by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
 struct DraftInputsView {
   RowTablesView tables; ///< read: live, seq_len, slot_table, token_table
-  int steps = 1, max_rows = 0;
+  int draft_steps = 1, max_rows = 0;
   int32_t *head_tokens, *head_positions, *head_out_slots, *head_seq_lens;
   int32_t *step_positions, *step_out_slots, *step_seq_lens;
   int32_t *verify_positions, *verify_out_slots, *verify_seq_lens;
@@ -29,18 +29,18 @@ struct DraftInputsView {
 
 DraftInputsView draft_inputs_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .steps = b.steps, .max_rows = b.max_rows, .head_tokens = b.head_tokens,
-          .head_positions = b.head_positions, .head_out_slots = b.head_out_slots,
-          .head_seq_lens = b.head_seq_lens, .step_positions = b.step_positions,
-          .step_out_slots = b.step_out_slots, .step_seq_lens = b.step_seq_lens,
-          .verify_positions = b.verify_positions, .verify_out_slots = b.verify_out_slots,
-          .verify_seq_lens = b.verify_seq_lens};
+  return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
+          .head_tokens = b.head_tokens, .head_positions = b.head_positions,
+          .head_out_slots = b.head_out_slots, .head_seq_lens = b.head_seq_lens,
+          .step_positions = b.step_positions, .step_out_slots = b.step_out_slots,
+          .step_seq_lens = b.step_seq_lens, .verify_positions = b.verify_positions,
+          .verify_out_slots = b.verify_out_slots, .verify_seq_lens = b.verify_seq_lens};
   // clang-format on
 }
 
 struct VerifyInputsView {
   RowTablesView tables; ///< read: live, seq_len, token_table
-  int steps = 1, max_rows = 0;
+  int draft_steps = 1, max_rows = 0;
   const int32_t* draft_tokens;
   const float* draft_logprobs;
   int32_t* verify_tokens;
@@ -49,9 +49,9 @@ struct VerifyInputsView {
 
 VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .steps = b.steps, .max_rows = b.max_rows, .draft_tokens = b.draft_tokens,
-          .draft_logprobs = b.draft_logprobs, .verify_tokens = b.verify_tokens,
-          .draft_logprobs_rows = b.draft_logprobs_rows};
+  return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
+          .draft_tokens = b.draft_tokens, .draft_logprobs = b.draft_logprobs,
+          .verify_tokens = b.verify_tokens, .draft_logprobs_rows = b.draft_logprobs_rows};
   // clang-format on
 }
 
@@ -73,18 +73,18 @@ __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
     b.head_out_slots[2 * r + j] = live ? slots[position] : 0;
   }
   b.head_seq_lens[r] = live ? L : 0;
-  for (int s = 1; s < b.steps; ++s) {
+  for (int s = 1; s < b.draft_steps; ++s) {
     const int position = L + s - 1;
     b.step_positions[(s - 1) * b.max_rows + r] = live ? position : 0;
     b.step_out_slots[(s - 1) * b.max_rows + r] = live ? slots[position] : 0;
     b.step_seq_lens[(s - 1) * b.max_rows + r] = live ? position + 1 : 0;
   }
-  for (int j = 0; j <= b.steps; ++j) {
+  for (int j = 0; j <= b.draft_steps; ++j) {
     const int position = L - 1 + j;
-    b.verify_positions[r * (b.steps + 1) + j] = live ? position : 0;
-    b.verify_out_slots[r * (b.steps + 1) + j] = live ? slots[position] : 0;
+    b.verify_positions[r * (b.draft_steps + 1) + j] = live ? position : 0;
+    b.verify_out_slots[r * (b.draft_steps + 1) + j] = live ? slots[position] : 0;
   }
-  b.verify_seq_lens[r] = live ? L + b.steps : 0;
+  b.verify_seq_lens[r] = live ? L + b.draft_steps : 0;
 }
 
 __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
@@ -93,13 +93,13 @@ __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
     return;
   const bool live = b.tables.live[r] != 0;
   const int L = b.tables.seq_len[r];
-  int32_t* out = b.verify_tokens + r * (b.steps + 1);
+  int32_t* out = b.verify_tokens + r * (b.draft_steps + 1);
   out[0] = live ? b.tables.token_table[static_cast<int64_t>(r) * b.tables.max_seq_len + L - 1] : 0;
-  for (int k = 0; k < b.steps; ++k)
+  for (int k = 0; k < b.draft_steps; ++k)
     out[1 + k] = live ? b.draft_tokens[k * b.max_rows + r] : 0;
   if (b.draft_logprobs_rows != nullptr)
-    for (int k = 0; k < b.steps; ++k)
-      b.draft_logprobs_rows[r * b.steps + k] = b.draft_logprobs[k * b.max_rows + r];
+    for (int k = 0; k < b.draft_steps; ++k)
+      b.draft_logprobs_rows[r * b.draft_steps + k] = b.draft_logprobs[k * b.max_rows + r];
 }
 
 } // namespace

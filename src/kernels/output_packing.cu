@@ -24,7 +24,7 @@ size_t align_up(size_t value, size_t alignment) {
 /// initializers, packed: a line per field would repeat one shape in every stage file).
 struct OutputsView {
   RowTablesView tables; ///< read: live, seq_len
-  int particles = 1, steps = 1;
+  int particles = 1, draft_steps = 1;
   const int32_t *cycle_tokens, *first_eos, *ancestor, *committed;
   const int32_t* accepted; ///< null in the SMC cycle
   const uint32_t *row_flags, *status;
@@ -34,10 +34,10 @@ struct OutputsView {
 
 OutputsView outputs_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .particles = b.particles, .steps = b.steps, .cycle_tokens = b.cycle_tokens,
-          .first_eos = b.first_eos, .ancestor = b.ancestor, .committed = b.committed, .accepted = b.accepted,
-          .row_flags = b.row_flags, .status = b.status, .finished = b.finished, .resampled = b.resampled,
-          .ess = b.ess};
+  return {.tables = b.tables, .particles = b.particles, .draft_steps = b.draft_steps,
+          .cycle_tokens = b.cycle_tokens, .first_eos = b.first_eos, .ancestor = b.ancestor,
+          .committed = b.committed, .accepted = b.accepted, .row_flags = b.row_flags, .status = b.status,
+          .finished = b.finished, .resampled = b.resampled, .ess = b.ess};
   // clang-format on
 }
 
@@ -45,7 +45,7 @@ __global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputL
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   const int requests = rows / b.particles;
   if (r < rows) {
-    const int stride = b.steps + 1;
+    const int stride = b.draft_steps + 1;
     int32_t* tokens = reinterpret_cast<int32_t*>(out + layout.tokens) + r * stride;
     for (int k = 0; k < stride; ++k)
       tokens[k] = b.cycle_tokens[r * stride + k];
@@ -68,7 +68,7 @@ __global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputL
 
 } // namespace
 
-OutputLayout output_layout(int rows, int requests, int steps) {
+OutputLayout output_layout(int rows, int requests, int draft_steps) {
   OutputLayout layout;
   size_t offset = 0;
   auto take = [&](size_t bytes, size_t alignment) {
@@ -78,7 +78,7 @@ OutputLayout output_layout(int rows, int requests, int steps) {
     return at;
   };
   layout.ess = take(sizeof(double) * requests, 8);
-  layout.tokens = take(sizeof(int32_t) * rows * (steps + 1), 4);
+  layout.tokens = take(sizeof(int32_t) * rows * (draft_steps + 1), 4);
   layout.first_eos = take(sizeof(int32_t) * rows, 4);
   layout.ancestor = take(sizeof(int32_t) * rows, 4);
   layout.row_flags = take(sizeof(uint32_t) * rows, 4);
@@ -94,7 +94,7 @@ OutputLayout output_layout(int rows, int requests, int steps) {
 }
 
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream) {
-  const OutputLayout layout = output_layout(rows, rows / b.particles, b.steps);
+  const OutputLayout layout = output_layout(rows, rows / b.particles, b.draft_steps);
   PackOutputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(outputs_view(b), rows, out, layout);
   SMCGRAPH_CHECK_LAUNCH();
 }

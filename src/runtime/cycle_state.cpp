@@ -106,14 +106,14 @@ StateDims state_dims(const Engine::State& s) {
   StateDims d;
   d.rows = static_cast<size_t>(s.rows);
   d.requests = static_cast<size_t>(s.config.max_requests);
-  d.steps = static_cast<size_t>(s.steps);
+  d.draft_steps = static_cast<size_t>(s.draft_steps);
   d.max_seq_len = static_cast<size_t>(s.config.max_seq_len);
   d.pool = static_cast<size_t>(s.config.slot_pool_size);
   d.draft_logits_bytes = s.logits_bytes(s.rows, 2);
-  d.target_logits_bytes = s.logits_bytes(s.rows, s.steps + 1);
-  d.step_logits_bytes = s.logits_bytes(s.rows, s.steps);
+  d.target_logits_bytes = s.logits_bytes(s.rows, s.draft_steps + 1);
+  d.step_logits_bytes = s.logits_bytes(s.rows, s.draft_steps);
   d.prefill_logits_bytes = s.logits_bytes(1, s.prefill_chunk);
-  d.output_bytes = output_layout(s.rows, s.config.max_requests, s.steps).bytes;
+  d.output_bytes = output_layout(s.rows, s.config.max_requests, s.draft_steps).bytes;
   d.particles = s.config.particles;
   return d;
 }
@@ -137,11 +137,11 @@ size_t extent_count(Extent extent, const StateDims& d) {
   case Extent::kRowsByTwo:
     return 2 * d.rows;
   case Extent::kRowsByKPlus1:
-    return d.rows * (d.steps + 1);
+    return d.rows * (d.draft_steps + 1);
   case Extent::kRowsByK:
-    return d.rows * d.steps;
+    return d.rows * d.draft_steps;
   case Extent::kRowsByDraftSteps:
-    return d.rows * (d.steps > 1 ? d.steps - 1 : 1);
+    return d.rows * (d.draft_steps > 1 ? d.draft_steps - 1 : 1);
   case Extent::kSeq:
     return d.max_seq_len;
   case Extent::kDraftLogitsBytes:
@@ -267,7 +267,7 @@ void wire_cycle_views(Engine::State& s) {
   b.pool = s.pool_view();
   b.tables = s.tables_view();
   b.particles = s.config.particles;
-  b.steps = s.steps;
+  b.draft_steps = s.draft_steps;
   b.max_rows = s.rows;
   b.eos_id = s.config.eos_id;
   for_each_buffer([&](const auto& entry) {

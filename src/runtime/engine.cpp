@@ -60,12 +60,12 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   s.draft = &draft;
   s.target = &target;
   s.rows = config.max_requests * config.particles;
-  s.steps = config.draft_steps;
+  s.draft_steps = config.draft_steps;
   s.vocab = config.vocab;
   s.prefill_chunk = std::min(128, config.max_seq_len);
   s.eager = !s.config.use_graphs;
 
-  const int R = s.rows, K = s.steps, Q = config.max_requests, S = config.max_seq_len;
+  const int R = s.rows, K = s.draft_steps, Q = config.max_requests, S = config.max_seq_len;
   // Every buffer of the cycle state (runtime/cycle_state.cpp), then the objects that own their memory.
   size_t& total = s.device_bytes;
   total += detail::allocate_cycle_state(s);
@@ -292,7 +292,7 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
   else
     s.outputs_ready[cycle.parity]->synchronize();
   const EngineConfig& c = s.config;
-  const int N = c.particles, K = s.steps;
+  const int N = c.particles, K = s.draft_steps;
   const int rows = cycle.bucket_requests * N;
   const detail::OutputLayout layout = detail::output_layout(rows, cycle.bucket_requests, K);
   const uint8_t* out = s.outputs_host[cycle.parity].data();
@@ -374,11 +374,11 @@ void Engine::step() {
   if (s.eager) {
     NvtxRange range("cycle.eager");
     detail::enqueue_cycle(s, cycle.bucket_requests, s.stream);
-    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(
-        s.outputs_host[parity].data(), s.outputs_device.data(),
-        detail::output_layout(cycle.bucket_requests * s.config.particles, cycle.bucket_requests, s.steps)
-            .bytes,
-        cudaMemcpyDeviceToHost, s.stream));
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
+                                        detail::output_layout(cycle.bucket_requests * s.config.particles,
+                                                              cycle.bucket_requests, s.draft_steps)
+                                            .bytes,
+                                        cudaMemcpyDeviceToHost, s.stream));
   } else {
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
   }

@@ -70,8 +70,8 @@ struct Engine::State {
   Model* draft = nullptr;
   Model* target = nullptr;
   Stream stream;
-  int rows = 0;  ///< max_requests * N
-  int steps = 0; ///< K
+  int rows = 0;        ///< max_requests * N
+  int draft_steps = 0; ///< K (EngineConfig::draft_steps)
   int vocab = 0;
   int prefill_chunk = 0;
 
