@@ -1,0 +1,234 @@
+// llama_gemm_bench: the Llama forward's own GEMM (src/models/llama/llama_gemm.cu, the residual-add epilogue:
+// the plain product plus a read-modify-write of the output) against cuBLASLt on the same shapes, bf16
+// operands and fp32 accumulation, so the choice between them stands on a measurement (issue 12: "cuBLASLt or
+// your own kernels where a bench shows they win").
+//
+//   build/bench/llama_gemm_bench [--tokens 1,8,40,64,512] [--csv results/llama_gemm_bench.csv]
+//
+// Shapes: SmolLM2-135M's projections (hidden 576, 9 + 2 x 3 heads of 64, ffn 1536, vocabulary 49152):
+// qkv 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536, head 49152 x 576; T tokens each.
+// Y[T, N] = A[T, K] W[N, K]^T. Both are validated against each other first (max relative difference), then
+// each is captured 20 times in a CUDA graph and replayed (median per launch, CUDA events). The floor is the
+// bytes a launch must move (W, A, Y read and written) over the copy bandwidth of the same run, plus one graph
+// node. Exit status: 0; 1 when the two disagree; 2 when it cannot run (no GPU, bad flags).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "bench_util.hpp"
+#include "models/llama/llama_kernels.hpp"
+#include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
+
+namespace {
+
+using namespace smcgraph;
+
+#define LT_CHECK(call)                                                                                       \
+  do {                                                                                                       \
+    const cublasStatus_t status_ = (call);                                                                   \
+    if (status_ != CUBLAS_STATUS_SUCCESS)                                                                    \
+      throw smcgraph::Error(std::string("cuBLASLt: ") + #call + " returned status " +                        \
+                            std::to_string(static_cast<int>(status_)));                                      \
+  } while (0)
+
+struct Shape {
+  const char* name;
+  int n, k;
+};
+constexpr Shape kShapes[] = {
+    {"qkv", 960, 576}, {"o", 576, 576}, {"gate_up", 3072, 576}, {"down", 576, 1536}, {"head", 49152, 576}};
+constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
+
+uint16_t bf16_bits(float value) { // round to nearest even (values here are finite)
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+DeviceBuffer<uint16_t> random_bf16(size_t count, float scale, std::mt19937_64& rng, cudaStream_t stream) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<uint16_t> host(count);
+  for (uint16_t& value : host)
+    value = bf16_bits(normal(rng));
+  DeviceBuffer<uint16_t> device(count);
+  device.copy_from_host(host.data(), count, stream);
+  return device;
+}
+
+/// cuBLASLt's Y^T[N, T] = W[N, K] A^T (column-major view of the row-major Y[T, N]), fp32 out.
+class LtGemm {
+public:
+  LtGemm(int tokens, int n, int k) {
+    LT_CHECK(cublasLtCreate(&handle_));
+    LT_CHECK(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof(none)));
+    LT_CHECK(cublasLtMatrixLayoutCreate(&w_, CUDA_R_16BF, k, n, k));      // W^T column-major = W row-major
+    LT_CHECK(cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, k, tokens, k)); // A^T column-major = A row-major
+    LT_CHECK(cublasLtMatrixLayoutCreate(&y_, CUDA_R_32F, n, tokens, n));  // Y^T column-major = Y row-major
+    LT_CHECK(cublasLtMatmulPreferenceCreate(&preference_));
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &kLtWorkspaceBytes, sizeof(kLtWorkspaceBytes)));
+    int returned = 0;
+    LT_CHECK(
+        cublasLtMatmulAlgoGetHeuristic(handle_, op_, w_, a_, y_, y_, preference_, 1, &heuristic_, &returned));
+    require(returned >= 1, "LtGemm", "heuristics", returned, "cuBLASLt offered no algorithm");
+    workspace_ = DeviceBuffer<uint8_t>(kLtWorkspaceBytes);
+  }
+  ~LtGemm() {
+    cublasLtMatmulPreferenceDestroy(preference_);
+    cublasLtMatrixLayoutDestroy(y_);
+    cublasLtMatrixLayoutDestroy(a_);
+    cublasLtMatrixLayoutDestroy(w_);
+    cublasLtMatmulDescDestroy(op_);
+    cublasLtDestroy(handle_);
+  }
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+
+  void run(const uint16_t* w, const uint16_t* a, float* y, cudaStream_t stream) {
+    const float alpha = 1.0f, beta = 0.0f;
+    LT_CHECK(cublasLtMatmul(handle_, op_, &alpha, w, w_, a, a_, &beta, y, y_, y, y_, &heuristic_.algo,
+                            workspace_.data(), kLtWorkspaceBytes, stream));
+  }
+
+private:
+  cublasLtHandle_t handle_ = nullptr;
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cublasLtMatrixLayout_t w_ = nullptr, a_ = nullptr, y_ = nullptr;
+  cublasLtMatmulPreference_t preference_ = nullptr;
+  cublasLtMatmulHeuristicResult_t heuristic_{};
+  DeviceBuffer<uint8_t> workspace_;
+};
+
+bool parse_tokens(const std::string& text, std::vector<int>& out) {
+  out.clear();
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    char* end = nullptr;
+    const long value = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || value < 1 || value > 4096)
+      return false;
+    out.push_back(static_cast<int>(value));
+  }
+  return !out.empty();
+}
+
+int run(const std::vector<int>& token_counts, const std::string& csv_path) {
+  Stream stream;
+  const double copy_gbs = bench::measure_copy_bandwidth_gbs(stream);
+  const double node_us = bench::node_floor_us(stream);
+  std::printf("llama_gemm_bench on %s: copy %.0f GB/s (read + write), node floor %.3f us\n",
+              bench::device_name().c_str(), copy_gbs, node_us);
+  std::printf("Y[T, N] = A[T, K] W[N, K]^T, bf16 in, fp32 accumulate; smcgraph = llama::gemm (residual add), "
+              "cuBLASLt = its first heuristic (fp32 out); per launch in a CUDA graph, median\n");
+  std::printf("%-8s %6s %6s %5s %12s %12s %10s %10s %10s %12s\n", "shape", "N", "K", "T", "smcgraph_us",
+              "cublaslt_us", "lt/ours", "floor_us", "ours/flr", "max_rel_diff");
+  bench::Csv csv(csv_path);
+  csv.row({"device", "shape", "n", "k", "tokens", "smcgraph_us", "cublaslt_us", "floor_us", "max_rel_diff"});
+  int max_k = 16;
+  for (const Shape& shape : kShapes)
+    max_k = std::max(max_k, shape.k);
+  llama::prepare_gemm(max_k);
+  std::mt19937_64 rng(2026);
+  bool all_valid = true;
+  for (const Shape& shape : kShapes) {
+    const DeviceBuffer<uint16_t> w = random_bf16(static_cast<size_t>(shape.n) * shape.k, 0.05f, rng, stream);
+    for (const int tokens : token_counts) {
+      const size_t outputs = static_cast<size_t>(tokens) * shape.n;
+      const DeviceBuffer<uint16_t> a = random_bf16(static_cast<size_t>(tokens) * shape.k, 1.0f, rng, stream);
+      DeviceBuffer<float> ours(outputs), theirs(outputs);
+      LtGemm lt(tokens, shape.n, shape.k);
+      llama::GemmArgs args;
+      args.tokens = tokens;
+      args.n = shape.n;
+      args.k = shape.k;
+      args.weight = w.data();
+      args.a_bf16 = a.data();
+      args.residual = ours.data();
+      // Validation: residual 0 + Y against cuBLASLt's Y.
+      ours.fill_bytes(0, stream);
+      llama::gemm(llama::GemmEpilogue::kResidualAdd, args, stream);
+      lt.run(w.data(), a.data(), theirs.data(), stream);
+      std::vector<float> y_ours(outputs), y_lt(outputs);
+      ours.copy_to_host(y_ours.data(), outputs, stream);
+      theirs.copy_to_host(y_lt.data(), outputs, stream);
+      stream.synchronize();
+      double max_rel = 0.0;
+      for (size_t i = 0; i < outputs; ++i)
+        max_rel = std::max(max_rel, std::abs(static_cast<double>(y_ours[i]) - y_lt[i]) /
+                                        std::max(1.0, std::abs(static_cast<double>(y_lt[i]))));
+      const bool valid = std::isfinite(max_rel) && max_rel <= 1e-3;
+      all_valid = all_valid && valid;
+      // Timing: the residual keeps accumulating across replays, which changes no cost.
+      const bench::Timing t_ours = bench::time_graph(
+          [&](cudaStream_t s) { llama::gemm(llama::GemmEpilogue::kResidualAdd, args, s); }, stream);
+      const bench::Timing t_lt =
+          bench::time_graph([&](cudaStream_t s) { lt.run(w.data(), a.data(), theirs.data(), s); }, stream);
+      const double bytes = 2.0 * shape.n * shape.k + 2.0 * tokens * shape.k + 8.0 * outputs;
+      const double floor_us = bytes / (copy_gbs * 1e3) + node_us;
+      std::printf("%-8s %6d %6d %5d %12.2f %12.2f %10.2f %10.2f %10.2f %12.2e%s\n", shape.name, shape.n,
+                  shape.k, tokens, t_ours.median_us, t_lt.median_us, t_lt.median_us / t_ours.median_us,
+                  floor_us, t_ours.median_us / floor_us, max_rel, valid ? "" : "  INVALID");
+      csv.row({bench::device_name(), shape.name, std::to_string(shape.n), std::to_string(shape.k),
+               std::to_string(tokens), bench::format(t_ours.median_us, 3), bench::format(t_lt.median_us, 3),
+               bench::format(floor_us, 3), bench::format(max_rel, 9)});
+    }
+  }
+  std::printf("validation: %s; CSV: %s\n", all_valid ? "ok" : "FAILED (smcgraph and cuBLASLt disagree)",
+              csv_path.c_str());
+  return all_valid ? 0 : 1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> token_counts = {1, 8, 40, 64, 512};
+  std::string csv = "results/llama_gemm_bench.csv";
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if ((flag == "--tokens" || flag == "--csv") && i + 1 >= argc) {
+      std::fprintf(stderr, "llama_gemm_bench: %s needs a value\n", flag.c_str());
+      return 2;
+    }
+    if (flag == "--tokens") {
+      if (!parse_tokens(argv[++i], token_counts)) {
+        std::fprintf(stderr, "llama_gemm_bench: bad value for --tokens: '%s' (comma-separated, 1 .. 4096)\n",
+                     argv[i]);
+        return 2;
+      }
+    } else if (flag == "--csv") {
+      csv = argv[++i];
+    } else if (flag == "--help" || flag == "-h") {
+      std::printf("usage: llama_gemm_bench [--tokens 1,8,40,64,512] [--csv results/llama_gemm_bench.csv]\n");
+      return 0;
+    } else {
+      std::fprintf(stderr, "llama_gemm_bench: unknown flag %s (see --help)\n", flag.c_str());
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "llama_gemm_bench: no CUDA device\n");
+    return 2;
+  }
+  try {
+    return run(token_counts, csv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "llama_gemm_bench: %s\n", e.what());
+    return 2;
+  }
+}
