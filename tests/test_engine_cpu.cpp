@@ -4,6 +4,7 @@
 // (tests/fuzz/fuzz_engine_validation.cpp).
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -300,4 +301,24 @@ TEST_CASE("the cycle-state table is consistent: unique names, members and views;
   CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12);
   CHECK(smcgraph::detail::extent_count(Extent::kPoolWords, dims) == 4);
   CHECK(smcgraph::detail::elements_per_request(Extent::kRowsBySeq, dims) == 4 * 64);
+}
+
+TEST_CASE("StateBufferCopy::as reads the elements back and rejects a type of another size") {
+  smcgraph::StateBufferCopy copy;
+  copy.name = "seq_len";
+  copy.element_bytes = sizeof(int32_t);
+  const std::vector<int32_t> values = {3, -1, 70000};
+  copy.bytes.resize(values.size() * sizeof(int32_t));
+  std::memcpy(copy.bytes.data(), values.data(), copy.bytes.size());
+  CHECK(copy.size() == 3);
+  CHECK(copy.as<int32_t>() == values);
+  CHECK(copy.as<uint32_t>().at(1) == 0xffffffffu); // same size: the bits as they are
+  std::string message;
+  try {
+    (void)copy.as<double>();
+  } catch (const smcgraph::Error& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("seq_len") != std::string::npos, message);
+  CHECK_MESSAGE(message.find("element size") != std::string::npos, message);
 }
