@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cuda_bf16.h>
 
 #include "kernels/launch_checks.hpp"
@@ -36,6 +38,18 @@ __device__ __forceinline__ float bf16_high(uint32_t pair) {
   return __uint_as_float(pair & 0xffff0000u);
 }
 
+namespace cg = cooperative_groups;
+
+/// The calling warp; warp reductions (cg::reduce) return their result to every lane.
+__device__ __forceinline__ cg::thread_block_tile<32> warp_tile() {
+  return cg::tiled_partition<32>(cg::this_thread_block());
+}
+
+/// fmaxf as a reduction operator (a NaN loses to a number, as in fmaxf).
+struct FloatMax {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
 __device__ __forceinline__ int clamp_slot(int slot, int pool_size) {
   return (slot >= 0 && slot < pool_size) ? slot : 0;
 }
@@ -51,9 +65,7 @@ __device__ void combine_chunks(const AttentionArgs& a, int t, int head, int chun
   for (int c = lane; c < chunks; c += 32)
     if (__ldcg(a.partial_ml + (first + c) * 2 + 1) > 0.0f)
       m = fmaxf(m, __ldcg(a.partial_ml + (first + c) * 2));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  m = cg::reduce(warp_tile(), m, FloatMax{});
   float l = 0.0f, acc[kMaxDimsPerLane];
 #pragma unroll
   for (int i = 0; i < kMaxDimsPerLane; ++i)
@@ -101,9 +113,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   int row_length = 0;
   for (int j = lane; j < a.tokens_per_row; j += 32)
     row_length = max(row_length, min(min(a.positions[r * a.tokens_per_row + j] + 1, seq_len), a.max_seq_len));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    row_length = max(row_length, __shfl_xor_sync(0xffffffffu, row_length, offset));
+  row_length = cg::reduce(warp_tile(), row_length, cg::greater<int>());
   const int row_chunks = max(1, (row_length + kAttentionChunk - 1) / kAttentionChunk);
   // The row's work items, (token, head, chunk) in chunk-major order, dealt round-robin to the blocks of (r,
   // kv head) and to their warps: an item's result does not depend on who computes it (batch invariance), and
@@ -167,17 +177,11 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
         }
         score = dot * a.scale;
       }
-      float chunk_max = score;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1)
-        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, offset));
+      const float chunk_max = cg::reduce(warp_tile(), score, FloatMax{});
       const float m_new = fmaxf(m, chunk_max); // finite: lane 0's position is always valid
       const float correction = expf(m - m_new);
       const float p = position < end ? expf(score - m_new) : 0.0f;
-      float p_sum = p;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1)
-        p_sum += __shfl_xor_sync(0xffffffffu, p_sum, offset);
+      const float p_sum = cg::reduce(warp_tile(), p, cg::plus<float>());
       l = l * correction + p_sum;
 #pragma unroll
       for (int c = 0; c < kMaxDimsPerLane; ++c)

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 #include <mma.h>
@@ -25,6 +27,7 @@ namespace smcgraph::llama {
 namespace {
 
 using namespace nvcuda;
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
@@ -132,9 +135,8 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
         for (int i = 0; i < kNormVec; ++i)
           sum_squares +=
               v[r][i].x * v[r][i].x + v[r][i].y * v[r][i].y + v[r][i].z * v[r][i].z + v[r][i].w * v[r][i].w;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-          sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+        sum_squares =
+            cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), sum_squares, cg::plus<float>());
         const float inv_rms = t < T ? rsqrtf(sum_squares / static_cast<float>(K) + a.eps) : 0.0f;
         uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
 #pragma unroll
