@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <deque>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 #include "smcgraph/error.hpp"
@@ -228,6 +229,21 @@ std::string format(double value, int decimals) {
   char text[64];
   std::snprintf(text, sizeof(text), "%.*f", std::clamp(decimals, 0, 17), value);
   return text;
+}
+
+uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u)
+    return 0x7fc0; // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+float bf16_to_float(uint16_t value) {
+  const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
 std::string shell_quote(const std::string& text) {

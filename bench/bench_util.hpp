@@ -1,5 +1,5 @@
 // Shared pieces of the benchmarks: the bandwidth and launch floors, graph and eager timing with CUDA
-// events, the device name and a tiny CSV writer.
+// events, the device name, a tiny CSV writer and bf16 rounding on the host.
 //
 // Every bench validates its output first, then times, then prints the fraction of its floor:
 //
@@ -12,6 +12,7 @@
 // Functions throw smcgraph::Error on any CUDA failure; none of them exits.
 #pragma once
 
+#include <cstdint>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -66,6 +67,10 @@ private:
 
 /// `value` with `decimals` digits after the point ("nan" / "inf" / "-inf" for non-finite values).
 std::string format(double value, int decimals);
+
+/// bf16 bits of a float, rounded to nearest even as __float2bfloat16_rn (NaN stays NaN), and back.
+uint16_t float_to_bf16(float value);
+float bf16_to_float(uint16_t value);
 
 /// `text` in single quotes for a POSIX shell.
 std::string shell_quote(const std::string& text);

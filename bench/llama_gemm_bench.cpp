@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include "bench_util.hpp"
+#include "cli.hpp"
 #include "models/llama/llama_kernels.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
@@ -49,18 +50,11 @@ constexpr Shape kShapes[] = {
     {"qkv", 960, 576}, {"o", 576, 576}, {"gate_up", 3072, 576}, {"down", 576, 1536}, {"head", 49152, 576}};
 constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
-uint16_t bf16_bits(float value) { // round to nearest even (values here are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 DeviceBuffer<uint16_t> random_bf16(size_t count, float scale, std::mt19937_64& rng, cudaStream_t stream) {
   std::normal_distribution<float> normal(0.0f, scale);
   std::vector<uint16_t> host(count);
   for (uint16_t& value : host)
-    value = bf16_bits(normal(rng));
+    value = bench::float_to_bf16(normal(rng));
   DeviceBuffer<uint16_t> device(count);
   device.copy_from_host(host.data(), count, stream);
   return device;
@@ -113,18 +107,16 @@ private:
   DeviceBuffer<uint8_t> workspace_;
 };
 
-bool parse_tokens(const std::string& text, std::vector<int>& out) {
-  out.clear();
+/// A comma-separated list of token counts in [1, 4096].
+std::vector<int> parse_tokens(const std::string& flag, const std::string& text) {
+  std::vector<int> counts;
   std::stringstream stream(text);
   std::string item;
-  while (std::getline(stream, item, ',')) {
-    char* end = nullptr;
-    const long value = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || value < 1 || value > 4096)
-      return false;
-    out.push_back(static_cast<int>(value));
-  }
-  return !out.empty();
+  while (std::getline(stream, item, ','))
+    counts.push_back(cli::parse_integer(flag, item, 1, 4096));
+  if (counts.empty())
+    throw cli::bad_value(flag, text, "expected comma-separated token counts");
+  return counts;
 }
 
 int run(const std::vector<int>& token_counts, const std::string& csv_path) {
@@ -198,27 +190,24 @@ int run(const std::vector<int>& token_counts, const std::string& csv_path) {
 int main(int argc, char** argv) {
   std::vector<int> token_counts = {1, 8, 40, 64, 512};
   std::string csv = "results/llama_gemm_bench.csv";
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if ((flag == "--tokens" || flag == "--csv") && i + 1 >= argc) {
-      std::fprintf(stderr, "llama_gemm_bench: %s needs a value\n", flag.c_str());
-      return 2;
-    }
-    if (flag == "--tokens") {
-      if (!parse_tokens(argv[++i], token_counts)) {
-        std::fprintf(stderr, "llama_gemm_bench: bad value for --tokens: '%s' (comma-separated, 1 .. 4096)\n",
-                     argv[i]);
-        return 2;
+  try {
+    cli::Flags flags(argc, argv);
+    while (flags.next()) {
+      if (flags.flag() == "--tokens") {
+        token_counts = parse_tokens(flags.flag(), flags.value());
+      } else if (flags.flag() == "--csv") {
+        csv = flags.value();
+      } else if (flags.flag() == "--help" || flags.flag() == "-h") {
+        std::printf(
+            "usage: llama_gemm_bench [--tokens 1,8,40,64,512] [--csv results/llama_gemm_bench.csv]\n");
+        return 0;
+      } else {
+        throw cli::UsageError{"unknown flag '" + flags.raw() + "' (see --help)"};
       }
-    } else if (flag == "--csv") {
-      csv = argv[++i];
-    } else if (flag == "--help" || flag == "-h") {
-      std::printf("usage: llama_gemm_bench [--tokens 1,8,40,64,512] [--csv results/llama_gemm_bench.csv]\n");
-      return 0;
-    } else {
-      std::fprintf(stderr, "llama_gemm_bench: unknown flag %s (see --help)\n", flag.c_str());
-      return 2;
     }
+  } catch (const cli::UsageError& e) {
+    std::fprintf(stderr, "llama_gemm_bench: %s\n", e.message.c_str());
+    return 2;
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

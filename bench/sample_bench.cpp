@@ -129,21 +129,6 @@ std::vector<float> make_host_logits(int rows, int vocab) {
   return logits;
 }
 
-uint16_t float_to_bf16(float value) { // round to nearest even, as __float2bfloat16
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u)
-    return 0x7fc0; // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-float bf16_to_float(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Validation
 
@@ -561,8 +546,8 @@ int run(const Options& options, const char* argv0) {
       if (shape.dtype == DType::kBFloat16) {
         std::vector<uint16_t> bf16(host_logits.size());
         for (size_t i = 0; i < bf16.size(); ++i) {
-          bf16[i] = float_to_bf16(host_logits[i]);
-          seen_logits[i] = bf16_to_float(bf16[i]);
+          bf16[i] = smcgraph::bench::float_to_bf16(host_logits[i]);
+          seen_logits[i] = smcgraph::bench::bf16_to_float(bf16[i]);
         }
         SMCGRAPH_CUDA_CHECK(
             cudaMemcpyAsync(d_arena.data(), bf16.data(), bytes, cudaMemcpyHostToDevice, stream));
