@@ -64,6 +64,7 @@
 #include <unistd.h>
 
 #include "bench_util.hpp"
+#include "chat_prompts.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
@@ -842,7 +843,8 @@ int run(const Options& o, const char* argv0) {
     gguf = std::make_unique<GgufFile>(GgufFile::open(model_path));
     llama_weights = load_llama_weights(*gguf);
     const Tokenizer tokenizer = Tokenizer::from_gguf(*gguf);
-    for (const char* question : kRealPrompts) {
+    for (int i = 0; i < examples::kSweepChatQuestions; ++i) {
+      const char* question = examples::kChatQuestions[i];
       std::vector<int32_t> ids = tokenizer.encode(tokenizer.apply_chat_template({{"user", question}}, true));
       if (ids.size() > static_cast<size_t>(kPromptLength))
         ids.erase(ids.begin(), ids.end() - kPromptLength);

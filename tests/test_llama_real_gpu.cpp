@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "runtime/slot_checker.hpp"
+#include "chat_prompts.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
@@ -29,24 +30,7 @@ namespace {
 
 using namespace smcgraph;
 
-constexpr const char* kQuestions[] = {
-    "What is the capital of France? Answer in one sentence.",
-    "Write a short poem about the ocean at night.",
-    "Explain what a GPU is to a ten-year-old.",
-    "List three tips for staying focused while studying.",
-    "How do I make a cup of green tea?",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "What are the benefits of regular exercise?",
-    "Translate 'good morning, how are you?' into Spanish and French.",
-    "Why is the sky blue?",
-    "Give me a recipe for pancakes.",
-    "What is 17 times 23? Show your work.",
-    "Describe a cat to someone who has never seen one.",
-    "Write a haiku about autumn leaves.",
-    "What is the difference between weather and climate?",
-    "Suggest a name for a friendly robot.",
-    "How many continents are there, and what are they?",
-};
+using examples::kChatQuestions;
 
 /// Greedy target-only decoding: the prompt in one forward, then one token per forward; argmax on the host.
 std::vector<int32_t> greedy_reference(LlamaModel& model, const std::vector<int32_t>& prompt, int new_tokens,
@@ -122,7 +106,7 @@ TEST_CASE(
   std::vector<std::vector<int32_t>> prompts;
   size_t longest = 0;
   for (int i = 0; i < prompts_used; ++i) {
-    prompts.push_back(tokenizer.encode(tokenizer.apply_chat_template({{"user", kQuestions[i]}}, true)));
+    prompts.push_back(tokenizer.encode(tokenizer.apply_chat_template({{"user", kChatQuestions[i]}}, true)));
     longest = std::max(longest, prompts.back().size());
   }
   const int max_seq_len = static_cast<int>((longest + new_tokens + 2 * (kSteps + 1) + 127) / 128 * 128);

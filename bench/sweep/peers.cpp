@@ -195,28 +195,32 @@ bool run_peers(const Options& o, const char* argv0, const Environment& env, cons
     return it == peer->table.end() ? nullptr : &it->second;
   };
 
+  // Every (row of `kind`, peer method) pair that has a peer result, with the peer's non-model time.
+  const auto for_each_peer_result = [&](const char* kind, const auto& print) {
+    for (const Row& row : results) {
+      if (row.kind != kind)
+        continue;
+      if (const auto* found = find_result(row))
+        for (const auto& [method, peer] : *found)
+          print(row, method, peer, peer.cycle_us - peer.model_us);
+    }
+  };
+
   if (peer_of("smc") != nullptr) {
     std::printf(
         "\nsmcgraph (graph replay, GPU time per cycle) vs the PyTorch peer in this run; ratio = peer time / "
         "smcgraph time (> 1: smcgraph faster); nonmodel = cycle - the implementation's own model forwards\n");
     std::printf("%7s %5s %2s %2s %8s %10s %10s  %-20s %10s %7s %10s %7s\n", "vocab", "dtype", "N", "K",
                 "requests", "smcg_us", "smcg_nm", "peer", "peer_us", "ratio", "peer_nm", "nm_rat");
-    for (const Row& row : results) {
-      if (row.kind != "smc")
-        continue;
-      const auto* found = find_result(row);
-      if (found == nullptr)
-        continue;
-      for (const auto& [method, peer] : *found) {
-        const double peer_nonmodel = peer.cycle_us - peer.model_us;
-        std::printf("%7d %5s %2d %2d %8d %10s %10s  %-20s %10s %6sx %10s %6sx%s\n", row.vocab,
-                    dtype_name(row.dtype), row.particles, row.steps, row.requests,
-                    format(row.graph.median_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(),
-                    method.c_str(), format(peer.cycle_us, 1).c_str(),
-                    format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
-                    format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
-      }
-    }
+    for_each_peer_result("smc", [&](const Row& row, const std::string& method, const auto& peer,
+                                    double peer_nonmodel) {
+      std::printf("%7d %5s %2d %2d %8d %10s %10s  %-20s %10s %6sx %10s %6sx%s\n", row.vocab,
+                  dtype_name(row.dtype), row.particles, row.steps, row.requests,
+                  format(row.graph.median_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(), method.c_str(),
+                  format(peer.cycle_us, 1).c_str(), format(peer.cycle_us / row.graph.median_us, 2).c_str(),
+                  format(peer_nonmodel, 1).c_str(), format(peer_nonmodel / row.nonmodel_us, 2).c_str(),
+                  peer.valid ? "" : "  (peer INVALID)");
+    });
   }
   if (peer_of("spec") != nullptr) {
     std::printf("\nsmcgraph spec (greedy speculative decoding, graph replay) vs its PyTorch peer in this "
@@ -226,24 +230,17 @@ bool run_peers(const Options& o, const char* argv0, const Environment& env, cons
     std::printf("%7s %5s %2s %8s %10s %6s %10s  %-24s %10s %6s %10s %7s %7s %10s %7s\n", "vocab", "dtype",
                 "K", "requests", "smcg_us", "tok/c", "smcg_tok/s", "peer", "peer_us", "tok/c", "peer_tok/s",
                 "tps_rat", "cyc_rat", "peer_nm", "nm_rat");
-    for (const Row& row : results) {
-      if (row.kind != "spec")
-        continue;
-      const auto* found = find_result(row);
-      if (found == nullptr)
-        continue;
-      for (const auto& [method, peer] : *found) {
-        const double peer_nonmodel = peer.cycle_us - peer.model_us;
-        std::printf("%7d %5s %2d %8d %10s %6s %10s  %-24s %10s %6s %10s %6sx %6sx %10s %6sx%s\n", row.vocab,
-                    dtype_name(row.dtype), row.steps, row.requests, format(row.graph.median_us, 1).c_str(),
-                    format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
-                    method.c_str(), format(peer.cycle_us, 1).c_str(),
-                    format(peer.tokens_per_cycle, 2).c_str(), format(peer.tokens_per_s, 0).c_str(),
-                    format(row.tokens_per_s / peer.tokens_per_s, 2).c_str(),
-                    format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
-                    format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
-      }
-    }
+    for_each_peer_result("spec", [&](const Row& row, const std::string& method, const auto& peer,
+                                     double peer_nonmodel) {
+      std::printf("%7d %5s %2d %8d %10s %6s %10s  %-24s %10s %6s %10s %6sx %6sx %10s %6sx%s\n", row.vocab,
+                  dtype_name(row.dtype), row.steps, row.requests, format(row.graph.median_us, 1).c_str(),
+                  format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
+                  method.c_str(), format(peer.cycle_us, 1).c_str(), format(peer.tokens_per_cycle, 2).c_str(),
+                  format(peer.tokens_per_s, 0).c_str(),
+                  format(row.tokens_per_s / peer.tokens_per_s, 2).c_str(),
+                  format(peer.cycle_us / row.graph.median_us, 2).c_str(), format(peer_nonmodel, 1).c_str(),
+                  format(peer_nonmodel / row.nonmodel_us, 2).c_str(), peer.valid ? "" : "  (peer INVALID)");
+    });
   }
 
   // The CSV again, with per-method peer columns (smc methods first); a row has values only for its kind's

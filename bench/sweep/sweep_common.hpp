@@ -46,19 +46,9 @@ const char* const kPeerManifestName = "bucket_sweep_peer.json";
 const char* const kPeerCsvName = "smc_peer.csv";
 const char* const kSpecPeerCsvName = "spec_peer.csv";
 
-// The real model pair (--model smollm2): its vocabulary and the chat prompts the timing phases use.
+// The real model pair (--model smollm2): its vocabulary (its timing prompts: examples/chat_prompts.hpp).
 constexpr int kRealVocab = 49152;
 constexpr int kRealGreedyTokens = 64; // greedy tokens per prompt the peers must reproduce
-constexpr const char* kRealPrompts[] = {
-    "What is the capital of France? Answer in one sentence.",
-    "Write a short poem about the ocean at night.",
-    "Explain what a GPU is to a ten-year-old.",
-    "List three tips for staying focused while studying.",
-    "How do I make a cup of green tea?",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "What are the benefits of regular exercise?",
-    "Translate 'good morning, how are you?' into Spanish and French.",
-};
 
 struct Options {
   std::vector<std::string> kinds{"smc", "spec"};
