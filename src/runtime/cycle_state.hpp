@@ -76,7 +76,8 @@ std::vector<StateBufferInfo> describe_cycle_state();
 /// whose extent is not per row or per request. (test_engine_cpu checks it is empty.)
 std::string cycle_state_problems();
 
-/// Engine::inspect: a copy of the named buffer (the caller has synchronized the engine's stream).
+/// Engine::inspect: a copy of the named buffer, enqueued on the engine's stream after its work and waited
+/// for.
 StateBufferCopy copy_state_buffer(Engine::State& s, const std::string& name);
 /// The table's names of the buffers this engine's cycle kind has.
 std::vector<std::string> state_buffer_names(const Engine::State& s);

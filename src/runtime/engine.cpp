@@ -40,8 +40,6 @@ size_t Engine::State::logits_bytes(int row_count, int tokens) const {
   return static_cast<size_t>(row_count) * tokens * vocab * dtype_bytes(draft->logits_dtype());
 }
 
-namespace {} // namespace
-
 Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_(std::make_unique<State>()) {
   validate_engine_config(config);
   State& s = *state_;
@@ -534,7 +532,6 @@ bool Engine::polled_all() const {
   return state_->in_flight.empty() && state_->pending_updates.empty();
 }
 StateBufferCopy Engine::inspect(const std::string& name) {
-  state_->stream.synchronize();
   return detail::copy_state_buffer(*state_, name);
 }
 std::vector<std::string> Engine::state_buffer_names() const {
