@@ -585,8 +585,8 @@ TEST_CASE(
   const EngineConfig config = small_config(4, 3, 4);
   Setup setup(config);
   Engine& engine = *setup.engine;
-  const std::vector<RequestId> ids = {
-      engine.admit(random_prompt(rng, config.vocab, 20), {.seed = rng.bits()})};
+  const std::vector<int32_t> prompt = random_prompt(rng, config.vocab, 20); // 1 to 20 tokens
+  const std::vector<RequestId> ids = {engine.admit(prompt, {.seed = rng.bits()})};
   cycle(engine);
   const std::vector<std::string> names = engine.state_buffer_names();
   auto has = [&](const char* name) { return std::find(names.begin(), names.end(), name) != names.end(); };
@@ -603,7 +603,8 @@ TEST_CASE(
   }
   const std::vector<int32_t> lengths = engine.inspect("seq_len").as<int32_t>();
   REQUIRE(lengths.size() == static_cast<size_t>(config.max_requests * config.particles));
-  CHECK(lengths[0] == 20 + 1 + config.draft_steps + 1); // prompt, first token, one cycle of K + 1
+  // the prompt, the first token, one cycle of K + 1
+  CHECK(lengths[0] == static_cast<int32_t>(prompt.size()) + 1 + config.draft_steps + 1);
   CHECK(engine.inspect("live").as<uint8_t>().at(0) == 1);
   CHECK(engine.polled_all()); // cycle() = step() + poll()
   engine.step();
