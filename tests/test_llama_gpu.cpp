@@ -580,7 +580,7 @@ TEST_CASE(
     CHECK_MESSAGE(check.problem.empty(), check.problem);
     CHECK(check.near_ties * 10 <= check.tokens); // the engine's and the checker's forwards batch differently
     CHECK(test::check_invariants(engine).free == config.slot_pool_size - 1);
-    MESSAGE((graphs ? "graphed" : "eager"), ": ", check.tokens, " tokens, ", check.exact,
+    MESSAGE(std::string(graphs ? "graphed" : "eager"), ": ", check.tokens, " tokens, ", check.exact,
             " the teacher-forced argmax, ", check.near_ties,
             " near ties; mean accepted draft tokens per cycle ",
             static_cast<double>(accepted) / std::max<long>(1, cycles));

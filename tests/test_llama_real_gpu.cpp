@@ -84,24 +84,21 @@ TEST_CASE(
     MESSAGE("skipped: real model file not found (run ./run fetch-model)");
     return;
   }
-  if (test::sanitizer_tool() == test::SanitizerTool::kRacecheck) {
-    // Measured on the H100 machine (128 GiB of host memory): racecheck's host memory grew to 130.8 GB (RSS)
-    // and the OOM killer stopped the run even at 1 prompt x 3 tokens in one bucket. The Llama kernels run
-    // under racecheck in llama_gpu (tiny configs, every variant); memcheck, synccheck and initcheck run this
-    // suite. Exit 77 so the sanitizer matrix shows SKIP, not a pass.
-    std::fprintf(stderr, "llama_real_gpu: skipped under racecheck (it needs more than 128 GB of host memory "
-                         "on the real model); llama_gpu racechecks the same kernels\n");
-    std::fflush(stderr);
-    std::_Exit(77);
-  }
   const GgufFile file = GgufFile::open(path);
   const Tokenizer tokenizer = Tokenizer::from_gguf(file);
   const auto weights = load_llama_weights(file);
   // Sanitizers slow every kernel 10-1000x: fewer prompts, tokens and buckets, same paths.
-  const int prompts_used = test::sanitizer_scaled(16, 3);
-  const int new_tokens = test::sanitizer_scaled(256, 12);
+  const int prompts_used = test::sanitizer_scaled(16, 3, 1);
+  const int new_tokens = test::sanitizer_scaled(256, 12, 4);
   const std::vector<int> buckets =
       test::under_sanitizer() ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 4, 8, 16};
+  // racecheck's host memory grows with every kernel launch it watches: on the H100 machine (128 GiB) the full
+  // 30-layer pair passed 130 GB after a few cycles, and one eager prefill + decode step of the whole model
+  // took 20 GB. Under racecheck the pair is the file's first 2 layers (target) and its first layer (draft):
+  // the same kernels on the same real weights and shapes, 15x fewer launches; the property checked
+  // (speculative == target-only greedy decoding, the reference built from the same target) is unchanged.
+  const bool racecheck = test::sanitizer_tool() == test::SanitizerTool::kRacecheck;
+  const std::string target_layers = racecheck ? "0-1" : "", draft_layers = racecheck ? "0" : "0-27";
   constexpr int kSteps = 4;
   std::vector<std::vector<int32_t>> prompts;
   size_t longest = 0;
@@ -117,6 +114,8 @@ TEST_CASE(
   options.pool_size = max_requests * max_seq_len + 1;
   options.max_tokens_per_forward = std::max<int>(128, max_requests * (kSteps + 1));
   options.logits_dtype = DType::kFloat32;
+  if (!target_layers.empty())
+    options.layers = parse_llama_layers(target_layers);
 
   // The reference: target-only greedy decoding of every prompt.
   std::vector<std::vector<int32_t>> reference;
@@ -133,7 +132,7 @@ TEST_CASE(
   for (const bool graphs : {true, false}) {
     LlamaModel target(weights, options);
     LlamaModelOptions draft_options = options;
-    draft_options.layers = parse_llama_layers("0-27");
+    draft_options.layers = parse_llama_layers(draft_layers);
     LlamaModel draft(weights, draft_options);
     EngineConfig config;
     config.kind = CycleKind::kSpeculative;
@@ -174,7 +173,7 @@ TEST_CASE(
           ++mismatched;
           const size_t first =
               std::mismatch(generated.begin(), generated.end(), expected.begin()).first - generated.begin();
-          MESSAGE((graphs ? "graphed" : "eager"), " bucket ", bucket, " prompt ", i % prompts_used,
+          MESSAGE(std::string(graphs ? "graphed" : "eager"), " bucket ", bucket, " prompt ", i % prompts_used,
                   ": first difference at token ", first, " (", generated[first], " vs ", expected[first],
                   ")");
         }
@@ -184,7 +183,7 @@ TEST_CASE(
       CHECK_MESSAGE(slots.ok, slots.problem);
     }
     CHECK(mismatched == 0);
-    MESSAGE((graphs ? "graphed" : "eager"), ": ", compared, " requests x ", new_tokens,
+    MESSAGE(std::string(graphs ? "graphed" : "eager"), ": ", compared, " requests x ", new_tokens,
             " tokens compared with greedy target-only decoding, ", mismatched, " differ");
   }
 }

@@ -129,7 +129,7 @@ TEST_CASE(
     }
     const SlotCheck check = check_invariants(engine);
     CHECK(check.free == config.slot_pool_size - 1);
-    MESSAGE((graphs ? "graphed" : "eager")
+    MESSAGE(std::string(graphs ? "graphed" : "eager")
             << ": " << compared << " requests x " << new_tokens
             << " tokens equal greedy target-only decoding; mean accepted per cycle "
             << static_cast<double>(accepted_tokens) / std::max<long>(1, cycles));

@@ -2,19 +2,21 @@
 // of row r attends to positions 0 .. min(p_j, seq_len - 1) of its row (its own block causally, since the
 // block's KV was written first), reading each position's K and V through slot_table[r].
 //
-// Work items: (token, query head, chunk of kAttentionChunk positions), dealt round-robin to the `splits`
-// blocks of (row, kv head) and their warps, so a short decode row, a long row and a prefill block all spread
-// over the GPU. A warp computes its item with an online softmax (scores: a lane per position, the full dot
-// product from 16-byte loads; values: a lane per output dimension, the weights broadcast by shuffles, 8
-// positions' loads in flight). A token whose positions fit one chunk writes its output directly; a longer one
-// writes (m, l, acc) partials that the last block of (row, kv head) to finish merges in chunk order. Nothing
-// depends on which block computed an item, so a token's output is the same in any batch.
+// One block per (row, token, query head), 8 warps. A token's positions are cut into chunks of
+// kAttentionChunk = 32; warp w takes chunks w, w + 8, ... . A chunk is one warp pass: a lane per position
+// loads the position's key (16-byte loads, to registers) and value (cp.async, to shared memory) at once, so a
+// chunk costs one memory latency (the slot loads of the warp's first chunk are issued before the kernel waits
+// for its predecessor, those of the next during the current one); the scores' max and sum are warp
+// reductions, and a lane per output dimension sums the weighted values from shared memory in position order.
+// The warps merge their (max, sum, accumulator) in warp order in shared memory: no partials in global memory,
+// no atomics. Nothing depends on the batch, so a token's output is the same in any batch.
 #include <algorithm>
 #include <cmath>
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 
 #include "kernels/launch_checks.hpp"
 #include "models/llama/llama_kernels.hpp"
@@ -25,11 +27,10 @@
 namespace smcgraph::llama {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256; // 8 warps: a token's first 256 positions in one pass
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxDimsPerLane = kLlamaMaxHeadDim / 32;
 constexpr int kMaxVectorsPerHead = kLlamaMaxHeadDim / 8; // 16-byte loads of one key
-constexpr int kValueBatch = 8;                           // value rows loaded together (divides 32)
 
 __device__ __forceinline__ float bf16_low(uint32_t pair) {
   return __uint_as_float(pair << 16);
@@ -54,208 +55,151 @@ __device__ __forceinline__ int clamp_slot(int slot, int pool_size) {
   return (slot >= 0 && slot < pool_size) ? slot : 0;
 }
 
-// Merges the chunk partials of one (token, head) in chunk order and writes the bf16 output (one warp). The
-// chunks' (m, l) pairs are read lane-parallel, 32 at a time, and shuffled to every lane; the sums run in
-// chunk order whatever the split count.
-__device__ void combine_chunks(const AttentionArgs& a, int t, int head, int chunks, int lane) {
-  const int hd = a.head_dim;
-  const size_t first = (static_cast<size_t>(t) * a.heads + head) * a.max_chunks;
-  // Other blocks wrote these partials: read them through L2 (__ldcg), never a stale L1 line.
-  float m = -INFINITY;
-  for (int c = lane; c < chunks; c += 32)
-    if (__ldcg(a.partial_ml + (first + c) * 2 + 1) > 0.0f)
-      m = fmaxf(m, __ldcg(a.partial_ml + (first + c) * 2));
-  m = cg::reduce(warp_tile(), m, FloatMax{});
-  float l = 0.0f, acc[kMaxDimsPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; ++i)
-    acc[i] = 0.0f;
-  for (int c0 = 0; c0 < chunks; c0 += 32) {
-    float l_mine = 0.0f, w_mine = 0.0f;
-    if (c0 + lane < chunks) {
-      l_mine = __ldcg(a.partial_ml + (first + c0 + lane) * 2 + 1);
-      if (l_mine > 0.0f)
-        w_mine = expf(__ldcg(a.partial_ml + (first + c0 + lane) * 2) - m);
-    }
-    const int count = min(32, chunks - c0);
-    for (int c = 0; c < count; ++c) {
-      const float w = __shfl_sync(0xffffffffu, w_mine, c);
-      l = fmaf(__shfl_sync(0xffffffffu, l_mine, c), w, l);
-      const float* partial = a.partial_acc + (first + c0 + c) * hd;
-#pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; ++i)
-        if (i * 32 + lane < hd)
-          acc[i] = fmaf(__ldcg(partial + i * 32 + lane), w, acc[i]);
-    }
-  }
-  uint16_t* out = a.out + static_cast<size_t>(t) * a.heads * hd + head * hd;
-#pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; ++i)
-    if (i * 32 + lane < hd)
-      out[i * 32 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(l > 0.0f ? acc[i] / l : 0.0f));
+/// Dynamic shared memory of a block: each warp's value rows (a chunk of head_dim-wide bf16 rows).
+size_t attention_smem_bytes(int head_dim) {
+  return static_cast<size_t>(kWarps) * kAttentionChunk * head_dim * sizeof(uint16_t);
 }
 
+// One block per (row, token, query head). Its warps take the token's chunks c = warp, warp + kWarps, ... and
+// fold them in that order with an online softmax; the block then merges its warps' (m, l, acc) in warp order
+// in shared memory. The chunk-to-warp map and both orders depend on the token's own length only, so its
+// output is the same in any batch (batch invariance: a decode token equals the same token in a verify block).
 __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const AttentionArgs a) {
-  const int r = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
+  const int r = blockIdx.x, j = blockIdx.y, head = blockIdx.z;
+  extern __shared__ __align__(16) unsigned char attention_smem[];
+  __shared__ float q_shared[kLlamaMaxHeadDim];
+  __shared__ float p_shared[kWarps][kAttentionChunk];
+  __shared__ float warp_acc[kWarps][kLlamaMaxHeadDim];
+  __shared__ float warp_ml[kWarps][2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hd = a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
+  const int kv_head = head / (a.heads / a.kv_heads);
+  uint16_t* v_shared =
+      reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
+  // The row's live flag, length, the token's position and the slot table are the forward's inputs, not
+  // written by its kernels: complete before the forward's first kernel passed its pdl_wait() (and this kernel
+  // starts only after its predecessor's pdl_wait(), pdl.hpp), so they and the first chunk's slots are read
+  // before waiting. Q and the KV of the row's own tokens (the QKV projection just wrote them) come after.
+  const int t = r * a.tokens_per_row + j;
+  const bool live = a.live[r];
+  const int length = min(min(a.positions[t] + 1, a.seq_lens[r]), a.max_seq_len);
+  const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
+  const int chunks = max(0, (length + kAttentionChunk - 1) / kAttentionChunk);
+  int next_slot = 0;
+  if (live && warp < chunks && warp * kAttentionChunk + lane < length)
+    next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
   pdl_wait();
   pdl_trigger();
-  if (!a.live[r])
+  if (!live)
     return;
-  __shared__ float q_shared[kWarps][kLlamaMaxHeadDim];
-  __shared__ bool is_last;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group = a.heads / a.kv_heads;
-  const int hd = a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
-  const int seq_len = a.seq_lens[r];
-  const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
-  const int pairs = a.tokens_per_row * group;
-  // The chunks the row needs: its longest token's.
-  int row_length = 0;
-  for (int j = lane; j < a.tokens_per_row; j += 32)
-    row_length = max(row_length, min(min(a.positions[r * a.tokens_per_row + j] + 1, seq_len), a.max_seq_len));
-  row_length = cg::reduce(warp_tile(), row_length, cg::greater<int>());
-  const int row_chunks = max(1, (row_length + kAttentionChunk - 1) / kAttentionChunk);
-  // The row's work items, (token, head, chunk) in chunk-major order, dealt round-robin to the blocks of (r,
-  // kv head) and to their warps: an item's result does not depend on who computes it (batch invariance), and
-  // a prefill or verify block of many tokens spreads over as many warps as a long decode row. Chunk c covers
-  // positions [c * kAttentionChunk, (c + 1) * kAttentionChunk).
-  const int total_items = pairs * row_chunks;
-  if (split >= total_items)
-    return; // no item here; the blocks that have one are min(splits, total_items)
-  const int working_blocks = min(a.splits, total_items);
-  for (int item = split + warp * a.splits; item < total_items; item += a.splits * kWarps) {
-    const int pair = item % pairs, chunk = item / pairs;
-    const int j = pair / group, head = kv_head * group + pair % group;
-    const int t = r * a.tokens_per_row + j;
-    const int length = min(min(a.positions[t] + 1, seq_len), a.max_seq_len);
-    const int begin = chunk * kAttentionChunk;
-    const int end = min(begin + kAttentionChunk, length);
-    uint16_t* out = a.out + static_cast<size_t>(t) * q_dim + head * hd;
-    if (begin >= end) {
-      if (chunk == 0) // a token that sees no position (bad positions): zeros, as the merge of no chunk
-        for (int d = lane; d < hd; d += 32)
-          out[d] = 0;
-      continue; // the merge reads only chunks below ceil(length / kAttentionChunk)
+  uint16_t* out = a.out + static_cast<size_t>(t) * q_dim + head * hd;
+  if (chunks == 0) { // a token that sees no position (bad positions): zeros
+    for (int d = threadIdx.x; d < hd; d += kThreads)
+      out[d] = 0;
+    return;
+  }
+  const uint16_t* q = a.q + static_cast<size_t>(t) * q_dim + head * hd;
+  for (int d = threadIdx.x; d < hd; d += kThreads)
+    q_shared[d] = __uint_as_float(static_cast<uint32_t>(q[d]) << 16);
+  __syncthreads();
+
+  float m = -INFINITY, l = 0.0f, acc[kMaxDimsPerLane];
+#pragma unroll
+  for (int c = 0; c < kMaxDimsPerLane; ++c)
+    acc[c] = 0.0f;
+  for (int chunk = warp; chunk < chunks; chunk += kWarps) {
+    // Lane i takes position begin + i: its value row goes straight to shared memory (cp.async) and its key
+    // row to registers, so every load of the chunk is in flight at once (one memory latency a chunk).
+    const int begin = chunk * kAttentionChunk, count = min(kAttentionChunk, length - begin);
+    const bool valid = lane < count;
+    const int slot = next_slot;
+    const int following = begin + kWarps * kAttentionChunk + lane;
+    if (following < length) // the warp's next chunk: its slot load overlaps this chunk
+      next_slot = clamp_slot(slots[following], a.pool_size);
+    const uint16_t* k_row = a.kv + static_cast<size_t>(slot) * 2 * kv_dim + kv_head * hd;
+    if (valid)
+      for (int v = 0; v < hd / 8; ++v)
+        __pipeline_memcpy_async(v_shared + lane * hd + v * 8, k_row + kv_dim + v * 8, 16);
+    __pipeline_commit();
+    uint4 key[kMaxVectorsPerHead];
+#pragma unroll
+    for (int v = 0; v < kMaxVectorsPerHead; ++v)
+      if (valid && v < hd / 8)
+        key[v] = reinterpret_cast<const uint4*>(k_row)[v];
+    float score = -INFINITY;
+    if (valid) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kMaxVectorsPerHead; ++v) {
+        if (v < hd / 8) {
+          const float* qv = q_shared + v * 8;
+          dot = fmaf(qv[0], bf16_low(key[v].x), dot);
+          dot = fmaf(qv[1], bf16_high(key[v].x), dot);
+          dot = fmaf(qv[2], bf16_low(key[v].y), dot);
+          dot = fmaf(qv[3], bf16_high(key[v].y), dot);
+          dot = fmaf(qv[4], bf16_low(key[v].z), dot);
+          dot = fmaf(qv[5], bf16_high(key[v].z), dot);
+          dot = fmaf(qv[6], bf16_low(key[v].w), dot);
+          dot = fmaf(qv[7], bf16_high(key[v].w), dot);
+        }
+      }
+      score = dot * a.scale;
     }
-    const uint16_t* q = a.q + static_cast<size_t>(t) * q_dim + head * hd;
-    for (int d = lane; d < hd; d += 32)
-      q_shared[warp][d] = __uint_as_float(static_cast<uint32_t>(q[d]) << 16);
+    // The chunk's max (finite: lane 0's position is always valid) folded into the running one.
+    const float m_new = fmaxf(m, cg::reduce(warp_tile(), score, FloatMax{}));
+    const float correction = expf(m - m_new); // 0 on the first chunk (m = -inf)
+    const float p = valid ? expf(score - m_new) : 0.0f;
+    l = l * correction + cg::reduce(warp_tile(), p, cg::plus<float>());
+    m = m_new;
+    p_shared[warp][lane] = p;
+    __pipeline_wait_prior(0);
     __syncwarp();
-    float m = -INFINITY, l = 0.0f;
-    float acc[kMaxDimsPerLane];
+    // acc[d] += sum over the chunk's positions, in position order, of p * V[d]: lane i holds d = i, i + 32..
 #pragma unroll
     for (int c = 0; c < kMaxDimsPerLane; ++c)
-      acc[c] = 0.0f;
-    for (int base = begin; base < end; base += 32) {
-      const int position = base + lane;
-      float score = -INFINITY;
-      int slot = 0; // positions past the end read slot 0 (never written, zero) with weight 0
-      if (position < end) {
-        slot = clamp_slot(slots[position], a.pool_size);
-        const uint4* k =
-            reinterpret_cast<const uint4*>(a.kv + static_cast<size_t>(slot) * 2 * kv_dim + kv_head * hd);
-        // Every 16-byte load of the key is issued before the first product.
-        uint4 key[kMaxVectorsPerHead];
-#pragma unroll
-        for (int v = 0; v < kMaxVectorsPerHead; ++v)
-          if (v < hd / 8)
-            key[v] = k[v];
-        float dot = 0.0f;
-#pragma unroll
-        for (int v = 0; v < kMaxVectorsPerHead; ++v) {
-          if (v < hd / 8) {
-            const float* qv = q_shared[warp] + v * 8;
-            dot = fmaf(qv[0], bf16_low(key[v].x), dot);
-            dot = fmaf(qv[1], bf16_high(key[v].x), dot);
-            dot = fmaf(qv[2], bf16_low(key[v].y), dot);
-            dot = fmaf(qv[3], bf16_high(key[v].y), dot);
-            dot = fmaf(qv[4], bf16_low(key[v].z), dot);
-            dot = fmaf(qv[5], bf16_high(key[v].z), dot);
-            dot = fmaf(qv[6], bf16_low(key[v].w), dot);
-            dot = fmaf(qv[7], bf16_high(key[v].w), dot);
-          }
-        }
-        score = dot * a.scale;
-      }
-      const float chunk_max = cg::reduce(warp_tile(), score, FloatMax{});
-      const float m_new = fmaxf(m, chunk_max); // finite: lane 0's position is always valid
-      const float correction = expf(m - m_new);
-      const float p = position < end ? expf(score - m_new) : 0.0f;
-      const float p_sum = cg::reduce(warp_tile(), p, cg::plus<float>());
-      l = l * correction + p_sum;
+      acc[c] *= correction;
+    for (int i = 0; i < count; ++i) {
+      const float weight = p_shared[warp][i];
 #pragma unroll
       for (int c = 0; c < kMaxDimsPerLane; ++c)
-        acc[c] *= correction;
-      // Values, kValueBatch positions at a time: their loads are all in flight before the first product.
-      const int count = min(32, end - base);
-      for (int i0 = 0; i0 < count; i0 += kValueBatch) {
-        float weight[kValueBatch];
-        float value[kValueBatch][kMaxDimsPerLane];
-#pragma unroll
-        for (int u = 0; u < kValueBatch; ++u) {
-          weight[u] = __shfl_sync(0xffffffffu, p, i0 + u);
-          const int slot_u = __shfl_sync(0xffffffffu, slot, i0 + u);
-          const uint16_t* v = a.kv + static_cast<size_t>(slot_u) * 2 * kv_dim + kv_dim + kv_head * hd;
-#pragma unroll
-          for (int c = 0; c < kMaxDimsPerLane; ++c)
-            value[u][c] =
-                c * 32 + lane < hd ? __uint_as_float(static_cast<uint32_t>(v[c * 32 + lane]) << 16) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < kValueBatch; ++u) {
-#pragma unroll
-          for (int c = 0; c < kMaxDimsPerLane; ++c)
-            acc[c] = fmaf(weight[u], value[u][c], acc[c]);
-        }
-      }
-      m = m_new;
+        if (c * 32 + lane < hd)
+          acc[c] = fmaf(
+              weight, __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16), acc[c]);
     }
-    if (length <= kAttentionChunk) {
-      // One chunk: the output directly. The merge of a single partial gives the same bits (its weight is
-      // expf(0) = 1 and the fmaf sums start from 0), so this shortcut keeps batch invariance.
+    __syncwarp(); // the warp's next chunk reuses its p and value rows
+  }
+  if (chunks == 1) { // one chunk, warp 0's: the output directly (the merge below would give the same bits)
+    if (warp == 0) {
 #pragma unroll
       for (int c = 0; c < kMaxDimsPerLane; ++c)
         if (c * 32 + lane < hd)
           out[c * 32 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(acc[c] / l));
-    } else {
-      const size_t entry = (static_cast<size_t>(t) * a.heads + head) * a.max_chunks + chunk;
-      float* partial = a.partial_acc + entry * hd;
-#pragma unroll
-      for (int c = 0; c < kMaxDimsPerLane; ++c) {
-        if (c * 32 + lane < hd)
-          partial[c * 32 + lane] = acc[c];
-      }
-      if (lane == 0) {
-        a.partial_ml[entry * 2] = m;
-        a.partial_ml[entry * 2 + 1] = l;
-      }
     }
-    __syncwarp();
-  }
-  if (row_chunks == 1)
-    return; // every token of the row wrote its output directly
-
-  // The last block of (r, kv head) to finish merges every chunk (the threadfence-reduction pattern): the
-  // merge is the same whatever the split count, so a token's output does not depend on the batch.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = a.counters + static_cast<size_t>(r) * a.kv_heads + kv_head;
-    const int arrived = atomicAdd(counter, 1);
-    is_last = arrived == working_blocks - 1;
-    if (is_last)
-      *counter = 0; // ready for the next forward (graph replays reuse it)
-  }
-  __syncthreads();
-  if (!is_last)
     return;
-  __threadfence();
-  for (int pair = warp; pair < pairs; pair += kWarps) {
-    const int j = pair / group, head = kv_head * group + pair % group;
-    const int t = r * a.tokens_per_row + j;
-    const int length = min(min(a.positions[t] + 1, seq_len), a.max_seq_len);
-    if (length > kAttentionChunk)
-      combine_chunks(a, t, head, (length + kAttentionChunk - 1) / kAttentionChunk, lane);
+  }
+  // Merge the warps' partials in warp order (warps without a chunk have l = 0 and weigh nothing).
+#pragma unroll
+  for (int c = 0; c < kMaxDimsPerLane; ++c)
+    if (c * 32 + lane < hd)
+      warp_acc[warp][c * 32 + lane] = acc[c];
+  if (lane == 0) {
+    warp_ml[warp][0] = m;
+    warp_ml[warp][1] = l;
+  }
+  __syncthreads();
+  const int used = min(chunks, kWarps);
+  float m_all = -INFINITY;
+  for (int w = 0; w < used; ++w)
+    m_all = fmaxf(m_all, warp_ml[w][0]);
+  for (int d = threadIdx.x; d < hd; d += kThreads) {
+    float l_all = 0.0f, sum = 0.0f;
+    for (int w = 0; w < used; ++w) {
+      const float weight = expf(warp_ml[w][0] - m_all);
+      l_all = fmaf(warp_ml[w][1], weight, l_all);
+      sum = fmaf(warp_acc[w][d], weight, sum);
+    }
+    out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(sum / l_all));
   }
 }
 
@@ -282,21 +226,15 @@ __global__ void LlamaEmbedKernel(int tokens_per_row, int hidden, int vocab, cons
 
 } // namespace
 
-void prepare_attention() {
+void prepare_attention(int head_dim) {
+  require(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= kLlamaMaxHeadDim, "llama::prepare_attention",
+          "head_dim", head_dim, "must be a multiple of 8 in [8, 128]");
   for (auto kernel :
        {reinterpret_cast<const void*>(LlamaAttentionKernel), reinterpret_cast<const void*>(LlamaEmbedKernel)})
     SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                              cudaSharedmemCarveoutMaxShared));
-}
-
-int attention_chunks(int max_seq_len) {
-  return static_cast<int>(detail::ceil_div(max_seq_len, kAttentionChunk));
-}
-
-int choose_attention_splits(int rows, int kv_heads, int max_seq_len, int multiprocessors) {
-  const int64_t blocks = static_cast<int64_t>(std::max(rows, 1)) * kv_heads;
-  const int64_t wanted = detail::ceil_div(2 * multiprocessors, blocks);
-  return static_cast<int>(std::clamp<int64_t>(wanted, 1, attention_chunks(max_seq_len)));
+  SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(LlamaAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(attention_smem_bytes(head_dim))));
 }
 
 void attention(const AttentionArgs& a, cudaStream_t stream) {
@@ -305,15 +243,10 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   require(a.head_dim % 8 == 0 && a.head_dim <= kLlamaMaxHeadDim, kWhere, "head_dim", a.head_dim,
           "must be a multiple of 8 and <= 128");
   require(a.kv_heads >= 1 && a.heads % a.kv_heads == 0, kWhere, "kv_heads", a.kv_heads, "must divide heads");
-  require(a.max_chunks == attention_chunks(a.max_seq_len), kWhere, "max_chunks", a.max_chunks,
-          "must be ceil(max_seq_len / kAttentionChunk)");
-  require(a.splits >= 1 && a.splits <= a.max_chunks, kWhere, "splits", a.splits,
-          "must be in [1, max_chunks]");
-  require(a.partial_acc != nullptr && a.partial_ml != nullptr && a.counters != nullptr, kWhere,
-          "partial_acc / partial_ml / counters", "null", "must be device pointers");
   if (a.rows == 0)
     return;
-  launch_pdl(LlamaAttentionKernel, dim3(a.rows, a.kv_heads, a.splits), dim3(kThreads), 0, stream, a);
+  launch_pdl(LlamaAttentionKernel, dim3(a.rows, a.tokens_per_row, a.heads), dim3(kThreads),
+             attention_smem_bytes(a.head_dim), stream, a);
 }
 
 void embed(int tokens, int tokens_per_row, int hidden, int vocab, const int32_t* token_ids,

@@ -55,34 +55,25 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& args, cudaStream_t stream);
 /// Kernel launches one gemm() call makes (always 1).
 inline constexpr int kGemmLaunches = 1;
 
-/// Positions per attention chunk: the unit of the split-KV partials (a warp's work item). Fixed, so the merge
-/// order of a token's partials depends on its own length only (batch invariance); small, so a short decode
-/// row still spreads over several warps and blocks.
-inline constexpr int kAttentionChunk = 64;
+/// Positions per attention chunk: one warp pass of the attention kernel (a lane per position). A token's
+/// chunks are folded in a fixed order that depends on its own length only (batch invariance).
+inline constexpr int kAttentionChunk = 32;
 
 struct AttentionArgs {
   int rows = 0, tokens_per_row = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int max_seq_len = 0, pool_size = 0;
-  int max_chunks = 0;           ///< attention_chunks(max_seq_len)
-  int splits = 1;               ///< blocks per (row, kv head); block s takes chunks s, s + splits, ...
   float scale = 1.0f;           ///< 1 / sqrt(head_dim)
   const uint16_t* q = nullptr;  ///< [T, heads * head_dim] bf16, after RoPE
   const uint16_t* kv = nullptr; ///< this layer's KV [pool_size, 2, kv_heads * head_dim]
   const int32_t *slot_table = nullptr, *seq_lens = nullptr, *positions = nullptr;
   const uint8_t* live = nullptr;
-  uint16_t* out = nullptr;      ///< [T, heads * head_dim] bf16
-  float* partial_acc = nullptr; ///< [T, heads, max_chunks, head_dim]
-  float* partial_ml = nullptr;  ///< [T, heads, max_chunks, 2] running max and sum
-  int* counters = nullptr;      ///< [rows, kv_heads], zero between forwards (the kernel leaves them zero)
+  uint16_t* out = nullptr; ///< [T, heads * head_dim] bf16
 };
 
-/// Sets the attention and embedding kernels' shared-memory carveout like the GEMMs' (call once, outside
-/// capture).
-void prepare_attention();
-int attention_chunks(int max_seq_len);
-/// Blocks per (row, kv head): enough to fill the GPU when rows are few, at most one per chunk.
-int choose_attention_splits(int rows, int kv_heads, int max_seq_len, int multiprocessors);
-/// One launch: the chunk partials and, in the last block of each (row, kv head), their merge.
+/// Sets the attention and embedding kernels' shared-memory carveout like the GEMMs' and the attention
+/// kernel's dynamic shared memory for `head_dim` (call once, outside capture).
+void prepare_attention(int head_dim);
+/// One launch, one block per (row, token, query head).
 void attention(const AttentionArgs& args, cudaStream_t stream);
 
 /// x[t] = token_embd[tokens[t]] as fp32 (tokens clamped into [0, vocab); padding rows get zeros).

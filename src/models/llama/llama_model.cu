@@ -92,11 +92,8 @@ std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file) {
 }
 
 struct LlamaModel::Workspace {
-  DeviceBuffer<float> x;                       // [T, hidden] residual stream
-  DeviceBuffer<uint16_t> q, o, act;            // [T, q_dim], [T, q_dim], [T, ffn]
-  DeviceBuffer<float> partial_acc, partial_ml; // [T, heads, chunks, head_dim], [T, heads, chunks, 2]
-  DeviceBuffer<int> counters;                  // [T, kv_heads] (rows <= T)
-  int multiprocessors = 1;
+  DeviceBuffer<float> x;            // [T, hidden] residual stream
+  DeviceBuffer<uint16_t> q, o, act; // [T, q_dim], [T, q_dim], [T, ffn]
 };
 
 LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaModelOptions& options)
@@ -114,13 +111,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.q = DeviceBuffer<uint16_t>(T * qd);
   w.o = DeviceBuffer<uint16_t>(T * qd);
   w.act = DeviceBuffer<uint16_t>(T * c.ffn);
-  const size_t partials = T * c.heads * llama::attention_chunks(options_.max_seq_len);
-  w.partial_acc = DeviceBuffer<float>(partials * c.head_dim);
-  w.partial_ml = DeviceBuffer<float>(partials * 2);
-  w.counters = DeviceBuffer<int>(T * c.kv_heads);
-  w.multiprocessors = current_device_info().multiprocessors;
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
-  llama::prepare_attention();
+  llama::prepare_attention(c.head_dim);
   // Zero everything once: padding rows of the activations are read (and ignored) by the GEMMs.
   Stream stream;
   kv_.fill_bytes(0, stream);
@@ -128,9 +120,6 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.q.fill_bytes(0, stream);
   w.o.fill_bytes(0, stream);
   w.act.fill_bytes(0, stream);
-  w.partial_acc.fill_bytes(0, stream);
-  w.partial_ml.fill_bytes(0, stream);
-  w.counters.fill_bytes(0, stream);
   stream.synchronize();
 }
 
@@ -190,12 +179,6 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   attention.positions = args.positions;
   attention.live = args.live;
   attention.out = w.o.data();
-  attention.partial_acc = w.partial_acc.data();
-  attention.partial_ml = w.partial_ml.data();
-  attention.counters = w.counters.data();
-  attention.max_chunks = llama::attention_chunks(options_.max_seq_len);
-  attention.splits =
-      llama::choose_attention_splits(args.rows, c.kv_heads, options_.max_seq_len, w.multiprocessors);
 
   llama::GemmArgs g;
   g.tokens = T;
