@@ -46,7 +46,6 @@ inline constexpr int kVectorBytes = 16;
 inline constexpr float kLn2 = 0.69314718055994530942f;
 inline constexpr float kLog2e = 1.44269504088896340736f;
 
-
 enum class PassMode : int {
   kGreedy = 0,    ///< T = 0: argmax, ties to the smallest id
   kScore = 1,     ///< log-sum-exp of l / T only (token log-probs)
@@ -318,10 +317,10 @@ template <DType DTYPE> __device__ __forceinline__ uint32_t negative_infinity_bit
 
 /// Loads vector `first .. first + count` of a row: one 16-byte load when the row is aligned and the vector
 /// full, element loads otherwise (missing elements read as -inf). Either way the same bits come out, so
-/// the fold below does not depend on a row's alignment. STREAMING (score positions, greedy): evict-first,
-/// the logits are read once. Sampling jobs load with L2's normal policy, so the winning tile is still in L2
-/// when the last CTA reads it again.
-template <DType DTYPE, bool STREAMING>
+/// the fold below does not depend on a row's alignment. STREAMING (score positions, greedy, and the
+/// verifier in verify.cu): evict-first, the logits are read once. Sampling jobs load with L2's normal
+/// policy, so the winning tile is still in L2 when the last CTA reads it again.
+template <DType DTYPE, bool STREAMING = true>
 __device__ __forceinline__ uint4 load_vector(const typename DTypeTraits<DTYPE>::Scalar* row, int first,
                                              int count, bool aligned) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
@@ -396,10 +395,10 @@ __device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   constexpr bool kStreaming = MODE == PassMode::kGreedy || MODE == PassMode::kScore;
   PassState state = empty_state();
-  for_each_vector<DTYPE, kStreaming, kUnrollVectors>(row, begin, end, aligned,
-                                     [&](const float (&values)[kPerVector], int first, int count) {
-                                       fold_chunk<MODE, kPerVector>(state, values, first, count, job);
-                                     });
+  for_each_vector<DTYPE, kStreaming, kUnrollVectors>(
+      row, begin, end, aligned, [&](const float(&values)[kPerVector], int first, int count) {
+        fold_chunk<MODE, kPerVector>(state, values, first, count, job);
+      });
   // Per-thread NaN check: a NaN (or +inf) logit leaves max or the sums NaN.
   if constexpr (MODE != PassMode::kGreedy) {
     if (state.max != state.max || state.sum != state.sum || state.sum_power != state.sum_power)
@@ -425,10 +424,10 @@ __device__ __forceinline__ RaceBest race_range(const typename DTypeTraits<DTYPE>
                                                float power_c) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   RaceState state{0.0f, 1.0f, -INFINITY, -1};
-  for_each_vector<DTYPE, false, kRaceUnrollVectors>(row, begin, end, aligned,
-                                [&](const float (&values)[kPerVector], int first, int count) {
-                                  race_chunk<kPerVector>(state, values, first, count, job, tile_max, power_c);
-                                });
+  for_each_vector<DTYPE, false, kRaceUnrollVectors>(
+      row, begin, end, aligned, [&](const float(&values)[kPerVector], int first, int count) {
+        race_chunk<kPerVector>(state, values, first, count, job, tile_max, power_c);
+      });
   if (state.index < 0)
     return RaceBest{-INFINITY, -INFINITY, -1};
   return RaceBest{log2f(state.numerator) - log2f(state.denominator), state.logit, state.index};

@@ -16,7 +16,8 @@ namespace {} // namespace
 int sample_tile_length(DType dtype) {
   static_assert(detail::kSplitLength<DType::kBFloat16> == detail::kSplitLength<DType::kFloat16>,
                 "fp16 and bf16 share a tile length");
-  return dtype == DType::kFloat32 ? detail::kSplitLength<DType::kFloat32> : detail::kSplitLength<DType::kBFloat16>;
+  return dtype == DType::kFloat32 ? detail::kSplitLength<DType::kFloat32>
+                                  : detail::kSplitLength<DType::kBFloat16>;
 }
 
 int sample_splits(int vocab, DType dtype) {
