@@ -1,5 +1,5 @@
-// sample_bench: smcgraph::sample() on realistic logits, validated against a host Gumbel-max, then timed as
-// graph replays over rotating logits buffers (more bytes than 3x L2, so it measures HBM, not L2).
+// sample_bench: smcgraph::sample() on realistic logits, validated against a host two-level Gumbel-max, then
+// timed as graph replays over rotating logits buffers (more bytes than 3x L2, so it measures HBM, not L2).
 //
 //   build-bench/bench/sample_bench [--csv results/sample_bench.csv] [--quick] [--peers] [--python python3]
 //
@@ -194,8 +194,9 @@ struct Validation {
   }
 };
 
-/// Host Gumbel-max on the logits the device saw: argmax_v alpha l_v / T - log(-log u_v), plus the log-prob
-/// of the device's token and log Z, in double.
+/// Host two-level Gumbel-max on the logits the device saw (sample.hpp): the tile t with the largest
+/// log Z_t - log(-log u_t) (u_t the word of element kTileDrawElement + t), then inside it the vocab id with
+/// the largest alpha l_v / T - log(-log u_v); plus the log-prob of the device's token and log Z, in double.
 void check_row_against_host(const float* row_logits, const Shape& shape, int row, const RowSetup& setup,
                             const HostOutputs& device, Validation& validation) {
   const int request = row / setup.particles_per_request;
@@ -204,45 +205,65 @@ void check_row_against_host(const float* row_logits, const Shape& shape, int row
   const uint32_t draw_counter = setup.draw_counters[request];
   const double alpha = shape.alpha, inverse_t = 1.0 / static_cast<double>(kTemperature);
   const int token = device.tokens[row];
+  const auto noise = [&](uint64_t element) {
+    const float u =
+        smcgraph::uniform_open01(smcgraph::philox_word(seed, element, draw_counter, particle, kStreamWord));
+    return -std::log(-std::log(static_cast<double>(u)));
+  };
+  const int tile_length = smcgraph::sample_tile_length(shape.dtype);
+  const int tiles = smcgraph::sample_splits(shape.vocab, shape.dtype);
+  const auto tile_of = [&](int t) {
+    return std::pair{t * tile_length, std::min(shape.vocab, (t + 1) * tile_length)};
+  };
 
-  double best_score = -std::numeric_limits<double>::infinity();
-  int best_token = -1;
+  // Per tile: lse of alpha l / T (the tile race's log Z_t), and the row's lse of l / T and of alpha l / T.
   double max_x = -std::numeric_limits<double>::infinity(), max_plain = max_x;
   for (int v = 0; v < shape.vocab; ++v) {
-    const double plain = row_logits[v] * inverse_t;
-    const double x = alpha * plain;
-    const float u =
-        smcgraph::uniform_open01(smcgraph::philox_word(seed, v, draw_counter, particle, kStreamWord));
-    const double score = x - std::log(-std::log(static_cast<double>(u)));
+    max_plain = std::max(max_plain, row_logits[v] * inverse_t);
+    max_x = std::max(max_x, alpha * row_logits[v] * inverse_t);
+  }
+  double sum_x = 0.0, sum_plain = 0.0;
+  std::vector<double> tile_scores(tiles);
+  for (int t = 0; t < tiles; ++t) {
+    const auto [begin, end] = tile_of(t);
+    double tile_sum = 0.0;
+    for (int v = begin; v < end; ++v) {
+      tile_sum += std::exp(alpha * row_logits[v] * inverse_t - max_x);
+      sum_plain += std::exp(row_logits[v] * inverse_t - max_plain);
+    }
+    sum_x += tile_sum;
+    tile_scores[t] = tiles == 1 ? 0.0 : std::log(tile_sum) + noise(smcgraph::kTileDrawElement + t);
+  }
+  const double lse_x = max_x + std::log(sum_x), lse_plain = max_plain + std::log(sum_plain);
+  const int best_tile =
+      static_cast<int>(std::max_element(tile_scores.begin(), tile_scores.end()) - tile_scores.begin());
+  const auto [begin, end] = tile_of(best_tile);
+  double best_score = -std::numeric_limits<double>::infinity();
+  int best_token = -1;
+  for (int v = begin; v < end; ++v) {
+    const double score = alpha * row_logits[v] * inverse_t + noise(v);
     if (score > best_score) {
       best_score = score;
       best_token = v;
     }
-    max_x = std::max(max_x, x);
-    max_plain = std::max(max_plain, plain);
   }
-  double sum_x = 0.0, sum_plain = 0.0;
-  for (int v = 0; v < shape.vocab; ++v) {
-    const double plain = row_logits[v] * inverse_t;
-    sum_x += std::exp(alpha * plain - max_x);
-    sum_plain += std::exp(plain - max_plain);
-  }
-  const double lse_x = max_x + std::log(sum_x), lse_plain = max_plain + std::log(sum_plain);
 
   ++validation.checked_rows;
   if (token != best_token) {
-    const double plain = row_logits[token] * inverse_t;
-    const float u =
-        smcgraph::uniform_open01(smcgraph::philox_word(seed, token, draw_counter, particle, kStreamWord));
-    const double token_score = alpha * plain - std::log(-std::log(static_cast<double>(u)));
-    // The device works in fp32 with approximate exp2/log2: a gap this small is a tie, not a bug.
-    const double tie_tolerance = 1e-3 + 1e-5 * std::abs(best_score);
-    if (best_score - token_score <= tie_tolerance) {
+    // The device works in fp32 with approximate exp2/log2: a gap this small is a tie, not a bug (between
+    // tiles when the device's token lies in another tile, else between tokens of the tile).
+    const int token_tile = token / tile_length;
+    const double best = token_tile == best_tile ? best_score : tile_scores[best_tile];
+    const double gap = token_tile == best_tile
+                           ? best_score - (alpha * row_logits[token] * inverse_t + noise(token))
+                           : tile_scores[best_tile] - tile_scores[token_tile];
+    const double tie_tolerance = 1e-3 + 1e-5 * std::abs(best);
+    if (gap <= tie_tolerance) {
       ++validation.near_ties;
     } else {
       validation.fail("row " + std::to_string(row) + ": token " + std::to_string(token) +
-                      " but host argmax " + std::to_string(best_token) + " (score gap " +
-                      format(best_score - token_score, 6) + ")");
+                      " but host two-level argmax " + std::to_string(best_token) + " (score gap " +
+                      format(gap, 6) + ")");
       return;
     }
   }

@@ -15,7 +15,7 @@
 // 1e-5 * (1 + sum of |terms| since the last resampling) of those (each float log-prob is within ~1e-6
 // relative of its double value; the differences add at worst linearly).
 //
-// A sampled token may legitimately differ where the exponential race has a near tie
+// A sampled token may legitimately differ where either level of the two-level race has a near tie
 // (reference::SampleResult::near_tie()): the configuration stops being compared there, with a MESSAGE. The
 // test fails if near ties exceed 1 in 10^4 draws (at least one is always allowed: a run makes ~5500 draws
 // and the measured near-tie rate is ~1e-5 per draw, so about one run in 16 stops one configuration early).

@@ -137,10 +137,10 @@ struct Tally {
 /// Compares row r of `out` with the reference; returns false on a hard failure (already reported).
 void check_row(const Batch& batch, const Outputs& out, int r, Tally& tally) {
   const int request = r / batch.particles;
-  const auto expected =
-      reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.row_stride, batch.vocab,
-                        batch.temperature[r], batch.alpha[r], batch.seeds[request], batch.counters[request],
-                        static_cast<uint32_t>(r % batch.particles), kStream);
+  const auto expected = reference::sample(
+      batch.logits.data() + static_cast<size_t>(r) * batch.row_stride, batch.vocab,
+      smcgraph::sample_tile_length(batch.dtype), batch.temperature[r], batch.alpha[r], batch.seeds[request],
+      batch.counters[request], static_cast<uint32_t>(r % batch.particles), kStream);
   ++tally.checked;
   INFO("row " << r << " of " << batch.rows << ", V " << batch.vocab << ", "
               << smcgraph::dtype_name(batch.dtype) << ", T " << batch.temperature[r] << ", alpha "
@@ -276,6 +276,56 @@ TEST_CASE("sample() tokens match the reference on >= 10^4 rows (near-tie rate)")
   CHECK(tally.mismatches * 10000 <= tally.checked);
 }
 
+namespace {
+
+/// `rows` copies of one row of logits (already in the dtype's values) with parameters T and alpha and a key
+/// per row: each row is an independent draw.
+Batch replicated_batch(test::Rng& rng, DType dtype, const std::vector<float>& row, int rows,
+                       float temperature, float alpha) {
+  Batch batch;
+  batch.dtype = dtype;
+  batch.rows = rows;
+  batch.vocab = batch.row_stride = static_cast<int>(row.size());
+  batch.logits.reserve(static_cast<size_t>(rows) * row.size());
+  for (int r = 0; r < rows; ++r)
+    batch.logits.insert(batch.logits.end(), row.begin(), row.end());
+  batch.temperature.assign(rows, temperature);
+  batch.alpha.assign(rows, alpha);
+  for (int r = 0; r < rows; ++r) {
+    batch.seeds.push_back(rng.bits());
+    batch.counters.push_back(static_cast<uint32_t>(rng.integer(0, 1000000)));
+  }
+  return batch;
+}
+
+/// Samples `rows` copies of `row` in `launches` launches (the draw counters advanced in between) and fits
+/// the token counts to softmax(alpha l / T).
+test::ChiSquare fit_draws(test::Rng& rng, DType dtype, const std::vector<float>& row, float temperature,
+                          float alpha, int rows, int launches) {
+  const int vocab = static_cast<int>(row.size());
+  Batch batch = replicated_batch(rng, dtype, row, rows, temperature, alpha);
+  DeviceBatch device(batch);
+  std::vector<double> counts(vocab, 0.0), weights(vocab);
+  for (int launch = 0; launch < launches; ++launch) {
+    device.tokens.fill_bytes(0xff, device.stream); // poison: every launch writes every token
+    device.launch(device.stream);
+    smcgraph::advance_draw_counters(device.counters.data(), rows, device.stream);
+    const auto tokens = test::to_host(device.tokens.data(), rows, device.stream);
+    for (int32_t t : tokens) {
+      REQUIRE(t >= 0);
+      REQUIRE(t < vocab);
+      counts[t] += 1.0;
+    }
+  }
+  REQUIRE(test::to_host(device.status.data(), 1, device.stream)[0] == 0u);
+  const double max_l = *std::max_element(row.begin(), row.end());
+  for (int v = 0; v < vocab; ++v)
+    weights[v] = std::exp(static_cast<double>(alpha) * (row[v] - max_l) / temperature);
+  return test::chi_square_fit(counts, weights);
+}
+
+} // namespace
+
 TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draws") {
   test::Rng rng;
   INFO("seed " << rng.seed());
@@ -285,56 +335,125 @@ TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draw
   for (int vocab : {2, 64, 1000}) {
     for (float temperature : {0.5f, 1.0f, 1.7f}) {
       for (float alpha : {1.0f, 2.0f}) {
-        Batch batch = random_batch(rng, DType::kFloat32, rows, vocab, vocab, 0.0);
         std::vector<float> row(vocab);
         for (float& l : row)
           l = static_cast<float>(rng.normal(0.0, 1.0));
-        for (int r = 0; r < rows; ++r)
-          std::copy(row.begin(), row.end(), batch.logits.begin() + r * vocab);
-        std::fill(batch.temperature.begin(), batch.temperature.end(), temperature);
-        std::fill(batch.alpha.begin(), batch.alpha.end(), alpha);
-        DeviceBatch device(batch);
-        std::vector<double> counts(vocab, 0.0);
-        for (int launch = 0; launch < launches; ++launch) {
-          device.launch(device.stream);
-          smcgraph::advance_draw_counters(device.counters.data(), rows, device.stream);
-          const auto tokens = test::to_host(device.tokens.data(), rows, device.stream);
-          for (int32_t t : tokens) {
-            REQUIRE(t >= 0);
-            REQUIRE(t < vocab);
-            counts[t] += 1.0;
-          }
-        }
-        std::vector<double> p(vocab);
-        double norm = 0.0, max_l = *std::max_element(row.begin(), row.end());
-        for (int v = 0; v < vocab; ++v)
-          norm += p[v] = std::exp(alpha * (row[v] - max_l) / temperature);
-        const double draws = static_cast<double>(rows) * launches;
-        // Pool bins with expected count < 5 into one.
-        double chi2 = 0.0, pooled_expected = 0.0, pooled_count = 0.0;
-        int bins = 0;
-        for (int v = 0; v < vocab; ++v) {
-          const double expected = draws * p[v] / norm;
-          if (expected < 5.0) {
-            pooled_expected += expected;
-            pooled_count += counts[v];
-            continue;
-          }
-          chi2 += (counts[v] - expected) * (counts[v] - expected) / expected;
-          ++bins;
-        }
-        if (pooled_expected > 0.0) {
-          chi2 += (pooled_count - pooled_expected) * (pooled_count - pooled_expected) /
-                  std::max(pooled_expected, 1.0);
-          ++bins;
-        }
-        const double p_value = test::chi_square_p_value(chi2, bins - 1);
-        INFO("V " << vocab << " T " << temperature << " alpha " << alpha << " chi2 " << chi2 << " bins "
-                  << bins);
-        CHECK(p_value > 1e-4);
+        const auto fit = fit_draws(rng, DType::kFloat32, row, temperature, alpha, rows, launches);
+        INFO("V " << vocab << " T " << temperature << " alpha " << alpha << " chi2 " << fit.statistic
+                  << " bins " << fit.bins);
+        CHECK(fit.p_value > 1e-4);
       }
     }
   }
+}
+
+TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one tile, all tiles, or few tiles") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  // 1,007,616 draws per setting (1024 rows x 984 launches); fewer under a sanitizer, same test.
+  const int rows = test::sanitizer_scaled(1024, 256, 64), launches = test::sanitizer_scaled(984, 64, 16);
+  enum class Layout { kOneTile, kAllTiles, kMostTilesMasked };
+  const char* const names[] = {"mass in one tile", "mass over all tiles", "most tiles -inf"};
+  struct Setting {
+    DType dtype;
+    Layout layout;
+    float temperature, alpha;
+  };
+  std::vector<Setting> settings;
+  for (Layout layout : {Layout::kOneTile, Layout::kAllTiles, Layout::kMostTilesMasked})
+    for (const auto& [temperature, alpha] : {std::pair{1.0f, 1.0f}, std::pair{0.7f, 2.0f}})
+      settings.push_back({DType::kFloat32, layout, temperature, alpha});
+  settings.push_back({DType::kBFloat16, Layout::kAllTiles, 1.0f, 1.0f});
+  settings.push_back({DType::kBFloat16, Layout::kMostTilesMasked, 0.7f, 2.0f});
+  for (const Setting& setting : settings) {
+    const int tile = smcgraph::sample_tile_length(setting.dtype);
+    const int vocab = 8 * tile + 1000; // 9 tiles, the last one partial
+    std::vector<float> row(vocab);
+    for (int v = 0; v < vocab; ++v) {
+      const int t = v / tile;
+      const float normal = static_cast<float>(rng.normal(0.0, 1.0));
+      switch (setting.layout) {
+      case Layout::kOneTile: // tile 3 holds all but ~0.3% of the mass (at T = 1)
+        row[v] = t == 3 ? normal : normal - 8.0f;
+        break;
+      case Layout::kAllTiles: // every tile a different share
+        row[v] = normal + 0.25f * static_cast<float>(t);
+        break;
+      case Layout::kMostTilesMasked: // tiles 1 and 8 (the partial one), and one logit of tile 5
+        row[v] = t == 1 || t == 8 ? normal : -kInf;
+        break;
+      }
+      row[v] = test::round_to(setting.dtype, row[v]);
+    }
+    if (setting.layout == Layout::kMostTilesMasked)
+      row[5 * tile + 77] = 2.0f;
+    const auto fit = fit_draws(rng, setting.dtype, row, setting.temperature, setting.alpha, rows, launches);
+    INFO(names[static_cast<int>(setting.layout)] << ", " << smcgraph::dtype_name(setting.dtype) << ", T "
+                                                 << setting.temperature << " alpha " << setting.alpha
+                                                 << ": chi2 " << fit.statistic << " bins " << fit.bins);
+    CHECK(fit.bins > 100);
+    CHECK(fit.p_value > 1e-4);
+  }
+}
+
+TEST_CASE("two-level race: the tile draw is element kTileDrawElement + t, the token draws element v") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const DType dtype = DType::kBFloat16;
+  const int tile = smcgraph::sample_tile_length(dtype), vocab = 128256; // 16 tiles, the last of 5376
+  const int tiles = smcgraph::sample_splits(vocab, dtype), rows = 64;
+  const auto uniform = [](const Batch& batch, int r, uint64_t element) {
+    return smcgraph::uniform_open01(
+        smcgraph::philox_word(batch.seeds[r], element, batch.counters[r], 0, kStream));
+  };
+  Batch batch = replicated_batch(rng, dtype, std::vector<float>(vocab, -kInf), rows, 0.8f, 1.0f);
+  std::vector<int> expected(rows);
+  for (int r = 0; r < rows; ++r) {
+    float* logits = batch.logits.data() + static_cast<size_t>(r) * vocab;
+    if (r % 2 == 0) {
+      // Equal tiles (one logit 1.5 each, at a random offset): Z_t is the same for every tile, so the tile
+      // with the largest tile uniform wins, and within it its one finite logit.
+      int best_tile = 0;
+      std::vector<int> offset(tiles);
+      for (int t = 0; t < tiles; ++t) {
+        offset[t] = static_cast<int>(rng.integer(0, std::min(tile, vocab - t * tile) - 1));
+        logits[t * tile + offset[t]] = 1.5f;
+        if (uniform(batch, r, smcgraph::kTileDrawElement + t) >
+            uniform(batch, r, smcgraph::kTileDrawElement + best_tile))
+          best_tile = t;
+      }
+      expected[r] = best_tile * tile + offset[best_tile];
+    } else {
+      // One finite tile of equal logits: the vocab id with the largest uniform of its own element wins.
+      const int t = static_cast<int>(rng.integer(0, tiles - 1));
+      const int end = std::min(vocab, (t + 1) * tile);
+      expected[r] = t * tile;
+      for (int v = t * tile; v < end; ++v) {
+        logits[v] = -0.75f;
+        if (uniform(batch, r, v) > uniform(batch, r, expected[r]))
+          expected[r] = v;
+      }
+    }
+  }
+  DeviceBatch device(batch);
+  long checked = 0;
+  for (bool captured : {false, true}) {
+    const Outputs out = device.run(captured);
+    CAPTURE(captured);
+    CHECK(out.status == 0);
+    for (int r = 0; r < rows; ++r) {
+      CAPTURE(r);
+      const auto reference_result = reference::sample(batch.logits.data() + static_cast<size_t>(r) * vocab,
+                                                      vocab, tile, batch.temperature[r], batch.alpha[r],
+                                                      batch.seeds[r], batch.counters[r], 0, kStream);
+      if (reference_result.near_tie()) // equal uniforms: both sides take the smaller index, by a float key
+        continue;
+      CHECK(reference_result.token == expected[r]);
+      CHECK(out.tokens[r] == expected[r]);
+      ++checked;
+    }
+  }
+  CHECK(checked >= rows);
 }
 
 TEST_CASE("a row's result does not depend on its batch, its row index, or graph vs eager") {
@@ -399,8 +518,9 @@ TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the coun
   // Replay k used draw counter c + k: the host reference agrees.
   for (int r = 0; r < batch.rows; ++r) {
     const auto expected =
-        reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.vocab, batch.vocab, 1.0f,
-                          batch.alpha[r], batch.seeds[r], batch.counters[r] + 2, 0, kStream);
+        reference::sample(batch.logits.data() + static_cast<size_t>(r) * batch.vocab, batch.vocab,
+                          smcgraph::sample_tile_length(batch.dtype), 1.0f, batch.alpha[r], batch.seeds[r],
+                          batch.counters[r] + 2, 0, kStream);
     CHECK(replays[2][r] == expected.token);
   }
   device.counters.copy_from_host(batch.counters.data(), batch.counters.size(), device.stream);
@@ -542,8 +662,8 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
           }
           const auto expected_bonus = reference::sample(
               batch.logits.data() + (static_cast<size_t>(r) * positions + positions - 1) * vocab, vocab,
-              temperature[r], alpha[r], seeds[r / particles], counters[r / particles],
-              static_cast<uint32_t>(r % particles), stream_word);
+              smcgraph::sample_tile_length(dtype), temperature[r], alpha[r], seeds[r / particles],
+              counters[r / particles], static_cast<uint32_t>(r % particles), stream_word);
           row_flags |= expected_bonus.flags;
           CHECK(h_flags[r] == row_flags);
           if (!expected_bonus.flags && !expected_bonus.near_tie()) {

@@ -9,8 +9,13 @@
 //               salt << 24 | step }                  (c.w: which draw of the cycle)
 //   word    = element % 4
 //
-// Limits: vocab ids < 2^34; 2^32 cycles per request before the draw counter wraps (a wrap would repeat
-// numbers: at 10^4 cycles/s that is 5 days of one request); particles < 2^32; steps < 2^24, 255 salts.
+// The sampler's two-level race (sample.hpp) draws, under one (c.y, c.z, c.w), one word per vocab id v
+// (element = v, so c.x < 2^31) and one word per tile t of the row (element = kTileDrawElement + t, so
+// c.x = 2^31 | t / 4): the high bit of c.x keeps the tile draws apart from the vocab draws.
+//
+// Limits: vocab ids < 2^33 (and tiles < 2^33); 2^32 cycles per request before the draw counter wraps (a
+// wrap would repeat numbers: at 10^4 cycles/s that is 5 days of one request); particles < 2^32; steps
+// < 2^24, 255 salts.
 // Distinct (salt, step) pairs keep the draws of one cycle apart, the draw counter keeps cycles apart,
 // the particle keeps particles apart and the key keeps requests apart: no two draws share a counter.
 //
@@ -71,6 +76,11 @@ inline PhiloxCounter philox4x32_10(PhiloxCounter counter, PhiloxKey key) {
 inline PhiloxKey philox_key(uint64_t seed) {
   return {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
 }
+
+/// Element id of the first tile draw of the two-level sampler: tile t draws the word of element
+/// kTileDrawElement + t (counter word c.x = 2^31 | t / 4, word t % 4). Vocab ids stay below it.
+inline constexpr uint64_t kTileDrawElement = uint64_t{1} << 33;
+static_assert((kTileDrawElement >> 2) == 0x80000000u, "tile draws own the high bit of counter word c.x");
 
 /// The word smcgraph draws for (seed, element, draw counter, particle, stream) per the layout above.
 inline uint32_t philox_word(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,

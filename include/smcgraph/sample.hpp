@@ -1,9 +1,19 @@
 // Graph-safe sampling and scoring from logits (DESIGN.md §2 steps 2-5, §4).
 //
-// One read of the logits per (row, position): an online log-sum-exp and an exponential race (the
-// Gumbel-max trick in ratio form) share a single pass, so sampling costs what reading the logits costs.
-// The vocabulary is split across CTAs in fixed-size splits; the last CTA of a row combines the partial
-// results (a ticket counter that it resets, so a captured graph replays without host help).
+// One read of the logits per (row, position) from memory. The vocabulary is cut into fixed tiles
+// (sample_tile_length(): a function of the dtype only), one CTA each, which keep an online log-sum-exp
+// (max and sum, base 2) and draw no random numbers; the last CTA of a row combines the tiles' results (a
+// ticket counter that it resets, so a captured graph replays without host help) and samples in two levels,
+// an exact two-level Gumbel-max:
+//   1. a tile c by Gumbel-max over log Z_c, Z_c = sum over tile c of exp(alpha l_v / T), one Philox word per
+//      tile (philox.hpp: element kTileDrawElement + c);
+//   2. the token inside tile c by Gumbel-max over alpha l_v / T of that tile alone, one Philox word per
+//      element (element v), after re-reading the tile (from L2).
+// Exactness: P(c) = Z_c / Z and P(v | c) = exp(alpha l_v / T) / Z_c, because the tile noises and the element
+// noises are distinct Philox words and so independent; the product is exp(alpha l_v / T) / Z, exactly
+// softmax(alpha l / T), the law of a single Gumbel-max over the row (which is what a one-tile row does).
+// Per-element random numbers are drawn for one tile only, so the pass is bound by bytes, not by Philox.
+// The host reference (tests/reference/sample_ref.hpp) draws the same words and picks the same tokens.
 //
 //   smcgraph::SampleWorkspace workspace(max_rows, vocab);                 // once, before capture
 //   smcgraph::LogitsView logits{d_logits, smcgraph::DType::kBFloat16, rows, 1, vocab, vocab, vocab};
@@ -101,8 +111,10 @@ private:
   uint32_t* tickets_ = nullptr;
 };
 
-/// Samples one token per row from softmax(alpha * logits / T) with keyed Gumbel noise (stream = the
-/// counter word w, see philox_stream). Never allocates or synchronizes: capturable.
+/// Samples one token per row from softmax(alpha * logits / T) by the two-level Gumbel-max above, with keyed
+/// noise (stream = the counter word w, see philox_stream): tile t draws the word of element
+/// kTileDrawElement + t, vocab id v the word of element v, both under (seed, draw counter, particle, w).
+/// T = 0 is greedy (argmax, ties to the smallest id). Never allocates or synchronizes: capturable.
 void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
             const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream);
 
@@ -119,9 +131,13 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
 void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word,
                   uint32_t* out, int count, cudaStream_t stream);
 
-/// CTAs per (row, position) the launchers use: ceil(vocab / split length), where a split is 4096 fp32 or
-/// 8192 bf16/fp16 logits. It depends on the vocabulary and dtype only, so a row's reduction order (and its
-/// results, bit for bit) does not depend on the batch it is in.
+/// Logits per tile of the two-level sampler and per CTA of the pass: 4096 fp32, 8192 bf16 / fp16. Tile t of
+/// a row holds vocab ids [t * length, min(V, (t + 1) * length)).
+int sample_tile_length(DType dtype);
+
+/// CTAs (tiles) per (row, position) the launchers use: ceil(vocab / sample_tile_length(dtype)). It depends
+/// on the vocabulary and dtype only, so a row's reduction order, its tiles and its results (bit for bit)
+/// do not depend on the batch it is in.
 int sample_splits(int vocab, DType dtype);
 
 } // namespace smcgraph

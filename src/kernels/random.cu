@@ -20,8 +20,7 @@ __global__ void PhiloxWordsKernel(uint64_t seed, uint32_t draw_counter, uint32_t
     return;
   const uint4 words =
       device::philox_group(seed, static_cast<uint32_t>(i >> 2), draw_counter, particle, stream_word);
-  const uint32_t lane = i & 3;
-  out[i] = lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;
+  out[i] = device::group_word(words, static_cast<uint32_t>(i & 3));
 }
 
 } // namespace

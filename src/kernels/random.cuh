@@ -17,6 +17,20 @@ __device__ __forceinline__ uint4 philox_group(uint64_t seed, uint32_t group, uin
   return curand_Philox4x32_10(make_uint4(group, draw_counter, particle, stream_word), key);
 }
 
+/// Word `lane` (0..3) of a Philox group.
+__device__ __forceinline__ uint32_t group_word(const uint4& words, uint32_t lane) {
+  return lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;
+}
+
+/// The sampler's tile draw (philox.hpp): the word of element kTileDrawElement + tile, i.e. word tile % 4 of
+/// the counter {2^31 | tile / 4, draw_counter, particle, stream_word}. Vocab draws keep c.x < 2^31.
+__device__ __forceinline__ uint32_t philox_tile_word(uint64_t seed, uint32_t tile, uint32_t draw_counter,
+                                                     uint32_t particle, uint32_t stream_word) {
+  constexpr uint32_t kTileGroupBase = static_cast<uint32_t>(kTileDrawElement >> 2);
+  return group_word(philox_group(seed, kTileGroupBase | (tile >> 2), draw_counter, particle, stream_word),
+                    tile & 3u);
+}
+
 /// Same value as smcgraph::uniform_open01 ((2k + 1) * 2^-24 from the top 23 bits), without an int->float
 /// conversion: 1 + k * 2^-23 built from bits, minus (1 - 2^-24), is exact (Sterbenz).
 __device__ __forceinline__ float uniform_open01(uint32_t word) {

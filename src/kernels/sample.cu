@@ -1,5 +1,6 @@
 // sample(): one token per row from softmax(alpha * logits / T), its log-prob and log Z, in one read of the
-// logits. The kernel itself lives in logits_pass.cuh (shared with score()).
+// logits from memory (the two-level race re-reads one tile from L2). The kernel itself lives in
+// logits_pass.cuh (shared with score()).
 #include "kernels/logits_pass.cuh"
 
 #include <algorithm>
@@ -12,11 +13,16 @@ namespace smcgraph {
 using detail::ceil_div;
 namespace {} // namespace
 
+int sample_tile_length(DType dtype) {
+  static_assert(detail::kSplitLength<DType::kBFloat16> == detail::kSplitLength<DType::kFloat16>,
+                "fp16 and bf16 share a tile length");
+  return dtype == DType::kFloat32 ? detail::kSplitLength<DType::kFloat32>
+                                  : detail::kSplitLength<DType::kBFloat16>;
+}
+
 int sample_splits(int vocab, DType dtype) {
   require(vocab >= 1, "sample_splits", "vocab", vocab, "must be >= 1");
-  const int split_length = dtype == DType::kFloat32 ? detail::kSplitLength<DType::kFloat32>
-                                                    : detail::kSplitLength<DType::kBFloat16>;
-  return static_cast<int>(ceil_div(vocab, split_length));
+  return static_cast<int>(ceil_div(vocab, sample_tile_length(dtype)));
 }
 
 SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab)

@@ -11,6 +11,7 @@
 #include "reference/smc_ref.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
+#include "smcgraph/sample.hpp"
 #include "smcgraph/types.hpp"
 #include "support/test_util.hpp"
 
@@ -157,8 +158,9 @@ void SmcCycleReference::round_logits(std::vector<float>& logits) const {
 SmcCycleReference::Draw SmcCycleReference::draw(const float* logits, int row, float temperature, float alpha,
                                                 uint32_t stream_word, const char* what) {
   const int q = row / particles_;
-  const SampleResult result = sample(logits, vocab_, temperature, alpha, seeds_[q], draw_counters_[q],
-                                     static_cast<uint32_t>(row % particles_), stream_word);
+  const SampleResult result =
+      sample(logits, vocab_, sample_tile_length(dtype_), temperature, alpha, seeds_[q], draw_counters_[q],
+             static_cast<uint32_t>(row % particles_), stream_word);
   ++stats_.samples;
   if (!result.flags && result.near_tie()) {
     ++stats_.near_ties;

@@ -13,7 +13,8 @@
 //
 // Logits are the toy reference's floats, rounded to the models' dtype (bf16) before any sampling, exactly
 // what the device sampler reads. Random draws use the same Philox counters, so tokens agree with the device
-// except at a near tie of the exponential race (SampleResult::near_tie(), counted in sample_stats()).
+// except at a near tie of either level of the two-level race (SampleResult::near_tie(), counted in
+// sample_stats()).
 // Log-probabilities are double in the reference and float on the device (they differ by ~1e-6), and the
 // resampling decision is discontinuous in the weights; for lockstep runs the cycle is split:
 //

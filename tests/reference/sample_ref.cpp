@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
 #include "smcgraph/types.hpp"
 
@@ -44,11 +45,41 @@ bool parameters_bad(float temperature, float alpha) {
 } // namespace
 
 bool SampleResult::near_tie() const {
-  return std::abs(best_score - runner_up_score) <= 1e-6 * std::max(1.0, std::abs(best_score));
+  const auto close = [](double best, double second) {
+    return std::abs(best - second) <= 1e-6 * std::max(1.0, std::abs(best));
+  };
+  return close(best_score, runner_up_score) || close(tile_best_score, tile_runner_up_score);
 }
 
-SampleResult sample(const float* logits, int vocab, float temperature, float alpha, uint64_t seed,
-                    uint32_t draw_counter, uint32_t particle, uint32_t stream_word) {
+namespace {
+
+/// Gumbel noise -log(-log u) of the Philox word of `element` (a vocab id, or kTileDrawElement + tile).
+double gumbel(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
+              uint32_t stream_word) {
+  const double u = uniform_open01(philox_word(seed, element, draw_counter, particle, stream_word));
+  return -std::log(-std::log(u));
+}
+
+/// Keeps the best and second best score of a race (ties keep the first, i.e. the smaller index).
+struct Race {
+  double best = -kInf, second = -kInf;
+  int index = -1;
+  void offer(double score, int i) {
+    if (score > best) {
+      second = best;
+      best = score;
+      index = i;
+    } else if (score > second) {
+      second = score;
+    }
+  }
+};
+
+} // namespace
+
+SampleResult sample(const float* logits, int vocab, int tile_length, float temperature, float alpha,
+                    uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word) {
+  require(tile_length >= 1, "reference::sample", "tile_length", tile_length, "must be >= 1");
   SampleResult result;
   if (parameters_bad(temperature, alpha)) {
     result.flags = kFlagBadParameter;
@@ -73,35 +104,52 @@ SampleResult sample(const float* logits, int vocab, float temperature, float alp
       if (v != best)
         second = std::max(second, static_cast<double>(logits[v]));
     result.token = best;
+    result.tile = 0;
     result.best_score = logits[best];
     result.runner_up_score = second;
+    result.tile_runner_up_score = -kInf;
     return result;
   }
   const double scale = 1.0 / static_cast<double>(temperature);
   const double a = alpha;
-  double best = -kInf, second = -kInf;
-  int best_index = -1;
-  for (int v = 0; v < vocab; ++v) {
+  const double power_scale = a * scale;
+  // Level 1: a tile by Gumbel-max over log Z_t (of alpha l / T); a tile that is all -inf has Z_t = 0.
+  const int tiles = (vocab + tile_length - 1) / tile_length;
+  Race tile_race;
+  if (tiles == 1) {
+    tile_race.offer(0.0, 0);
+  } else {
+    for (int t = 0; t < tiles; ++t) {
+      const int begin = t * tile_length, length = std::min(vocab, begin + tile_length) - begin;
+      double m = 0.0;
+      const double log_z = log_sum_exp(logits + begin, length, power_scale, &m);
+      if (m == -kInf)
+        continue;
+      tile_race.offer(log_z + gumbel(seed, kTileDrawElement + static_cast<uint64_t>(t), draw_counter,
+                                     particle, stream_word),
+                      t);
+    }
+  }
+  // Level 2: the token by Gumbel-max over alpha l / T inside the winning tile only.
+  const int begin = tile_race.index * tile_length, end = std::min(vocab, begin + tile_length);
+  Race race;
+  for (int v = begin; v < end; ++v) {
     if (logits[v] == -std::numeric_limits<float>::infinity())
       continue;
-    const double u =
-        uniform_open01(philox_word(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word));
-    const double score = a * logits[v] * scale - std::log(-std::log(u));
-    if (score > best) {
-      second = best;
-      best = score;
-      best_index = v;
-    } else if (score > second) {
-      second = score;
-    }
+    race.offer(power_scale * logits[v] +
+                   gumbel(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word),
+               v);
   }
   double m = 0.0;
   const double lse = log_sum_exp(logits, vocab, scale, &m);
-  const double lse_power = log_sum_exp(logits, vocab, a * scale, &m);
-  result.token = best_index;
-  result.best_score = best;
-  result.runner_up_score = second;
-  result.logprob = a * logits[best_index] * scale - lse_power;
+  const double lse_power = log_sum_exp(logits, vocab, power_scale, &m);
+  result.token = race.index;
+  result.tile = tile_race.index;
+  result.best_score = race.best;
+  result.runner_up_score = race.second;
+  result.tile_best_score = tile_race.best;
+  result.tile_runner_up_score = tile_race.second;
+  result.logprob = power_scale * logits[race.index] - lse_power;
   result.logz = lse_power - a * lse;
   return result;
 }

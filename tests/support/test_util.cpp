@@ -155,4 +155,36 @@ double chi_square_p_value(double statistic, double dof) {
   return upper_regularized_gamma(dof / 2.0, statistic / 2.0);
 }
 
+ChiSquare chi_square_fit(const std::vector<double>& counts, const std::vector<double>& weights) {
+  double draws = 0.0, norm = 0.0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    draws += counts[i];
+    norm += weights[i];
+  }
+  ChiSquare fit;
+  double pooled_expected = 0.0, pooled_count = 0.0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (weights[i] == 0.0) {
+      if (counts[i] > 0.0)
+        return fit; // an impossible outcome was drawn
+      continue;
+    }
+    const double expected = draws * weights[i] / norm;
+    if (expected < 5.0) {
+      pooled_expected += expected;
+      pooled_count += counts[i];
+      continue;
+    }
+    fit.statistic += (counts[i] - expected) * (counts[i] - expected) / expected;
+    ++fit.bins;
+  }
+  if (pooled_expected > 0.0) {
+    fit.statistic +=
+        (pooled_count - pooled_expected) * (pooled_count - pooled_expected) / std::max(pooled_expected, 1.0);
+    ++fit.bins;
+  }
+  fit.p_value = fit.bins > 1 ? chi_square_p_value(fit.statistic, fit.bins - 1) : 1.0;
+  return fit;
+}
+
 } // namespace smcgraph::test

@@ -105,4 +105,13 @@ inline bool close_to(double a, double b, double tol) {
 /// Upper tail probability of a chi-square variable with `dof` degrees of freedom.
 double chi_square_p_value(double statistic, double dof);
 
+/// Goodness of fit of `counts` (draws per outcome) to `weights` (unnormalised probabilities, same length):
+/// Pearson's chi-square with the bins of expected count < 5 pooled into one, so the approximation holds at
+/// any draw count. A draw in a zero-weight bin gives p = 0.
+struct ChiSquare {
+  double statistic = 0.0, p_value = 0.0;
+  int bins = 0;
+};
+ChiSquare chi_square_fit(const std::vector<double>& counts, const std::vector<double>& weights);
+
 } // namespace smcgraph::test
