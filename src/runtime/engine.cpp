@@ -398,7 +398,10 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
     update.resampled = out[layout.resampled + q] != 0;
     update.ess = ess[q];
     update.draft_steps = cycle_draft_steps[q];
-    update.accepted = c.kind == CycleKind::kSpeculative ? accepted[q] : update.draft_steps;
+    // A request that did not draft this cycle (its rows were not live) accepted nothing; SMC keeps every
+    // token.
+    const bool drafted = committed[q * N] > 0;
+    update.accepted = !drafted ? 0 : (c.kind == CycleKind::kSpeculative ? accepted[q] : update.draft_steps);
     update.acceptance_ema = acceptance_ema[q];
     update.next_draft_steps = next_draft_steps[q];
     update.kv_pressure = kv_pressure;
