@@ -50,8 +50,8 @@ SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
   // clang-format off
   return {.tables = b.tables, .pool = b.pool, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
           .eos_id = b.eos_id, .particles = b.particles, .draft_tokens = b.draft_tokens, .accepted = b.accepted,
-          .next_tokens = b.next_tokens, .request_draft_steps = b.request_draft_steps, .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens,
-          .committed = b.committed, .first_eos = b.first_eos, .finished = b.finished};
+          .next_tokens = b.next_tokens, .request_draft_steps = b.request_draft_steps, .row_flags = b.row_flags,
+          .cycle_tokens = b.cycle_tokens, .committed = b.committed, .first_eos = b.first_eos, .finished = b.finished};
   // clang-format on
 }
 

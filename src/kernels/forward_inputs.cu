@@ -54,7 +54,8 @@ struct VerifyInputsView {
 VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
   // clang-format off
   return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
-          .particles = b.particles, .request_draft_steps = b.request_draft_steps, .draft_tokens = b.draft_tokens, .draft_logprobs = b.draft_logprobs,
+          .particles = b.particles, .request_draft_steps = b.request_draft_steps,
+          .draft_tokens = b.draft_tokens, .draft_logprobs = b.draft_logprobs,
           .verify_tokens = b.verify_tokens, .draft_logprobs_rows = b.draft_logprobs_rows};
   // clang-format on
 }
