@@ -575,6 +575,10 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   config.buckets = o.requests;
   config.max_seq_len = ctx.constants->max_seq_len;
   config.slot_pool_size = ctx.constants->pool_size;
+  if (kind == CycleKind::kSpeculative && o.adaptive) {
+    config.adaptive.enabled = true;
+    config.adaptive.mid_steps = std::max(1, (steps + 1) / 2);
+  }
 
   const auto construct_start = std::chrono::steady_clock::now();
   Engine engine(config, *models.draft, *models.target);
@@ -634,6 +638,15 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     row.graph = time_cycles(engine, o.cycles, updates);
     const int64_t committed = check_updates(updates, static_cast<size_t>(o.cycles) * requests, config, check);
     row.tokens_per_cycle = static_cast<double>(committed) / (static_cast<double>(o.cycles) * rows);
+    double mean_draft_steps = 0.0, mean_acceptance_ema = 0.0; // the draft length of the timed cycles
+    for (const RequestUpdate& update : updates) {
+      mean_draft_steps += update.draft_steps;
+      mean_acceptance_ema += update.acceptance_ema;
+    }
+    if (!updates.empty()) {
+      mean_draft_steps /= static_cast<double>(updates.size());
+      mean_acceptance_ema /= static_cast<double>(updates.size());
+    }
     if (kind == CycleKind::kSmc && !updates.empty()) { // particle health of the timed cycles
       double ess = 0.0;
       int64_t resampled = 0;
@@ -709,6 +722,10 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
           "%s%% of the graph time\n",
           "", row.cycle_bytes / 1e6, format(row.roofline_us, 1).c_str(),
           format(100.0 * row.roofline_us / row.graph.median_us, 1).c_str());
+    if (kind == CycleKind::kSpeculative)
+      std::printf("%8s  draft length: mean K %s of %d, mean acceptance EMA %s (%s)\n", "",
+                  format(mean_draft_steps, 2).c_str(), steps, format(mean_acceptance_ema, 3).c_str(),
+                  engine.draft_loop().note.c_str());
     if (kind == CycleKind::kSmc)
       std::printf("%8s  particles: mean ESS / N %s, resampled in %s%% of request cycles\n", "",
                   format(row.ess_over_n, 3).c_str(), format(100.0 * row.resample_rate, 1).c_str());

@@ -6,6 +6,8 @@
 //   0) build/examples/generate --kind smc --particles 8 --steps 4 --prompt "Write a haiku about GPUs."
 //   build/examples/generate --kind spec --temperature 0.8 --seed 7 --prompt "Tell me a story."
 //
+// --adaptive (greedy / spec): each cycle's K chosen on the device from the acceptance EMA, K in
+// {1, ceil(K/2), K} (EngineConfig::adaptive); the K of every cycle is printed at the end.
 // --kind greedy (default): speculative decoding with a greedy target, exactly the target's greedy text;
 // --kind spec: rejection-based speculative decoding at the given target temperature; --kind smc: SMC
 // speculative decoding, the particle drawn by weight is printed. --draft-layers picks the draft's layers
@@ -46,6 +48,7 @@ struct Options {
   uint64_t seed = 1;
   std::string draft_layers = "0-27";
   bool raw = false;
+  bool adaptive = false; // --adaptive: per-request K chosen on the device (speculative kinds)
 };
 
 Options parse(int argc, char** argv) {
@@ -75,7 +78,10 @@ Options parse(int argc, char** argv) {
       o.seed = parse_integer<uint64_t>(flag, flags.value(), 0, std::numeric_limits<uint64_t>::max());
     else if (flag == "--draft-layers")
       o.draft_layers = flags.value();
-    else if (flag == "--raw") {
+    else if (flag == "--adaptive") {
+      flags.no_value();
+      o.adaptive = true;
+    } else if (flag == "--raw") {
       flags.no_value();
       o.raw = true;
     } else if (flag == "--help" || flag == "-h")
@@ -85,6 +91,8 @@ Options parse(int argc, char** argv) {
   }
   if (o.kind != "greedy" && o.kind != "spec" && o.kind != "smc")
     throw smcgraph::cli::bad_value("--kind", o.kind, "must be greedy, spec or smc");
+  if (o.adaptive && o.kind == "smc")
+    throw smcgraph::cli::bad_value("--adaptive", "smc", "needs --kind greedy or spec (SMC drafts a fixed K)");
   return o;
 }
 
@@ -130,6 +138,9 @@ int run(const Options& o) {
   config.max_seq_len = max_seq_len;
   config.slot_pool_size = model_options.pool_size;
   config.eos_id = tokenizer.eos_id();
+  config.adaptive.enabled = o.adaptive;
+  if (config.adaptive.enabled)
+    config.adaptive.mid_steps = std::max(1, (o.steps + 1) / 2); // {1, ceil(K/2), K}
   if (o.kind == "greedy") {
     config.draft_temperature = 0.0f;
     config.target_temperature = 0.0f;
@@ -147,6 +158,8 @@ int run(const Options& o) {
   int cycles = 0;
   bool done = false;
   std::string failure;
+  std::string draft_lengths; // K of every cycle
+  float acceptance_ema = 0.0f;
   while (!done) {
     engine.step();
     ++cycles;
@@ -154,6 +167,8 @@ int run(const Options& o) {
       if (update.failed)
         failure = update.reason;
       done = done || update.finished || update.failed;
+      draft_lengths += (draft_lengths.empty() ? "" : " ") + std::to_string(update.draft_steps);
+      acceptance_ema = update.acceptance_ema;
     }
   }
   const smcgraph::RequestResult result = engine.result(id);
@@ -171,6 +186,8 @@ int run(const Options& o) {
                o.kind.c_str(), prompt.size(), tokens.size(), ended_with_eos ? " (EOS)" : "", cycles,
                cycles ? static_cast<double>(tokens.size()) / cycles : 0.0, seconds, tokens.size() / seconds,
                load_s, o.draft_layers.c_str(), target.config().layers);
+  std::fprintf(stderr, "[draft length per cycle: %s; acceptance EMA %.3f; %s]\n", draft_lengths.c_str(),
+               acceptance_ema, engine.draft_loop().note.c_str());
   if (smc)
     std::fprintf(stderr, "[smc: particle %d of %d drawn by weight, log Z-hat %.3f]\n", result.chosen,
                  particles, result.log_evidence);

@@ -413,6 +413,10 @@ int run(const Options& o, const Workload& workload) {
   std::printf("resample rate: %.3f (%lld of %lld request-cycles resampled)\n", stats.resample_rate,
               static_cast<long long>(stats.resampled_request_cycles),
               static_cast<long long>(stats.request_cycles));
+  const double request_cycles = static_cast<double>(std::max<int64_t>(1, stats.request_cycles));
+  std::printf("draft length: mean K %.2f of %d, mean acceptance EMA %.3f (%s)\n",
+              static_cast<double>(stats.draft_steps) / request_cycles, engine.config().draft_steps,
+              stats.acceptance_ema / request_cycles, engine.draft_loop().note.c_str());
   std::printf("finish reasons:");
   for (const auto& [reason, requests_with_reason] : stats.reasons)
     std::printf(" %s %d;", reason.c_str(), requests_with_reason);

@@ -85,6 +85,8 @@ struct ServeStats {
   int64_t cycles = 0;                   ///< cycles launched
   int64_t request_cycles = 0;           ///< (request, cycle) pairs polled
   int64_t resampled_request_cycles = 0; ///< of those, how many resampled
+  int64_t draft_steps = 0;              ///< K summed over the polled (request, cycle) pairs
+  double acceptance_ema = 0;            ///< the device's acceptance EMA summed over them
   int compactions = 0;
   double seconds = 0;        ///< wall time of serve()
   double tokens_per_s = 0;   ///< generated_tokens / seconds
@@ -221,6 +223,8 @@ inline ServeStats serve(Engine& engine, const std::vector<ServeRequest>& request
       ++it->second.cycles;
       ++stats.request_cycles;
       stats.resampled_request_cycles += update.resampled ? 1 : 0;
+      stats.draft_steps += update.draft_steps;
+      stats.acceptance_ema += update.acceptance_ema;
       for (const std::vector<int32_t>& particle : update.tokens)
         stats.particle_tokens += static_cast<int64_t>(particle.size());
       if (options.on_update)

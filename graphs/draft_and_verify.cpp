@@ -5,10 +5,93 @@
 // changes between replays.
 #include "runtime/engine_state.hpp"
 
+#include "smcgraph/error.hpp"
 #include "smcgraph/sample.hpp"
 #include "smcgraph/slots.hpp"
 
 namespace smcgraph::detail {
+namespace {
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  SMCGRAPH_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status == cudaStreamCaptureStatusActive;
+}
+
+#if CUDART_VERSION >= 12040
+/// The graph `stream` is capturing into and the nodes the next captured work depends on.
+struct CaptureSite {
+  cudaGraph_t graph = nullptr;
+  const cudaGraphNode_t* dependencies = nullptr;
+  size_t count = 0;
+};
+
+CaptureSite capture_site(cudaStream_t stream) {
+  CaptureSite site;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  // The edge data is queried so that programmatic (PDL) edges do not make the query lossy; the conditional
+  // node then takes plain full dependencies on those nodes, which orders at least as strongly.
+  const cudaGraphEdgeData* edges = nullptr;
+#if CUDART_VERSION >= 13000
+  SMCGRAPH_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &site.graph, &site.dependencies,
+                                               &edges, &site.count));
+#else
+  SMCGRAPH_CUDA_CHECK(cudaStreamGetCaptureInfo_v3(stream, &status, nullptr, &site.graph, &site.dependencies,
+                                                  &edges, &site.count));
+#endif
+  require(status == cudaStreamCaptureStatusActive, "draft loop", "capture status", static_cast<int>(status),
+          "the stream must be capturing");
+  return site;
+}
+
+/// Appends an IF node to the graph `stream` captures and captures the body on `body_stream` until end();
+/// the stream's later work depends on the IF node.
+class ConditionalBody {
+public:
+  ConditionalBody(cudaStream_t stream, cudaStream_t body_stream, cudaGraphConditionalHandle handle)
+      : body_stream_(body_stream) {
+    const CaptureSite site = capture_site(stream);
+    cudaGraphNodeParams params{};
+    params.type = cudaGraphNodeTypeConditional;
+    params.conditional.handle = handle;
+    params.conditional.type = cudaGraphCondTypeIf;
+    params.conditional.size = 1;
+    cudaGraphNode_t node = nullptr;
+#if CUDART_VERSION >= 13000
+    SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, nullptr, site.count, &params));
+    SMCGRAPH_CUDA_CHECK(
+        cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
+#else
+    SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, site.count, &params));
+    SMCGRAPH_CUDA_CHECK(
+        cudaStreamUpdateCaptureDependencies(stream, &node, 1, cudaStreamSetCaptureDependencies));
+#endif
+    SMCGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream, params.conditional.phGraph_out[0], nullptr,
+                                                      nullptr, 0, cudaStreamCaptureModeThreadLocal));
+    open_ = true;
+  }
+  ConditionalBody(const ConditionalBody&) = delete;
+  ConditionalBody& operator=(const ConditionalBody&) = delete;
+  void end() {
+    open_ = false;
+    cudaGraph_t body = nullptr;
+    SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(body_stream_, &body));
+  }
+  ~ConditionalBody() {
+    if (open_) { // an exception left the body open: end it so the stream can be used again
+      cudaGraph_t body = nullptr;
+      cudaStreamEndCapture(body_stream_, &body);
+      cudaGetLastError();
+    }
+  }
+
+private:
+  cudaStream_t body_stream_;
+  bool open_ = false;
+};
+#endif
+
+} // namespace
 
 void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_t stream) {
   const bool speculative = s.config.kind == CycleKind::kSpeculative;
@@ -26,10 +109,28 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
 
   s.stage = "reset_status";
   SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), stream));
+  // Captured with conditional nodes: draft step s runs only when some live row has K_q > s.
+  const bool conditional = s.draft_loop.conditional && K > 1 && capturing(stream);
+  DraftLoopConditions conditions;
   {
     Stage stage(s, alloc_name);
-    alloc_cycle_slots(b.pool, tables, N, K + 1, b.cycle_slots, b.row_flags, b.status, stream);
+    // Each row takes K_q + 1 slots (positions L .. L + K_q), its request's draft length.
+    alloc_cycle_slots(b.pool, tables, N, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, b.cycle_slots,
+                      b.row_flags, b.status, stream);
     prepare_draft_inputs(b, rows, stream);
+#if CUDART_VERSION >= 12040
+    if (conditional) {
+      const CaptureSite site = capture_site(stream);
+      conditions.count = K - 1;
+      for (int step = 1; step < K; ++step) { // default 1: a step whose condition is never set still runs
+        cudaGraphConditionalHandle handle = 0;
+        SMCGRAPH_CUDA_CHECK(
+            cudaGraphConditionalHandleCreate(&handle, site.graph, 1, cudaGraphCondAssignDefault));
+        conditions.handles[step - 1] = handle;
+      }
+      set_draft_loop(b, rows, conditions, stream);
+    }
+#endif
   }
   const RowParams draft_params{b.draft_temperature, nullptr};
   const RowRandom random{b.seeds, b.draw_counters, N};
@@ -59,7 +160,9 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
       SMCGRAPH_CUDA_CHECK(cudaMemcpy2DAsync(s.draft_step_logits.data(), V * element_bytes,
                                             s.draft_logits.data() + V * element_bytes, 2 * V * element_bytes,
                                             V * element_bytes, rows, cudaMemcpyDeviceToDevice, stream));
-    for (int step = 1; step < K; ++step) {
+    // Step s drafts d_{s+1} for the rows with K_q > s (step_live); the others write the dummy slot and their
+    // samples are never read.
+    auto draft_step = [&](int step, cudaStream_t step_stream) {
       const size_t offset = static_cast<size_t>(step - 1) * s.rows;
       uint8_t* logits =
           speculative ? s.draft_step_logits.data() + step * step_logits_bytes : s.draft_logits.data();
@@ -70,14 +173,25 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
                       b.tables.slot_table,
                       b.step_seq_lens + offset,
                       b.step_out_slots + offset,
-                      b.tables.live,
+                      b.step_live + offset,
                       logits};
-      s.draft->forward(one, stream);
+      s.draft->forward(one, step_stream);
       const LogitsView view{logits, dtype, rows, 1, V, V, V};
       sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
              {b.draft_tokens + offset + s.rows, b.draft_logprobs + offset + s.rows, b.scratch_logz,
               b.row_flags, b.status},
-             s.workspace, stream);
+             s.workspace, step_stream);
+    };
+    for (int step = 1; step < K; ++step) {
+#if CUDART_VERSION >= 12040
+      if (conditional) {
+        ConditionalBody body(stream, s.body_stream, conditions.handles[step - 1]);
+        draft_step(step, s.body_stream);
+        body.end();
+        continue;
+      }
+#endif
+      draft_step(step, stream);
     }
   }
   {

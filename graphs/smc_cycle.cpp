@@ -63,6 +63,11 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, cudaStream_t strea
     collect_freed_slots(b.pool, stream); // freed slots back in id order: slot ids stay deterministic
   }
   {
+    Stage stage(s, "smc.draft_steps");
+    decide_draft_steps(b, bucket_requests, nullptr,
+                       stream); // K stays draft_steps: reports it and the pressure
+  }
+  {
     Stage stage(s, "smc.outputs");
     advance_draw_counters(b.draw_counters, bucket_requests, stream);
     pack_outputs(b, rows, s.outputs_device.data(), stream);

@@ -4,8 +4,12 @@
 //   verify forward (K + 1 tokens) -> score (log p(d_k) under T_t) -> stochastic verification (accept with
 //   min(1, p/q), residual max(0, p - q) by Gumbel-max, bonus from p; T_t = 0 makes it exact greedy
 //   verification) -> fused pack of the accepted tokens and their log-probs (offsets and total on the device)
-//   -> commit (tokens, L += k + 1, rejected positions' slots released) -> collect freed slots -> advance the
-//   draw counters -> pack outputs
+//   -> commit (tokens, L += k + 1, rejected positions' slots released) -> collect freed slots -> next K per
+//   request (EMA of the acceptance rate, KV-pressure cap) -> advance the draw counters -> pack outputs
+//
+// Each request drafts its own K_q <= K (draft_steps.cu): it pops K_q + 1 slots, its rows are masked in the
+// draft steps past K_q (skipped altogether by the captured cycle's conditional nodes once no live row needs
+// them), and it is verified with its own K_q.
 //
 // Row lengths differ after a cycle; they live in device memory, so the same graph replays.
 #include "runtime/engine_state.hpp"
@@ -47,6 +51,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stre
     in.target_temperature = b.target_temperature;
     in.random = random;
     in.gamma = K;
+    in.row_gamma = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
     verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, stream);
   }
   {
@@ -61,6 +66,10 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stre
     Stage stage(s, "spec.commit");
     commit_speculative(b, rows, stream);
     collect_freed_slots(b.pool, stream);
+  }
+  {
+    Stage stage(s, "spec.draft_steps");
+    decide_draft_steps(b, bucket_requests, b.accepted, stream); // after the frees: pressure sees them
   }
   {
     Stage stage(s, "spec.outputs");

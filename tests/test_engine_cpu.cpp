@@ -293,9 +293,11 @@ TEST_CASE("the cycle-state table is consistent: unique names, members and views;
     if (row.compacted)
       CHECK(smcgraph::detail::elements_per_request(row.extent, dims) > 0);
   }
-  // CycleBuffers' 43 buffer pointers are each wired by one row; compact() moves the 16 per-request buffers.
-  CHECK(views == 43);
-  CHECK(compacted == 16);
+  // CycleBuffers' 50 buffer pointers are each wired by one row; compact() moves the 20 per-request buffers
+  // (the draft length's four among them: request_draft_steps, pinned_draft_steps, acceptance_ema,
+  // cycle_draft_steps).
+  CHECK(views == 50);
+  CHECK(compacted == 20);
   CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12 * 4);
   dims.draft_steps = 1; // one draft step: the step buffers keep one row each
   CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12);

@@ -40,6 +40,8 @@ void print_usage() {
       "  --kinds LIST          cycle kinds, smc and/or spec (default both; spec runs with N = 1 and is "
       "reported as\n"
       "                        pending when the engine rejects kSpeculative)\n"
+      "  --adaptive            spec engines choose each request's K on the device (EngineConfig::adaptive,\n"
+      "                        K in {1, ceil(K/2), K}); every spec row prints its mean K and acceptance EMA\n"
       "  --cycles C            timed cycles per phase (default 30)\n"
       "  --perturbation P      draft head perturbation of the toy pair (default 0.3)\n"
       "  --csv PATH            CSV output (default results/bucket_sweep.csv); the peer files go beside it\n"
@@ -119,6 +121,8 @@ int parse_options(int argc, char** argv, Options& o) {
       o.plots = true;
     } else if (arg == "--no-progress") {
       o.progress = false;
+    } else if (arg == "--adaptive") {
+      o.adaptive = true;
     } else if (arg == "--requests" || arg == "--particles" || arg == "--steps" || arg == "--vocabs") {
       const char* text = value();
       if (!text)

@@ -61,6 +61,7 @@ struct Options {
   float draft_perturbation = 0.3f;
   std::string csv = "results/bucket_sweep.csv";
   bool quick = false, peers = false, plots = false, progress = true;
+  bool adaptive = false; ///< --adaptive: speculative engines choose each request's K on the device
   std::string python = "python3";
   std::string peer_script, spec_peer_script, plot_script; // empty: found from the cwd or the executable
   std::string peer_methods;  // empty: each peer's default methods; spec_* names go to spec_peer.py

@@ -37,10 +37,31 @@ enum class CycleKind : uint8_t {
 /// counter's step field numbers (kMaxStep), both checked where the config is validated.
 inline constexpr int kMaxDraftSteps = 64;
 
+/// Adaptive draft length (seed 001, ASBS), decided per request on the device at the end of every speculative
+/// cycle: ema' = smoothing * accepted / K + (1 - smoothing) * ema, then the next K is draft_steps when
+/// ema' >= high_threshold, mid_steps when ema' >= low_threshold, min_steps below, capped at pressure_cap
+/// while the free KV slots are fewer than pressure_free_fraction of the pool. A request pinned to a K
+/// (RequestParams::draft_steps) keeps it. Defaults are the seed's.
+///
+///   config.kind = smcgraph::CycleKind::kSpeculative; config.draft_steps = 8;   // K_max
+///   config.adaptive.enabled = true;                                           // K in {1, 4, 8}
+struct AdaptiveDraftSteps {
+  bool enabled = false;            ///< false: every request drafts its pinned K or draft_steps (fixed K)
+  int min_steps = 1;               ///< K while the EMA is below low_threshold, in [1, mid_steps]
+  int mid_steps = 4;               ///< K while the EMA is in [low_threshold, high_threshold), <= draft_steps
+  float smoothing = 0.2f;          ///< EMA weight of the latest cycle, in [0, 1]
+  float initial_acceptance = 0.8f; ///< EMA of a new request, in [0, 1]
+  float high_threshold = 0.8f;     ///< EMA >= it: draft_steps (K_max); in [low_threshold, 1]
+  float low_threshold = 0.5f;      ///< EMA >= it: mid_steps; in [0, high_threshold]
+  int pressure_cap = 2;            ///< largest K under KV pressure, in [1, draft_steps]
+  /// KV pressure: free slots < pressure_free_fraction x (slot_pool_size - 1) (the seed's 85% full); [0, 1].
+  float pressure_free_fraction = 0.15f;
+};
+
 struct EngineConfig {
   CycleKind kind = CycleKind::kSmc;
   int vocab = 32000;            ///< must equal both models' vocab()
-  int draft_steps = 4;          ///< K in [1, kMaxDraftSteps]
+  int draft_steps = 4;          ///< K (K_max when adaptive) in [1, kMaxDraftSteps]
   int particles = 4;            ///< N >= 1 (1 for kSpeculative)
   int max_requests = 16;        ///< request slots; the largest bucket
   std::vector<int> buckets;     ///< request-slot counts to capture; empty: powers of two up to max_requests
@@ -56,6 +77,8 @@ struct EngineConfig {
   /// event (one busy core, the lowest latency for the next step()); false waits in cudaEventSynchronize,
   /// which spins or yields as the device's schedule flags (cudaSetDeviceFlags) say.
   bool spin_wait = true;
+  /// Per-request draft length chosen on the device (speculative cycle only; see AdaptiveDraftSteps).
+  AdaptiveDraftSteps adaptive;
 };
 
 /// Throws smcgraph::Error naming the first bad field and its value.
@@ -69,6 +92,9 @@ struct RequestParams {
   float alpha = -1.0f;
   float tau = -1.0f;
   int max_new_tokens = -1; ///< -1: until max_seq_len
+  /// Pins the request's K: 1 .. draft_steps (the SMC cycle: draft_steps only). -1: adaptive when
+  /// EngineConfig::adaptive.enabled, else draft_steps.
+  int draft_steps = -1;
 };
 
 using RequestId = int64_t;
@@ -83,7 +109,22 @@ struct RequestUpdate {
   double ess = 0.0;
   bool finished = false; ///< every particle reached EOS, max_new_tokens or max_seq_len
   bool failed = false;
-  std::string reason; ///< why it failed ("nan or +inf logit", ...) or finished
+  std::string reason;          ///< why it failed ("nan or +inf logit", ...) or finished
+  int draft_steps = 0;         ///< K the request drafted this cycle
+  int accepted = 0;            ///< speculative: draft tokens accepted this cycle (0 .. draft_steps)
+  float acceptance_ema = 0.0f; ///< EMA of accepted / K after this cycle (the device's value)
+  int next_draft_steps = 0;    ///< K the device chose for the request's next cycle
+  bool kv_pressure = false;    ///< the free slots were under the watermark when the next K was chosen
+};
+
+/// How the engine's captured cycles run the draft steps (Engine::draft_loop()).
+struct DraftLoopInfo {
+  /// true: each draft step after the head sits in a CUDA graph conditional (IF) node whose condition a
+  /// kernel sets from the largest K among the live rows, so a cycle runs max K steps, not K_max. false: the
+  /// K_max - 1 steps always run and rows past their own K are masked (eager runs, the SMC cycle, or a
+  /// toolkit / driver / model that cannot capture conditional nodes: `note` says which).
+  bool conditional = false;
+  std::string note;
 };
 
 /// A finished (or running) request's output (result()).
@@ -159,6 +200,8 @@ public:
   int current_bucket() const; ///< request slots the next step() covers (0 when nothing is live)
   const std::vector<BucketInfo>& buckets() const;
   const EngineConfig& config() const;
+  /// Whether captured cycles skip the draft steps no live row needs (conditional nodes) or mask them.
+  const DraftLoopInfo& draft_loop() const;
   cudaStream_t stream() const;
   /// Device bytes the engine allocated (buffers for the largest bucket, graphs excluded).
   size_t device_bytes() const;

@@ -73,6 +73,22 @@ void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, in
                        int slots_per_row, int32_t* out_slots, uint32_t* row_flags, uint32_t* status,
                        cudaStream_t stream);
 
+/// Per-request slot counts (device memory, read at every launch): request q's live rows each need
+/// clamp(counts[q] + add, 1, slots_per_row) slots (e.g. its draft length K_q with add = 1). Null counts:
+/// slots_per_row for every row.
+struct RequestSlotCounts {
+  const int32_t* counts = nullptr; ///< [requests]
+  int add = 0;
+};
+
+/// alloc_cycle_slots with a count per request: row r of request q pops its own count c_q, for positions
+/// L .. L + c_q - 1 (the max-length check uses c_q); out_slots keeps the stride slots_per_row and holds the
+/// dummy 0 at j >= c_q; slot_table entries past L + c_q - 1 are not written. Pops are in request order as
+/// above, so with every c_q = slots_per_row the result is the fixed-count launch's, bit for bit.
+void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
+                       int slots_per_row, const RequestSlotCounts& counts, int32_t* out_slots,
+                       uint32_t* row_flags, uint32_t* status, cudaStream_t stream);
+
 /// refcount[slots[i]] -= 1 for every i < count with mask_or_null[i] != 0 (all i when null); a slot that
 /// reaches 0 is pushed on the free stack. Slot id 0 (and any id outside the pool) is ignored.
 void dec_ref_slots(const SlotPoolView& pool, const int32_t* slots, const uint8_t* mask_or_null, int count,

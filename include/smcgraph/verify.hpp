@@ -104,6 +104,10 @@ struct StochasticVerifyInputs {
   const float* target_temperature = nullptr; ///< [rows] T_t >= 0
   RowRandom random;
   int gamma = 0;
+  /// Optional [rows] draft length of each row, clamped to [1, gamma] (null: gamma for every row). Row r
+  /// verifies its first row_gamma[r] tokens only: it accepts at most that many, draws the bonus from p at
+  /// position row_gamma[r], and never reads its tokens, log-probs or logits past that position.
+  const int32_t* row_gamma = nullptr;
 };
 
 /// Exact speculative sampling, one CTA per row (a warp ballot scan of the coins, then one pass over the

@@ -21,6 +21,9 @@ struct RequestRowsView {
   double *logw, *ess, *log_evidence;
   uint32_t *row_flags, *draw_counters;
   uint64_t* seeds;
+  DraftStepsPolicy policy;
+  int32_t *request_draft_steps, *pinned_draft_steps, *cycle_draft_steps;
+  float* acceptance_ema;
 };
 
 RequestRowsView request_rows_view(const CycleBuffers& b) {
@@ -28,7 +31,9 @@ RequestRowsView request_rows_view(const CycleBuffers& b) {
   return {.tables = b.tables, .particles = b.particles, .draft_temperature = b.draft_temperature,
           .target_temperature = b.target_temperature, .alpha = b.alpha, .tau = b.tau, .finished = b.finished,
           .resampled = b.resampled, .logw = b.logw, .ess = b.ess, .log_evidence = b.log_evidence,
-          .row_flags = b.row_flags, .draw_counters = b.draw_counters, .seeds = b.seeds};
+          .row_flags = b.row_flags, .draw_counters = b.draw_counters, .seeds = b.seeds, .policy = b.policy,
+          .request_draft_steps = b.request_draft_steps, .pinned_draft_steps = b.pinned_draft_steps,
+          .cycle_draft_steps = b.cycle_draft_steps, .acceptance_ema = b.acceptance_ema};
   // clang-format on
 }
 
@@ -59,7 +64,8 @@ AdmitFinishView admit_finish_view(const CycleBuffers& b) {
 }
 
 __global__ void InitRequestRowsKernel(RequestRowsView b, int request, uint64_t seed, float draft_temperature,
-                                      float target_temperature, float alpha, float tau) {
+                                      float target_temperature, float alpha, float tau,
+                                      int pinned_draft_steps) {
   const int particle = threadIdx.x;
   if (particle < b.particles) {
     const int row = request * b.particles + particle;
@@ -78,6 +84,12 @@ __global__ void InitRequestRowsKernel(RequestRowsView b, int request, uint64_t s
     b.ess[request] = 0.0;
     b.resampled[request] = 0;
     b.log_evidence[request] = 0.0;
+    // The seed starts optimistic: K_max (or the pin) and the initial EMA.
+    const int first_steps = pinned_draft_steps > 0 ? pinned_draft_steps : b.policy.max_steps;
+    b.pinned_draft_steps[request] = pinned_draft_steps;
+    b.request_draft_steps[request] = first_steps;
+    b.cycle_draft_steps[request] = first_steps;
+    b.acceptance_ema[request] = b.policy.initial_acceptance;
   }
 }
 
@@ -125,9 +137,13 @@ __global__ void SetIntKernel(int32_t* destination, int value) {
 } // namespace
 
 void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float draft_temperature,
-                       float target_temperature, float alpha, float tau, cudaStream_t stream) {
-  InitRequestRowsKernel<<<1, std::max(32, b.particles), 0, stream>>>(
-      request_rows_view(b), request, seed, draft_temperature, target_temperature, alpha, tau);
+                       float target_temperature, float alpha, float tau, int pinned_draft_steps,
+                       cudaStream_t stream) {
+  require(pinned_draft_steps >= 0 && pinned_draft_steps <= b.draft_steps, "init_request_rows",
+          "pinned_draft_steps", pinned_draft_steps, "must be in [0, draft_steps]");
+  InitRequestRowsKernel<<<1, std::max(32, b.particles), 0, stream>>>(request_rows_view(b), request, seed,
+                                                                     draft_temperature, target_temperature,
+                                                                     alpha, tau, pinned_draft_steps);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -39,8 +39,8 @@ CommitView commit_view(const CycleBuffers& b) {
 struct SpeculativeCommitView {
   RowTablesView tables; ///< read: live, seq_len, slot_table; written: token_table, seq_len, live
   SlotPoolView pool;    ///< the rejected positions' slots are released into it
-  int draft_steps = 1, max_rows = 0, eos_id = -1;
-  const int32_t *draft_tokens, *accepted, *next_tokens;
+  int draft_steps = 1, max_rows = 0, eos_id = -1, particles = 1;
+  const int32_t *draft_tokens, *accepted, *next_tokens, *request_draft_steps;
   const uint32_t* row_flags;
   int32_t *cycle_tokens, *committed, *first_eos;
   uint8_t* finished;
@@ -49,9 +49,9 @@ struct SpeculativeCommitView {
 SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
   // clang-format off
   return {.tables = b.tables, .pool = b.pool, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
-          .eos_id = b.eos_id, .draft_tokens = b.draft_tokens, .accepted = b.accepted,
-          .next_tokens = b.next_tokens, .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens,
-          .committed = b.committed, .first_eos = b.first_eos, .finished = b.finished};
+          .eos_id = b.eos_id, .particles = b.particles, .draft_tokens = b.draft_tokens, .accepted = b.accepted,
+          .next_tokens = b.next_tokens, .request_draft_steps = b.request_draft_steps, .row_flags = b.row_flags,
+          .cycle_tokens = b.cycle_tokens, .committed = b.committed, .first_eos = b.first_eos, .finished = b.finished};
   // clang-format on
 }
 
@@ -100,7 +100,8 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
     return;
   }
   const int L = b.tables.seq_len[r];
-  const int accepted = min(max(b.accepted[r], 0), b.draft_steps);
+  const int steps = min(max(b.request_draft_steps[r / b.particles], 1), b.draft_steps); // K_q: slots it took
+  const int accepted = min(max(b.accepted[r], 0), steps);
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   int eos = -1;
@@ -112,8 +113,9 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   }
   for (int k = accepted + 1; k < stride; ++k)
     cycle[k] = kInvalidToken;
-  // The slots of rejected positions go back (the KV written there is stale and never read).
-  for (int position = L + accepted + 1; position <= L + b.draft_steps; ++position)
+  // The slots of rejected positions go back (the KV written there is stale and never read); positions past
+  // K_q took none.
+  for (int position = L + accepted + 1; position <= L + steps; ++position)
     device::release_slot(b.pool, slots[position]);
   b.tables.seq_len[r] = L + accepted + 1;
   b.committed[r] = eos < 0 ? accepted + 1 : eos + 1;

@@ -9,9 +9,20 @@
 
 #include <cuda_runtime_api.h>
 
+#include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
 
 namespace smcgraph::detail {
+
+/// The draft-length rule of AdaptiveDraftSteps as the kernels read it (fixed for the engine's lifetime, so
+/// it may be a launch argument): K_max = max_steps, the watermark in slots.
+struct DraftStepsPolicy {
+  bool adaptive = false; ///< false: every request keeps its pin (draft_steps when none was given)
+  int min_steps = 1, mid_steps = 1, max_steps = 1, pressure_cap = 1;
+  int pressure_watermark_slots = 0; ///< KV pressure while free_count < this
+  float smoothing = 0.2f, initial_acceptance = 0.8f, high_threshold = 0.8f, low_threshold = 0.5f;
+};
+DraftStepsPolicy draft_steps_policy(const EngineConfig& config);
 
 /// Device buffers every cycle kernel reads or writes (fixed addresses, sized for the largest bucket; declared
 /// and wired by the cycle-state table, runtime/cycle_state.cpp). The launchers below take it whole; each
@@ -72,29 +83,44 @@ struct CycleBuffers {
   int32_t* packed_total = nullptr;      ///< [1]
   int32_t* packed_tokens = nullptr;     ///< [rows * K] accepted draft tokens, packed
   float* packed_logprobs = nullptr;     ///< [rows * K] their target log-probs, packed
+  // per-request draft length (draft_steps.cu); K_q below is clamp(request_draft_steps[q], 1, K)
+  DraftStepsPolicy policy;
+  int32_t* request_draft_steps = nullptr; ///< [requests] K_q of the next cycle (decided on the device)
+  int32_t* pinned_draft_steps = nullptr;  ///< [requests] the request's fixed K, 0: adaptive
+  float* acceptance_ema = nullptr;        ///< [requests] EMA of accepted / K_q
+  int32_t* cycle_draft_steps = nullptr;   ///< [requests] K_q of the cycle just run (outputs)
+  uint8_t* step_live = nullptr;           ///< [K - 1, rows] row drafts at step s (live and s < K_q)
+  int32_t* decision_free_slots = nullptr; ///< [1] free slots when the next K was chosen
+  uint8_t* kv_pressure = nullptr;         ///< [1] 1 when they were under the watermark
 };
 
 /// Byte layout of the per-cycle output block for `rows` rows / `requests` requests (what poll() reads).
 struct OutputLayout {
-  size_t tokens = 0;    ///< int32 [rows, K + 1]
-  size_t first_eos = 0; ///< int32 [rows]
-  size_t ancestor = 0;  ///< int32 [rows]
-  size_t row_flags = 0; ///< uint32 [rows]
-  size_t seq_len = 0;   ///< int32 [rows]
-  size_t finished = 0;  ///< uint8 [rows]
-  size_t live = 0;      ///< uint8 [rows]
-  size_t committed = 0; ///< int32 [rows]
-  size_t accepted = 0;  ///< int32 [rows] (speculative)
-  size_t resampled = 0; ///< uint8 [requests]
-  size_t ess = 0;       ///< double [requests]
-  size_t status = 0;    ///< uint32
+  size_t tokens = 0;            ///< int32 [rows, K + 1]
+  size_t first_eos = 0;         ///< int32 [rows]
+  size_t ancestor = 0;          ///< int32 [rows]
+  size_t row_flags = 0;         ///< uint32 [rows]
+  size_t seq_len = 0;           ///< int32 [rows]
+  size_t finished = 0;          ///< uint8 [rows]
+  size_t live = 0;              ///< uint8 [rows]
+  size_t committed = 0;         ///< int32 [rows]
+  size_t accepted = 0;          ///< int32 [rows] (speculative)
+  size_t resampled = 0;         ///< uint8 [requests]
+  size_t cycle_draft_steps = 0; ///< int32 [requests] K_q of this cycle
+  size_t next_draft_steps = 0;  ///< int32 [requests] K_q of the next one
+  size_t acceptance_ema = 0;    ///< float [requests]
+  size_t kv_pressure = 0;       ///< uint8
+  size_t ess = 0;               ///< double [requests]
+  size_t status = 0;            ///< uint32
   size_t bytes = 0;
 };
 OutputLayout output_layout(int rows, int requests, int draft_steps);
 
 // Admission (eager).
+/// `pinned_draft_steps` 0 makes the request adaptive (its first K is K_max, its EMA the initial value).
 void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float draft_temperature,
-                       float target_temperature, float alpha, float tau, cudaStream_t stream);
+                       float target_temperature, float alpha, float tau, int pinned_draft_steps,
+                       cudaStream_t stream);
 /// Pops prompt_length + 1 slots for `row` (positions 0 .. P) if the pool has them: seq_len = P + 1;
 /// else kFlagSlotsExhausted and live = 0.
 void admit_alloc(const CycleBuffers& b, int row, int prompt_length, cudaStream_t stream);
@@ -105,6 +131,8 @@ void admit_finish(const CycleBuffers& b, int row, int prompt_length, const int32
 void set_int(int32_t* destination, int value, cudaStream_t stream);
 
 // The cycle.
+/// Forward inputs of the draft head and steps; a row drafts its request's K_q steps (step_live), the later
+/// steps write the dummy slot and the verify positions past K_q repeat position L - 1 + K_q.
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
@@ -113,6 +141,18 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Speculative commit: d_1 .. d_k and the next token into the table, L += k + 1, the slots of the
 /// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// Draft steps the captured cycle runs (draft_steps.cu): sets conditions[s - 1] = (s < max K_q over the
+/// live rows) for s = 1 .. count; graph replays only (cudaGraphSetConditional).
+struct DraftLoopConditions {
+  unsigned long long handles[kMaxDraftSteps] = {}; ///< cudaGraphConditionalHandle of step s at s - 1
+  int count = 0;
+};
+void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,
+                    cudaStream_t stream);
+/// End of a speculative cycle: for every request that drafted (committed > 0) the EMA takes accepted / K_q,
+/// and K_q of the next cycle follows the policy (pins kept); cycle_draft_steps keeps this cycle's K_q. Reads
+/// free_count after the cycle's frees were collected. `accepted` null (SMC): the EMA does not move.
+void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream);
 /// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
 

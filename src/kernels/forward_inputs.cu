@@ -21,26 +21,30 @@ int blocks_for(int count) {
 // by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
 struct DraftInputsView {
   RowTablesView tables; ///< read: live, seq_len, slot_table, token_table
-  int draft_steps = 1, max_rows = 0;
+  int draft_steps = 1, max_rows = 0, particles = 1;
+  const int32_t* request_draft_steps; ///< K_q of each request
   int32_t *head_tokens, *head_positions, *head_out_slots, *head_seq_lens;
   int32_t *step_positions, *step_out_slots, *step_seq_lens;
+  uint8_t* step_live;
   int32_t *verify_positions, *verify_out_slots, *verify_seq_lens;
 };
 
 DraftInputsView draft_inputs_view(const CycleBuffers& b) {
   // clang-format off
   return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
+          .particles = b.particles, .request_draft_steps = b.request_draft_steps,
           .head_tokens = b.head_tokens, .head_positions = b.head_positions,
           .head_out_slots = b.head_out_slots, .head_seq_lens = b.head_seq_lens,
           .step_positions = b.step_positions, .step_out_slots = b.step_out_slots,
-          .step_seq_lens = b.step_seq_lens, .verify_positions = b.verify_positions,
+          .step_seq_lens = b.step_seq_lens, .step_live = b.step_live, .verify_positions = b.verify_positions,
           .verify_out_slots = b.verify_out_slots, .verify_seq_lens = b.verify_seq_lens};
   // clang-format on
 }
 
 struct VerifyInputsView {
   RowTablesView tables; ///< read: live, seq_len, token_table
-  int draft_steps = 1, max_rows = 0;
+  int draft_steps = 1, max_rows = 0, particles = 1;
+  const int32_t* request_draft_steps;
   const int32_t* draft_tokens;
   const float* draft_logprobs;
   int32_t* verify_tokens;
@@ -50,9 +54,15 @@ struct VerifyInputsView {
 VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
   // clang-format off
   return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
+          .particles = b.particles, .request_draft_steps = b.request_draft_steps,
           .draft_tokens = b.draft_tokens, .draft_logprobs = b.draft_logprobs,
           .verify_tokens = b.verify_tokens, .draft_logprobs_rows = b.draft_logprobs_rows};
   // clang-format on
+}
+
+/// K_q of row r's request, within [1, K].
+template <class View> __device__ __forceinline__ int row_draft_steps(const View& b, int r) {
+  return min(max(b.request_draft_steps[r / b.particles], 1), b.draft_steps);
 }
 
 __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
@@ -64,8 +74,9 @@ __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
   const int L = b.tables.seq_len[r];
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * max_len;
   const int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * max_len;
-  // Live rows have L >= 2 and slots for positions < L + K + 1 (alloc ran first); padding rows point at the
-  // dummy slot 0 and position 0.
+  // Live rows have L >= 2 and slots for positions < L + K_q + 1 (alloc ran first); padding rows point at the
+  // dummy slot 0 and position 0, and so do the steps a row does not draft (s >= K_q).
+  const int steps = row_draft_steps(b, r);
   for (int j = 0; j < 2; ++j) {
     const int position = L - 2 + j;
     b.head_tokens[2 * r + j] = live ? tokens[position] : 0;
@@ -74,17 +85,21 @@ __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
   }
   b.head_seq_lens[r] = live ? L : 0;
   for (int s = 1; s < b.draft_steps; ++s) {
+    const bool drafts = live && s < steps;
     const int position = L + s - 1;
-    b.step_positions[(s - 1) * b.max_rows + r] = live ? position : 0;
-    b.step_out_slots[(s - 1) * b.max_rows + r] = live ? slots[position] : 0;
-    b.step_seq_lens[(s - 1) * b.max_rows + r] = live ? position + 1 : 0;
+    b.step_positions[(s - 1) * b.max_rows + r] = drafts ? position : 0;
+    b.step_out_slots[(s - 1) * b.max_rows + r] = drafts ? slots[position] : 0;
+    b.step_seq_lens[(s - 1) * b.max_rows + r] = drafts ? position + 1 : 0;
+    b.step_live[(s - 1) * b.max_rows + r] = drafts ? 1 : 0;
   }
+  // Columns past K_q are computed but never read: they repeat the last drafted position (so they read only
+  // the row's own slots) and write the dummy slot.
   for (int j = 0; j <= b.draft_steps; ++j) {
-    const int position = L - 1 + j;
+    const int position = L - 1 + min(j, steps);
     b.verify_positions[r * (b.draft_steps + 1) + j] = live ? position : 0;
-    b.verify_out_slots[r * (b.draft_steps + 1) + j] = live ? slots[position] : 0;
+    b.verify_out_slots[r * (b.draft_steps + 1) + j] = live && j <= steps ? slots[position] : 0;
   }
-  b.verify_seq_lens[r] = live ? L + b.draft_steps : 0;
+  b.verify_seq_lens[r] = live ? L + steps : 0;
 }
 
 __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
@@ -93,13 +108,15 @@ __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
     return;
   const bool live = b.tables.live[r] != 0;
   const int L = b.tables.seq_len[r];
+  const int steps = row_draft_steps(b, r);
   int32_t* out = b.verify_tokens + r * (b.draft_steps + 1);
   out[0] = live ? b.tables.token_table[static_cast<int64_t>(r) * b.tables.max_seq_len + L - 1] : 0;
+  // Draft positions past K_q were not drafted this cycle (a captured cycle may skip their steps): token 0.
   for (int k = 0; k < b.draft_steps; ++k)
-    out[1 + k] = live ? b.draft_tokens[k * b.max_rows + r] : 0;
+    out[1 + k] = live && k < steps ? b.draft_tokens[k * b.max_rows + r] : 0;
   if (b.draft_logprobs_rows != nullptr)
     for (int k = 0; k < b.draft_steps; ++k)
-      b.draft_logprobs_rows[r * b.draft_steps + k] = b.draft_logprobs[k * b.max_rows + r];
+      b.draft_logprobs_rows[r * b.draft_steps + k] = k < steps ? b.draft_logprobs[k * b.max_rows + r] : 0.0f;
 }
 
 } // namespace

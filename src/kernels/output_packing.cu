@@ -30,6 +30,9 @@ struct OutputsView {
   const uint32_t *row_flags, *status;
   const uint8_t *finished, *resampled;
   const double* ess;
+  const int32_t *cycle_draft_steps, *request_draft_steps;
+  const float* acceptance_ema;
+  const uint8_t* kv_pressure;
 };
 
 OutputsView outputs_view(const CycleBuffers& b) {
@@ -37,7 +40,9 @@ OutputsView outputs_view(const CycleBuffers& b) {
   return {.tables = b.tables, .particles = b.particles, .draft_steps = b.draft_steps,
           .cycle_tokens = b.cycle_tokens, .first_eos = b.first_eos, .ancestor = b.ancestor,
           .committed = b.committed, .accepted = b.accepted, .row_flags = b.row_flags, .status = b.status,
-          .finished = b.finished, .resampled = b.resampled, .ess = b.ess};
+          .finished = b.finished, .resampled = b.resampled, .ess = b.ess,
+          .cycle_draft_steps = b.cycle_draft_steps, .request_draft_steps = b.request_draft_steps,
+          .acceptance_ema = b.acceptance_ema, .kv_pressure = b.kv_pressure};
   // clang-format on
 }
 
@@ -61,9 +66,14 @@ __global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputL
   if (r < requests) {
     out[layout.resampled + r] = b.resampled[r];
     reinterpret_cast<double*>(out + layout.ess)[r] = b.ess[r];
+    reinterpret_cast<int32_t*>(out + layout.cycle_draft_steps)[r] = b.cycle_draft_steps[r];
+    reinterpret_cast<int32_t*>(out + layout.next_draft_steps)[r] = b.request_draft_steps[r];
+    reinterpret_cast<float*>(out + layout.acceptance_ema)[r] = b.acceptance_ema[r];
   }
-  if (r == 0)
+  if (r == 0) {
     *reinterpret_cast<uint32_t*>(out + layout.status) = *b.status;
+    out[layout.kv_pressure] = *b.kv_pressure;
+  }
 }
 
 } // namespace
@@ -86,9 +96,13 @@ OutputLayout output_layout(int rows, int requests, int draft_steps) {
   layout.committed = take(sizeof(int32_t) * rows, 4);
   layout.accepted = take(sizeof(int32_t) * rows, 4);
   layout.status = take(sizeof(uint32_t), 4);
+  layout.cycle_draft_steps = take(sizeof(int32_t) * requests, 4);
+  layout.next_draft_steps = take(sizeof(int32_t) * requests, 4);
+  layout.acceptance_ema = take(sizeof(float) * requests, 4);
   layout.finished = take(rows, 1);
   layout.live = take(rows, 1);
   layout.resampled = take(requests, 1);
+  layout.kv_pressure = take(1, 1);
   layout.bytes = align_up(offset, 8);
   return layout;
 }

@@ -32,13 +32,22 @@ __global__ void InitSlotPoolKernel(SlotPoolView pool) {
     *pool.free_count = pool.pool_size - 1;
 }
 
+/// Slots each live row of `request` needs: its count from device memory, or slots_per_row without counts.
+__device__ __forceinline__ int request_slot_count(const RequestSlotCounts& counts, int request,
+                                                  int slots_per_row) {
+  if (counts.counts == nullptr)
+    return slots_per_row;
+  return min(max(counts.counts[request] + counts.add, 1), slots_per_row);
+}
+
 // Pass over requests in tiles of kAllocThreads: thread t decides request tile + t (its need, or why it is
 // refused), a block scan turns needs into pop offsets, then the whole CTA writes the tile's rows. Slot
 // number g of this launch (g = offset of the request + rank of the row among its live rows * slots_per_row
 // + j) is free_stack[free - 1 - g]: popped from the top in request order.
 __global__ void __launch_bounds__(kAllocThreads)
     AllocCycleSlotsKernel(SlotPoolView pool, RowTablesView tables, int particles, int slots_per_row,
-                          int32_t* out_slots, uint32_t* row_flags, uint32_t* status) {
+                          RequestSlotCounts counts, int32_t* out_slots, uint32_t* row_flags,
+                          uint32_t* status) {
   using BlockScan = cub::BlockScan<int, kAllocThreads>;
   using BlockReduce = cub::BlockReduce<int, kAllocThreads>;
   __shared__ union {
@@ -63,6 +72,7 @@ __global__ void __launch_bounds__(kAllocThreads)
     int need = 0;
     uint32_t refusal = kFlagNone;
     if (request < requests) {
+      const int row_need = request_slot_count(counts, request, slots_per_row);
       int live_rows = 0;
       for (int p = 0; p < particles; ++p) {
         const int row = request * particles + p;
@@ -70,11 +80,11 @@ __global__ void __launch_bounds__(kAllocThreads)
           continue;
         ++live_rows;
         const int length = tables.seq_len[row];
-        if (length < 0 || length > max_len - slots_per_row)
+        if (length < 0 || length > max_len - row_need)
           refusal = kFlagMaxLength;
       }
       if (refusal == kFlagNone)
-        need = live_rows * slots_per_row;
+        need = live_rows * row_need;
     }
     int first_pop = 0, tile_need = 0;
     BlockScan(storage.scan).ExclusiveSum(need, first_pop, tile_need);
@@ -111,16 +121,19 @@ __global__ void __launch_bounds__(kAllocThreads)
       for (int row_before = (tile + local_request) * particles; row_before < row; ++row_before) {
         rank += tables.live[row_before] ? 1 : 0;
       }
-      const int first = tile_first_pop[local_request] + rank * slots_per_row;
+      const int row_need = request_slot_count(counts, tile + local_request, slots_per_row);
+      const int first = tile_first_pop[local_request] + rank * row_need;
       const int length = tables.seq_len[row];
       int32_t* row_table = tables.slot_table + static_cast<int64_t>(row) * max_len + length;
-      for (int j = 0; j < slots_per_row; ++j) {
+      for (int j = 0; j < row_need; ++j) {
         const int32_t slot = pool.free_stack[free - 1 - (first + j)];
         row_out[j] = slot;
         row_table[j] = slot;
         if (slot > 0 && slot < pool.pool_size)
           pool.refcount[slot] = 1;
       }
+      for (int j = row_need; j < slots_per_row; ++j)
+        row_out[j] = 0; // positions past the request's count take no slot: the dummy
     }
     __syncthreads(); // the tile arrays and the reduce storage are rewritten by the next tile
   }
@@ -253,6 +266,13 @@ void init_slot_pool(const SlotPoolView& pool, cudaStream_t stream) {
 void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
                        int slots_per_row, int32_t* out_slots, uint32_t* row_flags, uint32_t* status,
                        cudaStream_t stream) {
+  alloc_cycle_slots(pool, tables, particles_per_request, slots_per_row, RequestSlotCounts{}, out_slots,
+                    row_flags, status, stream);
+}
+
+void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
+                       int slots_per_row, const RequestSlotCounts& counts, int32_t* out_slots,
+                       uint32_t* row_flags, uint32_t* status, cudaStream_t stream) {
   constexpr const char* kWhere = "alloc_cycle_slots";
   require_pool(pool, kWhere);
   require_tables(tables, kWhere);
@@ -268,7 +288,7 @@ void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, in
   require(status != nullptr, kWhere, "status", "null", "must be a device pointer");
   const NvtxRange range("alloc_cycle_slots");
   AllocCycleSlotsKernel<<<1, kAllocThreads, 0, stream>>>(pool, tables, particles_per_request, slots_per_row,
-                                                         out_slots, row_flags, status);
+                                                         counts, out_slots, row_flags, status);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
 
   const StochasticVerifyInputs& in = args.in;
   const int row = blockIdx.x;
-  const int gamma = in.gamma;
+  const int gamma = in.row_gamma == nullptr ? in.gamma : min(max(in.row_gamma[row], 1), in.gamma);
   const int vocab = args.vocab;
   const int particles = in.random.particles_per_request;
   const int request = row / particles;

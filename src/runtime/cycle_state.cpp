@@ -73,6 +73,14 @@ const auto kCycleState = std::make_tuple(
     buffer("ancestor",           &State::ancestor,           Extent::kRows,              kZeroed, kStays, kBoth, &B::ancestor),
     buffer("cycle_tokens",       &State::cycle_tokens,       Extent::kRowsByKPlus1,      kZeroed, kStays, kBoth, &B::cycle_tokens),
     buffer("committed",          &State::committed,          Extent::kRows,              kZeroed, kStays, kBoth, &B::committed),
+    // The per-request draft length (AdaptiveDraftSteps; draft_steps.cu).
+    buffer("request_draft_steps",&State::request_draft_steps,Extent::kRequests,          kZeroed, kMoved, kBoth, &B::request_draft_steps),
+    buffer("pinned_draft_steps", &State::pinned_draft_steps, Extent::kRequests,          kZeroed, kMoved, kBoth, &B::pinned_draft_steps),
+    buffer("acceptance_ema",     &State::acceptance_ema,     Extent::kRequests,          kZeroed, kMoved, kBoth, &B::acceptance_ema),
+    buffer("cycle_draft_steps",  &State::cycle_draft_steps,  Extent::kRequests,          kZeroed, kMoved, kBoth, &B::cycle_draft_steps),
+    buffer("step_live",          &State::step_live,          Extent::kRowsByDraftSteps,  kZeroed, kStays, kBoth, &B::step_live),
+    buffer("decision_free_slots",&State::decision_free_slots,Extent::kOne,               kZeroed, kStays, kBoth, &B::decision_free_slots),
+    buffer("kv_pressure",        &State::kv_pressure,        Extent::kOne,               kZeroed, kStays, kBoth, &B::kv_pressure),
     // The speculative cycle's verification and packing.
     buffer("draft_step_logits",  &State::draft_step_logits,  Extent::kStepLogitsBytes,   kZeroed, kStays, kSpec),
     buffer("draft_logprobs_rows",&State::draft_logprobs_rows,Extent::kRowsByK,           kUninit, kStays, kSpec, &B::draft_logprobs_rows),
@@ -270,6 +278,7 @@ void wire_cycle_views(Engine::State& s) {
   b.draft_steps = s.draft_steps;
   b.max_rows = s.rows;
   b.eos_id = s.config.eos_id;
+  b.policy = draft_steps_policy(s.config);
   for_each_buffer([&](const auto& entry) {
     if (entry.view != nullptr && applies(entry.kinds, s))
       b.*entry.view = (s.*entry.member).data();

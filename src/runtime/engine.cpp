@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
@@ -24,6 +25,33 @@ namespace {
 bool env_flag(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
+/// Whether the captured draft steps can sit in conditional nodes: a speculative engine with graphs, K > 1, a
+/// toolkit and driver of CUDA 12.4 or later, and no SMCGRAPH_DISABLE_CONDITIONAL=1. A failed capture turns it
+/// off later (Engine::Engine).
+DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
+  const char* masked = "every cycle runs K_max - 1 draft steps, masked per row";
+  if (config.kind != CycleKind::kSpeculative)
+    return {false, std::string("SMC cycle: every request drafts draft_steps; ") + masked};
+  if (config.draft_steps == 1)
+    return {false, "draft_steps = 1: no draft step after the head"};
+  if (!config.use_graphs)
+    return {false, std::string("eager: ") + masked};
+  if (env_flag("SMCGRAPH_DISABLE_CONDITIONAL"))
+    return {false, std::string("SMCGRAPH_DISABLE_CONDITIONAL=1: ") + masked};
+#if CUDART_VERSION >= 12040
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12040) {
+    cudaGetLastError();
+    return {false, "the driver (CUDA " + std::to_string(driver / 1000) + "." +
+                       std::to_string(driver % 1000 / 10) + ") has no conditional nodes (needs 12.4); " +
+                       masked};
+  }
+  return {true, "conditional IF node per draft step: a cycle runs max K over its live rows"};
+#else
+  return {false, std::string("built with CUDA < 12.4 (no conditional nodes); ") + masked};
+#endif
 }
 
 } // namespace
@@ -62,6 +90,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   s.vocab = config.vocab;
   s.prefill_chunk = std::min(128, config.max_seq_len);
   s.eager = !s.config.use_graphs;
+  s.draft_loop = initial_draft_loop(s.config);
 
   const int R = s.rows, K = s.draft_steps, Q = config.max_requests, S = config.max_seq_len;
   // Every buffer of the cycle state (runtime/cycle_state.cpp), then the objects that own their memory.
@@ -121,55 +150,87 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   }
   if (!s.config.use_graphs)
     return;
-  for (int i = static_cast<int>(s.bucket_requests.size()) - 1; i >= 0; --i) {
-    const int requests = s.bucket_requests[i];
-    const auto start = std::chrono::steady_clock::now();
-    for (int parity = 0; parity < 2; ++parity) {
-      CapturedCycle& captured = s.graphs[i][parity];
-      SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
-      std::string failure;
-      cudaError_t failure_code = cudaSuccess;
-      try {
-        detail::enqueue_cycle(s, requests, s.stream);
-        s.stage = "smc.copy_outputs";
-        SMCGRAPH_CUDA_CHECK(
-            cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
-                            detail::output_layout(requests * config.particles, requests, K).bytes,
-                            cudaMemcpyDeviceToHost, s.stream));
-      } catch (const Error& e) {
-        failure = e.what();
-        failure_code = e.cuda_error();
-      } catch (const std::exception& e) { // a model's own exception: still end the capture cleanly
-        failure = std::string("exception: ") + e.what();
-      } catch (...) {
-        failure = "unknown exception";
-      }
-      cudaGraph_t graph = nullptr;
-      const cudaError_t end = cudaStreamEndCapture(s.stream, &graph);
-      if (failure.empty() && end != cudaSuccess) {
-        failure = std::string("cudaStreamEndCapture: ") + detail::describe_cuda_error(end);
-        failure_code = end;
-      }
-      if (!failure.empty()) {
-        if (graph)
-          cudaGraphDestroy(graph);
-        cudaGetLastError();
-        const std::string message = "Engine: capture of bucket " + std::to_string(requests) +
-                                    " failed at step " + s.stage + ": " + failure;
-        if (env_flag("SMCGRAPH_GRAPH_FALLBACK")) {
-          s.config.use_graphs = false;
-          s.eager = true;
-          s.stream.synchronize();
-          return;
+  // Captures every bucket; on failure destroys what it captured and returns the message and error.
+  auto capture_buckets = [&]() -> std::pair<std::string, cudaError_t> {
+    for (int i = static_cast<int>(s.bucket_requests.size()) - 1; i >= 0; --i) {
+      const int requests = s.bucket_requests[i];
+      const auto start = std::chrono::steady_clock::now();
+      for (int parity = 0; parity < 2; ++parity) {
+        CapturedCycle& captured = s.graphs[i][parity];
+        SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+        std::string failure;
+        cudaError_t failure_code = cudaSuccess;
+        try {
+          detail::enqueue_cycle(s, requests, s.stream);
+          s.stage = "smc.copy_outputs";
+          SMCGRAPH_CUDA_CHECK(
+              cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
+                              detail::output_layout(requests * config.particles, requests, K).bytes,
+                              cudaMemcpyDeviceToHost, s.stream));
+        } catch (const Error& e) {
+          failure = e.what();
+          failure_code = e.cuda_error();
+        } catch (const std::exception& e) { // a model's own exception: still end the capture cleanly
+          failure = std::string("exception: ") + e.what();
+        } catch (...) {
+          failure = "unknown exception";
         }
-        throw Error(message, failure_code);
+        cudaGraph_t graph = nullptr;
+        const cudaError_t end = cudaStreamEndCapture(s.stream, &graph);
+        if (failure.empty() && end != cudaSuccess) {
+          failure = std::string("cudaStreamEndCapture: ") + detail::describe_cuda_error(end);
+          failure_code = end;
+        }
+        cudaGraphExec_t exec = nullptr;
+        if (failure.empty()) {
+          s.stage = "instantiate";
+          const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+          if (instantiated != cudaSuccess) {
+            failure = std::string("cudaGraphInstantiate: ") + detail::describe_cuda_error(instantiated);
+            failure_code = instantiated;
+          }
+        }
+        if (!failure.empty()) {
+          if (graph)
+            cudaGraphDestroy(graph);
+          cudaGetLastError();
+          for (auto& pair : s.graphs)
+            for (auto& other : pair) {
+              if (other.exec)
+                cudaGraphExecDestroy(other.exec);
+              if (other.graph)
+                cudaGraphDestroy(other.graph);
+              other = CapturedCycle{};
+            }
+          return {"Engine: capture of bucket " + std::to_string(requests) + " failed at step " + s.stage +
+                      ": " + failure,
+                  failure_code};
+        }
+        captured.graph = graph;
+        captured.exec = exec;
+        SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &s.bucket_info[i].graph_nodes));
       }
-      captured.graph = graph;
-      SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&captured.exec, graph, 0));
-      SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &s.bucket_info[i].graph_nodes));
+      s.bucket_info[i].capture_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     }
-    s.bucket_info[i].capture_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    return {};
+  };
+  std::pair<std::string, cudaError_t> failure = capture_buckets();
+  if (!failure.first.empty() && s.draft_loop.conditional) {
+    // The conditional draft loop is what failed, or may be: capture again with masked fixed-K steps.
+    s.draft_loop = {false, "conditional draft steps could not be captured (" + failure.first +
+                               "); every cycle runs K_max - 1 draft steps, masked per row"};
+    failure = capture_buckets();
+  }
+  if (!failure.first.empty()) {
+    if (env_flag("SMCGRAPH_GRAPH_FALLBACK")) {
+      s.config.use_graphs = false;
+      s.eager = true;
+      s.draft_loop = {false, "eager (graph capture failed): K_max - 1 draft steps, masked per row"};
+      s.stream.synchronize();
+      return;
+    }
+    throw Error(failure.first, failure.second);
   }
   // Upload so the first replay pays no lazy setup.
   for (auto& pair : s.graphs)
@@ -208,7 +269,7 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
 
   NvtxRange range("smc.admit");
   detail::init_request_rows(b, q, params.seed, resolved.draft_temperature, resolved.target_temperature,
-                            resolved.alpha, resolved.tau, stream);
+                            resolved.alpha, resolved.tau, resolved.pinned_draft_steps, stream);
   int32_t* token_row = s.token_table.data() + static_cast<size_t>(row) * c.max_seq_len;
   SMCGRAPH_CUDA_CHECK(
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
@@ -301,6 +362,11 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
   const uint32_t* flags = reinterpret_cast<const uint32_t*>(out + layout.row_flags);
   const int32_t* seq_len = ints(layout.seq_len);
   const double* ess = reinterpret_cast<const double*>(out + layout.ess);
+  const int32_t* cycle_draft_steps = ints(layout.cycle_draft_steps);
+  const int32_t* next_draft_steps = ints(layout.next_draft_steps);
+  const int32_t* accepted = ints(layout.accepted);
+  const float* acceptance_ema = reinterpret_cast<const float*>(out + layout.acceptance_ema);
+  const bool kv_pressure = out[layout.kv_pressure] != 0;
 
   std::vector<RequestUpdate> updates;
   for (int q = 0; q < cycle.bucket_requests; ++q) {
@@ -331,6 +397,14 @@ std::vector<RequestUpdate> process_cycle(Engine::State& s, const InFlightCycle& 
     }
     update.resampled = out[layout.resampled + q] != 0;
     update.ess = ess[q];
+    update.draft_steps = cycle_draft_steps[q];
+    // A request that did not draft this cycle (its rows were not live) accepted nothing; SMC keeps every
+    // token.
+    const bool drafted = committed[q * N] > 0;
+    update.accepted = !drafted ? 0 : (c.kind == CycleKind::kSpeculative ? accepted[q] : update.draft_steps);
+    update.acceptance_ema = acceptance_ema[q];
+    update.next_draft_steps = next_draft_steps[q];
+    update.kv_pressure = kv_pressure;
     request.length = seq_len[q * N];
     const detail::RequestVerdict verdict =
         detail::classify_request({request_flags, all_finished, any_live, request.length,
@@ -518,6 +592,9 @@ const std::vector<BucketInfo>& Engine::buckets() const {
 }
 const EngineConfig& Engine::config() const {
   return state_->config;
+}
+const DraftLoopInfo& Engine::draft_loop() const {
+  return state_->draft_loop;
 }
 cudaStream_t Engine::stream() const {
   return state_->stream;

@@ -70,6 +70,8 @@ struct Engine::State {
   Model* draft = nullptr;
   Model* target = nullptr;
   Stream stream;
+  Stream body_stream; ///< captures the bodies of the draft steps' conditional nodes
+  DraftLoopInfo draft_loop;
   int rows = 0;        ///< max_requests * N
   int draft_steps = 0; ///< K (EngineConfig::draft_steps)
   int vocab = 0;
@@ -95,6 +97,11 @@ struct Engine::State {
   DeviceBuffer<uint8_t> draft_step_logits; ///< speculative: [K, rows, V], q at every draft position
   DeviceBuffer<float> draft_logprobs_rows, packed_logprobs;
   DeviceBuffer<int32_t> committed, accepted, next_tokens, packed_offsets, packed_total, packed_tokens;
+  // Per-request draft length (AdaptiveDraftSteps): K of the next cycle, the pin, the EMA, K of the last
+  // cycle.
+  DeviceBuffer<int32_t> request_draft_steps, pinned_draft_steps, cycle_draft_steps, decision_free_slots;
+  DeviceBuffer<float> acceptance_ema;
+  DeviceBuffer<uint8_t> step_live, kv_pressure; ///< [K - 1, rows] rows drafting at step s; [1]
   PackWorkspace pack_workspace;
   DeviceBuffer<int32_t> positions_iota, admit_scalars; ///< [max_seq_len], [4]
   DeviceBuffer<float> admit_floats;                    ///< [4]

@@ -25,6 +25,33 @@ std::string join(const std::vector<int>& values) {
   return text + "]";
 }
 
+void validate_adaptive(const EngineConfig& c) {
+  const AdaptiveDraftSteps& a = c.adaptive;
+  auto unit = [](float value) { return std::isfinite(value) && value >= 0.0f && value <= 1.0f; };
+  // Used for every request (the EMA is reported even when K is fixed).
+  require(unit(a.smoothing), kConfig, "adaptive.smoothing", a.smoothing, "must be in [0, 1]");
+  require(unit(a.initial_acceptance), kConfig, "adaptive.initial_acceptance", a.initial_acceptance,
+          "must be in [0, 1]");
+  if (!a.enabled)
+    return;
+  // The SMC cycle commits K + 1 tokens for every particle and its score pass draws the bonus at column K of
+  // the verify forward for every row alike: a per-request K there is not built
+  // (docs/adaptive_draft_steps.md).
+  require(c.kind == CycleKind::kSpeculative, kConfig, "adaptive.enabled", a.enabled,
+          "needs kind kSpeculative (the SMC cycle drafts a fixed K)");
+  require(a.mid_steps >= 1 && a.mid_steps <= c.draft_steps, kConfig, "adaptive.mid_steps", a.mid_steps,
+          "must be in [1, draft_steps]");
+  require(a.min_steps >= 1 && a.min_steps <= a.mid_steps, kConfig, "adaptive.min_steps", a.min_steps,
+          "must be in [1, adaptive.mid_steps]");
+  require(unit(a.low_threshold), kConfig, "adaptive.low_threshold", a.low_threshold, "must be in [0, 1]");
+  require(unit(a.high_threshold) && a.high_threshold >= a.low_threshold, kConfig, "adaptive.high_threshold",
+          a.high_threshold, "must be in [adaptive.low_threshold, 1]");
+  require(a.pressure_cap >= 1 && a.pressure_cap <= c.draft_steps, kConfig, "adaptive.pressure_cap",
+          a.pressure_cap, "must be in [1, draft_steps]");
+  require(unit(a.pressure_free_fraction), kConfig, "adaptive.pressure_free_fraction",
+          a.pressure_free_fraction, "must be in [0, 1]");
+}
+
 } // namespace
 
 void validate_engine_config(const EngineConfig& c) {
@@ -66,6 +93,7 @@ void validate_engine_config(const EngineConfig& c) {
   }
   require(c.buckets.empty() || c.buckets.back() == c.max_requests, kConfig, "buckets", join(c.buckets),
           "the largest bucket must equal max_requests");
+  validate_adaptive(c);
 }
 
 namespace detail {
@@ -102,6 +130,14 @@ ResolvedRequestParams validate_request(const EngineConfig& c, const std::vector<
   require(resolved.tau <= 1.0f, kWhere, "params.tau", resolved.tau, "must be in [0, 1]");
   require(params.max_new_tokens == -1 || params.max_new_tokens >= 1, kWhere, "params.max_new_tokens",
           params.max_new_tokens, "must be -1 or >= 1");
+  if (c.kind == CycleKind::kSmc)
+    require(params.draft_steps == -1 || params.draft_steps == c.draft_steps, kWhere, "params.draft_steps",
+            params.draft_steps, "must be -1 or draft_steps for the SMC cycle (it drafts a fixed K)");
+  else
+    require(params.draft_steps == -1 || (params.draft_steps >= 1 && params.draft_steps <= c.draft_steps),
+            kWhere, "params.draft_steps", params.draft_steps, "must be -1 or in [1, draft_steps]");
+  resolved.pinned_draft_steps =
+      params.draft_steps > 0 ? params.draft_steps : (c.adaptive.enabled ? 0 : c.draft_steps);
   return resolved;
 }
 

@@ -17,6 +17,7 @@ struct ResolvedRequestParams {
   float target_temperature = 0.0f;
   float alpha = 0.0f;
   float tau = 0.0f;
+  int pinned_draft_steps = 0; ///< the request's fixed K, or 0: adaptive (chosen on the device every cycle)
 };
 
 /// Everything Engine::admit checks before it touches the device, for an engine built with `config` (which

@@ -1,0 +1,156 @@
+// Per-request draft length (cycle_io.hpp; seed 001, ASBS): the decision at the end of a speculative cycle
+// (EMA of the acceptance rate -> K of the next cycle, capped under KV pressure) and, at the start of a
+// captured cycle, the conditions of the draft steps' conditional nodes (max K over the live rows). Both read
+// every value that changes between replays from device memory; the policy is fixed for the engine's lifetime.
+#include "kernels/cycle_io.hpp"
+#include "kernels/launch_checks.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include <cub/block/block_reduce.cuh>
+#include <cuda/functional>
+
+#include "smcgraph/error.hpp"
+#include "smcgraph/types.hpp"
+
+namespace smcgraph::detail {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kLoopThreads = 1024; // one CTA reduces every row of the largest bucket
+
+// What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers.
+struct DecideView {
+  DraftStepsPolicy policy;
+  int particles = 1;
+  SlotPoolView pool; ///< read: free_count
+  const int32_t *committed, *pinned_draft_steps;
+  int32_t *request_draft_steps, *cycle_draft_steps, *decision_free_slots;
+  float* acceptance_ema;
+  uint8_t* kv_pressure;
+};
+
+DecideView decide_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.policy = b.policy, .particles = b.particles, .pool = b.pool, .committed = b.committed,
+          .pinned_draft_steps = b.pinned_draft_steps, .request_draft_steps = b.request_draft_steps,
+          .cycle_draft_steps = b.cycle_draft_steps, .decision_free_slots = b.decision_free_slots,
+          .acceptance_ema = b.acceptance_ema, .kv_pressure = b.kv_pressure};
+  // clang-format on
+}
+
+struct LoopView {
+  RowTablesView tables; ///< read: live
+  int particles = 1, max_steps = 1;
+  const int32_t* request_draft_steps;
+};
+
+/// The seed's rule on the EMA after this cycle. Rounded operations (no FMA contraction), so a host reference
+/// that does the same IEEE float steps gets the same bits.
+__device__ __forceinline__ float next_ema(float ema, int accepted, int proposed, float smoothing) {
+  const float rate = __fdiv_rn(static_cast<float>(accepted), static_cast<float>(proposed));
+  return __fadd_rn(__fmul_rn(smoothing, rate), __fmul_rn(__fsub_rn(1.0f, smoothing), ema));
+}
+
+__device__ __forceinline__ int choose_steps(const DraftStepsPolicy& policy, float ema, bool pressure) {
+  int steps = ema >= policy.high_threshold  ? policy.max_steps
+              : ema >= policy.low_threshold ? policy.mid_steps
+                                            : policy.min_steps;
+  if (pressure)
+    steps = min(steps, policy.pressure_cap);
+  return steps;
+}
+
+__global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t* accepted) {
+  const int q = blockIdx.x * blockDim.x + threadIdx.x;
+  const int free = *b.pool.free_count;
+  const bool pressure = free < b.policy.pressure_watermark_slots;
+  if (q == 0) {
+    *b.decision_free_slots = free;
+    *b.kv_pressure = pressure ? 1 : 0;
+  }
+  if (q >= requests)
+    return;
+  const int steps = min(max(b.request_draft_steps[q], 1), b.policy.max_steps);
+  b.cycle_draft_steps[q] = steps;
+  bool drafted = false;
+  for (int p = 0; p < b.particles; ++p)
+    drafted = drafted || b.committed[q * b.particles + p] > 0;
+  float ema = b.acceptance_ema[q];
+  if (drafted && accepted != nullptr) { // the EMA moves only for a request that ran this cycle
+    const int row_accepted = min(max(accepted[q * b.particles], 0), steps);
+    ema = next_ema(ema, row_accepted, steps, b.policy.smoothing);
+    b.acceptance_ema[q] = ema;
+  }
+  const int pinned = b.pinned_draft_steps[q];
+  int next;
+  if (pinned > 0)
+    next = min(pinned, b.policy.max_steps); // a pin is the caller's choice: no pressure cap
+  else if (!b.policy.adaptive)
+    next = b.policy.max_steps;
+  else
+    next = choose_steps(b.policy, ema, pressure);
+  b.request_draft_steps[q] = next;
+}
+
+__global__ void __launch_bounds__(kLoopThreads)
+    SetDraftLoopKernel(LoopView b, int rows, DraftLoopConditions conditions) {
+  using BlockReduce = cub::BlockReduce<int, kLoopThreads>;
+  __shared__ typename BlockReduce::TempStorage storage;
+  int longest = 0;
+  for (int r = threadIdx.x; r < rows; r += kLoopThreads)
+    if (b.tables.live[r])
+      longest = max(longest, min(max(b.request_draft_steps[r / b.particles], 1), b.max_steps));
+  longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
+#if CUDART_VERSION >= 12040
+  if (threadIdx.x == 0)
+    for (int s = 1; s <= conditions.count; ++s) // step s (after the head) drafts d_{s+1}: needed when K > s
+      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.handles[s - 1]),
+                              s < longest ? 1u : 0u);
+#else
+  (void)longest;
+  (void)conditions;
+#endif
+}
+
+} // namespace
+
+DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
+  const AdaptiveDraftSteps& a = config.adaptive;
+  DraftStepsPolicy policy;
+  policy.adaptive = a.enabled;
+  policy.max_steps = config.draft_steps;
+  policy.min_steps = std::clamp(a.min_steps, 1, config.draft_steps);
+  policy.mid_steps = std::clamp(a.mid_steps, 1, config.draft_steps);
+  policy.pressure_cap = std::clamp(a.pressure_cap, 1, config.draft_steps);
+  policy.pressure_watermark_slots = static_cast<int>(
+      std::floor(static_cast<double>(a.pressure_free_fraction) * (config.slot_pool_size - 1)));
+  policy.smoothing = a.smoothing;
+  policy.initial_acceptance = a.initial_acceptance;
+  policy.high_threshold = a.high_threshold;
+  policy.low_threshold = a.low_threshold;
+  return policy;
+}
+
+void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,
+                    cudaStream_t stream) {
+  constexpr const char* kWhere = "set_draft_loop";
+  require(rows >= 0 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [0, max_rows]");
+  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
+          conditions.count, "must be in [0, kMaxDraftSteps]");
+  const LoopView view{b.tables, b.particles, b.draft_steps, b.request_draft_steps};
+  SetDraftLoopKernel<<<1, kLoopThreads, 0, stream>>>(view, rows, conditions);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream) {
+  constexpr const char* kWhere = "decide_draft_steps";
+  require(requests >= 0 && requests * b.particles <= b.max_rows, kWhere, "requests", requests,
+          "must be in [0, max_rows / particles]");
+  const int blocks = std::max(1, static_cast<int>(ceil_div(requests, kThreads)));
+  DecideDraftStepsKernel<<<blocks, kThreads, 0, stream>>>(decide_view(b), requests, accepted);
+  SMCGRAPH_CHECK_LAUNCH();
+}
+
+} // namespace smcgraph::detail

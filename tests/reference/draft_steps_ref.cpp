@@ -1,0 +1,64 @@
+#include "reference/draft_steps_ref.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace smcgraph::reference {
+
+DraftStepsRule draft_steps_rule(const EngineConfig& config) {
+  const AdaptiveDraftSteps& a = config.adaptive;
+  DraftStepsRule rule;
+  rule.adaptive = a.enabled;
+  rule.max_steps = config.draft_steps;
+  rule.mid_steps = a.mid_steps;
+  rule.min_steps = a.min_steps;
+  rule.pressure_cap = a.pressure_cap;
+  rule.watermark_slots =
+      std::floor(static_cast<double>(a.pressure_free_fraction) * (config.slot_pool_size - 1));
+  rule.smoothing = a.smoothing;
+  rule.initial = a.initial_acceptance;
+  rule.high = a.high_threshold;
+  rule.low = a.low_threshold;
+  return rule;
+}
+
+RequestDraftState admitted_state(const DraftStepsRule& rule, int pinned) {
+  return {rule.initial, pinned > 0 ? pinned : rule.max_steps, pinned};
+}
+
+float ema_after(float ema, int accepted, int proposed, float smoothing) {
+  // Separate statements, each result a float: the same IEEE roundings as the device's __f*_rn operations.
+  const float rate = static_cast<float>(accepted) / static_cast<float>(proposed);
+  const float recent = smoothing * rate;
+  const float keep = 1.0f - smoothing;
+  const float kept = keep * ema;
+  return recent + kept;
+}
+
+bool kv_pressure(const DraftStepsRule& rule, int free_slots) {
+  return static_cast<double>(free_slots) < rule.watermark_slots;
+}
+
+int choose_steps(const DraftStepsRule& rule, float ema, bool pressure, int pinned) {
+  if (pinned > 0)
+    return pinned;
+  if (!rule.adaptive)
+    return rule.max_steps;
+  int steps = rule.min_steps;
+  if (ema >= rule.low)
+    steps = rule.mid_steps;
+  if (ema >= rule.high)
+    steps = rule.max_steps;
+  return pressure ? std::min(steps, rule.pressure_cap) : steps;
+}
+
+int advance(const DraftStepsRule& rule, RequestDraftState& state, bool drafted, int accepted,
+            int free_slots) {
+  const int used = state.steps;
+  if (drafted)
+    state.ema = ema_after(state.ema, std::clamp(accepted, 0, used), used, rule.smoothing);
+  state.steps = choose_steps(rule, state.ema, kv_pressure(rule, free_slots), state.pinned);
+  return used;
+}
+
+} // namespace smcgraph::reference

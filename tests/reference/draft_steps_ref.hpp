@@ -1,0 +1,49 @@
+// Host reference of the per-request draft length (src/kernels/draft_steps.cu; seed 001, ASBS), written from
+// the seed's rule and AdaptiveDraftSteps' documentation rather than from the kernel:
+//
+//   ema' = smoothing * accepted / K + (1 - smoothing) * ema        (every request that drafted this cycle)
+//   K'   = K_max if ema' >= high, mid if ema' >= low, else min     (adaptive requests)
+//   K'   = min(K', pressure_cap) while free slots < floor(fraction * (pool - 1))
+//   K'   = the pin for a pinned request (no cap); K_max for every request when adaptive is off
+//
+//   reference::DraftStepsRule rule = reference::draft_steps_rule(engine_config);
+//   reference::RequestDraftState state = reference::admitted_state(rule, /*pinned=*/0);
+//   reference::advance(rule, state, /*accepted=*/3, /*free_slots=*/5000);   // one cycle
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "smcgraph/engine.hpp"
+
+namespace smcgraph::reference {
+
+/// The rule's constants as EngineConfig states them.
+struct DraftStepsRule {
+  bool adaptive = false;
+  int max_steps = 1, mid_steps = 1, min_steps = 1, pressure_cap = 1;
+  double watermark_slots = 0.0; ///< pressure while free slots < this (an integer: floor of the fraction)
+  float smoothing = 0.2f, initial = 0.8f, high = 0.8f, low = 0.5f;
+};
+DraftStepsRule draft_steps_rule(const EngineConfig& config);
+
+/// One request's decision state.
+struct RequestDraftState {
+  float ema = 0.0f;
+  int steps = 0;  ///< K of the next cycle
+  int pinned = 0; ///< 0: adaptive
+};
+RequestDraftState admitted_state(const DraftStepsRule& rule, int pinned);
+
+/// The acceptance-rate EMA after a cycle that accepted `accepted` of `proposed` draft tokens (IEEE float,
+/// each operation rounded on its own).
+float ema_after(float ema, int accepted, int proposed, float smoothing);
+bool kv_pressure(const DraftStepsRule& rule, int free_slots);
+/// K of the next cycle for an EMA (pins and the cap applied).
+int choose_steps(const DraftStepsRule& rule, float ema, bool pressure, int pinned);
+
+/// One cycle of one request: drafted (it ran this cycle) moves the EMA with accepted / state.steps, then the
+/// next K is chosen. Returns the K this cycle used.
+int advance(const DraftStepsRule& rule, RequestDraftState& state, bool drafted, int accepted, int free_slots);
+
+} // namespace smcgraph::reference
