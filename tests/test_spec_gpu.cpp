@@ -586,7 +586,7 @@ TEST_CASE("a captured cycle runs max K over its live rows of draft steps (condit
       StepCountingModel draft(*models.draft);
       Engine engine(config, draft, *models.target);
       const bool conditional = engine.draft_loop().conditional;
-      MESSAGE((graphs ? "graphed" : "eager")
+      MESSAGE(std::string(graphs ? "graphed" : "eager")
               << ", SMCGRAPH_DISABLE_CONDITIONAL=" << disable << ": " << engine.draft_loop().note);
       CHECK(conditional == (graphs && std::string(disable) == "0"));
       // Requests pinned to 1, then one pinned to 3 joins: max K is 1, then 3 (K_max 6).
