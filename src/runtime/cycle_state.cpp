@@ -264,8 +264,11 @@ size_t allocate_cycle_state(Engine::State& s) {
 }
 
 void zero_cycle_state(Engine::State& s) {
+  // The `zeroed` buffers must start at zero (the stages rely on it). The others are written before any stage
+  // reads them, and are zeroed too, once here at construction: Engine::inspect() then never copies undefined
+  // bytes (compute-sanitizer's initcheck flags such a copy).
   for_each_buffer([&](const auto& entry) {
-    if (entry.zeroed && applies(entry.kinds, s))
+    if (applies(entry.kinds, s))
       (s.*entry.member).fill_bytes(0, s.stream);
   });
 }

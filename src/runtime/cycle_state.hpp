@@ -84,7 +84,8 @@ std::vector<std::string> state_buffer_names(const Engine::State& s);
 
 /// Allocates every buffer of the engine's kind (at least one element each); returns the bytes allocated.
 size_t allocate_cycle_state(Engine::State& s);
-/// Zero-fills the buffers the table marks zeroed, on the engine's stream.
+/// Zero-fills every buffer of the engine's kind on its stream, once at construction (the table's `zeroed`
+/// column marks those the stages need at zero).
 void zero_cycle_state(Engine::State& s);
 /// Points s.buffers (CycleBuffers) at the allocated buffers and sets its scalars.
 void wire_cycle_views(Engine::State& s);
