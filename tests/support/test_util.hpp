@@ -94,12 +94,10 @@ inline int sanitizer_scaled(int full, int reduced, int racecheck) {
   return sanitizer_tool() == SanitizerTool::kRacecheck ? racecheck : sanitizer_scaled(full, reduced);
 }
 
-/// True where the conditional-node draft loop is not run (gpu_main.cpp says why): memcheck, racecheck and
-/// synccheck. Tests that switch SMCGRAPH_DISABLE_CONDITIONAL themselves keep it at 1 there.
+/// True where the conditional-node draft loop is not run (gpu_main.cpp says why): under any compute-sanitizer
+/// tool. Tests that switch SMCGRAPH_DISABLE_CONDITIONAL themselves keep it at 1 there.
 inline bool sanitizer_blocks_conditional_nodes() {
-  const SanitizerTool tool = sanitizer_tool();
-  return tool == SanitizerTool::kMemcheck || tool == SanitizerTool::kRacecheck ||
-         tool == SanitizerTool::kSynccheck;
+  return under_sanitizer();
 }
 
 /// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
