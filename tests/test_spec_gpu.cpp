@@ -97,7 +97,7 @@ namespace {
 std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const std::function<int(int)>& pin) {
   test::Rng rng;
   INFO("seed " << rng.seed());
-  const int new_tokens = test::sanitizer_scaled(256, 24, 12);
+  const int new_tokens = test::sanitizer_scaled(256, 24, 8);
   std::set<int> steps_seen;
   for (bool graphs : {true, false}) {
     EngineConfig config = base;
@@ -106,7 +106,12 @@ std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const st
     Engine engine(config, *models.draft, *models.target);
     const reference::ToyModelReference target_reference(models.target->config());
     long compared = 0, accepted_tokens = 0, cycles = 0;
-    for (int bucket : {1, 2, 4, 8, 16, 32, 64}) {
+    // Every bucket; under racecheck (its per-launch cost is the largest) the smallest, a middle and the
+    // largest: the same kernels, fewer replays.
+    const std::vector<int> buckets = test::sanitizer_tool() == test::SanitizerTool::kRacecheck
+                                         ? std::vector<int>{1, 8, 64}
+                                         : std::vector<int>{1, 2, 4, 8, 16, 32, 64};
+    for (int bucket : buckets) {
       std::vector<std::vector<int32_t>> prompts;
       std::vector<RequestId> ids;
       std::vector<std::vector<int32_t>> streamed(bucket);
