@@ -94,7 +94,7 @@ import sys
 import time
 
 import llama_torch  # beside this script: the GGUF loading and the PyTorch forward, shared with tests/hf_compare.py
-from toy_torch import CSV_COLUMNS, median_cycle_us, median_forwards_us
+from toy_torch import CSV_COLUMNS, GraphedCycle, median_cycle_us, median_forwards_us
 
 ALL_METHODS = ["hf_generate_greedy", "hf_assisted", "torch_spec_eager", "torch_spec_graph", "torch_smc_eager",
                "torch_smc_graph"]
@@ -431,44 +431,19 @@ def main():
             self.weigh_commit()
             self.resample()
 
-    class Driver:
-        """Eager cycles, or (graph methods) the draft phase and the verify forward captured once and replayed."""
+    def Driver(run, graph):
+        """Eager cycles, or (graph methods) the draft phase and the verify forward captured once (two graphs) and
+        replayed, then the commit eagerly."""
 
-        def __init__(self, run, graph):
-            self.run, self.graph = run, graph
-            self.draft_graph = self.verify_graph = None
-
-        def warm_up(self, cycles):
-            if not self.graph:
-                for _ in range(cycles):
-                    self.run.cycle_eager()
-                return
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # lazy initialisation (cuBLAS handles, workspaces) outside the capture
-                for _ in range(max(1, cycles)):
-                    self.run.cycle_eager()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            self.draft_graph, self.verify_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.draft_graph, stream=side):  # records only: the state does not change
-                self.run.draft_phase()
-            with torch.cuda.graph(self.verify_graph, stream=side):
-                self.run.verify()  # verify_logits now names the graph's output buffer
-            torch.cuda.synchronize()
-
-        def cycle(self):
-            run = self.run
-            if self.draft_graph is None:
-                run.cycle_eager()
-                return
-            self.draft_graph.replay()
-            self.verify_graph.replay()
+        def after():
             if isinstance(run, SpecRun):
                 run.accept_commit()
             else:
                 run.weigh_commit()
                 run.resample()
+
+        # verify(): verify_logits then names the graph's output buffer
+        return GraphedCycle(torch, run.cycle_eager, graph, [run.draft_phase, run.verify], None, after)
 
     def time_cycles(driver, cycles):
         return median_cycle_us(torch, driver, cycles, on_gpu)

@@ -325,44 +325,24 @@ def main():
     # ------------------------------------------------------------------------------------------------------
     # Driving a method: warm-up cycles eagerly, capture (graph methods), then cycles
 
-    class Driver:
-        def __init__(self, state, method):
-            self.state = state
-            self.method = method
-            self.graph = None
+    def Driver(state, method):
+        """torch_graph_cycle: the draft phase and the verify forward in one graph; torch_graph_draft: the draft
+        phase only, the verify phase eager; both allocate before and commit and resample after the replay."""
+        whole = method == "torch_graph_cycle"
 
-        def warm_up(self, cycles):
-            """Eager cycles; for graph methods on the capture stream, then the capture."""
-            if self.method not in GRAPH_METHODS:
-                for _ in range(cycles):
-                    self.state.cycle_eager()
-                return
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # lazy initialisation (cuBLAS workspace, ...) happens outside capture
-                for _ in range(max(1, cycles)):
-                    self.state.cycle_eager()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            state = self.state
-            with torch.cuda.graph(self.graph, stream=side):  # records only: the state does not change
-                state.draft_phase()
-                if self.method == "torch_graph_cycle":
-                    state.verify_phase()
-            torch.cuda.synchronize()
+        def captured():
+            state.draft_phase()
+            if whole:
+                state.verify_phase()
 
-        def cycle(self):
-            state = self.state
-            if self.graph is None:
-                state.cycle_eager()
-                return
-            state.alloc()
-            self.graph.replay()
-            if self.method == "torch_graph_draft":
+        def after():
+            if not whole:
                 state.verify_phase()
             state.after_commit()
             state.resample()
+
+        return toy_torch.GraphedCycle(torch, state.cycle_eager, method in GRAPH_METHODS, [captured], state.alloc,
+                                      after)
 
     time_cycles = kit.time_cycles
     time_model_forwards = kit.time_model_forwards

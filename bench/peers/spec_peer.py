@@ -285,39 +285,11 @@ def main():
     # ------------------------------------------------------------------------------------------------------
     # Driving a method: warm-up cycles eagerly, capture (graph method), then cycles
 
-    class Driver:
-        def __init__(self, state, method):
-            self.state = state
-            self.method = method
-            self.graph = None
-
-        def warm_up(self, cycles):
-            """Eager cycles; for the graph method on the capture stream, then the capture."""
-            if self.method not in GRAPH_METHODS:
-                for _ in range(cycles):
-                    self.state.cycle_eager()
-                return
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # lazy initialisation happens outside the capture
-                for _ in range(max(1, cycles)):
-                    self.state.cycle_eager()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            state = self.state
-            with torch.cuda.graph(self.graph, stream=side):  # records only: the state does not change
-                state.draft_phase()
-            torch.cuda.synchronize()
-
-        def cycle(self):
-            state = self.state
-            if self.graph is None:
-                state.cycle_eager()
-                return
-            state.alloc()
-            self.graph.replay()
-            state.verify_and_commit()
+    def Driver(state, method):
+        """The graph method replays the captured draft phase between the slot allocation and the verify-and-commit
+        phase (eager)."""
+        return toy_torch.GraphedCycle(torch, state.cycle_eager, method in GRAPH_METHODS, [state.draft_phase],
+                                      state.alloc, state.verify_and_commit)
 
     # ------------------------------------------------------------------------------------------------------
     # Validation against the engine's tokens

@@ -7,6 +7,8 @@ way. Imported by the peers (they put their own directory on sys.path by being ru
                                     parses it, checks the method names, splits --requests
   import_torch_and_manifest(prog, args)
                                     (torch, manifest) or the exit status 2 after a message naming what is missing
+  GraphedCycle(torch, eager, graphed, captures, before, after)
+                                    a method's cycle driver: eager, or captured parts replayed between host parts
   load_safetensors(path)            (metadata, {name: (shape, raw float32 bytes)}) of toy_weights_v<V>.safetensors
   ToyKit(torch, device, manifest, manifest_dir)
     .Weights(tensors, prefix)       one model's weights on the device (E [V, H], P [period, H], W [V, H], b [V])
@@ -110,6 +112,56 @@ def median_cycle_us(torch, driver, cycles, on_gpu):
             us.append(1e6 * (time.perf_counter() - start))
     us.sort()
     return statistics.median(us), us[min(len(us) - 1, math.ceil(0.9 * len(us)) - 1)]
+
+
+class GraphedCycle:
+    """Drives one peer method's cycles (the toy and llama peers): eagerly, or with parts of the cycle captured
+    once as CUDA graphs and replayed.
+
+    eager():     one whole cycle, eagerly.
+    captures:    when graphed, callables each captured into its own graph, in order, after the warm-up cycles
+                 (run on a side stream, so lazy initialisation such as cuBLAS workspaces happens outside any
+                 capture); capturing only records work, so the state does not change.
+    before() / after(): the host-side parts of a graphed cycle around the replays (slot allocation, commit,
+                 resampling); None for nothing.
+    warm_up(cycles) and cycle() are what the timing helpers call."""
+
+    def __init__(self, torch, eager, graphed, captures=(), before=None, after=None):
+        self.torch, self.eager, self.graphed = torch, eager, graphed
+        self.captures, self.before, self.after = list(captures), before, after
+        self.graphs = []
+
+    def warm_up(self, cycles):
+        torch = self.torch
+        if not self.graphed:
+            for _ in range(cycles):
+                self.eager()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(1, cycles)):
+                self.eager()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graphs = []
+        for capture in self.captures:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                capture()
+            self.graphs.append(graph)
+        torch.cuda.synchronize()
+
+    def cycle(self):
+        if not self.graphs:
+            self.eager()
+            return
+        if self.before is not None:
+            self.before()
+        for graph in self.graphs:
+            graph.replay()
+        if self.after is not None:
+            self.after()
 
 
 def median_forwards_us(torch, forwards, on_gpu, warmup=MODEL_WARMUP, repetitions=MODEL_REPETITIONS):
