@@ -4,6 +4,7 @@
 // (tests/fuzz/fuzz_engine_validation.cpp).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -33,6 +34,11 @@ void seed(const smcgraph::EngineConfig& config, const smcgraph::RequestParams& p
   CHECK(decoded.config.vocab == config.vocab);
   CHECK(decoded.config.buckets == config.buckets);
   CHECK(decoded.params.max_new_tokens == params.max_new_tokens);
+  CHECK(decoded.params.draft_steps == params.draft_steps);
+  CHECK(decoded.config.adaptive.enabled == config.adaptive.enabled);
+  CHECK(decoded.config.adaptive.mid_steps == config.adaptive.mid_steps);
+  CHECK(std::memcmp(&decoded.config.adaptive.pressure_free_fraction, &config.adaptive.pressure_free_fraction,
+                    sizeof(float)) == 0); // bit for bit (a NaN seed too)
   CHECK(decoded.prompt == prompt);
 }
 
@@ -323,4 +329,45 @@ TEST_CASE("StateBufferCopy::as reads the elements back and rejects a type of ano
   }
   CHECK_MESSAGE(message.find("seq_len") != std::string::npos, message);
   CHECK_MESSAGE(message.find("element size") != std::string::npos, message);
+}
+
+TEST_CASE("adaptive draft length: bad fields and pins are errors naming them (and seed the engine fuzzer)") {
+  auto speculative = [](smcgraph::EngineConfig& c) {
+    c.kind = smcgraph::CycleKind::kSpeculative;
+    c.particles = 1;
+    c.draft_steps = 8;
+    c.adaptive.enabled = true;
+  };
+  CHECK(error_of(speculative) == "no error");
+  CHECK(contains(error_of([&](smcgraph::EngineConfig& c) {
+                   speculative(c);
+                   c.adaptive.mid_steps = 9;
+                 }),
+                 "adaptive.mid_steps = 9"));
+  CHECK(contains(error_of([&](smcgraph::EngineConfig& c) {
+                   speculative(c);
+                   c.adaptive.low_threshold = 0.9f;
+                 }),
+                 "adaptive.high_threshold = 0.8"));
+  CHECK(contains(error_of([&](smcgraph::EngineConfig& c) {
+                   speculative(c);
+                   c.adaptive.pressure_free_fraction = std::nanf("");
+                 }),
+                 "adaptive.pressure_free_fraction = nan"));
+  CHECK(contains(error_of([](smcgraph::EngineConfig& c) { c.adaptive.enabled = true; }), "adaptive.enabled"));
+  // Pins: seeded with a valid speculative config, checked by admit's validation.
+  smcgraph::EngineConfig config;
+  speculative(config);
+  for (const int pin : {-1, 1, 8, 0, 9}) {
+    const smcgraph::RequestParams params{.draft_steps = pin};
+    seed(config, params);
+    bool rejected = false;
+    try {
+      smcgraph::detail::validate_request(config, {1, 2, 3}, params);
+    } catch (const smcgraph::Error& e) {
+      rejected = true;
+      CHECK(contains(e.what(), "params.draft_steps = " + std::to_string(pin)));
+    }
+    CHECK(rejected == (pin == 0 || pin == 9));
+  }
 }

@@ -78,6 +78,16 @@ inline EngineFuzzInput decode_engine_fuzz_input(const uint8_t* data, size_t size
   const uint8_t flags = in.read<uint8_t>();
   c.use_graphs = (flags & 1) != 0;
   c.spin_wait = (flags & 2) != 0;
+  AdaptiveDraftSteps& a = c.adaptive;
+  a.enabled = (flags & 4) != 0;
+  a.min_steps = in.read<int32_t>();
+  a.mid_steps = in.read<int32_t>();
+  a.smoothing = in.read<float>();
+  a.initial_acceptance = in.read<float>();
+  a.high_threshold = in.read<float>();
+  a.low_threshold = in.read<float>();
+  a.pressure_cap = in.read<int32_t>();
+  a.pressure_free_fraction = in.read<float>();
   RequestParams& p = decoded.params;
   p.seed = in.read<uint64_t>();
   p.draft_temperature = in.read<float>();
@@ -85,6 +95,7 @@ inline EngineFuzzInput decode_engine_fuzz_input(const uint8_t* data, size_t size
   p.alpha = in.read<float>();
   p.tau = in.read<float>();
   p.max_new_tokens = in.read<int32_t>();
+  p.draft_steps = in.read<int32_t>();
   // The prompt: its length, then that many tokens (fewer when the input ends first).
   size_t length = in.read<uint32_t>() % (kMaxFuzzPrompt + 1);
   length = std::min(length, in.remaining() / sizeof(int32_t));
@@ -113,13 +124,23 @@ inline std::vector<uint8_t> encode_engine_fuzz_input(const EngineConfig& c, cons
   out.write<float>(c.alpha);
   out.write<float>(c.tau);
   out.write<int32_t>(c.eos_id);
-  out.write(static_cast<uint8_t>((c.use_graphs ? 1 : 0) | (c.spin_wait ? 2 : 0)));
+  out.write(
+      static_cast<uint8_t>((c.use_graphs ? 1 : 0) | (c.spin_wait ? 2 : 0) | (c.adaptive.enabled ? 4 : 0)));
+  out.write<int32_t>(c.adaptive.min_steps);
+  out.write<int32_t>(c.adaptive.mid_steps);
+  out.write<float>(c.adaptive.smoothing);
+  out.write<float>(c.adaptive.initial_acceptance);
+  out.write<float>(c.adaptive.high_threshold);
+  out.write<float>(c.adaptive.low_threshold);
+  out.write<int32_t>(c.adaptive.pressure_cap);
+  out.write<float>(c.adaptive.pressure_free_fraction);
   out.write<uint64_t>(p.seed);
   out.write<float>(p.draft_temperature);
   out.write<float>(p.target_temperature);
   out.write<float>(p.alpha);
   out.write<float>(p.tau);
   out.write<int32_t>(p.max_new_tokens);
+  out.write<int32_t>(p.draft_steps);
   const size_t length = std::min(prompt.size(), kMaxFuzzPrompt);
   out.write(static_cast<uint32_t>(length));
   for (size_t i = 0; i < length; ++i)

@@ -61,6 +61,19 @@ void check_accepted_config(const smcgraph::EngineConfig& c) {
     expect(i == 0 || buckets[i] > buckets[i - 1], "buckets increase");
   }
   expect(buckets.back() == c.max_requests, "the largest bucket is max_requests");
+  // The device's EMA and K choice (src/kernels/draft_steps.cu) read these for every request.
+  const smcgraph::AdaptiveDraftSteps& a = c.adaptive;
+  auto unit = [](float value) { return std::isfinite(value) && value >= 0.0f && value <= 1.0f; };
+  expect(unit(a.smoothing) && unit(a.initial_acceptance), "EMA smoothing and start in [0, 1]");
+  if (a.enabled) {
+    expect(c.kind == CycleKind::kSpeculative, "adaptive K: the speculative cycle only");
+    expect(a.min_steps >= 1 && a.min_steps <= a.mid_steps && a.mid_steps <= c.draft_steps,
+           "1 <= min_steps <= mid_steps <= draft_steps");
+    expect(unit(a.low_threshold) && unit(a.high_threshold) && a.low_threshold <= a.high_threshold,
+           "0 <= low_threshold <= high_threshold <= 1");
+    expect(a.pressure_cap >= 1 && a.pressure_cap <= c.draft_steps, "pressure_cap in [1, draft_steps]");
+    expect(unit(a.pressure_free_fraction), "pressure_free_fraction in [0, 1]");
+  }
 }
 
 /// What Engine::admit relies on once validate_request accepted the request.
@@ -77,6 +90,12 @@ void check_accepted_request(const smcgraph::EngineConfig& c, const std::vector<i
   expect(std::isfinite(r.alpha) && r.alpha > 0.0f, "resolved alpha");
   expect(r.tau >= 0.0f && r.tau <= 1.0f, "resolved tau in [0, 1]");
   expect(params.max_new_tokens == -1 || params.max_new_tokens >= 1, "max_new_tokens");
+  // The request's K: a pin in [1, draft_steps] (SMC: draft_steps), or 0 = chosen on the device, which needs
+  // the adaptive rule.
+  expect(r.pinned_draft_steps >= 0 && r.pinned_draft_steps <= c.draft_steps, "pinned K in [0, draft_steps]");
+  expect(r.pinned_draft_steps > 0 || c.adaptive.enabled, "an unpinned K needs the adaptive rule");
+  expect(c.kind == smcgraph::CycleKind::kSpeculative || r.pinned_draft_steps == c.draft_steps,
+         "SMC drafts K_max");
 }
 
 } // namespace
