@@ -348,17 +348,21 @@ TEST_CASE(
   EngineConfig config = spec_config(8, 8, 512);
   config.target_temperature = 1.0f; // stochastic: acceptance varies, so the EMA and K move
   config.max_seq_len = 400;
-  config.slot_pool_size = 4096;
+  // Under a sanitizer: 48 new tokens a request and a 1024-slot pool (pressure once ~307 slots are taken; the
+  // 8 requests hold at least 8 x 49), so the run stays short and still sees both regimes.
+  const int new_tokens = test::sanitizer_scaled(300, 48);
+  config.slot_pool_size = test::under_sanitizer() ? 1024 : 4096;
   config.adaptive.enabled = true;
-  config.adaptive.pressure_free_fraction = 0.7f; // pressure once ~1,230 slots are taken
+  config.adaptive.pressure_free_fraction = 0.7f; // pressure once 30% of the slots are taken (~1,230 of 4096)
   const reference::DraftStepsRule rule = reference::draft_steps_rule(config);
   ToyModelPair models = ToyModel::pair(toy_for(config), 0.6f);
   Engine engine(config, *models.draft, *models.target);
   std::map<RequestId, reference::RequestDraftState> states;
   for (int i = 0; i < config.max_requests; ++i) {
     const int pinned = i == 7 ? 8 : -1; // one pinned request (never capped); -1: adaptive
-    const RequestId id = engine.admit(random_prompt(rng, config.vocab, 24),
-                                      {.seed = rng.bits(), .max_new_tokens = 300, .draft_steps = pinned});
+    const RequestId id =
+        engine.admit(random_prompt(rng, config.vocab, 24),
+                     {.seed = rng.bits(), .max_new_tokens = new_tokens, .draft_steps = pinned});
     states[id] = reference::admitted_state(rule, pinned);
   }
   int pressured = 0, relaxed = 0, capped = 0, changes = 0, cycles = 0;
