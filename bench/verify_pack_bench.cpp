@@ -40,7 +40,7 @@ constexpr int kMinLaunchesPerGraph = 20;
 constexpr DType kPayloadDType = DType::kFloat16;
 
 struct Config {
-  int rows, gamma;
+  int rows, draft_steps;
   double alpha;
   int kv_dim;
 };
@@ -73,7 +73,7 @@ std::vector<std::string> csv_cells(const Row& row, double copy_gbs, const std::s
   const double gbs = row.bytes / (row.timing.median_us * 1e3);
   return {row.method,
           std::to_string(row.config.rows),
-          std::to_string(row.config.gamma),
+          std::to_string(row.config.draft_steps),
           format(row.config.alpha, 2),
           std::to_string(row.config.kv_dim),
           smcgraph::dtype_name(kPayloadDType),
@@ -86,7 +86,7 @@ std::vector<std::string> csv_cells(const Row& row, double copy_gbs, const std::s
           device};
 }
 
-/// (rows, gamma, alpha, kv_dim) -> [(method, median_us)] from a peer CSV in this bench's format.
+/// (rows, draft_steps, alpha, kv_dim) -> [(method, median_us)] from a peer CSV in this bench's format.
 using PeerTable =
     std::map<std::tuple<int, int, std::string, int>, std::vector<std::pair<std::string, double>>>;
 
@@ -109,15 +109,15 @@ PeerTable read_peer_csv(const std::string& path) {
     const auto it = std::find(header.begin(), header.end(), name);
     return it == header.end() ? -1 : static_cast<int>(it - header.begin());
   };
-  const int method = column("method"), rows = column("rows"), gamma = column("gamma"),
+  const int method = column("method"), rows = column("rows"), draft_steps = column("draft_steps"),
             alpha = column("alpha"), kv_dim = column("kv_dim"), median = column("median_us");
-  if (std::min({method, rows, gamma, alpha, kv_dim, median}) < 0)
+  if (std::min({method, rows, draft_steps, alpha, kv_dim, median}) < 0)
     return table;
   while (std::getline(in, line)) {
     const std::vector<std::string> cells = split(line);
     if (static_cast<int>(cells.size()) < static_cast<int>(header.size()))
       continue;
-    const auto key = std::make_tuple(std::stoi(cells[rows]), std::stoi(cells[gamma]),
+    const auto key = std::make_tuple(std::stoi(cells[rows]), std::stoi(cells[draft_steps]),
                                      format(std::stod(cells[alpha]), 2), std::stoi(cells[kv_dim]));
     table[key].emplace_back(cells[method], std::stod(cells[median]));
   }
@@ -128,11 +128,11 @@ PeerTable read_peer_csv(const std::string& path) {
 std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
                             smcgraph::PackWorkspace& workspace, int64_t rotation_bytes,
                             std::string* failure) {
-  const int rows = config.rows, gamma = config.gamma;
+  const int rows = config.rows, draft_steps = config.draft_steps;
   std::mt19937_64 engine(kOracleSeed);
-  const auto batch = smcgraph::reference::make_oracle_batch(engine, rows, gamma, kVocab, config.alpha);
+  const auto batch = smcgraph::reference::make_oracle_batch(engine, rows, draft_steps, kVocab, config.alpha);
   const int64_t position_bytes = int64_t{config.kv_dim} * smcgraph::dtype_bytes(kPayloadDType);
-  const int64_t payload_bytes = int64_t{rows} * gamma * position_bytes;
+  const int64_t payload_bytes = int64_t{rows} * draft_steps * position_bytes;
   std::vector<uint8_t> payload(payload_bytes);
   for (size_t i = 0; i < payload.size(); i += 8) {
     const uint64_t bits = engine();
@@ -151,18 +151,18 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
     slot.payload = smcgraph::DeviceBuffer<uint8_t>(payload_bytes);
     slot.payload.copy_from_host(payload.data(), payload.size(), stream);
     slot.packed = smcgraph::DeviceBuffer<uint8_t>(payload_bytes);
-    slot.tokens = smcgraph::DeviceBuffer<int32_t>(static_cast<size_t>(rows) * gamma);
+    slot.tokens = smcgraph::DeviceBuffer<int32_t>(static_cast<size_t>(rows) * draft_steps);
   }
   int next_slot = 0;
-  const smcgraph::TokenVerifyInputs inputs{draft.data(), gamma, target.data(), gamma + 1,
-                                           rows,         gamma, kVocab};
+  const smcgraph::TokenVerifyInputs inputs{draft.data(), draft_steps, target.data(), draft_steps + 1,
+                                           rows,         draft_steps, kVocab};
   const smcgraph::VerifyOutputs verdict{accepted.data(), next_tokens.data(), mismatch.data()};
   const auto launch = [&](cudaStream_t s) {
     Slot& slot = rotation[next_slot++ % slots];
     smcgraph::verify_and_pack(
-        inputs, {slot.payload.data(), kPayloadDType, config.kv_dim, int64_t{gamma} * config.kv_dim}, false,
-        verdict,
-        {slot.packed.data(), int64_t{rows} * gamma, offsets.data(), total.data(), slot.tokens.data()},
+        inputs, {slot.payload.data(), kPayloadDType, config.kv_dim, int64_t{draft_steps} * config.kv_dim},
+        false, verdict,
+        {slot.packed.data(), int64_t{rows} * draft_steps, offsets.data(), total.data(), slot.tokens.data()},
         workspace, s);
   };
 
@@ -171,7 +171,7 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
   next_slot = 0;
   launch(stream);
   std::vector<int32_t> h_accepted(rows), h_next(rows), h_offsets(rows),
-      h_tokens(static_cast<size_t>(rows) * gamma);
+      h_tokens(static_cast<size_t>(rows) * draft_steps);
   std::vector<uint8_t> h_mismatch(rows), h_packed(payload_bytes);
   int32_t h_total = -1;
   accepted.copy_to_host(h_accepted.data(), rows, stream);
@@ -183,11 +183,11 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
   rotation[0].tokens.copy_to_host(h_tokens.data(), h_tokens.size(), stream);
   stream.synchronize();
   const auto expected_verdict = smcgraph::reference::verify_greedy(
-      batch.draft.data(), gamma, batch.target.data(), gamma + 1, rows, gamma, kVocab);
-  const auto expected =
-      smcgraph::reference::pack(expected_verdict.accepted.data(), expected_verdict.next_tokens.data(),
-                                batch.draft.data(), gamma, payload.data(), int64_t{gamma} * config.kv_dim,
-                                rows, gamma, config.kv_dim, smcgraph::dtype_bytes(kPayloadDType), false);
+      batch.draft.data(), draft_steps, batch.target.data(), draft_steps + 1, rows, draft_steps, kVocab);
+  const auto expected = smcgraph::reference::pack(
+      expected_verdict.accepted.data(), expected_verdict.next_tokens.data(), batch.draft.data(), draft_steps,
+      payload.data(), int64_t{draft_steps} * config.kv_dim, rows, draft_steps, config.kv_dim,
+      smcgraph::dtype_bytes(kPayloadDType), false);
   if (expected_verdict.accepted != batch.accepted)
     *failure = "the reference disagrees with the oracle";
   else if (h_accepted != expected_verdict.accepted)
@@ -208,7 +208,7 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
     return {};
 
   // Bytes a launch must move: the packed payload read and written, the tokens read, the outputs written.
-  const double bytes = 2.0 * h_total * position_bytes + 4.0 * rows * (2 * gamma + 1) + 4.0 * h_total +
+  const double bytes = 2.0 * h_total * position_bytes + 4.0 * rows * (2 * draft_steps + 1) + 4.0 * h_total +
                        rows * (4.0 + 4.0 + 1.0 + 4.0) + 4.0;
   std::vector<Row> results;
   const int launches_per_graph = std::max(slots, kMinLaunchesPerGraph);
@@ -254,11 +254,11 @@ int main(int argc, char** argv) {
         format(l2_bytes / 1e6, 1).c_str(), kVocab, static_cast<unsigned long long>(kOracleSeed));
 
     smcgraph::bench::Csv csv(csv_path);
-    csv.row({"method", "rows", "gamma", "alpha", "kv_dim", "dtype", "packed_rows", "median_us", "min_us",
-             "p90_us", "gbs", "fraction_of_copy", "device"});
+    csv.row({"method", "rows", "draft_steps", "alpha", "kv_dim", "dtype", "packed_rows", "median_us",
+             "min_us", "p90_us", "gbs", "fraction_of_copy", "device"});
     const PeerTable peers = peer_csv.empty() ? PeerTable{} : read_peer_csv(peer_csv);
     smcgraph::PackWorkspace workspace(256);
-    std::printf("%-22s %5s %5s %5s %6s %7s %6s %10s %10s %9s %8s %6s  %s\n", "method", "rows", "gamma",
+    std::printf("%-22s %5s %11s %5s %6s %7s %6s %10s %10s %9s %8s %6s  %s\n", "method", "rows", "draft_steps",
                 "alpha", "kv_dim", "packed", "tiles", "median_us", "p90_us", "GB/s", "of_copy", "floor",
                 "vs peers");
     bool all_valid = true;
@@ -267,24 +267,24 @@ int main(int argc, char** argv) {
       const auto results = run_config(config, stream, workspace, rotation_bytes, &failure);
       if (!failure.empty()) {
         all_valid = false;
-        std::printf("INVALID rows %d gamma %d alpha %.2f kv_dim %d: %s (not timed)\n", config.rows,
-                    config.gamma, config.alpha, config.kv_dim, failure.c_str());
+        std::printf("INVALID rows %d draft_steps %d alpha %.2f kv_dim %d: %s (not timed)\n", config.rows,
+                    config.draft_steps, config.alpha, config.kv_dim, failure.c_str());
         continue;
       }
-      const smcgraph::PackLaunchShape shape =
-          smcgraph::pack_launch_shape(config.rows, config.gamma, config.kv_dim, kPayloadDType, false, false);
+      const smcgraph::PackLaunchShape shape = smcgraph::pack_launch_shape(
+          config.rows, config.draft_steps, config.kv_dim, kPayloadDType, false, false);
       for (const Row& row : results) {
         csv.row(csv_cells(row, copy_gbs, device_name));
         const double gbs = row.bytes / (row.timing.median_us * 1e3);
         std::string versus;
-        const auto it =
-            peers.find(std::make_tuple(config.rows, config.gamma, format(config.alpha, 2), config.kv_dim));
+        const auto it = peers.find(
+            std::make_tuple(config.rows, config.draft_steps, format(config.alpha, 2), config.kv_dim));
         if (it != peers.end())
           for (const auto& [method, median_us] : it->second)
             versus += method + " " + format(median_us / row.timing.median_us, 2) + "x  ";
-        std::printf("%-22s %5d %5d %5.2f %6d %7d %3dx%-3d %10s %10s %9s %8s %6s  %s\n", row.method.c_str(),
-                    config.rows, config.gamma, config.alpha, config.kv_dim, row.packed_rows, shape.tiles,
-                    shape.splits, format(row.timing.median_us, 2).c_str(),
+        std::printf("%-22s %5d %11d %5.2f %6d %7d %3dx%-3d %10s %10s %9s %8s %6s  %s\n", row.method.c_str(),
+                    config.rows, config.draft_steps, config.alpha, config.kv_dim, row.packed_rows,
+                    shape.tiles, shape.splits, format(row.timing.median_us, 2).c_str(),
                     format(row.timing.p90_us, 2).c_str(), format(gbs, 1).c_str(),
                     format(gbs / copy_gbs, 3).c_str(), format(floor_us / row.timing.median_us, 2).c_str(),
                     versus.c_str());

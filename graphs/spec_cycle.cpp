@@ -50,8 +50,8 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stre
     in.draft_temperature = b.draft_temperature;
     in.target_temperature = b.target_temperature;
     in.random = random;
-    in.gamma = K;
-    in.row_gamma = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
+    in.draft_steps = K;
+    in.row_draft_steps = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
     verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, stream);
   }
   {

@@ -24,7 +24,7 @@ namespace {
 constexpr int kGuardRows = 3; // packed rows past the capacity that must stay poisoned
 
 struct PackCase {
-  int rows, gamma;
+  int rows, draft_steps;
   double alpha;
   int width;
   DType dtype;
@@ -36,7 +36,7 @@ struct PackCase {
 };
 
 std::string describe(const PackCase& c) {
-  return "rows " + std::to_string(c.rows) + " gamma " + std::to_string(c.gamma) + " alpha " +
+  return "rows " + std::to_string(c.rows) + " draft_steps " + std::to_string(c.draft_steps) + " alpha " +
          std::to_string(c.alpha) + " D " + std::to_string(c.width) + " " + smcgraph::dtype_name(c.dtype) +
          (c.include_next ? " +next" : "") + (c.with_tokens ? " +tokens" : "") + " stride+" +
          std::to_string(c.extra_row_stride) + " offset " + std::to_string(c.payload_offset);
@@ -63,11 +63,12 @@ struct DeviceCase {
   DeviceBuffer<uint32_t> flags, status;
 
   DeviceCase(const PackCase& pack_case, test::Rng& rng, smcgraph::Stream& s)
-      : c(pack_case), stream(s), positions(c.gamma + (c.include_next ? 1 : 0)),
+      : c(pack_case), stream(s), positions(c.draft_steps + (c.include_next ? 1 : 0)),
         element_bytes(dtype_bytes(c.dtype)), row_stride(int64_t{positions} * c.width + c.extra_row_stride),
         capacity(int64_t{c.rows} * positions), position_bytes(int64_t{c.width} * element_bytes),
-        draft(static_cast<size_t>(c.rows) * c.gamma), target(static_cast<size_t>(c.rows) * (c.gamma + 1)),
-        accepted(c.rows), next_tokens(c.rows), offsets(c.rows), total(1), tokens(capacity + kGuardRows),
+        draft(static_cast<size_t>(c.rows) * c.draft_steps),
+        target(static_cast<size_t>(c.rows) * (c.draft_steps + 1)), accepted(c.rows), next_tokens(c.rows),
+        offsets(c.rows), total(1), tokens(capacity + kGuardRows),
         payload_buffer((c.payload_offset + c.rows * row_stride) * element_bytes),
         packed((capacity + kGuardRows) * position_bytes), mismatch(c.rows), flags(c.rows), status(1) {
     // pack_accepted leaves the verdict buffers alone; give them defined bytes so read() never copies
@@ -76,7 +77,7 @@ struct DeviceCase {
       buffer->fill_bytes(0, stream);
     flags.fill_bytes(0, stream);
     status.fill_bytes(0, stream);
-    upload(reference::make_oracle_batch(rng.engine(), c.rows, c.gamma, c.vocab, c.alpha), rng);
+    upload(reference::make_oracle_batch(rng.engine(), c.rows, c.draft_steps, c.vocab, c.alpha), rng);
   }
 
   /// New inputs copied into the same buffers (a captured graph reads them on its next replay).
@@ -112,7 +113,7 @@ struct DeviceCase {
   }
 
   smcgraph::TokenVerifyInputs inputs() const {
-    return {draft.data(), c.gamma, target.data(), c.gamma + 1, c.rows, c.gamma, c.vocab};
+    return {draft.data(), c.draft_steps, target.data(), c.draft_steps + 1, c.rows, c.draft_steps, c.vocab};
   }
   smcgraph::PayloadView payload_view() const {
     return {payload_buffer.data() + c.payload_offset * element_bytes, c.dtype, c.width, row_stride};
@@ -129,8 +130,8 @@ struct DeviceCase {
   }
   /// pack_accepted() reading the accepted counts (and next tokens) a previous fused run left on the device.
   void launch_counts(smcgraph::PackWorkspace& workspace, cudaStream_t s) {
-    const smcgraph::AcceptedRows rows{accepted.data(), c.rows,  c.gamma,
-                                      draft.data(),    c.gamma, next_tokens.data()};
+    const smcgraph::AcceptedRows rows{accepted.data(), c.rows,        c.draft_steps,
+                                      draft.data(),    c.draft_steps, next_tokens.data()};
     smcgraph::pack_accepted(rows, payload_view(), c.include_next, pack_outputs(), workspace, s);
   }
 
@@ -151,8 +152,8 @@ struct DeviceCase {
   /// Checks `out` against the oracle and the references; `verdict_written` is false after pack_accepted.
   void check(const Outputs& out, bool verdict_written) const {
     INFO(describe(c));
-    const auto verdict = reference::verify_greedy(batch.draft.data(), c.gamma, batch.target.data(),
-                                                  c.gamma + 1, c.rows, c.gamma, c.vocab);
+    const auto verdict = reference::verify_greedy(batch.draft.data(), c.draft_steps, batch.target.data(),
+                                                  c.draft_steps + 1, c.rows, c.draft_steps, c.vocab);
     REQUIRE(verdict.accepted == batch.accepted); // the reference agrees with the oracle
     if (verdict_written) {
       CHECK(out.accepted == verdict.accepted);
@@ -161,9 +162,9 @@ struct DeviceCase {
       CHECK(out.flags == verdict.row_flags);
       CHECK(out.status == verdict.status);
     }
-    const auto expected =
-        reference::pack(verdict.accepted.data(), verdict.next_tokens.data(), batch.draft.data(), c.gamma,
-                        payload.data(), row_stride, c.rows, c.gamma, c.width, element_bytes, c.include_next);
+    const auto expected = reference::pack(verdict.accepted.data(), verdict.next_tokens.data(),
+                                          batch.draft.data(), c.draft_steps, payload.data(), row_stride,
+                                          c.rows, c.draft_steps, c.width, element_bytes, c.include_next);
     CHECK(out.offsets == expected.offsets);
     REQUIRE(out.total == expected.total);
     const size_t packed_bytes = static_cast<size_t>(expected.total) * position_bytes;
@@ -200,8 +201,8 @@ TEST_CASE("verify_and_pack matches the reference on seed 000's parity grid") {
   smcgraph::Stream stream;
   smcgraph::PackWorkspace workspace(4096);
   const DType f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
-  // Every b x gamma pair once; alpha, D and dtype rotate so every value of every axis is covered (a few
-  // widths shrink where b * gamma * D would be large).
+  // Every b x draft_steps pair once; alpha, D and dtype rotate so every value of every axis is covered (a few
+  // widths shrink where b * draft_steps * D would be large).
   const std::vector<PackCase> grid = {
       {1, 1, 0.3, 128, f16},      {1, 8, 0.6, 512, bf16},     {1, 64, 0.9, 1024, f32},
       {1, 128, 0.3, 2048, f16},   {1, 256, 0.6, 128, bf16},   {4, 1, 0.9, 512, f32},
@@ -249,7 +250,8 @@ TEST_CASE("verify_and_pack: any number of rows (no single-block ceiling)") {
                             PackCase{4096, 3, 0.5, 32, DType::kBFloat16, false, true},
                             PackCase{1000, 33, 0.8, 16, DType::kFloat32, false, false},
                             PackCase{2049, 300, 0.95, 8, DType::kFloat16, true, true}}) {
-    CHECK(smcgraph::pack_launch_shape(c.rows, c.gamma, c.width, c.dtype, c.include_next, false).tiles > 1);
+    CHECK(smcgraph::pack_launch_shape(c.rows, c.draft_steps, c.width, c.dtype, c.include_next, false).tiles >
+          1);
     run_case(c, rng, stream, workspace);
   }
 }
@@ -260,15 +262,15 @@ TEST_CASE("verify_and_pack: all accepted, all rejected, out-of-range ids") {
   smcgraph::Stream stream;
   smcgraph::PackWorkspace workspace(256);
   for (int rows : {1, 32, 256}) {
-    for (int gamma : {1, 8, 128}) {
+    for (int draft_steps : {1, 8, 128}) {
       for (double alpha : {0.0, 1.0}) { // alpha 1: every row accepts all; alpha 0: every row rejects at 0
-        PackCase c{rows, gamma, alpha, 64, DType::kFloat16, rows == 32};
+        PackCase c{rows, draft_steps, alpha, 64, DType::kFloat16, rows == 32};
         DeviceCase device_case(c, rng, stream);
         device_case.poison();
         test::run_on_stream(true, stream, [&](cudaStream_t s) { device_case.launch_fused(workspace, s); });
         const Outputs out = device_case.read();
         device_case.check(out, true);
-        CHECK(out.total == (alpha == 1.0 ? rows * gamma : 0) + (c.include_next ? rows : 0));
+        CHECK(out.total == (alpha == 1.0 ? rows * draft_steps : 0) + (c.include_next ? rows : 0));
       }
     }
   }
@@ -344,7 +346,7 @@ TEST_CASE("captured verify_and_pack replays correctly: the look-back workspace r
   SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(single_exec));
 }
 
-TEST_CASE("pack_accepted clamps counts outside [0, gamma]") {
+TEST_CASE("pack_accepted clamps counts outside [0, draft_steps]") {
   test::Rng rng;
   smcgraph::Stream stream;
   smcgraph::PackWorkspace workspace(64);
@@ -360,9 +362,9 @@ TEST_CASE("pack_accepted clamps counts outside [0, gamma]") {
   device_case.poison_pack();
   test::run_on_stream(false, stream, [&](cudaStream_t s) { device_case.launch_counts(workspace, s); });
   const Outputs out = device_case.read();
-  const auto expected =
-      reference::pack(counts.data(), next.data(), device_case.batch.draft.data(), c.gamma,
-                      device_case.payload.data(), device_case.row_stride, c.rows, c.gamma, c.width, 4, true);
+  const auto expected = reference::pack(counts.data(), next.data(), device_case.batch.draft.data(),
+                                        c.draft_steps, device_case.payload.data(), device_case.row_stride,
+                                        c.rows, c.draft_steps, c.width, 4, true);
   CHECK(out.offsets == expected.offsets);
   REQUIRE(out.total == expected.total);
   CHECK(std::memcmp(out.packed.data(), expected.bytes.data(), expected.bytes.size()) == 0);

@@ -29,17 +29,17 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 TEST_CASE("greedy reference reproduces seed 000's oracle") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
-  for (int gamma : {1, 3, 8, 31, 32, 33, 64, 128, 256}) {
+  for (int draft_steps : {1, 3, 8, 31, 32, 33, 64, 128, 256}) {
     for (double alpha : {0.0, 0.3, 0.6, 0.9, 1.0}) {
-      const auto batch = reference::make_oracle_batch(rng.engine(), 64, gamma, 4096, alpha);
-      const auto verdict = reference::verify_greedy(batch.draft.data(), gamma, batch.target.data(), gamma + 1,
-                                                    64, gamma, 4096);
+      const auto batch = reference::make_oracle_batch(rng.engine(), 64, draft_steps, 4096, alpha);
+      const auto verdict = reference::verify_greedy(batch.draft.data(), draft_steps, batch.target.data(),
+                                                    draft_steps + 1, 64, draft_steps, 4096);
       for (int row = 0; row < 64; ++row) {
-        INFO("gamma " << gamma << " alpha " << alpha << " row " << row);
+        INFO("draft_steps " << draft_steps << " alpha " << alpha << " row " << row);
         const int k = batch.accepted[row];
         CHECK(verdict.accepted[row] == k);
-        CHECK(verdict.mismatch[row] == (k < gamma ? 1 : 0));
-        CHECK(verdict.next_tokens[row] == batch.target[row * (gamma + 1) + k]);
+        CHECK(verdict.mismatch[row] == (k < draft_steps ? 1 : 0));
+        CHECK(verdict.next_tokens[row] == batch.target[row * (draft_steps + 1) + k]);
         CHECK(verdict.row_flags[row] == 0u);
       }
       CHECK(verdict.status == 0u);
@@ -48,15 +48,15 @@ TEST_CASE("greedy reference reproduces seed 000's oracle") {
 }
 
 TEST_CASE("greedy reference: out-of-range ids count as a mismatch and raise kFlagTokenOutOfRange") {
-  const int gamma = 5, vocab = 10;
+  const int draft_steps = 5, vocab = 10;
   // row 0: -1 padding after two matches; row 1: id == vocab first; row 2: a real mismatch before the padding
   // (the padding is never reached: no flag); row 3: all match but the bonus is out of range.
   const std::vector<int32_t> draft = {1,      2, -1, -1, -1, /**/ 10, 2, 3, 4, 5,
                                       /**/ 1, 2, 3,  -1, -1, /**/ 1,  2, 3, 4, 5};
   const std::vector<int32_t> target = {1,      2, 7, 7, 7, 7, /**/ 10, 2, 3, 4, 5, 6, /**/ 1, 9, 3, 4, 5, 6,
                                        /**/ 1, 2, 3, 4, 5, 12};
-  const auto verdict =
-      reference::verify_greedy(draft.data(), gamma, target.data(), gamma + 1, 4, gamma, vocab);
+  const auto verdict = reference::verify_greedy(draft.data(), draft_steps, target.data(), draft_steps + 1, 4,
+                                                draft_steps, vocab);
   CHECK(verdict.accepted == std::vector<int32_t>{2, 0, 1, 5});
   CHECK(verdict.next_tokens == std::vector<int32_t>{7, smcgraph::kInvalidToken, 9, smcgraph::kInvalidToken});
   CHECK(verdict.row_flags == std::vector<uint32_t>{smcgraph::kFlagTokenOutOfRange,
@@ -69,18 +69,19 @@ TEST_CASE("greedy reference: out-of-range ids count as a mismatch and raise kFla
 TEST_CASE("pack reference gathers kv[i, 0:k_i] (+ position k_i) at exclusive offsets") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
-  const int rows = 9, gamma = 6, width = 3;
-  const auto batch = reference::make_oracle_batch(rng.engine(), rows, gamma, 100, 0.6);
-  const auto verdict =
-      reference::verify_greedy(batch.draft.data(), gamma, batch.target.data(), gamma + 1, rows, gamma, 100);
-  const int64_t row_stride = (gamma + 1) * width; // a [rows, gamma + 1, D] tensor
+  const int rows = 9, draft_steps = 6, width = 3;
+  const auto batch = reference::make_oracle_batch(rng.engine(), rows, draft_steps, 100, 0.6);
+  const auto verdict = reference::verify_greedy(batch.draft.data(), draft_steps, batch.target.data(),
+                                                draft_steps + 1, rows, draft_steps, 100);
+  const int64_t row_stride = (draft_steps + 1) * width; // a [rows, draft_steps + 1, D] tensor
   std::vector<float> payload(rows * row_stride);
   for (size_t i = 0; i < payload.size(); ++i)
     payload[i] = static_cast<float>(i);
   for (bool include_next : {false, true}) {
-    const auto packed = reference::pack(
-        verdict.accepted.data(), verdict.next_tokens.data(), batch.draft.data(), gamma,
-        reinterpret_cast<const uint8_t*>(payload.data()), row_stride, rows, gamma, width, 4, include_next);
+    const auto packed =
+        reference::pack(verdict.accepted.data(), verdict.next_tokens.data(), batch.draft.data(), draft_steps,
+                        reinterpret_cast<const uint8_t*>(payload.data()), row_stride, rows, draft_steps,
+                        width, 4, include_next);
     int32_t offset = 0;
     for (int row = 0; row < rows; ++row) {
       const int count = batch.accepted[row] + (include_next ? 1 : 0);
@@ -91,7 +92,7 @@ TEST_CASE("pack reference gathers kv[i, 0:k_i] (+ position k_i) at exclusive off
         for (int e = 0; e < width; ++e)
           CHECK(value[e] == payload[row * row_stride + j * width + e]);
         const int32_t expected_token =
-            j < batch.accepted[row] ? batch.draft[row * gamma + j] : verdict.next_tokens[row];
+            j < batch.accepted[row] ? batch.draft[row * draft_steps + j] : verdict.next_tokens[row];
         CHECK(packed.tokens[offset + j] == expected_token);
       }
       offset += count;
@@ -99,19 +100,19 @@ TEST_CASE("pack reference gathers kv[i, 0:k_i] (+ position k_i) at exclusive off
     CHECK(packed.total == offset);
     CHECK(packed.bytes.size() == static_cast<size_t>(offset) * width * 4);
   }
-  // Counts outside [0, gamma] are clamped.
+  // Counts outside [0, draft_steps] are clamped.
   const std::vector<int32_t> wild = {-3, 99};
   const auto clamped =
       reference::pack(wild.data(), nullptr, nullptr, 0, reinterpret_cast<const uint8_t*>(payload.data()),
-                      row_stride, 2, gamma, width, 4, false);
+                      row_stride, 2, draft_steps, width, 4, false);
   CHECK(clamped.offsets == std::vector<int32_t>{0, 0});
-  CHECK(clamped.total == gamma);
+  CHECK(clamped.total == draft_steps);
 }
 
 /// Host-side stochastic problem with one shared logits block [positions, V] for every row (row stride 0).
 struct SharedProblem {
-  int rows = 0, gamma = 0, vocab = 0;
-  std::vector<float> target_logits, draft_logits; // [gamma + 1, V], [gamma, V]
+  int rows = 0, draft_steps = 0, vocab = 0;
+  std::vector<float> target_logits, draft_logits; // [draft_steps + 1, V], [draft_steps, V]
   float target_t = 1.0f, draft_t = 1.0f;
   std::vector<int32_t> tokens;
   std::vector<float> target_logprobs, draft_logprobs;
@@ -121,8 +122,8 @@ struct SharedProblem {
 
   /// Draft tokens drawn from q on the host (independent of Philox), log-probs from the reference.
   void draw_tokens(std::mt19937_64& engine) {
-    std::vector<std::vector<double>> q(gamma), log_p(gamma), log_q(gamma);
-    for (int j = 0; j < gamma; ++j) {
+    std::vector<std::vector<double>> q(draft_steps), log_p(draft_steps), log_q(draft_steps);
+    for (int j = 0; j < draft_steps; ++j) {
       for (int v = 0; v < vocab; ++v) {
         uint32_t flags = 0;
         log_q[j].push_back(reference::token_logprob(&draft_logits[j * vocab], vocab, draft_t, v, &flags));
@@ -130,16 +131,16 @@ struct SharedProblem {
         q[j].push_back(std::exp(log_q[j].back()));
       }
     }
-    tokens.resize(static_cast<size_t>(rows) * gamma);
+    tokens.resize(static_cast<size_t>(rows) * draft_steps);
     target_logprobs.resize(tokens.size());
     draft_logprobs.resize(tokens.size());
-    for (int j = 0; j < gamma; ++j) {
+    for (int j = 0; j < draft_steps; ++j) {
       std::discrete_distribution<int> from_q(q[j].begin(), q[j].end());
       for (int row = 0; row < rows; ++row) {
         const int d = from_q(engine);
-        tokens[row * gamma + j] = d;
-        target_logprobs[row * gamma + j] = static_cast<float>(log_p[j][d]);
-        draft_logprobs[row * gamma + j] = static_cast<float>(log_q[j][d]);
+        tokens[row * draft_steps + j] = d;
+        target_logprobs[row * draft_steps + j] = static_cast<float>(log_p[j][d]);
+        draft_logprobs[row * draft_steps + j] = static_cast<float>(log_q[j][d]);
       }
     }
     target_temperature.assign(rows, target_t);
@@ -149,11 +150,11 @@ struct SharedProblem {
   reference::StochasticProblem view() const {
     reference::StochasticProblem p;
     p.draft_tokens = tokens.data();
-    p.draft_token_row_stride = gamma;
+    p.draft_token_row_stride = draft_steps;
     p.draft_logprobs = draft_logprobs.data();
-    p.draft_logprob_row_stride = gamma;
+    p.draft_logprob_row_stride = draft_steps;
     p.target_logprobs = target_logprobs.data();
-    p.target_logprob_row_stride = gamma;
+    p.target_logprob_row_stride = draft_steps;
     p.draft_logits = draft_logits.data();
     p.draft_position_stride = vocab;
     p.target_logits = target_logits.data();
@@ -163,7 +164,7 @@ struct SharedProblem {
     p.seeds = seeds.data();
     p.draw_counters = counters.data();
     p.rows = rows;
-    p.gamma = gamma;
+    p.draft_steps = draft_steps;
     p.vocab = vocab;
     return p;
   }
@@ -213,25 +214,25 @@ double goodness_of_fit(const std::vector<long>& counts, const std::vector<double
 TEST_CASE("stochastic reference: emitted tokens follow p, also with q = 0 and p = 0 entries") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
-  const int vocab = 8, gamma = 2, rows = 40000;
+  const int vocab = 8, draft_steps = 2, rows = 40000;
   for (int variant = 0; variant < 3; ++variant) {
     SharedProblem problem;
     problem.rows = rows;
-    problem.gamma = gamma;
+    problem.draft_steps = draft_steps;
     problem.vocab = vocab;
     problem.target_t = 1.0f;
     problem.draft_t = 0.7f;
-    for (int j = 0; j < gamma + 1; ++j)
+    for (int j = 0; j < draft_steps + 1; ++j)
       for (int v = 0; v < vocab; ++v)
         problem.target_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
-    for (int j = 0; j < gamma; ++j)
+    for (int j = 0; j < draft_steps; ++j)
       for (int v = 0; v < vocab; ++v)
         problem.draft_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
     if (variant == 1) // the draft masks tokens the target likes: only the residual can emit them
-      for (int j = 0; j < gamma; ++j)
+      for (int j = 0; j < draft_steps; ++j)
         problem.draft_logits[j * vocab + 0] = problem.draft_logits[j * vocab + 3] = -kInf;
     if (variant == 2) // the target masks tokens the draft proposes: always rejected, never emitted
-      for (int j = 0; j <= gamma; ++j)
+      for (int j = 0; j <= draft_steps; ++j)
         problem.target_logits[j * vocab + 1] = problem.target_logits[j * vocab + 5] = -kInf;
     problem.draw_tokens(rng.engine());
     problem.seeds.assign(rows, rng.bits());
@@ -242,9 +243,9 @@ TEST_CASE("stochastic reference: emitted tokens follow p, also with q = 0 and p 
     for (int row = 0; row < rows; ++row) {
       REQUIRE(verdict.row_flags[row] == 0u);
       const int k = verdict.accepted[row];
-      first[k == 0 ? verdict.next_tokens[row] : problem.tokens[row * gamma]]++;
+      first[k == 0 ? verdict.next_tokens[row] : problem.tokens[row * draft_steps]]++;
       if (k >= 1)
-        second[k == 1 ? verdict.next_tokens[row] : problem.tokens[row * gamma + 1]]++;
+        second[k == 1 ? verdict.next_tokens[row] : problem.tokens[row * draft_steps + 1]]++;
     }
     INFO("variant " << variant);
     CHECK(goodness_of_fit(first, softmax(&problem.target_logits[0], vocab, 1.0)) > 1e-4);
@@ -256,7 +257,7 @@ TEST_CASE("stochastic reference: p == q accepts every draft token and draws the 
   test::Rng rng;
   SharedProblem problem;
   problem.rows = 200;
-  problem.gamma = 3;
+  problem.draft_steps = 3;
   problem.vocab = 6;
   for (int i = 0; i < 4 * 6; ++i)
     problem.target_logits.push_back(static_cast<float>(rng.normal()));
@@ -276,7 +277,7 @@ TEST_CASE("stochastic reference: p == q accepts every draft token and draws the 
 TEST_CASE("stochastic reference: row failures are flagged and stay in bounds") {
   SharedProblem problem;
   problem.rows = 5;
-  problem.gamma = 2;
+  problem.draft_steps = 2;
   problem.vocab = 4;
   problem.target_logits = {0, 1, 2, 3, /**/ 1, 1, 1, 1, /**/ 0, 0, 0, 0};
   problem.draft_logits = {3, 2, 1, 0, /**/ 1, 1, 1, 1};
@@ -310,7 +311,7 @@ TEST_CASE("stochastic reference: row failures are flagged and stay in bounds") {
 TEST_CASE("stochastic reference: T = 0 is greedy on either side") {
   SharedProblem problem;
   problem.rows = 50;
-  problem.gamma = 1;
+  problem.draft_steps = 1;
   problem.vocab = 5;
   problem.target_logits = {0, 4, 1, 2, 3, /**/ 5, 0, 0, 0, 1};
   problem.draft_logits = {1, 1, 1, 1, 1};
@@ -370,8 +371,9 @@ TEST_CASE("verify_greedy names the bad parameter and its value") {
     return error_of([&] { smcgraph::verify_greedy(in, out, nullptr); });
   };
   auto in = good_tokens();
-  in.gamma = 0;
-  CHECK(run(in, good_verdict()) == "smcgraph::verify_greedy: gamma = 0: must be in [1, kMaxGamma]");
+  in.draft_steps = 0;
+  CHECK(run(in, good_verdict()) ==
+        "smcgraph::verify_greedy: draft_steps = 0: must be in [1, kMaxVerifyDraftSteps]");
   in = good_tokens();
   in.rows = -2;
   CHECK(run(in, good_verdict()) == "smcgraph::verify_greedy: rows = -2: must be >= 1");
@@ -386,10 +388,11 @@ TEST_CASE("verify_greedy names the bad parameter and its value") {
   CHECK(run(in, good_verdict()) == "smcgraph::verify_greedy: target_tokens = null: must be a device pointer");
   in = good_tokens();
   in.target_row_stride = 8;
-  CHECK(run(in, good_verdict()) == "smcgraph::verify_greedy: target_row_stride = 8: must be >= gamma + 1");
+  CHECK(run(in, good_verdict()) ==
+        "smcgraph::verify_greedy: target_row_stride = 8: must be >= draft_steps + 1");
   in = good_tokens();
   in.draft_row_stride = 7;
-  CHECK(run(in, good_verdict()) == "smcgraph::verify_greedy: draft_row_stride = 7: must be >= gamma");
+  CHECK(run(in, good_verdict()) == "smcgraph::verify_greedy: draft_row_stride = 7: must be >= draft_steps");
   auto out = good_verdict();
   out.accepted = nullptr;
   CHECK(run(good_tokens(), out) == "smcgraph::verify_greedy: out.accepted = null: must be a device pointer");
@@ -409,8 +412,9 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
   };
   const std::string where = "smcgraph::verify_and_pack: ";
   auto in = good_tokens();
-  in.gamma = -1;
-  CHECK(fused(in, good_payload(), good_pack()) == where + "gamma = -1: must be in [1, kMaxGamma]");
+  in.draft_steps = -1;
+  CHECK(fused(in, good_payload(), good_pack()) ==
+        where + "draft_steps = -1: must be in [1, kMaxVerifyDraftSteps]");
   in = good_tokens();
   in.rows = 0;
   CHECK(fused(in, good_payload(), good_pack()) == where + "rows = 0: must be >= 1");
@@ -423,7 +427,7 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
         where + "payload.data = null: must be a device pointer");
   payload = good_payload();
   CHECK(fused(good_tokens(), payload, good_pack(), true) ==
-        where + "payload.row_stride = 1024: must be >= (gamma + include_next) * width");
+        where + "payload.row_stride = 1024: must be >= (draft_steps + include_next) * width");
   payload.data = reinterpret_cast<const void*>(0x6001);
   CHECK(fused(good_tokens(), payload, good_pack()).find("payload.data = 0x6001: must be aligned") !=
         std::string::npos);
@@ -439,13 +443,13 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
   out = good_pack();
   out.capacity_rows = 31;
   CHECK(fused(good_tokens(), good_payload(), out) ==
-        where + "out.capacity_rows = 31: must be >= rows * (gamma + include_next)");
+        where + "out.capacity_rows = 31: must be >= rows * (draft_steps + include_next)");
   CHECK(fused(good_tokens(), good_payload(), good_pack()) ==
         where + "workspace.max_rows = 0: must be >= rows");
   in = good_tokens();
   in.rows = 1 << 27;
   CHECK(fused(in, good_payload(), good_pack()) ==
-        where + "rows * (gamma + include_next) = 1073741824: must be < 2^30");
+        where + "rows * (draft_steps + include_next) = 1073741824: must be < 2^30");
 
   auto counts = [&](smcgraph::AcceptedRows accepted, smcgraph::PackOutputs out, bool include_next = false) {
     return error_of(
@@ -457,8 +461,9 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
   accepted.accepted = nullptr;
   CHECK(counts(accepted, good_pack()) == where_counts + "accepted.accepted = null: must be a device pointer");
   accepted = good_counts;
-  accepted.gamma = 0;
-  CHECK(counts(accepted, good_pack()) == where_counts + "accepted.gamma = 0: must be in [1, kMaxGamma]");
+  accepted.draft_steps = 0;
+  CHECK(counts(accepted, good_pack()) ==
+        where_counts + "accepted.draft_steps = 0: must be in [1, kMaxVerifyDraftSteps]");
   out = good_pack();
   out.packed_tokens = kInts;
   CHECK(counts(good_counts, out) ==
@@ -491,20 +496,20 @@ TEST_CASE("verify_stochastic names the bad parameter and its value") {
   good.draft_temperature = kFloats;
   good.target_temperature = kFloats;
   good.random = {kSeeds, kCounters, 1};
-  good.gamma = 8;
+  good.draft_steps = 8;
   auto run = [](smcgraph::StochasticVerifyInputs in, smcgraph::VerifyOutputs out = good_verdict()) {
     return error_of([&] { smcgraph::verify_stochastic(in, out, nullptr); });
   };
   const std::string where = "smcgraph::verify_stochastic: ";
   auto in = good;
-  in.gamma = 0;
-  CHECK(run(in) == where + "gamma = 0: must be in [1, kMaxGamma]");
+  in.draft_steps = 0;
+  CHECK(run(in) == where + "draft_steps = 0: must be in [1, kMaxVerifyDraftSteps]");
   in = good;
   in.target_logits.positions = 8;
-  CHECK(run(in) == where + "target_logits.positions = 8: must be >= gamma + 1");
+  CHECK(run(in) == where + "target_logits.positions = 8: must be >= draft_steps + 1");
   in = good;
   in.draft_logits.positions = 7;
-  CHECK(run(in) == where + "draft_logits.positions = 7: must be >= gamma");
+  CHECK(run(in) == where + "draft_logits.positions = 7: must be >= draft_steps");
   in = good;
   in.target_logits.data = nullptr;
   CHECK(run(in) == where + "target_logits.data = null: must be a device pointer");

@@ -67,19 +67,19 @@ struct DeviceVerdict {
 // --- greedy ------------------------------------------------------------------------------------------------
 
 void check_greedy(const std::vector<int32_t>& draft, int64_t draft_stride, const std::vector<int32_t>& target,
-                  int64_t target_stride, int rows, int gamma, int vocab, smcgraph::Stream& stream) {
-  const auto expected =
-      reference::verify_greedy(draft.data(), draft_stride, target.data(), target_stride, rows, gamma, vocab);
+                  int64_t target_stride, int rows, int draft_steps, int vocab, smcgraph::Stream& stream) {
+  const auto expected = reference::verify_greedy(draft.data(), draft_stride, target.data(), target_stride,
+                                                 rows, draft_steps, vocab);
   auto d_draft = test::to_device(draft, stream);
   auto d_target = test::to_device(target, stream);
   DeviceVerdict verdict(rows);
   for (bool captured : {false, true}) {
-    INFO("rows " << rows << " gamma " << gamma << (captured ? " captured" : " eager"));
+    INFO("rows " << rows << " draft_steps " << draft_steps << (captured ? " captured" : " eager"));
     verdict.poison(stream);
     test::run_on_stream(captured, stream, [&](cudaStream_t s) {
       smcgraph::verify_greedy(
-          {d_draft.data(), draft_stride, d_target.data(), target_stride, rows, gamma, vocab}, verdict.view(),
-          s);
+          {d_draft.data(), draft_stride, d_target.data(), target_stride, rows, draft_steps, vocab},
+          verdict.view(), s);
     });
     const VerdictOut out = verdict.read(stream);
     CHECK(out.accepted == expected.accepted);
@@ -94,20 +94,20 @@ TEST_CASE("verify_greedy matches seed 000's oracle and the reference") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   smcgraph::Stream stream;
-  const int gammas[] = {1, 8, 31, 32, 33, 64, 128, 255, 256, 300};
+  const int draft_step_counts[] = {1, 8, 31, 32, 33, 64, 128, 255, 256, 300};
   const int batch_sizes[] = {1, 4, 16, 32, 256, test::sanitizer_scaled(4096, 4096, 512)};
   const double alphas[] = {0.3, 0.6, 0.9};
   int index = 0;
   for (int rows : batch_sizes) {
-    for (int gamma : gammas) {
-      if (rows > 256 && gamma > 64)
+    for (int draft_steps : draft_step_counts) {
+      if (rows > 256 && draft_steps > 64)
         continue;
       const double alpha = alphas[index++ % 3];
-      const auto batch = reference::make_oracle_batch(rng.engine(), rows, gamma, 4096, alpha);
-      const auto expected = reference::verify_greedy(batch.draft.data(), gamma, batch.target.data(),
-                                                     gamma + 1, rows, gamma, 4096);
+      const auto batch = reference::make_oracle_batch(rng.engine(), rows, draft_steps, 4096, alpha);
+      const auto expected = reference::verify_greedy(batch.draft.data(), draft_steps, batch.target.data(),
+                                                     draft_steps + 1, rows, draft_steps, 4096);
       REQUIRE(expected.accepted == batch.accepted);
-      check_greedy(batch.draft, gamma, batch.target, gamma + 1, rows, gamma, 4096, stream);
+      check_greedy(batch.draft, draft_steps, batch.target, draft_steps + 1, rows, draft_steps, 4096, stream);
     }
   }
 }
@@ -116,26 +116,27 @@ TEST_CASE("verify_greedy: row strides, -1 padding and ids out of range") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   smcgraph::Stream stream;
-  for (int gamma : {5, 40}) {
+  for (int draft_steps : {5, 40}) {
     const int rows = 70, vocab = 300;
-    const int64_t draft_stride = gamma + 3, target_stride = gamma + 7; // e.g. views into wider token buffers
-    auto batch = reference::make_oracle_batch(rng.engine(), rows, gamma, vocab, 0.8);
+    const int64_t draft_stride = draft_steps + 3,
+                  target_stride = draft_steps + 7; // e.g. views into wider token buffers
+    auto batch = reference::make_oracle_batch(rng.engine(), rows, draft_steps, vocab, 0.8);
     std::vector<int32_t> draft(rows * draft_stride, 77), target(rows * target_stride, 77);
     for (int row = 0; row < rows; ++row) {
-      std::copy_n(&batch.draft[row * gamma], gamma, &draft[row * draft_stride]);
-      std::copy_n(&batch.target[row * (gamma + 1)], gamma + 1, &target[row * target_stride]);
+      std::copy_n(&batch.draft[row * draft_steps], draft_steps, &draft[row * draft_stride]);
+      std::copy_n(&batch.target[row * (draft_steps + 1)], draft_steps + 1, &target[row * target_stride]);
     }
     for (int row = 0; row < rows; row += 2) { // -1 padding from a random position on, or one id >= vocab
-      const int j = static_cast<int>(rng.integer(0, gamma - 1));
+      const int j = static_cast<int>(rng.integer(0, draft_steps - 1));
       if (row % 4 == 0) {
-        std::fill_n(&draft[row * draft_stride + j], gamma - j, -1);
+        std::fill_n(&draft[row * draft_stride + j], draft_steps - j, -1);
       } else {
         draft[row * draft_stride + j] = vocab + static_cast<int>(rng.integer(0, 5));
       }
     }
     for (int row = 1; row < rows; row += 7)
-      target[row * target_stride + gamma] = -3; // a bad bonus
-    check_greedy(draft, draft_stride, target, target_stride, rows, gamma, vocab, stream);
+      target[row * target_stride + draft_steps] = -3; // a bad bonus
+    check_greedy(draft, draft_stride, target, target_stride, rows, draft_steps, vocab, stream);
   }
 }
 
@@ -162,9 +163,9 @@ std::vector<double> probabilities(const float* logits, int vocab, float temperat
 /// the host, and the log-probs score() / sample() would have written (from the reference, in float).
 struct Problem {
   DType dtype = DType::kFloat32;
-  int rows = 0, gamma = 0, vocab = 0, particles = 1;
+  int rows = 0, draft_steps = 0, vocab = 0, particles = 1;
   int64_t target_row_stride = 0, draft_row_stride = 0; // 0: every row shares row 0's logits
-  std::vector<float> target_logits, draft_logits;      // [rows or 1, gamma (+1), V]
+  std::vector<float> target_logits, draft_logits;      // [rows or 1, draft_steps (+1), V]
   std::vector<float> target_t, draft_t;
   std::vector<int32_t> tokens;
   std::vector<float> target_logprobs, draft_logprobs;
@@ -180,13 +181,13 @@ struct Problem {
 
   /// Draws d_j ~ q_j per row (T_d = 0: the draft's argmax) and fills the log-probs.
   void draw_tokens(std::mt19937_64& engine) {
-    tokens.resize(static_cast<size_t>(rows) * gamma);
+    tokens.resize(static_cast<size_t>(rows) * draft_steps);
     target_logprobs.resize(tokens.size());
     draft_logprobs.resize(tokens.size());
     for (int row = 0; row < rows; ++row) {
-      for (int j = 0; j < gamma; ++j) {
+      for (int j = 0; j < draft_steps; ++j) {
         const std::vector<double> q = probabilities(draft_row(row, j), vocab, draft_t[row]);
-        tokens[row * gamma + j] = std::discrete_distribution<int>(q.begin(), q.end())(engine);
+        tokens[row * draft_steps + j] = std::discrete_distribution<int>(q.begin(), q.end())(engine);
       }
       refresh_logprobs(row);
     }
@@ -194,12 +195,12 @@ struct Problem {
 
   /// log p(d_j) and log q(d_j) of a row as score() / sample() would write them (after a change to the row).
   void refresh_logprobs(int row) {
-    for (int j = 0; j < gamma; ++j) {
+    for (int j = 0; j < draft_steps; ++j) {
       uint32_t flags = 0;
-      const int32_t d = tokens[row * gamma + j];
-      target_logprobs[row * gamma + j] =
+      const int32_t d = tokens[row * draft_steps + j];
+      target_logprobs[row * draft_steps + j] =
           static_cast<float>(reference::token_logprob(target_row(row, j), vocab, target_t[row], d, &flags));
-      draft_logprobs[row * gamma + j] =
+      draft_logprobs[row * draft_steps + j] =
           static_cast<float>(reference::token_logprob(draft_row(row, j), vocab, draft_t[row], d, &flags));
     }
   }
@@ -207,11 +208,11 @@ struct Problem {
   reference::StochasticProblem host_view() const {
     reference::StochasticProblem p;
     p.draft_tokens = tokens.data();
-    p.draft_token_row_stride = gamma;
+    p.draft_token_row_stride = draft_steps;
     p.draft_logprobs = draft_logprobs.data();
-    p.draft_logprob_row_stride = gamma;
+    p.draft_logprob_row_stride = draft_steps;
     p.target_logprobs = target_logprobs.data();
-    p.target_logprob_row_stride = gamma;
+    p.target_logprob_row_stride = draft_steps;
     p.draft_logits = draft_logits.data();
     p.draft_row_stride = draft_row_stride;
     p.draft_position_stride = vocab;
@@ -224,7 +225,7 @@ struct Problem {
     p.draw_counters = counters.data();
     p.particles_per_request = particles;
     p.rows = rows;
-    p.gamma = gamma;
+    p.draft_steps = draft_steps;
     p.vocab = vocab;
     return p;
   }
@@ -251,36 +252,37 @@ struct DeviceProblem {
     const Problem& p = problem;
     smcgraph::StochasticVerifyInputs in;
     in.draft_tokens = tokens.data();
-    in.draft_token_row_stride = p.gamma;
+    in.draft_token_row_stride = p.draft_steps;
     in.draft_logprobs = draft_logprobs.data();
-    in.draft_logprob_row_stride = p.gamma;
+    in.draft_logprob_row_stride = p.draft_steps;
     in.target_logprobs = target_logprobs.data();
-    in.target_logprob_row_stride = p.gamma;
-    in.target_logits = {target_logits.data(), p.dtype, p.rows, p.gamma + 1, p.vocab,
+    in.target_logprob_row_stride = p.draft_steps;
+    in.target_logits = {target_logits.data(), p.dtype, p.rows, p.draft_steps + 1, p.vocab,
                         p.target_row_stride,  p.vocab};
-    in.draft_logits = {draft_logits.data(), p.dtype, p.rows, p.gamma, p.vocab, p.draft_row_stride, p.vocab};
+    in.draft_logits = {draft_logits.data(), p.dtype, p.rows, p.draft_steps, p.vocab,
+                       p.draft_row_stride,  p.vocab};
     in.draft_temperature = draft_t.data();
     in.target_temperature = target_t.data();
     in.random = {seeds.data(), counters.data(), p.particles};
-    in.gamma = p.gamma;
+    in.draft_steps = p.draft_steps;
     smcgraph::verify_stochastic(in, out, stream);
   }
 };
 
 /// Random per-row logits: the draft is the target plus noise (so acceptance is neither ~0 nor ~1), both with
 /// a few masked (-inf) entries; temperatures vary per row, some 0 (greedy).
-Problem random_problem(test::Rng& rng, DType dtype, int rows, int gamma, int vocab) {
+Problem random_problem(test::Rng& rng, DType dtype, int rows, int draft_steps, int vocab) {
   Problem p;
   p.dtype = dtype;
   p.rows = rows;
-  p.gamma = gamma;
+  p.draft_steps = draft_steps;
   p.vocab = vocab;
-  p.target_row_stride = int64_t{gamma + 1} * vocab;
-  p.draft_row_stride = int64_t{gamma} * vocab;
+  p.target_row_stride = int64_t{draft_steps + 1} * vocab;
+  p.draft_row_stride = int64_t{draft_steps} * vocab;
   p.target_logits.resize(rows * p.target_row_stride);
   p.draft_logits.resize(rows * p.draft_row_stride);
   for (int row = 0; row < rows; ++row) {
-    for (int j = 0; j <= gamma; ++j) {
+    for (int j = 0; j <= draft_steps; ++j) {
       float* target = &p.target_logits[row * p.target_row_stride + j * vocab];
       for (int v = 0; v < vocab; ++v) {
         target[v] = test::round_to(dtype, static_cast<float>(rng.normal(0.0, 2.0)));
@@ -288,7 +290,7 @@ Problem random_problem(test::Rng& rng, DType dtype, int rows, int gamma, int voc
           target[v] = -kInf;
       }
       target[rng.integer(0, vocab - 1)] = test::round_to(dtype, static_cast<float>(5.0 + rng.normal()));
-      if (j == gamma)
+      if (j == draft_steps)
         break;
       float* draft = &p.draft_logits[row * p.draft_row_stride + j * vocab];
       for (int v = 0; v < vocab; ++v) {
@@ -335,7 +337,7 @@ TEST_CASE("verify_stochastic matches the reference token for token") {
   smcgraph::Stream stream;
   struct Config {
     DType dtype;
-    int vocab, gamma;
+    int vocab, draft_steps;
   };
   const Config configs[] = {
       {DType::kFloat32, 50, 1},     {DType::kBFloat16, 50, 33},  {DType::kFloat16, 1001, 4},
@@ -343,27 +345,28 @@ TEST_CASE("verify_stochastic matches the reference token for token") {
       {DType::kBFloat16, 40000, 4}, {DType::kFloat32, 40001, 1}, {DType::kFloat16, 50, 4}};
   int near_ties = 0, rows_checked = 0;
   for (const Config& config : configs) {
-    INFO(smcgraph::dtype_name(config.dtype) << " V " << config.vocab << " gamma " << config.gamma);
+    INFO(smcgraph::dtype_name(config.dtype)
+         << " V " << config.vocab << " draft_steps " << config.draft_steps);
     const int rows = 48;
-    Problem p = random_problem(rng, config.dtype, rows, config.gamma, config.vocab);
+    Problem p = random_problem(rng, config.dtype, rows, config.draft_steps, config.vocab);
     // Rows that must fail cleanly, and two exact corner cases.
-    p.target_t[0] = -1.0f;                // bad temperature
-    p.target_logprobs[1 * p.gamma] = NAN; // NaN log-prob at position 0
+    p.target_t[0] = -1.0f;                      // bad temperature
+    p.target_logprobs[1 * p.draft_steps] = NAN; // NaN log-prob at position 0
     p.target_t[2] = p.draft_t[2] = 1.0f; // -1 padding at position 0: rejected there, the residual still drawn
     p.refresh_logprobs(2);
-    p.tokens[2 * p.gamma] = -1;
-    for (int j = 0; j <= p.gamma; ++j)
+    p.tokens[2 * p.draft_steps] = -1;
+    for (int j = 0; j <= p.draft_steps; ++j)
       p.target_logits[3 * p.target_row_stride + j * p.vocab + 7] = NAN;
     p.refresh_logprobs(3); // a NaN logit in every target row of row 3
     p.target_t[4] = 1.0f;  // row 4 accepts every draft token and finds its bonus row fully masked
-    for (int j = 0; j < p.gamma; ++j)
-      p.target_logprobs[4 * p.gamma + j] = p.draft_logprobs[4 * p.gamma + j];
+    for (int j = 0; j < p.draft_steps; ++j)
+      p.target_logprobs[4 * p.draft_steps + j] = p.draft_logprobs[4 * p.draft_steps + j];
     for (int v = 0; v < p.vocab; ++v)
-      p.target_logits[4 * p.target_row_stride + p.gamma * p.vocab + v] = -kInf;
+      p.target_logits[4 * p.target_row_stride + p.draft_steps * p.vocab + v] = -kInf;
     p.target_t[5] = p.draft_t[5] = 1.0f; // row 5: the draft proposes a token the target masks (p(d) = 0)
-    p.target_logits[5 * p.target_row_stride + p.tokens[5 * p.gamma]] = -kInf;
+    p.target_logits[5 * p.target_row_stride + p.tokens[5 * p.draft_steps]] = -kInf;
     p.refresh_logprobs(5);
-    REQUIRE(p.target_logprobs[5 * p.gamma] == -kInf);
+    REQUIRE(p.target_logprobs[5 * p.draft_steps] == -kInf);
 
     DeviceProblem device(p, stream);
     DeviceVerdict verdict(rows);
@@ -379,10 +382,10 @@ TEST_CASE("verify_stochastic matches the reference token for token") {
       CHECK(out.flags[2] == smcgraph::kFlagTokenOutOfRange);
       CHECK(out.next_tokens[2] >= 0);
       CHECK((out.flags[3] & smcgraph::kFlagNanLogit) != 0);
-      CHECK(out.accepted[4] == p.gamma);
+      CHECK(out.accepted[4] == p.draft_steps);
       CHECK(out.flags[4] == smcgraph::kFlagAllMasked);
       CHECK(out.accepted[5] == 0);
-      CHECK(out.next_tokens[5] != p.tokens[5 * p.gamma]);
+      CHECK(out.next_tokens[5] != p.tokens[5 * p.draft_steps]);
       uint32_t all_flags = 0;
       for (uint32_t f : out.flags)
         all_flags |= f;
@@ -430,18 +433,18 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
   smcgraph::Stream stream;
   // 2^20 draws per case; 2^17 under a sanitizer and 2^14 under racecheck, with the same test (bins of
   // expected count < 5 merged, so the chi-square approximation holds at every count).
-  const int rows = test::sanitizer_scaled(1 << 20, 1 << 17, 1 << 14), gamma = 2;
+  const int rows = test::sanitizer_scaled(1 << 20, 1 << 17, 1 << 14), draft_steps = 2;
   for (int variant = 0; variant < 7; ++variant) {
     Problem p;
     p.dtype = variant == 6 ? DType::kBFloat16 : DType::kFloat32;
     p.rows = rows;
-    p.gamma = gamma;
+    p.draft_steps = draft_steps;
     p.vocab = variant % 2 == 0 ? 8 : 50;
     p.particles = variant == 1 ? 4 : 1; // rows r and r + 1 of one request: distinct particles
     float target_t = 1.0f, draft_t = 0.7f;
-    for (int i = 0; i < (gamma + 1) * p.vocab; ++i)
+    for (int i = 0; i < (draft_steps + 1) * p.vocab; ++i)
       p.target_logits.push_back(test::round_to(p.dtype, static_cast<float>(rng.normal(0.0, 1.5))));
-    for (int i = 0; i < gamma * p.vocab; ++i)
+    for (int i = 0; i < draft_steps * p.vocab; ++i)
       p.draft_logits.push_back(test::round_to(p.dtype, static_cast<float>(rng.normal(0.0, 1.5))));
     std::string name;
     switch (variant) {
@@ -450,25 +453,25 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
       break;
     case 1: // the draft masks tokens: only the residual emits them (q_v = 0)
       name = "q = 0 entries";
-      for (int j = 0; j < gamma; ++j)
+      for (int j = 0; j < draft_steps; ++j)
         for (int v = 0; v < p.vocab; v += 5)
           p.draft_logits[j * p.vocab + v] = -kInf;
       break;
     case 2: // the target masks tokens the draft proposes: always rejected, never emitted (p_v = 0)
       name = "p = 0 entries";
-      for (int j = 0; j <= gamma; ++j)
+      for (int j = 0; j <= draft_steps; ++j)
         p.target_logits[j * p.vocab + 1] = p.target_logits[j * p.vocab + 6] = -kInf;
       break;
     case 3: // q = p: every draft token accepted
       name = "q = p";
       draft_t = target_t;
-      std::copy_n(p.target_logits.begin(), gamma * p.vocab, p.draft_logits.begin());
+      std::copy_n(p.target_logits.begin(), draft_steps * p.vocab, p.draft_logits.begin());
       break;
     case 4: // disjoint supports: always rejected, the residual is p
       name = "disjoint supports";
-      for (int j = 0; j <= gamma; ++j)
+      for (int j = 0; j <= draft_steps; ++j)
         for (int v = 0; v < p.vocab; ++v) {
-          if (v % 2 == 0 && j < gamma)
+          if (v % 2 == 0 && j < draft_steps)
             p.draft_logits[j * p.vocab + v] = -kInf;
           if (v % 2 == 1)
             p.target_logits[j * p.vocab + v] = -kInf;
@@ -487,8 +490,8 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
     p.target_t.assign(rows, target_t);
     p.draft_t.assign(rows, draft_t);
     // One shared logits block (row stride 0); draft tokens ~ q from host tables.
-    std::vector<std::vector<double>> q(gamma), log_p(gamma), log_q(gamma);
-    for (int j = 0; j < gamma; ++j) {
+    std::vector<std::vector<double>> q(draft_steps), log_p(draft_steps), log_q(draft_steps);
+    for (int j = 0; j < draft_steps; ++j) {
       q[j] = probabilities(&p.draft_logits[j * p.vocab], p.vocab, draft_t);
       for (int v = 0; v < p.vocab; ++v) {
         uint32_t flags = 0;
@@ -498,16 +501,16 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
             reference::token_logprob(&p.draft_logits[j * p.vocab], p.vocab, draft_t, v, &flags));
       }
     }
-    p.tokens.resize(static_cast<size_t>(rows) * gamma);
+    p.tokens.resize(static_cast<size_t>(rows) * draft_steps);
     p.target_logprobs.resize(p.tokens.size());
     p.draft_logprobs.resize(p.tokens.size());
-    for (int j = 0; j < gamma; ++j) {
+    for (int j = 0; j < draft_steps; ++j) {
       std::discrete_distribution<int> from_q(q[j].begin(), q[j].end());
       for (int row = 0; row < rows; ++row) {
         const int d = from_q(rng.engine());
-        p.tokens[row * gamma + j] = d;
-        p.target_logprobs[row * gamma + j] = static_cast<float>(log_p[j][d]);
-        p.draft_logprobs[row * gamma + j] = static_cast<float>(log_q[j][d]);
+        p.tokens[row * draft_steps + j] = d;
+        p.target_logprobs[row * draft_steps + j] = static_cast<float>(log_p[j][d]);
+        p.draft_logprobs[row * draft_steps + j] = static_cast<float>(log_q[j][d]);
       }
     }
     const int requests = rows / p.particles;
@@ -525,12 +528,12 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
     long accepted_first = 0;
     for (int row = 0; row < rows; ++row) {
       const int k = out.accepted[row];
-      REQUIRE((k >= 0 && k <= gamma));
+      REQUIRE((k >= 0 && k <= draft_steps));
       REQUIRE((out.next_tokens[row] >= 0 && out.next_tokens[row] < p.vocab));
-      first[k == 0 ? out.next_tokens[row] : p.tokens[row * gamma]]++;
+      first[k == 0 ? out.next_tokens[row] : p.tokens[row * draft_steps]]++;
       if (k >= 1) {
         ++accepted_first;
-        second[k == 1 ? out.next_tokens[row] : p.tokens[row * gamma + 1]]++;
+        second[k == 1 ? out.next_tokens[row] : p.tokens[row * draft_steps + 1]]++;
       }
     }
     const double p_first = goodness_of_fit(first, probabilities(&p.target_logits[0], p.vocab, target_t));

@@ -33,8 +33,8 @@ enum class CycleKind : uint8_t {
   kSpeculative = 1, ///< rejection-based speculative decoding (N = 1)
 };
 
-/// Largest K (EngineConfig::draft_steps); within what the verifiers accept (kMaxGamma) and what the Philox
-/// counter's step field numbers (kMaxStep), both checked where the config is validated.
+/// Largest K (EngineConfig::draft_steps); within what the verifiers accept (kMaxVerifyDraftSteps) and what
+/// the Philox counter's step field numbers (kMaxStep), both checked where the config is validated.
 inline constexpr int kMaxDraftSteps = 64;
 
 /// Adaptive draft length (seed 001, ASBS), decided per request on the device at the end of every speculative

@@ -1,13 +1,16 @@
 // The rejection-based speculative cycle's verification (DESIGN.md §3) and the fused verify-and-pack.
 //
-// verify_greedy      one warp per row, ceil(gamma / 32) warp ballots whatever the outcome, first mismatch by
-//                    __ffs: accepted length k, mismatch flag, next token (target[k]: the correction, or the
-//                    bonus target[gamma] when everything matched).
+// draft_steps (K) is the number of draft tokens per row, the same name as EngineConfig::draft_steps (seed 000
+// and the speculative-decoding papers call it gamma); the verifiers accept up to kMaxVerifyDraftSteps.
+//
+// verify_greedy      one warp per row, ceil(draft_steps / 32) warp ballots whatever the outcome, first
+//                    mismatch by __ffs: accepted length k, mismatch flag, next token (target[k]: the
+//                    correction, or the bonus target[draft_steps] when everything matched).
 // verify_stochastic  exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept d_j with
 //                    probability min(1, p(d_j) / q(d_j)) by a keyed Philox coin; at the first rejection
 //                    sample max(0, p - q) normalised by Gumbel-max in log space, in one pass over that
 //                    position's target and draft logits (the residual is never materialised); on full
-//                    acceptance sample the bonus from p at position gamma.
+//                    acceptance sample the bonus from p at position draft_steps.
 // verify_and_pack    greedy verification + exclusive offsets of the packed counts + the packed payload in ONE
 //                    launch: a static grid of (row tile x split) CTAs, decoupled look-back across tiles,
 //                    16-byte copies spread over the whole GPU, no host sync, any number of rows.
@@ -17,12 +20,12 @@
 // stream last, never allocates or synchronizes (so it can be captured), and reads everything that changes
 // between graph replays (tokens, log-probs, temperatures, seeds, draw counters, counts) from device memory.
 //
-//   // greedy, seed 000's interface: draft [B, gamma], target [B, gamma + 1], draft KV [B, gamma, D] fp16
+//   // greedy, seed 000's interface (K = draft_steps): draft [B, K], target [B, K + 1], draft KV [B, K, D]
 //   smcgraph::PackWorkspace workspace(max_rows);                        // once, before capture
-//   smcgraph::TokenVerifyInputs in{d_draft, gamma, d_target, gamma + 1, rows, gamma, vocab};
-//   smcgraph::PayloadView kv{d_kv, smcgraph::DType::kFloat16, kv_dim, int64_t{gamma} * kv_dim};
+//   smcgraph::TokenVerifyInputs in{d_draft, K, d_target, K + 1, rows, /*draft_steps=*/K, vocab};
+//   smcgraph::PayloadView kv{d_kv, smcgraph::DType::kFloat16, kv_dim, int64_t{K} * kv_dim};
 //   smcgraph::VerifyOutputs verdict{d_accepted, d_next_tokens, d_mismatch};
-//   smcgraph::PackOutputs packed{d_packed_kv, int64_t{rows} * gamma, d_offsets, d_total};
+//   smcgraph::PackOutputs packed{d_packed_kv, int64_t{rows} * K, d_offsets, d_total};
 //   smcgraph::verify_and_pack(in, kv, /*include_next=*/false, verdict, packed, workspace, stream);
 //
 // Row failures (DESIGN.md §7) never throw: they set RowFlag bits, OR-ed into `row_flags` (the caller clears
@@ -47,43 +50,44 @@
 
 namespace smcgraph {
 
-/// Draft tokens `[rows, gamma]` and the target's tokens `[rows, gamma + 1]` (greedy: the target's argmax at
-/// each verified position; column gamma is the bonus). Row strides are in elements.
+/// Draft tokens `[rows, draft_steps]` and the target's tokens `[rows, draft_steps + 1]` (greedy: the target's
+/// argmax at each verified position; column draft_steps is the bonus). Row strides are in elements.
 struct TokenVerifyInputs {
   const int32_t* draft_tokens = nullptr;
-  int64_t draft_row_stride = 0; ///< >= gamma
+  int64_t draft_row_stride = 0; ///< >= draft_steps
   const int32_t* target_tokens = nullptr;
-  int64_t target_row_stride = 0; ///< >= gamma + 1
+  int64_t target_row_stride = 0; ///< >= draft_steps + 1
   int rows = 0;
-  int gamma = 0; ///< draft tokens per row, 1 .. kMaxGamma
-  int vocab = 0; ///< ids outside [0, vocab) are out of range
+  int draft_steps = 0; ///< draft tokens per row, 1 .. kMaxVerifyDraftSteps
+  int vocab = 0;       ///< ids outside [0, vocab) are out of range
 
   /// Throws Error naming the first bad field (`where` prefixes the message).
   void validate(const char* where) const;
 };
 
-/// Largest gamma any verifier accepts: the bonus's Philox step (gamma) and the ballot scan's rejection code
-/// (position << 8) both hold 24 bits.
-inline constexpr int kMaxGamma = static_cast<int>(kMaxStep) - 1;
+/// Largest draft_steps any verifier accepts: the bonus's Philox step (draft_steps) and the ballot scan's
+/// rejection code (position << 8) both hold 24 bits. The engine's own limit, kMaxDraftSteps (engine.hpp), is
+/// checked against it by a static_assert in engine_validation.cpp.
+inline constexpr int kMaxVerifyDraftSteps = static_cast<int>(kMaxStep) - 1;
 
 /// Per-row results of a verification.
 struct VerifyOutputs {
-  int32_t* accepted = nullptr;    ///< [rows] k: leading draft tokens accepted, 0 .. gamma
+  int32_t* accepted = nullptr;    ///< [rows] k: leading draft tokens accepted, 0 .. draft_steps
   int32_t* next_tokens = nullptr; ///< [rows] token committed after them (correction or bonus)
-  uint8_t* mismatch = nullptr;    ///< optional [rows] 1 when k < gamma (a draft token was rejected), else 0
+  uint8_t* mismatch = nullptr;    ///< optional [rows] 1 when k < draft_steps (a draft token was rejected)
   uint32_t* row_flags = nullptr;  ///< optional [rows] RowFlag bits, OR-ed in (the caller clears them)
   uint32_t* status = nullptr;     ///< optional [1] OR of every row's flags (the caller clears it)
 
   void validate(const char* where) const;
 };
 
-/// Greedy verification. rows / 8 CTAs of 8 warps; ceil(gamma / 32) ballots per row whatever the outcome.
+/// Greedy verification. rows / 8 CTAs of 8 warps; ceil(draft_steps / 32) ballots per row, whatever happens.
 void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream);
 
 /// Inputs of exact speculative sampling. Row r belongs to request r / particles_per_request (its seed and
 /// draw counter), as in sample(). The coin of position j is Philox word 0 of counter
 /// {0, draw counter, particle, philox_stream(kAcceptCoin, j)}; the Gumbel noise of vocab id v at the drawn
-/// position j (j = gamma for the bonus) is word v % 4 of {v / 4, draw counter, particle,
+/// position j (j = draft_steps for the bonus) is word v % 4 of {v / 4, draw counter, particle,
 /// philox_stream(kResidual, j)}, g = -log(-log u). Advance the draw counters between cycles.
 ///
 /// p = softmax(target_logits / T_t), q = softmax(draft_logits / T_d). The coins need only log p(d_j) and
@@ -92,22 +96,22 @@ void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cu
 /// (lse = l[d] / T - log p(d); a separate reduction over the row only when that is not finite, e.g.
 /// p(d) = 0). T = 0 means greedy: p (or q) is one-hot at the target's argmax (at the draft token).
 struct StochasticVerifyInputs {
-  const int32_t* draft_tokens = nullptr; ///< [rows, gamma]
+  const int32_t* draft_tokens = nullptr; ///< [rows, draft_steps]
   int64_t draft_token_row_stride = 0;
-  const float* draft_logprobs = nullptr; ///< [rows, gamma] log q(d_j) (sample()'s logprobs)
+  const float* draft_logprobs = nullptr; ///< [rows, draft_steps] log q(d_j) (sample()'s logprobs)
   int64_t draft_logprob_row_stride = 0;
-  const float* target_logprobs = nullptr; ///< [rows, gamma] log p(d_j) (score()'s token_logprobs)
+  const float* target_logprobs = nullptr; ///< [rows, draft_steps] log p(d_j) (score()'s token_logprobs)
   int64_t target_logprob_row_stride = 0;
-  LogitsView draft_logits;  ///< [rows, >= gamma, V] or position-major; row_stride 0 repeats one row
-  LogitsView target_logits; ///< [rows, >= gamma + 1, V]; same dtype rules, same V
+  LogitsView draft_logits;  ///< [rows, >= draft_steps, V] or position-major; row_stride 0 repeats one row
+  LogitsView target_logits; ///< [rows, >= draft_steps + 1, V]; same dtype rules, same V
   const float* draft_temperature = nullptr;  ///< [rows] T_d >= 0
   const float* target_temperature = nullptr; ///< [rows] T_t >= 0
   RowRandom random;
-  int gamma = 0;
-  /// Optional [rows] draft length of each row, clamped to [1, gamma] (null: gamma for every row). Row r
-  /// verifies its first row_gamma[r] tokens only: it accepts at most that many, draws the bonus from p at
-  /// position row_gamma[r], and never reads its tokens, log-probs or logits past that position.
-  const int32_t* row_gamma = nullptr;
+  int draft_steps = 0;
+  /// Optional [rows] draft length of each row, clamped to [1, draft_steps] (null: draft_steps for every row).
+  /// Row r verifies its first row_draft_steps[r] tokens only: it accepts at most that many, draws the bonus
+  /// from p at position row_draft_steps[r], and reads none of its tokens, log-probs or logits past it.
+  const int32_t* row_draft_steps = nullptr;
 };
 
 /// Exact speculative sampling, one CTA per row (a warp ballot scan of the coins, then one pass over the
@@ -120,14 +124,14 @@ struct PayloadView {
   const void* data = nullptr;
   DType dtype = DType::kFloat16; ///< only its size matters: the copy moves bits
   int width = 0;                 ///< D
-  int64_t row_stride = 0;        ///< >= packed positions per row (gamma, or gamma + 1) * width
+  int64_t row_stride = 0;        ///< >= packed positions per row (draft_steps, or draft_steps + 1) * width
 };
 
 /// Outputs of the pack. Row i's packed positions are j = 0 .. k_i - 1, plus j = k_i when include_next;
 /// they land at packed rows offsets[i] .. offsets[i] + count_i - 1, rows in order.
 struct PackOutputs {
   void* packed = nullptr;           ///< [capacity_rows, width] in the payload's dtype
-  int64_t capacity_rows = 0;        ///< >= rows * (gamma + include_next), the worst case
+  int64_t capacity_rows = 0;        ///< >= rows * (draft_steps + include_next), the worst case
   int32_t* offsets = nullptr;       ///< [rows] exclusive prefix sum of the packed counts
   int32_t* total = nullptr;         ///< [1] packed rows written
   int32_t* packed_tokens = nullptr; ///< optional [capacity_rows]: d_j for j < k_i, the next token at j = k_i
@@ -154,7 +158,7 @@ private:
   DeviceBuffer<unsigned long long> words_;
 };
 
-/// Greedy verification and pack in one launch. `payload` has >= gamma (+1 with include_next) positions;
+/// Greedy verification and pack in one launch. `payload` has >= draft_steps (+1 with include_next) positions;
 /// include_next = false packs seed 000's kv[i, 0:k_i]; true also packs position k_i (e.g. the target's hidden
 /// state of the last committed token). `verdict.mismatch / row_flags / status` stay optional.
 void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
@@ -163,10 +167,10 @@ void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload
 
 /// Accepted counts (and what packed_tokens needs) that an earlier verify wrote to device memory.
 struct AcceptedRows {
-  const int32_t* accepted = nullptr; ///< [rows]; values are clamped to [0, gamma]
+  const int32_t* accepted = nullptr; ///< [rows]; values are clamped to [0, draft_steps]
   int rows = 0;
-  int gamma = 0;
-  const int32_t* draft_tokens = nullptr; ///< [rows, gamma]; only with out.packed_tokens
+  int draft_steps = 0;
+  const int32_t* draft_tokens = nullptr; ///< [rows, draft_steps]; only with out.packed_tokens
   int64_t draft_row_stride = 0;
   const int32_t* next_tokens = nullptr; ///< [rows]; only with out.packed_tokens and include_next
 };
@@ -183,7 +187,7 @@ struct PackLaunchShape {
   int tiles = 0;
   int splits = 0;
 };
-PackLaunchShape pack_launch_shape(int rows, int gamma, int width, DType dtype, bool include_next,
+PackLaunchShape pack_launch_shape(int rows, int draft_steps, int width, DType dtype, bool include_next,
                                   bool counts_given);
 
 } // namespace smcgraph

@@ -75,7 +75,7 @@ struct PackArgs {
   const int32_t* next_in = nullptr;      ///< counts mode, packed tokens with include_next
   const int32_t* draft_tokens = nullptr; ///< packed tokens
   int64_t draft_row_stride = 0;
-  int rows = 0, gamma = 0, include_next = 0;
+  int rows = 0, draft_steps = 0, include_next = 0;
   const char* payload = nullptr;
   int64_t payload_row_stride_bytes = 0, position_bytes = 0;
   PackOutputs out;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
     if (threadIdx.x < kMaxRowsPerTile)
       first_rejected[threadIdx.x] = device::kNoRejection;
     __syncthreads();
-    const int windows = (in.gamma + 31) / 32;
+    const int windows = (in.draft_steps + 31) / 32;
     const int items = tile_rows * windows;
     for (int batch = warp; batch < items; batch += kPackWarps * kVerifyBatch) { // warp-uniform
       int32_t draft[kVerifyBatch], target[kVerifyBatch];
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
         const int item = batch + b * kPackWarps;
         const int r = item / windows;
         const int j = (item - r * windows) * 32 + lane;
-        const bool inside = item < items && j < in.gamma;
+        const bool inside = item < items && j < in.draft_steps;
         draft[b] = inside ? in.draft_tokens[(row0 + r) * in.draft_row_stride + j] : 0;
         target[b] = inside ? in.target_tokens[(row0 + r) * in.target_row_stride + j] : 0;
       }
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
           break; // warp-uniform: one ballot per window
         const int r = item / windows;
         const int base = (item - r * windows) * 32;
-        const bool inside = base + lane < in.gamma;
+        const bool inside = base + lane < in.draft_steps;
         const bool bad = inside && (draft[b] < 0 || draft[b] >= in.vocab);
         const bool reject = inside && (bad || draft[b] != target[b]);
         const uint32_t found = device::first_rejection(reject, bad ? kFlagTokenOutOfRange : 0u, base);
@@ -201,10 +201,10 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
     if (lane < tile_rows) {
       int accepted;
       if constexpr (COUNTS_GIVEN) {
-        accepted = min(max(args.accepted_in[row0 + lane], 0), args.gamma);
+        accepted = min(max(args.accepted_in[row0 + lane], 0), args.draft_steps);
       } else {
         const uint32_t first = first_rejected[lane];
-        accepted = first == device::kNoRejection ? args.gamma : static_cast<int>(first >> 8);
+        accepted = first == device::kNoRejection ? args.draft_steps : static_cast<int>(first >> 8);
       }
       count = accepted + args.include_next;
     }
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
           flags |= kFlagTokenOutOfRange;
           next = kInvalidToken;
         }
-        device::write_verdict(args.verdict, row, accepted, args.gamma, next, flags);
+        device::write_verdict(args.verdict, row, accepted, args.draft_steps, next, flags);
       } else if (args.next_in != nullptr) {
         next = args.next_in[row];
       }
@@ -315,11 +315,11 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
 // Launchers
 // ---------------------------------------------------------------------------------------------------------
 
-PackLaunchShape shape_for(int rows, int gamma, int positions, int64_t position_bytes, bool counts_given,
+PackLaunchShape shape_for(int rows, int draft_steps, int positions, int64_t position_bytes, bool counts_given,
                           int multiprocessors) {
   PackLaunchShape shape;
   shape.rows_per_tile =
-      counts_given ? kMaxRowsPerTile : std::clamp(kTilePositions / gamma, 1, kMaxRowsPerTile);
+      counts_given ? kMaxRowsPerTile : std::clamp(kTilePositions / draft_steps, 1, kMaxRowsPerTile);
   shape.tiles = static_cast<int>(ceil_div(rows, shape.rows_per_tile));
   const int64_t tile_bytes = int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
   const int64_t total_bytes = int64_t{rows} * positions * position_bytes;
@@ -365,7 +365,7 @@ void validate_payload(const char* where, const PayloadView& payload, int positio
           where, "payload.dtype", static_cast<int>(payload.dtype), "must be fp32, bf16 or fp16");
   require(payload.width >= 1, where, "payload.width", payload.width, "must be >= 1");
   require(payload.row_stride >= int64_t{positions} * payload.width, where, "payload.row_stride",
-          payload.row_stride, "must be >= (gamma + include_next) * width");
+          payload.row_stride, "must be >= (draft_steps + include_next) * width");
   require(reinterpret_cast<uintptr_t>(payload.data) % dtype_bytes(payload.dtype) == 0, where, "payload.data",
           payload.data, "must be aligned to its element size");
 }
@@ -374,9 +374,10 @@ void validate_payload(const char* where, const PayloadView& payload, int positio
 template <bool COUNTS_GIVEN>
 void launch_pack(const char* where, PackArgs args, const PayloadView& payload, const PackOutputs& out,
                  PackWorkspace& workspace, cudaStream_t stream) {
-  const int positions = args.gamma + args.include_next;
+  const int positions = args.draft_steps + args.include_next;
   const int64_t worst_rows = int64_t{args.rows} * positions;
-  require(worst_rows <= kMaxPackedRows, where, "rows * (gamma + include_next)", worst_rows, "must be < 2^30");
+  require(worst_rows <= kMaxPackedRows, where, "rows * (draft_steps + include_next)", worst_rows,
+          "must be < 2^30");
   validate_payload(where, payload, positions);
   out.validate(where, worst_rows);
   require(reinterpret_cast<uintptr_t>(out.packed) % dtype_bytes(payload.dtype) == 0, where, "out.packed",
@@ -390,8 +391,8 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
   args.payload_row_stride_bytes = payload.row_stride * element_bytes;
   args.out = out;
   args.workspace = workspace.words();
-  const PackLaunchShape shape = shape_for(args.rows, args.gamma, positions, args.position_bytes, COUNTS_GIVEN,
-                                          current_device_info().multiprocessors);
+  const PackLaunchShape shape = shape_for(args.rows, args.draft_steps, positions, args.position_bytes,
+                                          COUNTS_GIVEN, current_device_info().multiprocessors);
   require(int64_t{shape.tiles} * shape.splits <= INT32_MAX, where, "grid (tiles * splits)",
           int64_t{shape.tiles} * shape.splits, "must be < 2^31");
   args.rows_per_tile = shape.rows_per_tile;
@@ -408,7 +409,7 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
 void PackOutputs::validate(const char* where, int64_t required_rows) const {
   require(packed != nullptr, where, "out.packed", "null", "must be a device pointer");
   require(capacity_rows >= required_rows, where, "out.capacity_rows", capacity_rows,
-          "must be >= rows * (gamma + include_next)");
+          "must be >= rows * (draft_steps + include_next)");
   require(offsets != nullptr, where, "out.offsets", "null", "must be a device pointer");
   require(total != nullptr, where, "out.total", "null", "must be a device pointer");
 }
@@ -427,14 +428,15 @@ PackWorkspace::PackWorkspace(int max_rows) : PackWorkspace(max_rows, nullptr) {
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 
-PackLaunchShape pack_launch_shape(int rows, int gamma, int width, DType dtype, bool include_next,
+PackLaunchShape pack_launch_shape(int rows, int draft_steps, int width, DType dtype, bool include_next,
                                   bool counts_given) {
   constexpr const char* kWhere = "smcgraph::pack_launch_shape";
   require(rows >= 1, kWhere, "rows", rows, "must be >= 1");
-  require(gamma >= 1 && gamma <= kMaxGamma, kWhere, "gamma", gamma, "must be in [1, kMaxGamma]");
+  require(draft_steps >= 1 && draft_steps <= kMaxVerifyDraftSteps, kWhere, "draft_steps", draft_steps,
+          "must be in [1, kMaxVerifyDraftSteps]");
   require(width >= 1, kWhere, "width", width, "must be >= 1");
-  return shape_for(rows, gamma, gamma + (include_next ? 1 : 0), int64_t{width} * dtype_bytes(dtype),
-                   counts_given, current_device_info().multiprocessors);
+  return shape_for(rows, draft_steps, draft_steps + (include_next ? 1 : 0),
+                   int64_t{width} * dtype_bytes(dtype), counts_given, current_device_info().multiprocessors);
 }
 
 void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
@@ -450,7 +452,7 @@ void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload
   args.draft_tokens = inputs.draft_tokens;
   args.draft_row_stride = inputs.draft_row_stride;
   args.rows = inputs.rows;
-  args.gamma = inputs.gamma;
+  args.draft_steps = inputs.draft_steps;
   args.include_next = include_next ? 1 : 0;
   launch_pack<false>(kWhere, args, payload, out, workspace, stream);
 }
@@ -459,14 +461,14 @@ void pack_accepted(const AcceptedRows& accepted, const PayloadView& payload, boo
                    const PackOutputs& out, PackWorkspace& workspace, cudaStream_t stream) {
   constexpr const char* kWhere = "smcgraph::pack_accepted";
   require(accepted.rows >= 1, kWhere, "accepted.rows", accepted.rows, "must be >= 1");
-  require(accepted.gamma >= 1 && accepted.gamma <= kMaxGamma, kWhere, "accepted.gamma", accepted.gamma,
-          "must be in [1, kMaxGamma]");
+  require(accepted.draft_steps >= 1 && accepted.draft_steps <= kMaxVerifyDraftSteps, kWhere,
+          "accepted.draft_steps", accepted.draft_steps, "must be in [1, kMaxVerifyDraftSteps]");
   require(accepted.accepted != nullptr, kWhere, "accepted.accepted", "null", "must be a device pointer");
   if (out.packed_tokens != nullptr) {
     require(accepted.draft_tokens != nullptr, kWhere, "accepted.draft_tokens", "null",
             "must be a device pointer when out.packed_tokens is given");
-    require(accepted.draft_row_stride >= accepted.gamma, kWhere, "accepted.draft_row_stride",
-            accepted.draft_row_stride, "must be >= gamma");
+    require(accepted.draft_row_stride >= accepted.draft_steps, kWhere, "accepted.draft_row_stride",
+            accepted.draft_row_stride, "must be >= draft_steps");
     require(!include_next || accepted.next_tokens != nullptr, kWhere, "accepted.next_tokens", "null",
             "must be a device pointer when out.packed_tokens and include_next are given");
   }
@@ -477,7 +479,7 @@ void pack_accepted(const AcceptedRows& accepted, const PayloadView& payload, boo
   args.draft_tokens = accepted.draft_tokens;
   args.draft_row_stride = accepted.draft_row_stride;
   args.rows = accepted.rows;
-  args.gamma = accepted.gamma;
+  args.draft_steps = accepted.draft_steps;
   args.include_next = include_next ? 1 : 0;
   launch_pack<true>(kWhere, args, payload, out, workspace, stream);
 }

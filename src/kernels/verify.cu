@@ -1,9 +1,9 @@
 // verify_greedy() and verify_stochastic(): the verify stage of the speculative cycle (DESIGN.md §3).
 //
-// Both scan a row's draft positions with warp ballots (ceil(gamma / 32) of them whatever the outcome, so
-// lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
-// from one position of the row (the residual max(0, p - q) at the first rejection, or p at position gamma)
-// by Gumbel-max in log space, in one pass over that position's logits.
+// Both scan a row's draft positions with warp ballots (ceil(draft_steps / 32) of them whatever the outcome,
+// so lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
+// from one position of the row (the residual max(0, p - q) at the first rejection, or p at position
+// draft_steps) by Gumbel-max in log space, in one pass over that position's logits.
 #include "kernels/logits_pass.cuh"
 #include "kernels/verify_device.cuh"
 
@@ -41,7 +41,7 @@ struct GreedyArgs {
 };
 
 /// One warp per row. The loads of kWindowsPerBatch windows are issued before their ballots, so a long row
-/// (gamma = 256: 8 windows) waits for memory twice, not eight times.
+/// (draft_steps = 256: 8 windows) waits for memory twice, not eight times.
 __global__ void __launch_bounds__(kGreedyThreads) GreedyVerifyKernel(const GreedyArgs args) {
   const TokenVerifyInputs& in = args.in;
   const int row = blockIdx.x * kGreedyWarps + static_cast<int>(threadIdx.x) / 32;
@@ -52,20 +52,20 @@ __global__ void __launch_bounds__(kGreedyThreads) GreedyVerifyKernel(const Greed
   const int32_t* target = in.target_tokens + row * in.target_row_stride;
 
   uint32_t first = device::kNoRejection;
-  for (int batch = 0; batch < in.gamma; batch += 32 * kWindowsPerBatch) {
+  for (int batch = 0; batch < in.draft_steps; batch += 32 * kWindowsPerBatch) {
     int32_t draft_token[kWindowsPerBatch], target_token[kWindowsPerBatch];
 #pragma unroll
     for (int w = 0; w < kWindowsPerBatch; ++w) {
       const int j = batch + 32 * w + lane;
-      draft_token[w] = j < in.gamma ? draft[j] : 0;
-      target_token[w] = j < in.gamma ? target[j] : 0;
+      draft_token[w] = j < in.draft_steps ? draft[j] : 0;
+      target_token[w] = j < in.draft_steps ? target[j] : 0;
     }
 #pragma unroll
     for (int w = 0; w < kWindowsPerBatch; ++w) {
       const int base = batch + 32 * w;
-      if (base >= in.gamma)
-        break; // warp-uniform: exactly ceil(gamma / 32) ballots per row
-      const bool inside = base + lane < in.gamma;
+      if (base >= in.draft_steps)
+        break; // warp-uniform: exactly ceil(draft_steps / 32) ballots per row
+      const bool inside = base + lane < in.draft_steps;
       const bool bad = inside && out_of_range(draft_token[w], in.vocab);
       const bool reject = inside && (bad || draft_token[w] != target_token[w]);
       first = min(first, device::first_rejection(reject, bad ? kFlagTokenOutOfRange : 0u, base));
@@ -73,14 +73,14 @@ __global__ void __launch_bounds__(kGreedyThreads) GreedyVerifyKernel(const Greed
   }
   if (lane != 0)
     return;
-  const int accepted = first == device::kNoRejection ? in.gamma : static_cast<int>(first >> 8);
+  const int accepted = first == device::kNoRejection ? in.draft_steps : static_cast<int>(first >> 8);
   uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
   int32_t next_token = target[accepted];
   if (out_of_range(next_token, in.vocab)) {
     flags |= kFlagTokenOutOfRange;
     next_token = kInvalidToken;
   }
-  device::write_verdict(args.out, row, accepted, in.gamma, next_token, flags);
+  device::write_verdict(args.out, row, accepted, in.draft_steps, next_token, flags);
 }
 
 // --- stochastic ------------------------------------------------------------------------------------------
@@ -287,7 +287,8 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
 
   const StochasticVerifyInputs& in = args.in;
   const int row = blockIdx.x;
-  const int gamma = in.row_gamma == nullptr ? in.gamma : min(max(in.row_gamma[row], 1), in.gamma);
+  const int draft_steps =
+      in.row_draft_steps == nullptr ? in.draft_steps : min(max(in.row_draft_steps[row], 1), in.draft_steps);
   const int vocab = args.vocab;
   const int particles = in.random.particles_per_request;
   const int request = row / particles;
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
   const float draft_t = in.draft_temperature[row];
   if (!(target_t >= 0.0f) || isinf(target_t) || !(draft_t >= 0.0f) || isinf(draft_t)) { // CTA-uniform
     if (threadIdx.x == 0)
-      device::write_verdict(args.out, row, 0, gamma, kInvalidToken, kFlagBadParameter);
+      device::write_verdict(args.out, row, 0, draft_steps, kInvalidToken, kFlagBadParameter);
     return;
   }
 
@@ -311,11 +312,11 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
     row_first_rejection = device::kNoRejection;
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  for (int base = static_cast<int>(threadIdx.x) - lane; base < gamma; base += THREADS) { // warp-uniform
+  for (int base = static_cast<int>(threadIdx.x) - lane; base < draft_steps; base += THREADS) { // warp-uniform
     const int j = base + lane;
     bool reject = false;
     uint32_t reason = 0;
-    if (j < gamma) {
+    if (j < draft_steps) {
       const int32_t token = tokens[j];
       const float log_p = target_logprobs[j], log_q = draft_logprobs[j];
       if (out_of_range(token, vocab)) {
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
   }
   __syncthreads();
   const uint32_t first = row_first_rejection;
-  const int accepted = first == device::kNoRejection ? gamma : static_cast<int>(first >> 8);
+  const int accepted = first == device::kNoRejection ? draft_steps : static_cast<int>(first >> 8);
   uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
 
   int32_t next_token = kInvalidToken;
@@ -354,7 +355,7 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
     Candidate best;
     if (target_t == 0.0f) {
       best = Pass::template draw<Draw::kArgmax>(target_row, nullptr, context, temp, saw_bad_logit);
-    } else if (accepted == gamma) {
+    } else if (accepted == draft_steps) {
       best = Pass::template draw<Draw::kTarget>(target_row, nullptr, context, temp, saw_bad_logit);
     } else if (draft_t == 0.0f) {
       context.excluded = tokens[accepted]; // an out-of-range id excludes nothing
@@ -394,7 +395,7 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
     }
   }
   if (threadIdx.x == 0)
-    device::write_verdict(args.out, row, accepted, gamma, next_token, flags);
+    device::write_verdict(args.out, row, accepted, draft_steps, next_token, flags);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -441,12 +442,15 @@ void validate_logits(const char* where, const char* name, const LogitsView& view
 
 void TokenVerifyInputs::validate(const char* where) const {
   require(rows >= 1, where, "rows", rows, "must be >= 1");
-  require(gamma >= 1 && gamma <= kMaxGamma, where, "gamma", gamma, "must be in [1, kMaxGamma]");
+  require(draft_steps >= 1 && draft_steps <= kMaxVerifyDraftSteps, where, "draft_steps", draft_steps,
+          "must be in [1, kMaxVerifyDraftSteps]");
   require(vocab >= 1, where, "vocab", vocab, "must be >= 1");
   require(draft_tokens != nullptr, where, "draft_tokens", "null", "must be a device pointer");
   require(target_tokens != nullptr, where, "target_tokens", "null", "must be a device pointer");
-  require(draft_row_stride >= gamma, where, "draft_row_stride", draft_row_stride, "must be >= gamma");
-  require(target_row_stride > gamma, where, "target_row_stride", target_row_stride, "must be >= gamma + 1");
+  require(draft_row_stride >= draft_steps, where, "draft_row_stride", draft_row_stride,
+          "must be >= draft_steps");
+  require(target_row_stride > draft_steps, where, "target_row_stride", target_row_stride,
+          "must be >= draft_steps + 1");
 }
 
 void VerifyOutputs::validate(const char* where) const {
@@ -466,10 +470,12 @@ void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cu
 
 void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream) {
   constexpr const char* kWhere = "smcgraph::verify_stochastic";
-  const int gamma = inputs.gamma;
-  require(gamma >= 1 && gamma <= kMaxGamma, kWhere, "gamma", gamma, "must be in [1, kMaxGamma]");
-  validate_logits(kWhere, "target_logits", inputs.target_logits, gamma + 1, "must be >= gamma + 1");
-  validate_logits(kWhere, "draft_logits", inputs.draft_logits, gamma, "must be >= gamma");
+  const int draft_steps = inputs.draft_steps;
+  require(draft_steps >= 1 && draft_steps <= kMaxVerifyDraftSteps, kWhere, "draft_steps", draft_steps,
+          "must be in [1, kMaxVerifyDraftSteps]");
+  validate_logits(kWhere, "target_logits", inputs.target_logits, draft_steps + 1,
+                  "must be >= draft_steps + 1");
+  validate_logits(kWhere, "draft_logits", inputs.draft_logits, draft_steps, "must be >= draft_steps");
   const int rows = inputs.target_logits.rows;
   const int vocab = inputs.target_logits.vocab;
   require(inputs.draft_logits.rows == rows, kWhere, "draft_logits.rows", inputs.draft_logits.rows,
@@ -479,14 +485,14 @@ void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs
   require(inputs.draft_logits.dtype == inputs.target_logits.dtype, kWhere, "draft_logits.dtype",
           dtype_name(inputs.draft_logits.dtype), "must equal target_logits.dtype");
   require(inputs.draft_tokens != nullptr, kWhere, "draft_tokens", "null", "must be a device pointer");
-  require(inputs.draft_token_row_stride >= gamma, kWhere, "draft_token_row_stride",
-          inputs.draft_token_row_stride, "must be >= gamma");
+  require(inputs.draft_token_row_stride >= draft_steps, kWhere, "draft_token_row_stride",
+          inputs.draft_token_row_stride, "must be >= draft_steps");
   require(inputs.draft_logprobs != nullptr, kWhere, "draft_logprobs", "null", "must be a device pointer");
-  require(inputs.draft_logprob_row_stride >= gamma, kWhere, "draft_logprob_row_stride",
-          inputs.draft_logprob_row_stride, "must be >= gamma");
+  require(inputs.draft_logprob_row_stride >= draft_steps, kWhere, "draft_logprob_row_stride",
+          inputs.draft_logprob_row_stride, "must be >= draft_steps");
   require(inputs.target_logprobs != nullptr, kWhere, "target_logprobs", "null", "must be a device pointer");
-  require(inputs.target_logprob_row_stride >= gamma, kWhere, "target_logprob_row_stride",
-          inputs.target_logprob_row_stride, "must be >= gamma");
+  require(inputs.target_logprob_row_stride >= draft_steps, kWhere, "target_logprob_row_stride",
+          inputs.target_logprob_row_stride, "must be >= draft_steps");
   require(inputs.draft_temperature != nullptr, kWhere, "draft_temperature", "null",
           "must be a device pointer");
   require(inputs.target_temperature != nullptr, kWhere, "target_temperature", "null",

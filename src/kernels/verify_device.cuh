@@ -25,12 +25,12 @@ __device__ __forceinline__ uint32_t first_rejection(bool reject, uint32_t reason
 }
 
 /// Writes one row's verdict (its only writer) and ORs its flags into row_flags and status.
-__device__ __forceinline__ void write_verdict(const VerifyOutputs& out, int row, int accepted, int gamma,
-                                              int32_t next_token, uint32_t flags) {
+__device__ __forceinline__ void write_verdict(const VerifyOutputs& out, int row, int accepted,
+                                              int draft_steps, int32_t next_token, uint32_t flags) {
   out.accepted[row] = accepted;
   out.next_tokens[row] = next_token;
   if (out.mismatch)
-    out.mismatch[row] = accepted < gamma ? 1 : 0;
+    out.mismatch[row] = accepted < draft_steps ? 1 : 0;
   if (flags) {
     if (out.row_flags)
       atomicOr(&out.row_flags[row], flags);

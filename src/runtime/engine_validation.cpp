@@ -12,7 +12,7 @@
 
 namespace smcgraph {
 
-static_assert(kMaxDraftSteps <= kMaxGamma, "the verifiers must accept K draft tokens");
+static_assert(kMaxDraftSteps <= kMaxVerifyDraftSteps, "the verifiers must accept K draft tokens");
 static_assert(static_cast<uint32_t>(kMaxDraftSteps) < kMaxStep, "every draft step needs its own Philox step");
 namespace {
 

@@ -29,10 +29,10 @@ void resize(Verdict& verdict, int rows) {
   verdict.status = 0;
 }
 
-void record(Verdict& verdict, int row, int accepted, int gamma, int32_t next_token, uint32_t flags) {
+void record(Verdict& verdict, int row, int accepted, int draft_steps, int32_t next_token, uint32_t flags) {
   verdict.accepted[row] = accepted;
   verdict.next_tokens[row] = next_token;
-  verdict.mismatch[row] = accepted < gamma ? 1 : 0;
+  verdict.mismatch[row] = accepted < draft_steps ? 1 : 0;
   verdict.row_flags[row] |= flags;
   verdict.status |= flags;
 }
@@ -127,15 +127,15 @@ bool any_bad(const float* row, int vocab) {
 } // namespace
 
 Verdict verify_greedy(const int32_t* draft, int64_t draft_row_stride, const int32_t* target,
-                      int64_t target_row_stride, int rows, int gamma, int vocab) {
+                      int64_t target_row_stride, int rows, int draft_steps, int vocab) {
   Verdict verdict;
   resize(verdict, rows);
   for (int row = 0; row < rows; ++row) {
     const int32_t* d = draft + row * draft_row_stride;
     const int32_t* t = target + row * target_row_stride;
-    int accepted = gamma;
+    int accepted = draft_steps;
     uint32_t flags = 0;
-    for (int j = 0; j < gamma; ++j) {
+    for (int j = 0; j < draft_steps; ++j) {
       const bool bad = out_of_range(d[j], vocab);
       if (bad || d[j] != t[j]) {
         accepted = j;
@@ -149,7 +149,7 @@ Verdict verify_greedy(const int32_t* draft, int64_t draft_row_stride, const int3
       flags |= kFlagTokenOutOfRange;
       next = kInvalidToken;
     }
-    record(verdict, row, accepted, gamma, next, flags);
+    record(verdict, row, accepted, draft_steps, next, flags);
   }
   return verdict;
 }
@@ -172,16 +172,16 @@ StochasticVerdict verify_stochastic(const StochasticProblem& p) {
     const float target_t = p.target_temperature[row];
     const float draft_t = p.draft_temperature[row];
     if (!(target_t >= 0.0f) || std::isinf(target_t) || !(draft_t >= 0.0f) || std::isinf(draft_t)) {
-      record(verdict, row, 0, p.gamma, kInvalidToken, kFlagBadParameter);
+      record(verdict, row, 0, p.draft_steps, kInvalidToken, kFlagBadParameter);
       continue;
     }
     const int32_t* tokens = p.draft_tokens + row * p.draft_token_row_stride;
     const float* target_logprobs = p.target_logprobs + row * p.target_logprob_row_stride;
     const float* draft_logprobs = p.draft_logprobs + row * p.draft_logprob_row_stride;
 
-    int accepted = p.gamma;
+    int accepted = p.draft_steps;
     uint32_t flags = 0;
-    for (int j = 0; j < p.gamma; ++j) {
+    for (int j = 0; j < p.draft_steps; ++j) {
       const float log_p = target_logprobs[j], log_q = draft_logprobs[j];
       if (out_of_range(tokens[j], p.vocab)) {
         accepted = j;
@@ -225,7 +225,7 @@ StochasticVerdict verify_stochastic(const StochasticProblem& p) {
       Race race;
       if (target_t == 0.0f) {
         race = draw(Draw::kArgmax, in);
-      } else if (accepted == p.gamma) {
+      } else if (accepted == p.draft_steps) {
         race = draw(Draw::kTarget, in);
       } else if (draft_t == 0.0f) {
         in.excluded = tokens[accepted];
@@ -248,19 +248,19 @@ StochasticVerdict verify_stochastic(const StochasticProblem& p) {
         verdict.runner_up[row] = race.second_index;
       }
     }
-    record(verdict, row, accepted, p.gamma, next, flags);
+    record(verdict, row, accepted, p.draft_steps, next, flags);
   }
   return verdict;
 }
 
 Packed pack(const int32_t* accepted, const int32_t* next_tokens, const int32_t* draft_tokens,
-            int64_t draft_row_stride, const uint8_t* payload, int64_t payload_row_stride, int rows, int gamma,
-            int width, int element_bytes, bool include_next) {
+            int64_t draft_row_stride, const uint8_t* payload, int64_t payload_row_stride, int rows,
+            int draft_steps, int width, int element_bytes, bool include_next) {
   Packed packed;
   packed.offsets.resize(rows);
   const int64_t position_bytes = static_cast<int64_t>(width) * element_bytes;
   for (int row = 0; row < rows; ++row) {
-    const int k = std::clamp(accepted[row], 0, gamma);
+    const int k = std::clamp(accepted[row], 0, draft_steps);
     const int count = k + (include_next ? 1 : 0);
     packed.offsets[row] = packed.total;
     const uint8_t* source = payload + row * payload_row_stride * element_bytes;
@@ -275,27 +275,27 @@ Packed pack(const int32_t* accepted, const int32_t* next_tokens, const int32_t* 
   return packed;
 }
 
-OracleBatch make_oracle_batch(std::mt19937_64& engine, int rows, int gamma, int vocab, double alpha) {
+OracleBatch make_oracle_batch(std::mt19937_64& engine, int rows, int draft_steps, int vocab, double alpha) {
   OracleBatch batch;
   batch.rows = rows;
-  batch.gamma = gamma;
+  batch.draft_steps = draft_steps;
   batch.vocab = vocab;
-  batch.draft.resize(static_cast<size_t>(rows) * gamma);
-  batch.target.resize(static_cast<size_t>(rows) * (gamma + 1));
+  batch.draft.resize(static_cast<size_t>(rows) * draft_steps);
+  batch.target.resize(static_cast<size_t>(rows) * (draft_steps + 1));
   batch.accepted.resize(rows);
   std::uniform_int_distribution<int32_t> token(0, vocab - 1);
   std::uniform_int_distribution<int32_t> shift(1, std::max(1, vocab - 1));
-  std::binomial_distribution<int> accepted(gamma, alpha);
+  std::binomial_distribution<int> accepted(draft_steps, alpha);
   for (int row = 0; row < rows; ++row) {
     const int k = accepted(engine);
     batch.accepted[row] = k;
-    int32_t* d = batch.draft.data() + static_cast<size_t>(row) * gamma;
-    int32_t* t = batch.target.data() + static_cast<size_t>(row) * (gamma + 1);
-    for (int j = 0; j < gamma; ++j)
+    int32_t* d = batch.draft.data() + static_cast<size_t>(row) * draft_steps;
+    int32_t* t = batch.target.data() + static_cast<size_t>(row) * (draft_steps + 1);
+    for (int j = 0; j < draft_steps; ++j)
       d[j] = token(engine);
-    for (int j = 0; j <= gamma; ++j)
+    for (int j = 0; j <= draft_steps; ++j)
       t[j] = j < k ? d[j] : token(engine);
-    if (k < gamma)
+    if (k < draft_steps)
       t[k] = (d[k] + shift(engine)) % vocab; // differs from the draft (vocab >= 2)
   }
   return batch;

@@ -19,10 +19,10 @@ struct Verdict {
   uint32_t status = 0;
 };
 
-/// Greedy verification: k = first j with draft[j] != target[j] or draft[j] outside [0, vocab) (gamma when
-/// none), next = target[k].
+/// Greedy verification: k = first j with draft[j] != target[j] or draft[j] outside [0, vocab) (draft_steps
+/// when none), next = target[k].
 Verdict verify_greedy(const int32_t* draft, int64_t draft_row_stride, const int32_t* target,
-                      int64_t target_row_stride, int rows, int gamma, int vocab);
+                      int64_t target_row_stride, int rows, int draft_steps, int vocab);
 
 /// Host mirror of StochasticVerifyInputs; logits are the floats the device sees (after dtype rounding).
 /// A logits row stride of 0 repeats one row for every row.
@@ -42,7 +42,7 @@ struct StochasticProblem {
   const uint64_t* seeds = nullptr;
   const uint32_t* draw_counters = nullptr;
   int particles_per_request = 1;
-  int rows = 0, gamma = 0, vocab = 0;
+  int rows = 0, draft_steps = 0, vocab = 0;
 };
 
 struct StochasticVerdict : Verdict {
@@ -57,8 +57,8 @@ struct StochasticVerdict : Verdict {
 /// Exact speculative sampling as the device does it: the same coins and Gumbel noise, exact log-sum-exps.
 StochasticVerdict verify_stochastic(const StochasticProblem& problem);
 
-/// The pack: offsets (exclusive prefix of k_i + include_next, k_i clamped to [0, gamma]), total, the packed
-/// payload bytes and tokens (d_j for j < k_i; next_tokens[i] at j = k_i, -1 when next_tokens is null).
+/// The pack: offsets (exclusive prefix of k_i + include_next, k_i clamped to [0, draft_steps]), total, the
+/// packed payload bytes and tokens (d_j for j < k_i; next_tokens[i] at j = k_i, -1 when next_tokens is null).
 struct Packed {
   std::vector<int32_t> offsets;
   int32_t total = 0;
@@ -66,17 +66,17 @@ struct Packed {
   std::vector<int32_t> tokens; ///< [total]
 };
 Packed pack(const int32_t* accepted, const int32_t* next_tokens, const int32_t* draft_tokens,
-            int64_t draft_row_stride, const uint8_t* payload, int64_t payload_row_stride, int rows, int gamma,
-            int width, int element_bytes, bool include_next);
+            int64_t draft_row_stride, const uint8_t* payload, int64_t payload_row_stride, int rows,
+            int draft_steps, int width, int element_bytes, bool include_next);
 
-/// Seed 000's synthetic workload: draft tokens uniform in [0, vocab); k_i ~ Binomial(gamma, alpha); the
+/// Seed 000's synthetic workload: draft tokens uniform in [0, vocab); k_i ~ Binomial(draft_steps, alpha); the
 /// target agrees with the draft before k_i and differs at k_i (its other positions and the bonus uniform).
 struct OracleBatch {
-  int rows = 0, gamma = 0, vocab = 0;
-  std::vector<int32_t> draft;    ///< [rows, gamma]
-  std::vector<int32_t> target;   ///< [rows, gamma + 1]
+  int rows = 0, draft_steps = 0, vocab = 0;
+  std::vector<int32_t> draft;    ///< [rows, draft_steps]
+  std::vector<int32_t> target;   ///< [rows, draft_steps + 1]
   std::vector<int32_t> accepted; ///< [rows] the oracle k_i
 };
-OracleBatch make_oracle_batch(std::mt19937_64& engine, int rows, int gamma, int vocab, double alpha);
+OracleBatch make_oracle_batch(std::mt19937_64& engine, int rows, int draft_steps, int vocab, double alpha);
 
 } // namespace smcgraph::reference
