@@ -1,6 +1,7 @@
 // Commit (cycle_io.hpp): the cycle's tokens into the tables and lengths of every live row, for the SMC cycle
 // (K + 1 tokens) and the speculative one (accepted + 1, rejected slots back to the pool).
 #include "kernels/cycle_io.hpp"
+#include "kernels/draft_steps_device.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/slots_device.cuh"
 
@@ -100,7 +101,8 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
     return;
   }
   const int L = b.tables.seq_len[r];
-  const int steps = min(max(b.request_draft_steps[r / b.particles], 1), b.draft_steps); // K_q: slots it took
+  const int steps =
+      request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps); // slots taken
   const int accepted = min(max(b.accepted[r], 0), steps);
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;

@@ -3,6 +3,7 @@
 // captured cycle, the conditions of the draft steps' conditional nodes (max K over the live rows). Both read
 // every value that changes between replays from device memory; the policy is fixed for the engine's lifetime.
 #include "kernels/cycle_io.hpp"
+#include "kernels/draft_steps_device.cuh"
 #include "kernels/launch_checks.hpp"
 
 #include <algorithm>
@@ -72,7 +73,7 @@ __global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t
   }
   if (q >= requests)
     return;
-  const int steps = min(max(b.request_draft_steps[q], 1), b.policy.max_steps);
+  const int steps = request_draft_steps_of(b.request_draft_steps, q, b.policy.max_steps);
   b.cycle_draft_steps[q] = steps;
   bool drafted = false;
   for (int p = 0; p < b.particles; ++p)
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(kLoopThreads)
   int longest = 0;
   for (int r = threadIdx.x; r < rows; r += kLoopThreads)
     if (b.tables.live[r])
-      longest = max(longest, min(max(b.request_draft_steps[r / b.particles], 1), b.max_steps));
+      longest = max(longest, request_draft_steps_of(b.request_draft_steps, r / b.particles, b.max_steps));
   longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
 #if CUDART_VERSION >= 12040
   if (threadIdx.x == 0)
@@ -121,9 +122,11 @@ DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
   DraftStepsPolicy policy;
   policy.adaptive = a.enabled;
   policy.max_steps = config.draft_steps;
-  policy.min_steps = std::clamp(a.min_steps, 1, config.draft_steps);
-  policy.mid_steps = std::clamp(a.mid_steps, 1, config.draft_steps);
-  policy.pressure_cap = std::clamp(a.pressure_cap, 1, config.draft_steps);
+  // validate_engine_config has checked 1 <= min_steps <= mid_steps <= draft_steps and the cap's range when
+  // adaptive; without it the three are never read.
+  policy.min_steps = a.min_steps;
+  policy.mid_steps = a.mid_steps;
+  policy.pressure_cap = a.pressure_cap;
   policy.pressure_watermark_slots = static_cast<int>(
       std::floor(static_cast<double>(a.pressure_free_fraction) * (config.slot_pool_size - 1)));
   policy.smoothing = a.smoothing;

@@ -1,6 +1,7 @@
 // Forward inputs (cycle_io.hpp): the draft head's, draft steps' and target verify's tokens, positions,
 // lengths and KV slots of every row, gathered from the tables inside the captured cycle.
 #include "kernels/cycle_io.hpp"
+#include "kernels/draft_steps_device.cuh"
 #include "kernels/launch_checks.hpp"
 
 #include <algorithm>
@@ -62,7 +63,7 @@ VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
 
 /// K_q of row r's request, within [1, K].
 template <class View> __device__ __forceinline__ int row_draft_steps(const View& b, int r) {
-  return min(max(b.request_draft_steps[r / b.particles], 1), b.draft_steps);
+  return request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps);
 }
 
 __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {

@@ -1,0 +1,16 @@
+// Device helper of the per-request draft length shared by the cycle's stage kernels (forward inputs, commit,
+// the draft-length decision): one definition of K_q.
+#pragma once
+
+#include <cstdint>
+
+namespace smcgraph::detail {
+
+/// K_q, the draft length request q runs this cycle: request_draft_steps[q] (decided on the device at the end
+/// of the previous cycle, cycle_io.hpp) clamped into [1, max_steps], max_steps the engine's K.
+__device__ __forceinline__ int request_draft_steps_of(const int32_t* request_draft_steps, int request,
+                                                      int max_steps) {
+  return min(max(request_draft_steps[request], 1), max_steps);
+}
+
+} // namespace smcgraph::detail
