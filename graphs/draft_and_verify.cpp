@@ -12,12 +12,6 @@
 namespace smcgraph::detail {
 namespace {
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  SMCGRAPH_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  return status == cudaStreamCaptureStatusActive;
-}
-
 #if CUDART_VERSION >= 12040
 /// The graph `stream` is capturing into and the nodes the next captured work depends on.
 struct CaptureSite {
@@ -93,7 +87,7 @@ private:
 
 } // namespace
 
-void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_t stream) {
+void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream) {
   const bool speculative = s.config.kind == CycleKind::kSpeculative;
   const char* const alloc_name = speculative ? "spec.alloc" : "smc.alloc";
   const char* const draft_name = speculative ? "spec.draft" : "smc.draft";
@@ -110,7 +104,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, cudaStream_
   s.stage = "reset_status";
   SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), stream));
   // Captured with conditional nodes: draft step s runs only when some live row has K_q > s.
-  const bool conditional = s.draft_loop.conditional && K > 1 && capturing(stream);
+  const bool conditional = s.draft_loop.conditional && K > 1 && mode == Enqueue::kCapture;
   DraftLoopConditions conditions;
   {
     Stage stage(s, alloc_name);

@@ -15,14 +15,14 @@
 
 namespace smcgraph::detail {
 
-void enqueue_smc_cycle(Engine::State& s, int bucket_requests, cudaStream_t stream) {
+void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream) {
   const int N = s.config.particles, K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests * N;
   const CycleBuffers& b = s.buffers;
   RowTablesView tables = b.tables;
   tables.rows = rows;
   const RowRandom random{b.seeds, b.draw_counters, N};
-  enqueue_draft_and_verify(s, bucket_requests, stream);
+  enqueue_draft_and_verify(s, bucket_requests, mode, stream);
   {
     Stage stage(s, "smc.score");
     const LogitsView logits{

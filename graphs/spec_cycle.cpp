@@ -19,13 +19,13 @@
 
 namespace smcgraph::detail {
 
-void enqueue_spec_cycle(Engine::State& s, int bucket_requests, cudaStream_t stream) {
+void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream) {
   const int K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests; // N = 1
   const CycleBuffers& b = s.buffers;
   const RowRandom random{b.seeds, b.draw_counters, 1};
   const DType dtype = s.target->logits_dtype();
-  enqueue_draft_and_verify(s, bucket_requests, stream);
+  enqueue_draft_and_verify(s, bucket_requests, mode, stream);
   {
     Stage stage(s, "spec.score");
     const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,

@@ -140,7 +140,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
 
   // Eager warm-up at the largest bucket (nothing is live: every row is padding), then capture largest first.
   try {
-    detail::enqueue_cycle(s, Q, s.stream);
+    detail::enqueue_cycle(s, Q, detail::Enqueue::kEager, s.stream);
     s.stream.synchronize();
   } catch (const Error& e) {
     throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what(),
@@ -161,7 +161,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         std::string failure;
         cudaError_t failure_code = cudaSuccess;
         try {
-          detail::enqueue_cycle(s, requests, s.stream);
+          detail::enqueue_cycle(s, requests, detail::Enqueue::kCapture, s.stream);
           s.stage = "smc.copy_outputs";
           SMCGRAPH_CUDA_CHECK(
               cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
@@ -445,7 +445,7 @@ void Engine::step() {
   cycle.slot_ids.assign(s.slot_owner.begin(), s.slot_owner.begin() + cycle.bucket_requests);
   if (s.eager) {
     NvtxRange range("cycle.eager");
-    detail::enqueue_cycle(s, cycle.bucket_requests, s.stream);
+    detail::enqueue_cycle(s, cycle.bucket_requests, detail::Enqueue::kEager, s.stream);
     SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
                                         detail::output_layout(cycle.bucket_requests * s.config.particles,
                                                               cycle.bucket_requests, s.draft_steps)

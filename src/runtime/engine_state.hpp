@@ -142,23 +142,28 @@ private:
   NvtxRange range_;
 };
 
+/// How a recipe's work reaches the GPU: launched now, or recorded into the graph the stream is capturing
+/// (the engine knows which; the recipes do not ask the stream every cycle).
+enum class Enqueue { kEager, kCapture };
+
 /// Alloc, forward inputs, draft head and steps with their samples, and the target verify forward: the
-/// part both cycle kinds share (graphs/draft_and_verify.cpp).
-void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, cudaStream_t stream);
+/// part both cycle kinds share (graphs/draft_and_verify.cpp). Captured, the draft steps sit in conditional
+/// nodes when the engine uses them.
+void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream);
 
 /// The SMC cycle recipe (graphs/smc_cycle.cpp): every stage of DESIGN.md §2 for `bucket_requests` request
 /// slots, enqueued on `stream` (captured or eager), outputs packed into `outputs` (device).
-void enqueue_smc_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream);
+void enqueue_smc_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream);
 
 /// The speculative cycle recipe (graphs/spec_cycle.cpp).
-void enqueue_spec_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream);
+void enqueue_spec_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream);
 
 /// The recipe of the engine's cycle kind.
-inline void enqueue_cycle(Engine::State& state, int bucket_requests, cudaStream_t stream) {
+inline void enqueue_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream) {
   if (state.config.kind == CycleKind::kSpeculative)
-    enqueue_spec_cycle(state, bucket_requests, stream);
+    enqueue_spec_cycle(state, bucket_requests, mode, stream);
   else
-    enqueue_smc_cycle(state, bucket_requests, stream);
+    enqueue_smc_cycle(state, bucket_requests, mode, stream);
 }
 
 } // namespace detail
