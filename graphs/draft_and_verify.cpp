@@ -148,32 +148,36 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                                V,
                                2 * static_cast<int64_t>(V),
                                V};
+    // Samples go straight into the [rows, K + 1] draft block: d_k in column k.
+    const int64_t block_stride = K + 1;
     sample(head_last, draft_params, random, philox_stream(Salt::kDraft, 0),
-           {b.draft_tokens, b.draft_logprobs, b.scratch_logz, b.row_flags, b.status}, s.workspace, stream);
+           {b.draft_tokens + 1, b.draft_logprobs + 1, b.scratch_logz, b.row_flags, b.status, block_stride},
+           s.workspace, stream);
     if (speculative) // the verifier's residual needs q at every position: keep [K, rows, V]
       SMCGRAPH_CUDA_CHECK(cudaMemcpy2DAsync(s.draft_step_logits.data(), V * element_bytes,
                                             s.draft_logits.data() + V * element_bytes, 2 * V * element_bytes,
                                             V * element_bytes, rows, cudaMemcpyDeviceToDevice, stream));
-    // Step s drafts d_{s+1} for the rows with K_q > s (step_live); the others write the dummy slot and their
-    // samples are never read.
+    // Step s reads d_s (column s of the draft block) and drafts d_{s+1} for the rows with K_q > s
+    // (step_live); the others write the dummy slot and their samples are never read.
     auto draft_step = [&](int step, cudaStream_t step_stream) {
       const size_t offset = static_cast<size_t>(step - 1) * s.rows;
       uint8_t* logits =
           speculative ? s.draft_step_logits.data() + step * step_logits_bytes : s.draft_logits.data();
       ForwardArgs one{rows,
                       1,
-                      b.draft_tokens + offset,
+                      b.draft_tokens + step,
                       b.step_positions + offset,
                       b.tables.slot_table,
                       b.step_seq_lens + offset,
                       b.step_out_slots + offset,
                       b.step_live + offset,
-                      logits};
+                      logits,
+                      block_stride};
       s.draft->forward(one, step_stream);
       const LogitsView view{logits, dtype, rows, 1, V, V, V};
       sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
-             {b.draft_tokens + offset + s.rows, b.draft_logprobs + offset + s.rows, b.scratch_logz,
-              b.row_flags, b.status},
+             {b.draft_tokens + step + 1, b.draft_logprobs + step + 1, b.scratch_logz, b.row_flags, b.status,
+              block_stride},
              s.workspace, step_stream);
     };
     for (int step = 1; step < K; ++step) {
@@ -193,7 +197,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     prepare_verify_inputs(b, rows, stream);
     ForwardArgs verify{rows,
                        K + 1,
-                       b.verify_tokens,
+                       b.draft_tokens,
                        b.verify_positions,
                        b.tables.slot_table,
                        b.verify_seq_lens,

@@ -27,7 +27,7 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
     Stage stage(s, "smc.score");
     const LogitsView logits{
         s.target_logits.data(), s.target->logits_dtype(), rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
-    score(logits, b.verify_tokens + 1, K + 1, {b.target_temperature, b.alpha}, random,
+    score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, b.alpha}, random,
           philox_stream(Salt::kBonus, 0),
           {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
           s.workspace, stream);
@@ -35,10 +35,10 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
   {
     Stage stage(s, "smc.weights");
     WeightInputs in;
-    in.draft_logprobs = {b.draft_logprobs, 1, s.rows};
+    in.draft_logprobs = {b.draft_logprobs + 1, K + 1, 1}; // the draft block's columns 1 .. K
     in.target_logprobs = {b.target_logprobs, K, 1};
     in.logz = b.bonus_logz;
-    in.draft_tokens = {b.draft_tokens, 1, s.rows};
+    in.draft_tokens = {b.draft_tokens + 1, K + 1, 1};
     in.alpha = b.alpha;
     in.live = b.tables.live;
     in.bonus_tokens = b.bonus_tokens;

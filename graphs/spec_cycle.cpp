@@ -30,7 +30,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
     Stage stage(s, "spec.score");
     const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,
                             static_cast<int64_t>(K + 1) * V, V};
-    score(logits, b.verify_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
+    score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
           philox_stream(Salt::kBonus, 0),
           {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
           s.workspace, stream);
@@ -38,10 +38,10 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
   {
     Stage stage(s, "spec.verify");
     StochasticVerifyInputs in;
-    in.draft_tokens = b.verify_tokens + 1;
+    in.draft_tokens = b.draft_tokens + 1; // the draft block [rows, K + 1], columns 1 .. K
     in.draft_token_row_stride = K + 1;
-    in.draft_logprobs = b.draft_logprobs_rows;
-    in.draft_logprob_row_stride = K;
+    in.draft_logprobs = b.draft_logprobs + 1;
+    in.draft_logprob_row_stride = K + 1;
     in.target_logprobs = b.target_logprobs;
     in.target_logprob_row_stride = K;
     // Draft logits are position-major [K, rows, V]; target logits row-major [rows, K + 1, V].
@@ -56,7 +56,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
   }
   {
     Stage stage(s, "spec.pack");
-    AcceptedRows accepted{b.accepted, rows, K, b.verify_tokens + 1, K + 1, nullptr};
+    AcceptedRows accepted{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
     const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
     const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets,
                           b.packed_total, b.packed_tokens};

@@ -309,12 +309,12 @@ private:
     read_state(d.seeds, "seeds", Q);
     read_state(d.status, "status");
     read_state(d.cycle_slots, "cycle_slots", static_cast<size_t>(R) * (K + 1));
-    read_state(d.draft_tokens, "draft_tokens", static_cast<size_t>(K) * R);
+    read_state(d.draft_tokens, "draft_tokens", static_cast<size_t>(R) * (K + 1));
     read_state(d.bonus_tokens, "bonus_tokens", R);
     read_state(d.first_eos, "first_eos", R);
     read_state(d.ancestor, "ancestor", R);
     read_state(d.cycle_tokens, "cycle_tokens", static_cast<size_t>(R) * (K + 1));
-    read_state(d.draft_logprobs, "draft_logprobs", static_cast<size_t>(K) * R);
+    read_state(d.draft_logprobs, "draft_logprobs", static_cast<size_t>(R) * (K + 1));
     read_state(d.target_logprobs, "target_logprobs", static_cast<size_t>(R) * K);
     read_state(d.bonus_logprobs, "bonus_logprobs", R);
     read_state(d.bonus_logz, "bonus_logz", R);
@@ -343,7 +343,7 @@ private:
   /// anything).
   std::string compare_proposals(const DeviceSnapshot& d) {
     const ref::SmcCycleReference& r = *reference_;
-    const int N = config_.particles, K = config_.draft_steps, R = r.rows();
+    const int N = config_.particles, K = config_.draft_steps;
     const int rows = r.bucket_requests() * N;
     std::ostringstream problem;
     for (int row = 0; row < rows; ++row) {
@@ -358,7 +358,7 @@ private:
                  std::to_string(d.cycle_slots[i]) + ", reference " + std::to_string(r.cycle_slots()[i]);
       }
       for (int k = 0; k < K; ++k) {
-        const size_t i = static_cast<size_t>(k) * R + row;
+        const size_t i = r.draft_index(row, k);
         if (d.draft_tokens[i] != r.draft_tokens()[i])
           return at + ": draft token d_" + std::to_string(k + 1) + " = " + std::to_string(d.draft_tokens[i]) +
                  ", reference " + std::to_string(r.draft_tokens()[i]) + " (no near tie)";
@@ -368,10 +368,10 @@ private:
                std::to_string(r.bonus_tokens()[row]) + " (no near tie)";
       double worst = 0.0;
       for (int k = 0; k < K; ++k) {
-        const size_t by_step = static_cast<size_t>(k) * R + row, dense = static_cast<size_t>(row) * K + k;
-        if (!logprob_close(d.draft_logprobs[by_step], r.draft_logprobs()[by_step], &worst))
-          problem << at << ": log q(d_" << k + 1 << ") = " << d.draft_logprobs[by_step] << ", reference "
-                  << r.draft_logprobs()[by_step] << "; ";
+        const size_t block = r.draft_index(row, k), dense = static_cast<size_t>(row) * K + k;
+        if (!logprob_close(d.draft_logprobs[block], r.draft_logprobs()[block], &worst))
+          problem << at << ": log q(d_" << k + 1 << ") = " << d.draft_logprobs[block] << ", reference "
+                  << r.draft_logprobs()[block] << "; ";
         if (!logprob_close(d.target_logprobs[dense], r.target_logprobs()[dense], &worst))
           problem << at << ": log p(d_" << k + 1 << ") = " << d.target_logprobs[dense] << ", reference "
                   << r.target_logprobs()[dense] << "; ";

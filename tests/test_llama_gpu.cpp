@@ -361,6 +361,41 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
   MESSAGE("long row: ", subject.finish());
 }
 
+TEST_CASE("llama forward: tokens read with a row stride give the dense forward's logits") {
+  // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const Shape shape{2, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  LlamaModel model(tiny->weights, options_of(256, 64, 64, DType::kFloat32));
+  LlamaSequences s =
+      reference::random_llama_sequences(std::vector<int>(5, 30), shape.vocab, 256, 64, 0.7, rng.engine());
+  const auto every_row = [](int) { return true; };
+  for (int per_row : {9, 1, 5, 2}) {
+    CAPTURE(per_row);
+    const LlamaForwardInputs in = step_inputs(s, per_row, every_row, rng.engine());
+    DeviceBatch batch(in, shape.vocab, DType::kFloat32, stream);
+    const std::vector<uint8_t> dense = run_forward(model, batch, false, stream);
+    const int64_t stride = per_row + 2;
+    std::vector<int32_t> wide(static_cast<size_t>(in.rows) * stride, -3); // junk around each row's tokens
+    for (int r = 0; r < in.rows; ++r)
+      for (int j = 0; j < per_row; ++j)
+        wide[r * stride + 1 + j] = in.tokens[static_cast<size_t>(r) * per_row + j];
+    const DeviceBuffer<int32_t> wide_tokens = test::to_device(wide, stream);
+    for (bool captured : {false, true}) {
+      CAPTURE(captured);
+      batch.logits.fill_bytes(kPoison, stream);
+      ForwardArgs args = batch.args();
+      args.tokens = wide_tokens.data() + 1;
+      args.token_row_stride = stride;
+      test::run_on_stream(captured, stream, [&](cudaStream_t st) { model.forward(args, st); });
+      CHECK_MESSAGE(batch.download(stream) == dense,
+                    "the strided forward's logits differ from the dense one");
+    }
+  }
+}
+
 TEST_CASE("llama forward: argument errors and option validation") {
   Stream stream;
   const Shape shape{3, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
@@ -391,6 +426,10 @@ TEST_CASE("llama forward: argument errors and option validation") {
   fits.rows = 3; // 15 tokens fit
   CHECK_NOTHROW(model.forward(fits, stream));
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  ForwardArgs narrow = fits;
+  narrow.token_row_stride = 4; // < tokens_per_row = 5
+  e = message_of(narrow);
+  CHECK_MESSAGE(e.find("args.token_row_stride = 4") != std::string::npos, e);
   for (int which = 0; which < 7; ++which) {
     CAPTURE(which);
     ForwardArgs args = fits;

@@ -492,6 +492,68 @@ TEST_CASE("a row's result does not depend on its batch, its row index, or graph 
   }
 }
 
+TEST_CASE("sample() with an output row stride writes the dense result into one column and nothing else") {
+  // The engine's draft steps sample d_k straight into column k of its [rows, K + 1] draft block.
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    const Batch batch = random_batch(rng, dtype, 37, 3001, 3001, 0.01);
+    DeviceBatch device(batch);
+    const Outputs dense = device.run(false);
+    constexpr int64_t kStride = 5;
+    constexpr int kColumn = 2;
+    const size_t cells = static_cast<size_t>(batch.rows) * kStride;
+    DeviceBuffer<int32_t> tokens(cells);
+    DeviceBuffer<float> logprobs(cells);
+    for (bool captured : {false, true}) {
+      CAPTURE(captured);
+      tokens.fill_bytes(0xab, device.stream); // poison: the other columns must keep it
+      logprobs.fill_bytes(0xab, device.stream);
+      device.flags.fill_bytes(0, device.stream);
+      device.status.fill_bytes(0, device.stream);
+      test::run_on_stream(captured, device.stream, [&](cudaStream_t s) {
+        const smcgraph::LogitsView view{device.logits.data(), dtype,           batch.rows, 1, batch.vocab,
+                                        batch.row_stride,     batch.row_stride};
+        smcgraph::sample(view, {device.temperature.data(), device.alpha.data()},
+                         {device.seeds.data(), device.counters.data(), batch.particles}, kStream,
+                         {tokens.data() + kColumn, logprobs.data() + kColumn, device.logz.data(),
+                          device.flags.data(), device.status.data(), kStride},
+                         device.workspace, s);
+      });
+      const std::vector<int32_t> got_tokens = test::to_host(tokens.data(), cells, device.stream);
+      const std::vector<float> got_logprobs = test::to_host(logprobs.data(), cells, device.stream);
+      int32_t poison_token;
+      float poison_logprob;
+      std::memset(&poison_token, 0xab, 4);
+      std::memset(&poison_logprob, 0xab, 4);
+      size_t wrong = 0, touched = 0;
+      for (int r = 0; r < batch.rows; ++r) {
+        for (int c = 0; c < kStride; ++c) {
+          const size_t i = static_cast<size_t>(r) * kStride + c;
+          if (c == kColumn) {
+            wrong +=
+                got_tokens[i] != dense.tokens[r] || std::memcmp(&got_logprobs[i], &dense.logprobs[r], 4) != 0;
+          } else {
+            touched +=
+                got_tokens[i] != poison_token || std::memcmp(&got_logprobs[i], &poison_logprob, 4) != 0;
+          }
+        }
+      }
+      CHECK_MESSAGE(wrong == 0, wrong << " rows differ from the dense launch");
+      CHECK_MESSAGE(touched == 0, touched << " cells outside the column were written");
+    }
+    const smcgraph::LogitsView view{device.logits.data(), dtype,           batch.rows, 1, batch.vocab,
+                                    batch.row_stride,     batch.row_stride};
+    CHECK_THROWS_WITH_AS(smcgraph::sample(view, {device.temperature.data(), device.alpha.data()},
+                                          {device.seeds.data(), device.counters.data(), batch.particles},
+                                          kStream,
+                                          {tokens.data(), logprobs.data(), device.logz.data(),
+                                           device.flags.data(), device.status.data(), 0},
+                                          device.workspace, device.stream),
+                         doctest::Contains("out.row_stride"), smcgraph::Error);
+  }
+}
+
 TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the counters are reset") {
   test::Rng rng;
   INFO("seed " << rng.seed());

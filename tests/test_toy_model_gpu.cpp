@@ -505,6 +505,44 @@ TEST_CASE("a captured forward replays with new input values behind the same poin
   SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
+TEST_CASE("tokens read with a row stride give the dense forward's logits and KV, eagerly and in a graph") {
+  // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const ToyModelConfig config = make_config(1000, DType::kBFloat16, rng.bits());
+  ToyModel model(config);
+  for (int per_row : {1, 2, 5}) {
+    CAPTURE(per_row);
+    const ToyForwardInputs in = random_inputs(config, rng, 9, per_row, 0.75, 0.03);
+    const std::vector<float> kv0 = random_kv(config, rng);
+    DeviceBatch batch(in, config.vocab, config.logits_dtype, stream);
+    run_forward(model, batch, kv0, false, stream);
+    const std::vector<uint8_t> want = batch.download(stream);
+    const std::vector<float> want_kv = download_kv(model, stream);
+    const int64_t stride = per_row + 3;
+    std::vector<int32_t> wide(static_cast<size_t>(in.rows) * stride, -7); // junk around each row's tokens
+    for (int r = 0; r < in.rows; ++r)
+      for (int j = 0; j < per_row; ++j)
+        wide[r * stride + 1 + j] = in.tokens[static_cast<size_t>(r) * per_row + j];
+    const DeviceBuffer<int32_t> wide_tokens = test::to_device(wide, stream);
+    for (bool captured : {false, true}) {
+      CAPTURE(captured);
+      upload_kv(model, kv0, stream);
+      batch.logits.fill_bytes(kPoison, stream);
+      ForwardArgs args = batch.args();
+      args.tokens = wide_tokens.data() + 1;
+      args.token_row_stride = stride;
+      test::run_on_stream(captured, stream, [&](cudaStream_t s) { model.forward(args, s); });
+      const std::string logits_diff =
+          logits_difference(batch.download(stream), want, config.logits_dtype, per_row, config.vocab);
+      CHECK_MESSAGE(logits_diff.empty(), logits_diff);
+      const std::string kv_diff = kv_difference(download_kv(model, stream), want_kv, config.hidden);
+      CHECK_MESSAGE(kv_diff.empty(), kv_diff);
+    }
+  }
+}
+
 TEST_CASE("forward validates its arguments on the host; rows = 0 is a no-op") {
   test::Rng rng;
   Stream stream;
@@ -532,6 +570,9 @@ TEST_CASE("forward validates its arguments on the host; rows = 0 is a no-op") {
   args = batch.args();
   args.tokens_per_row = 0;
   check_rejects(args, "tokens_per_row");
+  args = batch.args();
+  args.token_row_stride = 1; // < tokens_per_row = 2
+  check_rejects(args, "token_row_stride");
   const char* names[] = {"tokens", "positions", "slot_table", "seq_lens", "out_slots", "live", "logits"};
   for (int i = 0; i < 7; ++i) {
     args = batch.args();

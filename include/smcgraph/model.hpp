@@ -18,13 +18,18 @@ namespace smcgraph {
 struct ForwardArgs {
   int rows = 0;                        ///< bucket rows (live and padding)
   int tokens_per_row = 0;              ///< 2 (draft head), 1 (draft step) or K + 1 (target verify)
-  const int32_t* tokens = nullptr;     ///< [rows, tokens_per_row]
+  const int32_t* tokens = nullptr;     ///< [rows, tokens_per_row], rows token_stride() elements apart
   const int32_t* positions = nullptr;  ///< [rows, tokens_per_row]
   const int32_t* slot_table = nullptr; ///< [rows, max_seq_len()] slot id of each position of the row
   const int32_t* seq_lens = nullptr;   ///< [rows] tokens whose KV the model may read (= last position + 1)
   const int32_t* out_slots = nullptr;  ///< [rows, tokens_per_row] where this forward writes KV
   const uint8_t* live = nullptr;       ///< [rows] 0 marks a padding row
   void* logits = nullptr;              ///< [rows, tokens_per_row, vocab()] in logits_dtype()
+  /// Elements between the rows of `tokens`; 0 (the default) means dense (tokens_per_row). The engine's draft
+  /// steps read one column of its [rows, K + 1] draft-token block this way. Models must honour it.
+  int64_t token_row_stride = 0;
+
+  int64_t token_stride() const { return token_row_stride > 0 ? token_row_stride : tokens_per_row; }
 };
 
 /// A model whose forward pass can be captured into a CUDA graph: `forward` enqueues work on `stream`

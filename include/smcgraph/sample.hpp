@@ -63,11 +63,14 @@ struct RowRandom {
 /// Outputs of sample(), one per row. Rows that fail (row_flags != 0) get token kInvalidToken,
 /// logprob -inf and logz 0.
 struct SampleOutputs {
-  int32_t* tokens = nullptr; ///< [rows] sampled token
-  float* logprobs = nullptr; ///< [rows] log softmax(alpha * l / T)[token]
+  int32_t* tokens = nullptr; ///< [rows] sampled token (row r at r * row_stride)
+  float* logprobs = nullptr; ///< [rows] log softmax(alpha * l / T)[token] (row r at r * row_stride)
   float* logz = nullptr;     ///< [rows] lse(alpha * l / T) - alpha * lse(l / T); 0 when alpha = 1 or T = 0
   uint32_t* row_flags = nullptr; ///< [rows] RowFlag bits (OR-accumulated: the caller clears them)
   uint32_t* status = nullptr;    ///< [1] OR-accumulated RowFlag bits of all rows (the caller clears it)
+  /// Elements between rows of `tokens` and `logprobs` (>= 1): a column of a [rows, row_stride] block, as the
+  /// engine's draft steps write d_k into its [rows, K + 1] draft-token and log-prob blocks.
+  int64_t row_stride = 1;
 };
 
 /// Outputs of score(): logits `[rows, P, V]`, tokens `[rows, P - 1]`.

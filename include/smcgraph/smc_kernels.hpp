@@ -21,8 +21,8 @@
 namespace smcgraph {
 
 /// A per-row, per-step matrix: element (row, step) is data[row * row_stride + step * step_stride] (strides
-/// in elements). {p, K, 1} reads a dense [rows, K] array; {p, 1, rows} reads [K, rows], the layout that K
-/// calls of sample() (one [rows] output each) produce.
+/// in elements). {p, K, 1} reads a dense [rows, K] array; {p + 1, K + 1, 1} columns 1 .. K of a [rows, K + 1]
+/// block (the engine's draft block: x_{L-1}, d_1 .. d_K); {p, 1, rows} a step-major [K, rows] array.
 template <class T> struct StepMatrix {
   const T* data = nullptr;
   int64_t row_stride = 0;

@@ -23,7 +23,7 @@ int blocks_for(int count) {
 // by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
 struct CommitView {
   RowTablesView tables; ///< read: live, seq_len; written: token_table, seq_len, live
-  int draft_steps = 1, max_rows = 0;
+  int draft_steps = 1;
   const int32_t *draft_tokens, *bonus_tokens, *first_eos;
   const uint32_t* row_flags;
   int32_t *cycle_tokens, *committed;
@@ -31,16 +31,16 @@ struct CommitView {
 
 CommitView commit_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
-          .draft_tokens = b.draft_tokens, .bonus_tokens = b.bonus_tokens, .first_eos = b.first_eos,
-          .row_flags = b.row_flags, .cycle_tokens = b.cycle_tokens, .committed = b.committed};
+  return {.tables = b.tables, .draft_steps = b.draft_steps, .draft_tokens = b.draft_tokens,
+          .bonus_tokens = b.bonus_tokens, .first_eos = b.first_eos, .row_flags = b.row_flags,
+          .cycle_tokens = b.cycle_tokens, .committed = b.committed};
   // clang-format on
 }
 
 struct SpeculativeCommitView {
   RowTablesView tables; ///< read: live, seq_len, slot_table; written: token_table, seq_len, live
   SlotPoolView pool;    ///< the rejected positions' slots are released into it
-  int draft_steps = 1, max_rows = 0, eos_id = -1, particles = 1;
+  int draft_steps = 1, eos_id = -1, particles = 1;
   const int32_t *draft_tokens, *accepted, *next_tokens, *request_draft_steps;
   const uint32_t* row_flags;
   int32_t *cycle_tokens, *committed, *first_eos;
@@ -49,8 +49,8 @@ struct SpeculativeCommitView {
 
 SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .pool = b.pool, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
-          .eos_id = b.eos_id, .particles = b.particles, .draft_tokens = b.draft_tokens, .accepted = b.accepted,
+  return {.tables = b.tables, .pool = b.pool, .draft_steps = b.draft_steps, .eos_id = b.eos_id,
+          .particles = b.particles, .draft_tokens = b.draft_tokens, .accepted = b.accepted,
           .next_tokens = b.next_tokens, .request_draft_steps = b.request_draft_steps, .row_flags = b.row_flags,
           .cycle_tokens = b.cycle_tokens, .committed = b.committed, .first_eos = b.first_eos, .finished = b.finished};
   // clang-format on
@@ -80,7 +80,7 @@ __global__ void CommitCycleKernel(CommitView b, int rows) {
   const int L = b.tables.seq_len[r];
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   for (int k = 0; k < b.draft_steps; ++k)
-    cycle[k] = tokens[L + k] = b.draft_tokens[k * b.max_rows + r];
+    cycle[k] = tokens[L + k] = b.draft_tokens[r * stride + 1 + k];
   cycle[b.draft_steps] = tokens[L + b.draft_steps] = b.bonus_tokens[r];
   b.tables.seq_len[r] = L + stride;
   // first_eos (from the weights): -1 nothing counts (finished before), K none, else the EOS column.
@@ -108,7 +108,7 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   int eos = -1;
   for (int k = 0; k <= accepted; ++k) {
-    const int32_t token = k < accepted ? b.draft_tokens[k * b.max_rows + r] : b.next_tokens[r];
+    const int32_t token = k < accepted ? b.draft_tokens[r * stride + 1 + k] : b.next_tokens[r];
     cycle[k] = tokens[L + k] = token;
     if (eos < 0 && token == b.eos_id)
       eos = k;

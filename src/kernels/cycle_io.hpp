@@ -57,14 +57,16 @@ struct CycleBuffers {
   int32_t* step_positions = nullptr;   ///< [K - 1, rows]
   int32_t* step_out_slots = nullptr;   ///< [K - 1, rows]
   int32_t* step_seq_lens = nullptr;    ///< [K - 1, rows]
-  int32_t* verify_tokens = nullptr;    ///< [rows, K + 1]: x_{L-1}, d_1 .. d_K
   int32_t* verify_positions = nullptr; ///< [rows, K + 1]
   int32_t* verify_out_slots = nullptr; ///< [rows, K + 1]
   int32_t* verify_seq_lens = nullptr;  ///< [rows]
   // sampler / scorer outputs
-  int32_t* cycle_slots = nullptr;   ///< [rows, K + 1] popped by alloc
-  int32_t* draft_tokens = nullptr;  ///< [K, rows]
-  float* draft_logprobs = nullptr;  ///< [K, rows]
+  int32_t* cycle_slots = nullptr; ///< [rows, K + 1] popped by alloc
+  // The draft block, [rows, K + 1] end to end: column k of row r holds d_k (k >= 1), written by the draft
+  // sampler of step k - 1, read by draft step k's forward, the target's verify forward (column 0 is
+  // x_{L-1}), score, the weights or the verifier, and the commit.
+  int32_t* draft_tokens = nullptr;  ///< [rows, K + 1]: x_{L-1}, d_1 .. d_K
+  float* draft_logprobs = nullptr;  ///< [rows, K + 1]: 0, log q(d_1) .. log q(d_K)
   float* scratch_logz = nullptr;    ///< [rows] (draft samples' logZ, unused: alpha = 1 for the draft)
   float* target_logprobs = nullptr; ///< [rows, K]
   int32_t* bonus_tokens = nullptr;  ///< [rows]
@@ -76,13 +78,12 @@ struct CycleBuffers {
   int32_t* committed = nullptr;     ///< [rows] how many of them count (EOS cut; accepted + 1 for spec)
   int eos_id = -1;
   // speculative cycle
-  float* draft_logprobs_rows = nullptr; ///< [rows, K] log q(d_k), row-major copy for the verifier
-  int32_t* accepted = nullptr;          ///< [rows] draft tokens accepted
-  int32_t* next_tokens = nullptr;       ///< [rows] correction or bonus token
-  int32_t* packed_offsets = nullptr;    ///< [rows] exclusive offsets of the packed accepted tokens
-  int32_t* packed_total = nullptr;      ///< [1]
-  int32_t* packed_tokens = nullptr;     ///< [rows * K] accepted draft tokens, packed
-  float* packed_logprobs = nullptr;     ///< [rows * K] their target log-probs, packed
+  int32_t* accepted = nullptr;       ///< [rows] draft tokens accepted
+  int32_t* next_tokens = nullptr;    ///< [rows] correction or bonus token
+  int32_t* packed_offsets = nullptr; ///< [rows] exclusive offsets of the packed accepted tokens
+  int32_t* packed_total = nullptr;   ///< [1]
+  int32_t* packed_tokens = nullptr;  ///< [rows * K] accepted draft tokens, packed
+  float* packed_logprobs = nullptr;  ///< [rows * K] their target log-probs, packed
   // per-request draft length (draft_steps.cu); K_q below is clamp(request_draft_steps[q], 1, K)
   DraftStepsPolicy policy;
   int32_t* request_draft_steps = nullptr; ///< [requests] K_q of the next cycle (decided on the device)

@@ -44,20 +44,15 @@ DraftInputsView draft_inputs_view(const CycleBuffers& b) {
 
 struct VerifyInputsView {
   RowTablesView tables; ///< read: live, seq_len, token_table
-  int draft_steps = 1, max_rows = 0, particles = 1;
+  int draft_steps = 1, particles = 1;
   const int32_t* request_draft_steps;
-  const int32_t* draft_tokens;
-  const float* draft_logprobs;
-  int32_t* verify_tokens;
-  float* draft_logprobs_rows; ///< null in the SMC cycle
+  int32_t* draft_tokens; ///< written: column 0 (x_{L-1}) and the columns not drafted this cycle
 };
 
 VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
   // clang-format off
-  return {.tables = b.tables, .draft_steps = b.draft_steps, .max_rows = b.max_rows,
-          .particles = b.particles, .request_draft_steps = b.request_draft_steps,
-          .draft_tokens = b.draft_tokens, .draft_logprobs = b.draft_logprobs,
-          .verify_tokens = b.verify_tokens, .draft_logprobs_rows = b.draft_logprobs_rows};
+  return {.tables = b.tables, .draft_steps = b.draft_steps, .particles = b.particles,
+          .request_draft_steps = b.request_draft_steps, .draft_tokens = b.draft_tokens};
   // clang-format on
 }
 
@@ -110,14 +105,13 @@ __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
   const bool live = b.tables.live[r] != 0;
   const int L = b.tables.seq_len[r];
   const int steps = row_draft_steps(b, r);
-  int32_t* out = b.verify_tokens + r * (b.draft_steps + 1);
-  out[0] = live ? b.tables.token_table[static_cast<int64_t>(r) * b.tables.max_seq_len + L - 1] : 0;
-  // Draft positions past K_q were not drafted this cycle (a captured cycle may skip their steps): token 0.
-  for (int k = 0; k < b.draft_steps; ++k)
-    out[1 + k] = live && k < steps ? b.draft_tokens[k * b.max_rows + r] : 0;
-  if (b.draft_logprobs_rows != nullptr)
-    for (int k = 0; k < b.draft_steps; ++k)
-      b.draft_logprobs_rows[r * b.draft_steps + k] = k < steps ? b.draft_logprobs[k * b.max_rows + r] : 0.0f;
+  // The draft block already holds d_1 .. d_{K_q} of live rows (the samplers wrote them in place).
+  int32_t* block = b.draft_tokens + r * (b.draft_steps + 1);
+  block[0] = live ? b.tables.token_table[static_cast<int64_t>(r) * b.tables.max_seq_len + L - 1] : 0;
+  // Draft positions past K_q were not drafted this cycle (a masked step sampled junk there; a captured
+  // cycle may have skipped the step): token 0, as for padding rows.
+  for (int k = live ? steps : 0; k < b.draft_steps; ++k)
+    block[1 + k] = 0;
 }
 
 } // namespace

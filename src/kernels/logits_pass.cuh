@@ -468,9 +468,10 @@ struct PassArgs {
   const int32_t* tokens;
   int64_t token_row_stride;
   float* token_logprobs;
-  // the sample at position P - 1
+  // the sample at position P - 1 (token and log-prob of row r at r * sample_row_stride)
   int32_t* sample_tokens;
   float* sample_logprobs;
+  int64_t sample_row_stride = 1;
   float* sample_logz;
   uint32_t* row_flags;
   uint32_t* status;
@@ -579,8 +580,8 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
         logz = MODE == PassMode::kRacePower ? kLn2 * (log2_sum_power - job.alpha * log2_sum) : 0.0f;
       }
     }
-    args.sample_tokens[row] = token;
-    args.sample_logprobs[row] = logprob;
+    args.sample_tokens[row * args.sample_row_stride] = token;
+    args.sample_logprobs[row * args.sample_row_stride] = logprob;
     args.sample_logz[row] = logz;
   } else {
     float logprob = -INFINITY;

@@ -151,9 +151,11 @@ void sample(const LogitsView& logits, const RowParams& params, const RowRandom& 
   require(out.tokens != nullptr, kWhere, "out.tokens", "null", "must be a device pointer");
   require(out.logprobs != nullptr, kWhere, "out.logprobs", "null", "must be a device pointer");
   require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
+  require(out.row_stride >= 1, kWhere, "out.row_stride", out.row_stride, "must be >= 1");
   detail::PassArgs args{};
   args.sample_tokens = out.tokens;
   args.sample_logprobs = out.logprobs;
+  args.sample_row_stride = out.row_stride;
   args.sample_logz = out.logz;
   args.row_flags = out.row_flags;
   args.status = out.status;

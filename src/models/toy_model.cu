@@ -79,8 +79,9 @@ int round_up(int value, int multiple) {
 struct ToyForwardParams {
   int rows;
   int tokens_per_row;
-  int tokens; // rows * tokens_per_row
-  const int32_t* token_ids;
+  int tokens;               // rows * tokens_per_row
+  const int32_t* token_ids; // rows token_row_stride apart
+  int64_t token_row_stride; // >= tokens_per_row
   const int32_t* positions;
   const int32_t* slot_table;
   const int32_t* seq_lens;
@@ -121,7 +122,8 @@ __global__ void ToyKvWriteKernel(ToyForwardParams params) {
   const int slot = params.out_slots[token];
   if (slot <= 0 || slot >= params.pool_size)
     return; // slot 0 is the dummy; out-of-range writes are dropped
-  const int token_id = clamp_int(params.token_ids[token], 0, params.vocab - 1);
+  const int32_t id = params.token_ids[row * params.token_row_stride + token % params.tokens_per_row];
+  const int token_id = clamp_int(id, 0, params.vocab - 1);
   const int position = clamp_int(params.positions[token], 0, params.max_seq_len - 1);
   params.kv[static_cast<int64_t>(slot) * hidden + h] =
       __fadd_rn(params.embedding[static_cast<int64_t>(token_id) * hidden + h],
@@ -551,6 +553,8 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   require(args.tokens_per_row >= 1, where, "tokens_per_row", args.tokens_per_row, "must be >= 1");
   const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
   require(tokens <= (int64_t{1} << 30), where, "rows * tokens_per_row", tokens, "must be <= 2^30");
+  require(args.token_row_stride == 0 || args.token_row_stride >= args.tokens_per_row, where,
+          "token_row_stride", args.token_row_stride, "must be 0 (dense) or >= tokens_per_row");
   const char* const null_pointer = "must be a device pointer (got null)";
   require(args.tokens != nullptr, where, "tokens", "null", null_pointer);
   require(args.positions != nullptr, where, "positions", "null", null_pointer);
@@ -566,6 +570,7 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   params.tokens_per_row = args.tokens_per_row;
   params.tokens = static_cast<int>(tokens);
   params.token_ids = args.tokens;
+  params.token_row_stride = args.token_stride();
   params.positions = args.positions;
   params.slot_table = args.slot_table;
   params.seq_lens = args.seq_lens;

@@ -90,12 +90,12 @@ struct Engine::State {
   DeviceBuffer<uint64_t> seeds;
   DeviceBuffer<int32_t> head_tokens, head_positions, head_out_slots, head_seq_lens;
   DeviceBuffer<int32_t> step_positions, step_out_slots, step_seq_lens;
-  DeviceBuffer<int32_t> verify_tokens, verify_positions, verify_out_slots, verify_seq_lens;
+  DeviceBuffer<int32_t> verify_positions, verify_out_slots, verify_seq_lens;
   DeviceBuffer<int32_t> cycle_slots, draft_tokens, bonus_tokens, first_eos, ancestor, cycle_tokens;
   DeviceBuffer<float> draft_logprobs, scratch_logz, target_logprobs, bonus_logprobs, bonus_logz;
   DeviceBuffer<uint8_t> draft_logits, target_logits, prefill_logits; ///< model dtype
   DeviceBuffer<uint8_t> draft_step_logits; ///< speculative: [K, rows, V], q at every draft position
-  DeviceBuffer<float> draft_logprobs_rows, packed_logprobs;
+  DeviceBuffer<float> packed_logprobs;
   DeviceBuffer<int32_t> committed, accepted, next_tokens, packed_offsets, packed_total, packed_tokens;
   // Per-request draft length (AdaptiveDraftSteps): K of the next cycle, the pin, the EMA, K of the last
   // cycle.

@@ -105,8 +105,8 @@ SmcCycleReference::SmcCycleReference(const EngineConfig& config, const ToyModelC
   resampled_.assign(Q, 0);
   proposed_.assign(R, 0);
   cycle_slots_.assign(static_cast<size_t>(R) * (K + 1), 0);
-  draft_tokens_.assign(static_cast<size_t>(K) * R, 0);
-  draft_logprobs_.assign(static_cast<size_t>(K) * R, 0.0f);
+  draft_tokens_.assign(static_cast<size_t>(R) * (K + 1), 0);
+  draft_logprobs_.assign(static_cast<size_t>(R) * (K + 1), 0.0f);
   target_logprobs_.assign(static_cast<size_t>(R) * K, 0.0f);
   bonus_tokens_.assign(R, 0);
   bonus_logprobs_.assign(R, 0.0f);
@@ -381,8 +381,8 @@ void SmcCycleReference::propose() {
         continue;
       const Draw d = draw(logits.data() + (static_cast<size_t>(r) * 2 + 1) * V, r, draft_temperature_[r],
                           1.0f, philox_stream(Salt::kDraft, 0), "draft token 1");
-      draft_tokens_[r] = d.token;
-      draft_logprobs_[r] = d.logprob;
+      draft_tokens_[draft_index(r, 0)] = d.token;
+      draft_logprobs_[draft_index(r, 0)] = d.logprob;
     }
   }
   // 3. draft steps: d_s at position L + s - 1 (reading positions < L + s), then d_{s+1}.
@@ -392,7 +392,7 @@ void SmcCycleReference::propose() {
       if (!proposed_[r])
         continue;
       const int L = length[r];
-      in.tokens[r] = draft_tokens_[static_cast<size_t>(s - 1) * R + r];
+      in.tokens[r] = draft_tokens_[draft_index(r, s - 1)];
       in.positions[r] = L + s - 1;
       in.out_slots[r] = slots_.slot(r, L + s - 1);
       in.seq_lens[r] = L + s;
@@ -406,8 +406,8 @@ void SmcCycleReference::propose() {
         continue;
       const Draw d = draw(logits.data() + static_cast<size_t>(r) * V, r, draft_temperature_[r], 1.0f,
                           philox_stream(Salt::kDraft, static_cast<uint32_t>(s)), what.c_str());
-      draft_tokens_[static_cast<size_t>(s) * R + r] = d.token;
-      draft_logprobs_[static_cast<size_t>(s) * R + r] = d.logprob;
+      draft_tokens_[draft_index(r, s)] = d.token;
+      draft_logprobs_[draft_index(r, s)] = d.logprob;
     }
   }
   // 4. target verify over [x_{L-1}, d_1 .. d_K] at positions L - 1 .. L + K - 1 (reading positions < L + K).
@@ -421,7 +421,7 @@ void SmcCycleReference::propose() {
       const size_t base = static_cast<size_t>(r) * (K + 1);
       in.tokens[base] = slots_.token(r, L - 1);
       for (int k = 0; k < K; ++k)
-        in.tokens[base + 1 + k] = draft_tokens_[static_cast<size_t>(k) * R + r];
+        in.tokens[base + 1 + k] = draft_tokens_[draft_index(r, k)];
       for (int j = 0; j <= K; ++j) {
         in.positions[base + j] = L - 1 + j;
         in.out_slots[base + j] = slots_.slot(r, L - 1 + j);
@@ -439,7 +439,7 @@ void SmcCycleReference::propose() {
     for (int k = 0; k < K; ++k) {
       uint32_t flags = 0;
       const double logprob = token_logprob(row_logits + static_cast<size_t>(k) * V, V, target_temperature_[r],
-                                           draft_tokens_[static_cast<size_t>(k) * R + r], &flags);
+                                           draft_tokens_[draft_index(r, k)], &flags);
       target_logprobs_[static_cast<size_t>(r) * K + k] = static_cast<float>(logprob);
       row_flags_[r] |= flags;
       status_ |= flags;
@@ -460,8 +460,8 @@ void SmcCycleReference::adopt_logprobs(const std::vector<float>& draft_logprobs,
                                        const std::vector<float>& bonus_logz) {
   require(proposed_cycle_, "SmcCycleReference::adopt_logprobs", "state", "idle", "call propose() first");
   const int K = steps_, R = rows_, rows = bucket_ * particles_;
-  require(draft_logprobs.size() >= static_cast<size_t>(K) * R, "SmcCycleReference::adopt_logprobs",
-          "draft_logprobs.size()", draft_logprobs.size(), "must be >= K * rows");
+  require(draft_logprobs.size() >= static_cast<size_t>(K + 1) * R, "SmcCycleReference::adopt_logprobs",
+          "draft_logprobs.size()", draft_logprobs.size(), "must be >= (K + 1) * rows");
   require(target_logprobs.size() >= static_cast<size_t>(rows) * K, "SmcCycleReference::adopt_logprobs",
           "target_logprobs.size()", target_logprobs.size(), "must be >= bucket rows * K");
   require(bonus_logz.size() >= static_cast<size_t>(rows), "SmcCycleReference::adopt_logprobs",
@@ -470,7 +470,7 @@ void SmcCycleReference::adopt_logprobs(const std::vector<float>& draft_logprobs,
     if (!proposed_[r])
       continue;
     for (int k = 0; k < K; ++k) {
-      draft_logprobs_[static_cast<size_t>(k) * R + r] = draft_logprobs[static_cast<size_t>(k) * R + r];
+      draft_logprobs_[draft_index(r, k)] = draft_logprobs[draft_index(r, k)];
       target_logprobs_[static_cast<size_t>(r) * K + k] = target_logprobs[static_cast<size_t>(r) * K + k];
     }
     bonus_logz_[r] = bonus_logz[r];
@@ -492,12 +492,12 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
     std::vector<int32_t> tokens(draft.size());
     for (int r = 0; r < rows; ++r) {
       for (int k = 0; k < K; ++k) {
-        const size_t dense = static_cast<size_t>(r) * K + k, by_step = static_cast<size_t>(k) * R + r;
-        draft[dense] = draft_logprobs_[by_step];
-        own_draft[dense] = own_draft_logprobs_[by_step];
+        const size_t dense = static_cast<size_t>(r) * K + k, block = draft_index(r, k);
+        draft[dense] = draft_logprobs_[block];
+        own_draft[dense] = own_draft_logprobs_[block];
         target[dense] = target_logprobs_[dense];
         own_target[dense] = own_target_logprobs_[dense];
-        tokens[dense] = draft_tokens_[by_step];
+        tokens[dense] = draft_tokens_[block];
       }
       logz[r] = bonus_logz_[r];
       own_logz[r] = own_bonus_logz_[r];
@@ -533,7 +533,7 @@ std::vector<RequestUpdate> SmcCycleReference::finish() {
     }
     const int L = slots_.seq_len[r];
     for (int k = 0; k < K; ++k)
-      cycle[k] = slots_.token(r, L + k) = draft_tokens_[static_cast<size_t>(k) * R + r];
+      cycle[k] = slots_.token(r, L + k) = draft_tokens_[draft_index(r, k)];
     cycle[K] = slots_.token(r, L + K) = bonus_tokens_[r];
     slots_.seq_len[r] = L + K + 1;
     if (row_flags_[r] & kRowDataFaults)

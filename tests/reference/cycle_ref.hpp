@@ -135,9 +135,12 @@ public:
   const std::vector<double>& log_evidence() const { return log_evidence_; }     ///< [requests]
 
   // The latest cycle's buffers (rows beyond the bucket and rows not live are unspecified on the device).
-  const std::vector<int32_t>& cycle_slots() const { return cycle_slots_; }       ///< [rows, K + 1]
-  const std::vector<int32_t>& draft_tokens() const { return draft_tokens_; }     ///< [K, rows]
-  const std::vector<float>& draft_logprobs() const { return draft_logprobs_; }   ///< [K, rows]
+  const std::vector<int32_t>& cycle_slots() const { return cycle_slots_; } ///< [rows, K + 1]
+  /// The draft block [rows, K + 1] (the engine's layout): d_{k+1} of row r at draft_index(r, k); column 0
+  /// (x_{L-1} on the device) is not kept here (0).
+  const std::vector<int32_t>& draft_tokens() const { return draft_tokens_; }
+  const std::vector<float>& draft_logprobs() const { return draft_logprobs_; } ///< [rows, K + 1], as tokens
+  size_t draft_index(int row, int k) const { return static_cast<size_t>(row) * (steps_ + 1) + 1 + k; }
   const std::vector<float>& target_logprobs() const { return target_logprobs_; } ///< [bucket rows, K] (dense)
   const std::vector<int32_t>& bonus_tokens() const { return bonus_tokens_; }     ///< [rows]
   const std::vector<float>& bonus_logprobs() const { return bonus_logprobs_; }   ///< [rows]

@@ -203,8 +203,9 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   }
 }
 
-__global__ void LlamaEmbedKernel(int tokens_per_row, int hidden, int vocab, const int32_t* token_ids,
-                                 const uint8_t* live, const uint16_t* token_embd, float* x) {
+__global__ void LlamaEmbedKernel(int tokens_per_row, int64_t token_row_stride, int hidden, int vocab,
+                                 const int32_t* token_ids, const uint8_t* live, const uint16_t* token_embd,
+                                 float* x) {
   const int t = blockIdx.x;
   pdl_wait();
   pdl_trigger();
@@ -216,7 +217,8 @@ __global__ void LlamaEmbedKernel(int tokens_per_row, int hidden, int vocab, cons
       row[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     return;
   }
-  const int token = min(max(token_ids[t], 0), vocab - 1);
+  const int32_t id = token_ids[t / tokens_per_row * token_row_stride + t % tokens_per_row];
+  const int token = min(max(id, 0), vocab - 1);
   const uint2* source = reinterpret_cast<const uint2*>(token_embd + static_cast<size_t>(token) * hidden);
   for (int h = threadIdx.x; h < quads; h += blockDim.x) {
     const uint2 four = source[h];
@@ -249,14 +251,15 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
              attention_smem_bytes(a.head_dim), stream, a);
 }
 
-void embed(int tokens, int tokens_per_row, int hidden, int vocab, const int32_t* token_ids,
-           const uint8_t* live, const uint16_t* token_embd, float* x, cudaStream_t stream) {
+void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden, int vocab,
+           const int32_t* token_ids, const uint8_t* live, const uint16_t* token_embd, float* x,
+           cudaStream_t stream) {
   require(hidden >= 4 && hidden % 4 == 0, "llama::embed", "hidden", hidden,
           "must be a positive multiple of 4");
   if (tokens == 0)
     return;
-  launch_pdl(LlamaEmbedKernel, dim3(tokens), dim3(128), 0, stream, tokens_per_row, hidden, vocab, token_ids,
-             live, token_embd, x);
+  launch_pdl(LlamaEmbedKernel, dim3(tokens), dim3(128), 0, stream, tokens_per_row, token_row_stride, hidden,
+             vocab, token_ids, live, token_embd, x);
 }
 
 } // namespace smcgraph::llama

@@ -76,8 +76,10 @@ void prepare_attention(int head_dim);
 /// One launch, one block per (row, token, query head).
 void attention(const AttentionArgs& args, cudaStream_t stream);
 
-/// x[t] = token_embd[tokens[t]] as fp32 (tokens clamped into [0, vocab); padding rows get zeros).
-void embed(int tokens, int tokens_per_row, int hidden, int vocab, const int32_t* token_ids,
-           const uint8_t* live, const uint16_t* token_embd, float* x, cudaStream_t stream);
+/// x[t] = token_embd[token of t] as fp32, token t of row r read at token_ids[r * token_row_stride + column]
+/// (tokens clamped into [0, vocab); padding rows get zeros).
+void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden, int vocab,
+           const int32_t* token_ids, const uint8_t* live, const uint16_t* token_embd, float* x,
+           cudaStream_t stream);
 
 } // namespace smcgraph::llama

@@ -151,6 +151,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
   require(tokens <= options_.max_tokens_per_forward, kWhere, "rows * tokens_per_row", tokens,
           "exceeds LlamaModelOptions::max_tokens_per_forward");
+  require(args.token_row_stride == 0 || args.token_row_stride >= args.tokens_per_row, kWhere,
+          "args.token_row_stride", args.token_row_stride, "must be 0 (dense) or >= tokens_per_row");
   if (args.rows == 0)
     return;
   require(args.tokens && args.positions && args.slot_table && args.seq_lens && args.out_slots && args.live &&
@@ -161,8 +163,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const int T = static_cast<int>(tokens);
   const int qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
 
-  llama::embed(T, args.tokens_per_row, c.hidden, c.vocab, args.tokens, args.live, weights_->token_embd(),
-               w.x.data(), stream);
+  llama::embed(T, args.tokens_per_row, args.token_stride(), c.hidden, c.vocab, args.tokens, args.live,
+               weights_->token_embd(), w.x.data(), stream);
 
   llama::AttentionArgs attention;
   attention.rows = args.rows;
