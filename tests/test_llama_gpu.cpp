@@ -378,11 +378,8 @@ TEST_CASE("llama forward: tokens read with a row stride give the dense forward's
     DeviceBatch batch(in, shape.vocab, DType::kFloat32, stream);
     const std::vector<uint8_t> dense = run_forward(model, batch, false, stream);
     const int64_t stride = per_row + 2;
-    std::vector<int32_t> wide(static_cast<size_t>(in.rows) * stride, -3); // junk around each row's tokens
-    for (int r = 0; r < in.rows; ++r)
-      for (int j = 0; j < per_row; ++j)
-        wide[r * stride + 1 + j] = in.tokens[static_cast<size_t>(r) * per_row + j];
-    const DeviceBuffer<int32_t> wide_tokens = test::to_device(wide, stream);
+    const DeviceBuffer<int32_t> wide_tokens =
+        test::to_device(test::widen_rows(in.tokens, in.rows, per_row, stride, -3), stream);
     for (bool captured : {false, true}) {
       CAPTURE(captured);
       batch.logits.fill_bytes(kPoison, stream);

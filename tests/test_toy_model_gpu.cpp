@@ -521,11 +521,8 @@ TEST_CASE("tokens read with a row stride give the dense forward's logits and KV,
     const std::vector<uint8_t> want = batch.download(stream);
     const std::vector<float> want_kv = download_kv(model, stream);
     const int64_t stride = per_row + 3;
-    std::vector<int32_t> wide(static_cast<size_t>(in.rows) * stride, -7); // junk around each row's tokens
-    for (int r = 0; r < in.rows; ++r)
-      for (int j = 0; j < per_row; ++j)
-        wide[r * stride + 1 + j] = in.tokens[static_cast<size_t>(r) * per_row + j];
-    const DeviceBuffer<int32_t> wide_tokens = test::to_device(wide, stream);
+    const DeviceBuffer<int32_t> wide_tokens =
+        test::to_device(test::widen_rows(in.tokens, in.rows, per_row, stride, -7), stream);
     for (bool captured : {false, true}) {
       CAPTURE(captured);
       upload_kv(model, kv0, stream);

@@ -86,6 +86,16 @@ SanitizerTool sanitizer_tool();
 bool under_sanitizer();
 
 /// `full` normally, `reduced` under a sanitizer.
+/// Dense [rows, per_row] tokens placed at column 1 .. per_row of rows `stride` apart, `fill` around them: a
+/// strided token input (ForwardArgs::token_row_stride) that reads `fill` wherever it strays.
+inline std::vector<int32_t> widen_rows(const std::vector<int32_t>& dense, int rows, int per_row,
+                                       int64_t stride, int32_t fill) {
+  std::vector<int32_t> wide(static_cast<size_t>(rows) * stride, fill);
+  for (int r = 0; r < rows; ++r)
+    std::copy_n(dense.begin() + static_cast<size_t>(r) * per_row, per_row, wide.begin() + r * stride + 1);
+  return wide;
+}
+
 inline int sanitizer_scaled(int full, int reduced) {
   return under_sanitizer() ? reduced : full;
 }
