@@ -2,7 +2,7 @@
 // (K + 1 tokens) and the speculative one (accepted + 1, rejected slots back to the pool).
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
-#include "kernels/launch_checks.hpp"
+#include "kernels/row_launch.cuh"
 #include "kernels/slots_device.cuh"
 
 #include <algorithm>
@@ -12,12 +12,6 @@
 
 namespace smcgraph::detail {
 namespace {
-
-constexpr int kThreads = 128;
-
-int blocks_for(int count) {
-  return static_cast<int>(ceil_div(count, kThreads));
-}
 
 // What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers, filled
 // by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
@@ -133,13 +127,11 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
 } // namespace
 
 void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  CommitCycleKernel<<<blocks_for(rows), kThreads, 0, stream>>>(commit_view(b), rows);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_per_row(CommitCycleKernel, rows, stream, commit_view(b), rows);
 }
 
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  CommitSpeculativeKernel<<<blocks_for(rows), kThreads, 0, stream>>>(speculative_commit_view(b), rows);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_per_row(CommitSpeculativeKernel, rows, stream, speculative_commit_view(b), rows);
 }
 
 } // namespace smcgraph::detail

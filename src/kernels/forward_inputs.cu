@@ -2,7 +2,7 @@
 // lengths and KV slots of every row, gathered from the tables inside the captured cycle.
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
-#include "kernels/launch_checks.hpp"
+#include "kernels/row_launch.cuh"
 
 #include <algorithm>
 
@@ -11,12 +11,6 @@
 
 namespace smcgraph::detail {
 namespace {
-
-constexpr int kThreads = 128;
-
-int blocks_for(int count) {
-  return static_cast<int>(ceil_div(count, kThreads));
-}
 
 // What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers, filled
 // by name (designated initializers, packed: a line per field would repeat one shape in every stage file).
@@ -117,13 +111,11 @@ __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
 } // namespace
 
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  PrepareDraftInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(draft_inputs_view(b), rows);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows);
 }
 
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  PrepareVerifyInputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(verify_inputs_view(b), rows);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_per_row(PrepareVerifyInputsKernel, rows, stream, verify_inputs_view(b), rows);
 }
 
 } // namespace smcgraph::detail

@@ -457,26 +457,25 @@ __device__ __forceinline__ RaceBest choose_tile(const PassState* tiles, int tile
 
 /// Arguments of the pass kernel (launch arguments: fixed for the life of a captured graph).
 struct PassArgs {
-  const void* logits;
-  int rows, positions, vocab;
-  int64_t row_stride, position_stride;
-  int splits; ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
-  RowParams params;
-  RowRandom random;
-  uint32_t stream_word;
+  LogitsView logits{};
+  RowParams params{};
+  RowRandom random{};
+  uint32_t stream_word{};
   // score(): token log-probs at positions < P - 1
-  const int32_t* tokens;
-  int64_t token_row_stride;
-  float* token_logprobs;
+  const int32_t* tokens{};
+  int64_t token_row_stride{};
+  float* token_logprobs{};
   // the sample at position P - 1 (token and log-prob of row r at r * sample_row_stride)
-  int32_t* sample_tokens;
-  float* sample_logprobs;
+  int32_t* sample_tokens{};
+  float* sample_logprobs{};
   int64_t sample_row_stride = 1;
-  float* sample_logz;
-  uint32_t* row_flags;
-  uint32_t* status;
-  PassState* partials;
-  uint32_t* tickets;
+  float* sample_logz{};
+  uint32_t* row_flags{};
+  uint32_t* status{};
+  // set by launch_logits_pass
+  int splits{}; ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
+  PassState* partials{};
+  uint32_t* tickets{};
 };
 
 template <DType DTYPE, PassMode MODE>
@@ -487,11 +486,11 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ bool is_last;
 
-  const int job_index = row * args.positions + position;
-  const Scalar* row_logits =
-      static_cast<const Scalar*>(args.logits) + row * args.row_stride + position * args.position_stride;
+  const int job_index = row * args.logits.positions + position;
+  const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) + row * args.logits.row_stride +
+                             position * args.logits.position_stride;
   const int begin = split * kSplitLength<DTYPE>;
-  const int end = min(args.vocab, begin + kSplitLength<DTYPE>);
+  const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
   const bool aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
 
   PassState state =
@@ -551,7 +550,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
         tile = tile_winner;
       }
       const int tile_begin = tile.index * kSplitLength<DTYPE>;
-      const int tile_end = min(args.vocab, tile_begin + kSplitLength<DTYPE>);
+      const int tile_end = min(args.logits.vocab, tile_begin + kSplitLength<DTYPE>);
       winner = race_range<DTYPE>(row_logits, tile_begin, tile_end, aligned, job, tile.logit, power_c);
       __syncthreads(); // race_storage is reused
       winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
@@ -563,7 +562,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   uint32_t flags = state.flags | param_flags;
   if (!flags && state.max == -INFINITY)
     flags |= kFlagAllMasked;
-  const bool sample_position = position == args.positions - 1;
+  const bool sample_position = position == args.logits.positions - 1;
   if (sample_position) {
     int32_t token = kInvalidToken;
     float logprob = -INFINITY, logz = 0.0f;
@@ -586,7 +585,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   } else {
     float logprob = -INFINITY;
     const int32_t token = args.tokens[row * args.token_row_stride + position];
-    if (token < 0 || token >= args.vocab) {
+    if (token < 0 || token >= args.logits.vocab) {
       flags |= kFlagTokenOutOfRange;
     } else if (!flags) {
       const float l = DTypeTraits<DTYPE>::to_float(row_logits[token]);
@@ -596,7 +595,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
         logprob = kLn2 * ((l - state.max) * job.c - __log2f(state.sum));
       }
     }
-    args.token_logprobs[row * (args.positions - 1) + position] = logprob;
+    args.token_logprobs[row * (args.logits.positions - 1) + position] = logprob;
   }
   if (flags) {
     atomicOr(&args.row_flags[row], flags);
@@ -613,9 +612,9 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
     LogitsPassKernel(const PassArgs args) {
   const int split = blockIdx.x % args.splits;
   const int job_index = blockIdx.x / args.splits;
-  const int row = job_index / args.positions;
-  const int position = job_index % args.positions;
-  const bool sample_position = position == args.positions - 1;
+  const int row = job_index / args.logits.positions;
+  const int position = job_index % args.logits.positions;
+  const bool sample_position = position == args.logits.positions - 1;
 
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
@@ -647,10 +646,8 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
   }
 }
 
-/// Validates and launches the pass (shared by sample() and score()): the shape, parameters and keys come
-/// from the view and the row structs; `args` carries the caller's token inputs and output pointers.
-void launch_logits_pass(const char* where, const LogitsView& logits, const RowParams& params,
-                        const RowRandom& random, uint32_t stream_word, PassArgs args,
-                        SampleWorkspace& workspace, cudaStream_t stream);
+/// Validates and launches the pass (shared by sample() and score()): `args` carries the caller's logits,
+/// row parameters, keys, token inputs and output pointers; the launcher adds the tiling and the workspace.
+void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& workspace, cudaStream_t stream);
 
 } // namespace smcgraph::detail

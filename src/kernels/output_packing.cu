@@ -1,6 +1,6 @@
 // Output packing (cycle_io.hpp): one cycle's outputs into the pinned buffer the host reads (layout below).
 #include "kernels/cycle_io.hpp"
-#include "kernels/launch_checks.hpp"
+#include "kernels/row_launch.cuh"
 
 #include <algorithm>
 
@@ -9,12 +9,6 @@
 
 namespace smcgraph::detail {
 namespace {
-
-constexpr int kThreads = 128;
-
-int blocks_for(int count) {
-  return static_cast<int>(ceil_div(count, kThreads));
-}
 
 size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
@@ -109,8 +103,7 @@ OutputLayout output_layout(int rows, int requests, int draft_steps) {
 
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream) {
   const OutputLayout layout = output_layout(rows, rows / b.particles, b.draft_steps);
-  PackOutputsKernel<<<blocks_for(rows), kThreads, 0, stream>>>(outputs_view(b), rows, out, layout);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_per_row(PackOutputsKernel, rows, stream, outputs_view(b), rows, out, layout);
 }
 
 } // namespace smcgraph::detail

@@ -85,29 +85,20 @@ struct SampleWorkspaceAccess {
   static int max_partials(const SampleWorkspace& w) { return w.max_partials_; }
 };
 
-void launch_logits_pass(const char* where, const LogitsView& logits, const RowParams& params,
-                        const RowRandom& random, uint32_t stream_word, PassArgs args,
-                        SampleWorkspace& workspace, cudaStream_t stream) {
+void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& workspace, cudaStream_t stream) {
+  const LogitsView& logits = args.logits;
   const DType dtype = logits.dtype;
-  args.logits = logits.data;
-  args.rows = logits.rows;
-  args.positions = logits.positions;
-  args.vocab = logits.vocab;
-  args.row_stride = logits.row_stride;
-  args.position_stride = logits.position_stride;
-  args.params = params;
-  args.random = random;
-  args.stream_word = stream_word;
-  require(args.logits != nullptr, where, "logits.data", "null", "must be a device pointer");
-  require(args.rows >= 1, where, "logits.rows", args.rows, "must be >= 1");
-  require(args.positions >= 1, where, "logits.positions", args.positions, "must be >= 1");
-  require(args.vocab >= 1, where, "logits.vocab", args.vocab, "must be >= 1");
+  require(logits.data != nullptr, where, "logits.data", "null", "must be a device pointer");
+  require(logits.rows >= 1, where, "logits.rows", logits.rows, "must be >= 1");
+  require(logits.positions >= 1, where, "logits.positions", logits.positions, "must be >= 1");
+  require(logits.vocab >= 1, where, "logits.vocab", logits.vocab, "must be >= 1");
   require(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16, where,
           "logits.dtype", static_cast<int>(dtype), "must be fp32, bf16 or fp16");
-  require(args.positions == 1 || args.position_stride >= args.vocab, where, "logits.position_stride",
-          args.position_stride, "must be >= vocab");
-  require(args.rows == 1 || args.row_stride >= (args.positions - 1) * args.position_stride + args.vocab,
-          where, "logits.row_stride", args.row_stride, "must cover positions * vocab logits");
+  require(logits.positions == 1 || logits.position_stride >= logits.vocab, where, "logits.position_stride",
+          logits.position_stride, "must be >= vocab");
+  require(logits.rows == 1 ||
+              logits.row_stride >= (logits.positions - 1) * logits.position_stride + logits.vocab,
+          where, "logits.row_stride", logits.row_stride, "must cover positions * vocab logits");
   require(args.params.temperature != nullptr, where, "params.temperature", "null",
           "must be a device pointer");
   require(args.random.seeds != nullptr, where, "random.seeds", "null", "must be a device pointer");
@@ -117,11 +108,11 @@ void launch_logits_pass(const char* where, const LogitsView& logits, const RowPa
           args.random.particles_per_request, "must be >= 1");
   require(args.row_flags != nullptr, where, "row_flags", "null", "must be a device pointer");
   require(args.status != nullptr, where, "status", "null", "must be a device pointer");
-  const int64_t jobs = static_cast<int64_t>(args.rows) * args.positions;
+  const int64_t jobs = static_cast<int64_t>(logits.rows) * logits.positions;
   require(jobs <= workspace.max_jobs(), where, "rows * positions", jobs,
           "exceeds the workspace (SampleWorkspace max_jobs)");
 
-  args.splits = sample_splits(args.vocab, dtype);
+  args.splits = sample_splits(logits.vocab, dtype);
   require(jobs * args.splits <= SampleWorkspaceAccess::max_partials(workspace), where,
           "rows * positions * splits", jobs * args.splits, "exceeds the workspace");
   args.partials = static_cast<PassState*>(SampleWorkspaceAccess::partials(workspace));
@@ -152,14 +143,13 @@ void sample(const LogitsView& logits, const RowParams& params, const RowRandom& 
   require(out.logprobs != nullptr, kWhere, "out.logprobs", "null", "must be a device pointer");
   require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
   require(out.row_stride >= 1, kWhere, "out.row_stride", out.row_stride, "must be >= 1");
-  detail::PassArgs args{};
-  args.sample_tokens = out.tokens;
-  args.sample_logprobs = out.logprobs;
-  args.sample_row_stride = out.row_stride;
-  args.sample_logz = out.logz;
-  args.row_flags = out.row_flags;
-  args.status = out.status;
-  detail::launch_logits_pass(kWhere, logits, params, random, stream_word, args, workspace, stream);
+  // clang-format off
+  const detail::PassArgs args{.logits = logits, .params = params, .random = random, .stream_word = stream_word,
+                              .sample_tokens = out.tokens, .sample_logprobs = out.logprobs,
+                              .sample_row_stride = out.row_stride, .sample_logz = out.logz,
+                              .row_flags = out.row_flags, .status = out.status};
+  // clang-format on
+  detail::launch_logits_pass(kWhere, args, workspace, stream);
 }
 
 } // namespace smcgraph

@@ -20,16 +20,14 @@ void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_st
   require(out.bonus_tokens != nullptr, kWhere, "out.bonus_tokens", "null", "must be a device pointer");
   require(out.bonus_logprobs != nullptr, kWhere, "out.bonus_logprobs", "null", "must be a device pointer");
   require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
-  detail::PassArgs args{};
-  args.tokens = tokens;
-  args.token_row_stride = token_row_stride;
-  args.token_logprobs = out.token_logprobs;
-  args.sample_tokens = out.bonus_tokens;
-  args.sample_logprobs = out.bonus_logprobs;
-  args.sample_logz = out.logz;
-  args.row_flags = out.row_flags;
-  args.status = out.status;
-  detail::launch_logits_pass(kWhere, logits, params, random, stream_word, args, workspace, stream);
+  // clang-format off
+  const detail::PassArgs args{.logits = logits, .params = params, .random = random, .stream_word = stream_word,
+                              .tokens = tokens, .token_row_stride = token_row_stride,
+                              .token_logprobs = out.token_logprobs, .sample_tokens = out.bonus_tokens,
+                              .sample_logprobs = out.bonus_logprobs, .sample_logz = out.logz,
+                              .row_flags = out.row_flags, .status = out.status};
+  // clang-format on
+  detail::launch_logits_pass(kWhere, args, workspace, stream);
 }
 
 } // namespace smcgraph

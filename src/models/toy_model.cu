@@ -565,30 +565,17 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   require(args.logits != nullptr, where, "logits", "null", null_pointer);
   NvtxRange range("toy_model.forward");
 
-  ToyForwardParams params{};
-  params.rows = args.rows;
-  params.tokens_per_row = args.tokens_per_row;
-  params.tokens = static_cast<int>(tokens);
-  params.token_ids = args.tokens;
-  params.token_row_stride = args.token_stride();
-  params.positions = args.positions;
-  params.slot_table = args.slot_table;
-  params.seq_lens = args.seq_lens;
-  params.out_slots = args.out_slots;
-  params.live = args.live;
-  params.logits = args.logits;
-  params.vector_store = config_.vocab % 4 == 0 && reinterpret_cast<uintptr_t>(args.logits) % 16 == 0;
-  params.vocab = config_.vocab;
-  params.vocab_padded = vocab_padded_;
-  params.hidden = config_.hidden;
-  params.window = config_.window;
-  params.pool_size = config_.pool_size;
-  params.max_seq_len = config_.max_seq_len;
-  params.embedding = embedding_.data();
-  params.position = position_.data();
-  params.head_t = head_t_.data();
-  params.bias = bias_.data();
-  params.kv = kv_.data();
+  const bool vector_store = config_.vocab % 4 == 0 && reinterpret_cast<uintptr_t>(args.logits) % 16 == 0;
+  // clang-format off
+  const ToyForwardParams params{
+      .rows = args.rows, .tokens_per_row = args.tokens_per_row, .tokens = static_cast<int>(tokens),
+      .token_ids = args.tokens, .token_row_stride = args.token_stride(), .positions = args.positions,
+      .slot_table = args.slot_table, .seq_lens = args.seq_lens, .out_slots = args.out_slots, .live = args.live,
+      .logits = args.logits, .vector_store = vector_store,
+      .vocab = config_.vocab, .vocab_padded = vocab_padded_, .hidden = config_.hidden, .window = config_.window,
+      .pool_size = config_.pool_size, .max_seq_len = config_.max_seq_len, .embedding = embedding_.data(),
+      .position = position_.data(), .head_t = head_t_.data(), .bias = bias_.data(), .kv = kv_.data()};
+  // clang-format on
 
   const int64_t kv_threads = tokens * config_.hidden;
   ToyKvWriteKernel<<<static_cast<unsigned>((kv_threads + kKvThreads - 1) / kKvThreads), kKvThreads, 0,

@@ -166,21 +166,14 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   llama::embed(T, args.tokens_per_row, args.token_stride(), c.hidden, c.vocab, args.tokens, args.live,
                weights_->token_embd(), w.x.data(), stream);
 
-  llama::AttentionArgs attention;
-  attention.rows = args.rows;
-  attention.tokens_per_row = args.tokens_per_row;
-  attention.heads = c.heads;
-  attention.kv_heads = c.kv_heads;
-  attention.head_dim = c.head_dim;
-  attention.max_seq_len = options_.max_seq_len;
-  attention.pool_size = options_.pool_size;
-  attention.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  attention.q = w.q.data();
-  attention.slot_table = args.slot_table;
-  attention.seq_lens = args.seq_lens;
-  attention.positions = args.positions;
-  attention.live = args.live;
-  attention.out = w.o.data();
+  // clang-format off
+  llama::AttentionArgs attention{
+      .rows = args.rows, .tokens_per_row = args.tokens_per_row, .heads = c.heads, .kv_heads = c.kv_heads,
+      .head_dim = c.head_dim, .max_seq_len = options_.max_seq_len, .pool_size = options_.pool_size,
+      .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)), .q = w.q.data(), .kv = nullptr,
+      .slot_table = args.slot_table, .seq_lens = args.seq_lens, .positions = args.positions, .live = args.live,
+      .out = w.o.data()}; // .kv: each layer's
+  // clang-format on
 
   llama::GemmArgs g;
   g.tokens = T;
