@@ -50,29 +50,40 @@ SpeculativeCommitView speculative_commit_view(const CycleBuffers& b) {
   // clang-format on
 }
 
-/// Row r's cycle-token row when the row is live; otherwise the row commits nothing this cycle (its cycle
-/// tokens are invalid, none counts) and the result is null.
-template <class View> __device__ __forceinline__ int32_t* live_cycle_row(const View& b, int r) {
+/// This thread's row r of the bucket and, when the row is live, its cycle-token row [K + 1], its token-table
+/// row and its length L before the commit. A row that is not live commits nothing this cycle (its cycle
+/// tokens are invalid, none counts); then, as past the bucket (r >= rows), `cycle` is null.
+struct CommitRow {
+  int r = 0, L = 0;
+  int32_t* cycle = nullptr;
+  int32_t* tokens = nullptr;
+};
+
+template <class View> __device__ __forceinline__ CommitRow commit_row(const View& b, int rows) {
+  CommitRow row;
+  row.r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row.r >= rows)
+    return row;
   const int stride = b.draft_steps + 1;
-  int32_t* cycle = b.cycle_tokens + r * stride;
-  if (b.tables.live[r])
-    return cycle;
-  for (int k = 0; k < stride; ++k)
-    cycle[k] = kInvalidToken;
-  b.committed[r] = 0;
-  return nullptr;
+  int32_t* cycle = b.cycle_tokens + row.r * stride;
+  if (!b.tables.live[row.r]) {
+    for (int k = 0; k < stride; ++k)
+      cycle[k] = kInvalidToken;
+    b.committed[row.r] = 0;
+    return row;
+  }
+  row.cycle = cycle;
+  row.tokens = b.tables.token_table + static_cast<int64_t>(row.r) * b.tables.max_seq_len;
+  row.L = b.tables.seq_len[row.r];
+  return row;
 }
 
 __global__ void CommitCycleKernel(CommitView b, int rows) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows)
+  const CommitRow row = commit_row(b, rows);
+  if (row.cycle == nullptr)
     return;
-  const int stride = b.draft_steps + 1;
-  int32_t* cycle = live_cycle_row(b, r);
-  if (cycle == nullptr)
-    return;
-  const int L = b.tables.seq_len[r];
-  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  const int r = row.r, L = row.L, stride = b.draft_steps + 1;
+  int32_t *cycle = row.cycle, *tokens = row.tokens;
   for (int k = 0; k < b.draft_steps; ++k)
     cycle[k] = tokens[L + k] = b.draft_tokens[r * stride + 1 + k];
   cycle[b.draft_steps] = tokens[L + b.draft_steps] = b.bonus_tokens[r];
@@ -85,20 +96,17 @@ __global__ void CommitCycleKernel(CommitView b, int rows) {
 }
 
 __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows)
-    return;
-  const int stride = b.draft_steps + 1;
-  int32_t* cycle = live_cycle_row(b, r);
-  if (cycle == nullptr) {
-    b.first_eos[r] = -1;
+  const CommitRow row = commit_row(b, rows);
+  if (row.cycle == nullptr) {
+    if (row.r < rows)
+      b.first_eos[row.r] = -1; // nothing of this cycle counts
     return;
   }
-  const int L = b.tables.seq_len[r];
+  const int r = row.r, L = row.L, stride = b.draft_steps + 1;
+  int32_t *cycle = row.cycle, *tokens = row.tokens;
   const int steps =
       request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps); // slots taken
   const int accepted = min(max(b.accepted[r], 0), steps);
-  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   int eos = -1;
   for (int k = 0; k <= accepted; ++k) {

@@ -34,20 +34,17 @@ struct CycleBuffers {
   int particles = 1;    ///< N
   int draft_steps = 1;  ///< K (EngineConfig::draft_steps)
   int max_rows = 0;     ///< rows of the largest bucket (= tables.rows)
-  // per row
-  float* draft_temperature = nullptr;
-  float* target_temperature = nullptr;
-  float* alpha = nullptr;
+  // per row [rows]: the row's temperatures and alpha, whether it finished, its log-weight and fault flags
+  float *draft_temperature = nullptr, *target_temperature = nullptr, *alpha = nullptr;
   uint8_t* finished = nullptr;
   double* logw = nullptr;
   uint32_t* row_flags = nullptr;
-  // per request
+  // per request [requests]: the Philox key and draw counter, resampling threshold and the SMC results
   uint64_t* seeds = nullptr;
   uint32_t* draw_counters = nullptr;
   float* tau = nullptr;
-  double* ess = nullptr;
+  double *ess = nullptr, *log_evidence = nullptr;
   uint8_t* resampled = nullptr;
-  double* log_evidence = nullptr;
   uint32_t* status = nullptr; ///< [1]
   // forward inputs
   int32_t* head_tokens = nullptr;      ///< [rows, 2]
