@@ -15,22 +15,13 @@ namespace smcgraph {
 /// Tensor types (ggml_type numbers). Only these load; any other type is rejected at load with its number.
 enum class GgufType : uint32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30 };
 
-/// Metadata value types (gguf_type numbers).
+/// Metadata value types (gguf_type numbers, in order).
+// clang-format off
 enum class GgufValueType : uint32_t {
-  kUint8 = 0,
-  kInt8 = 1,
-  kUint16 = 2,
-  kInt16 = 3,
-  kUint32 = 4,
-  kInt32 = 5,
-  kFloat32 = 6,
-  kBool = 7,
-  kString = 8,
-  kArray = 9,
-  kUint64 = 10,
-  kInt64 = 11,
-  kFloat64 = 12,
+  kUint8 = 0, kInt8 = 1, kUint16 = 2, kInt16 = 3, kUint32 = 4, kInt32 = 5, kFloat32 = 6, kBool = 7,
+  kString = 8, kArray = 9, kUint64 = 10, kInt64 = 11, kFloat64 = 12,
 };
+// clang-format on
 
 /// One entry of the tensor table, validated at load: 1..4 dimensions, each > 0, ne[0] a whole number of
 /// blocks, `offset` aligned and `offset + bytes` inside the data section.

@@ -39,34 +39,75 @@ void* device_allocate(size_t bytes);
 void device_free(void* d_pointer, size_t bytes) noexcept;
 void* pinned_allocate(size_t bytes);
 void pinned_free(void* h_pointer, size_t bytes) noexcept;
+
+/// What DeviceBuffer and PinnedBuffer share: `count` elements from `Allocate`, handed back to `Free` with
+/// the size they were allocated with. Move-only.
+template <class T, void* (*Allocate)(size_t), void (*Free)(void*, size_t) noexcept> class OwnedBuffer {
+public:
+  OwnedBuffer() = default;
+  explicit OwnedBuffer(size_t count) : count_(count) {
+    if (count_ > 0)
+      data_ = static_cast<T*>(Allocate(count_ * sizeof(T)));
+  }
+  OwnedBuffer(const OwnedBuffer&) = delete;
+  OwnedBuffer& operator=(const OwnedBuffer&) = delete;
+  OwnedBuffer(OwnedBuffer&& other) noexcept { swap(other); }
+  OwnedBuffer& operator=(OwnedBuffer&& other) noexcept {
+    OwnedBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~OwnedBuffer() {
+    if (data_)
+      Free(data_, count_ * sizeof(T)); // never throws: a failed free leaves nothing to recover
+  }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  size_t size() const noexcept { return count_; }
+  void swap(OwnedBuffer& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+  }
+
+protected:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+/// What Stream and Event hold: a CUDA handle, destroyed by `Destroy` (when it was created) with its owner.
+/// Not copyable; converts to the handle.
+template <class Handle, cudaError_t (*Destroy)(Handle)> class UniqueHandle {
+public:
+  UniqueHandle() = default;
+  UniqueHandle(const UniqueHandle&) = delete;
+  UniqueHandle& operator=(const UniqueHandle&) = delete;
+  ~UniqueHandle() {
+    if (handle_)
+      Destroy(handle_);
+  }
+  /// Where the create call writes the handle.
+  Handle* out() noexcept { return &handle_; }
+  operator Handle() const noexcept { return handle_; }
+
+private:
+  Handle handle_ = nullptr;
+};
 } // namespace detail
 
 /// Owns `count` elements of device memory (cudaMalloc, counted in device_memory_stats()). Move-only.
 ///
 ///   smcgraph::DeviceBuffer<float> d_logits(rows * vocab);
 ///   d_logits.copy_from_host(h_logits.data(), h_logits.size(), stream);
-template <class T> class DeviceBuffer {
+template <class T>
+class DeviceBuffer : public detail::OwnedBuffer<T, detail::device_allocate, detail::device_free> {
+  using Base = detail::OwnedBuffer<T, detail::device_allocate, detail::device_free>;
+  using Base::count_;
+  using Base::data_;
+
 public:
   DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count_ > 0)
-      data_ = static_cast<T*>(detail::device_allocate(count_ * sizeof(T)));
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    DeviceBuffer(std::move(other)).swap(*this);
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (data_)
-      detail::device_free(data_, bytes()); // never throws: a failed free leaves nothing to recover
-  }
+  explicit DeviceBuffer(size_t count) : Base(count) {}
 
-  T* data() noexcept { return data_; }
-  const T* data() const noexcept { return data_; }
-  size_t size() const noexcept { return count_; }
   size_t bytes() const noexcept { return count_ * sizeof(T); }
 
   void copy_from_host(const T* h_source, size_t count, cudaStream_t stream) {
@@ -83,67 +124,36 @@ public:
     if (count_ > 0)
       SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(data_, byte, bytes(), stream));
   }
-  void swap(DeviceBuffer& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(count_, other.count_);
-  }
-
-private:
-  T* data_ = nullptr;
-  size_t count_ = 0;
+  void swap(DeviceBuffer& other) noexcept { Base::swap(other); }
 };
 
 /// Owns `count` elements of page-locked host memory (cudaMallocHost, counted in device_memory_stats()), for
 /// asynchronous copies.
-template <class T> class PinnedBuffer {
+template <class T>
+class PinnedBuffer : public detail::OwnedBuffer<T, detail::pinned_allocate, detail::pinned_free> {
+  using Base = detail::OwnedBuffer<T, detail::pinned_allocate, detail::pinned_free>;
+
 public:
   PinnedBuffer() = default;
-  explicit PinnedBuffer(size_t count) : count_(count) {
-    if (count_ > 0)
-      data_ = static_cast<T*>(detail::pinned_allocate(count_ * sizeof(T)));
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  PinnedBuffer(PinnedBuffer&& other) noexcept { swap(other); }
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept {
-    PinnedBuffer(std::move(other)).swap(*this);
-    return *this;
-  }
-  ~PinnedBuffer() {
-    if (data_)
-      detail::pinned_free(data_, count_ * sizeof(T));
-  }
-  T* data() noexcept { return data_; }
-  const T* data() const noexcept { return data_; }
-  size_t size() const noexcept { return count_; }
-  T& operator[](size_t i) noexcept { return data_[i]; }
-  const T& operator[](size_t i) const noexcept { return data_[i]; }
-  void swap(PinnedBuffer& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(count_, other.count_);
-  }
+  explicit PinnedBuffer(size_t count) : Base(count) {}
 
-private:
-  T* data_ = nullptr;
-  size_t count_ = 0;
+  T& operator[](size_t i) noexcept { return this->data_[i]; }
+  const T& operator[](size_t i) const noexcept { return this->data_[i]; }
+  void swap(PinnedBuffer& other) noexcept { Base::swap(other); }
 };
 
 /// A non-blocking CUDA stream.
 class Stream {
 public:
-  Stream() { SMCGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  Stream() { SMCGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(stream_.out(), cudaStreamNonBlocking)); }
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
-  ~Stream() {
-    if (stream_)
-      cudaStreamDestroy(stream_);
-  }
   cudaStream_t get() const noexcept { return stream_; }
   operator cudaStream_t() const noexcept { return stream_; }
   void synchronize() const { SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 private:
-  cudaStream_t stream_ = nullptr;
+  detail::UniqueHandle<cudaStream_t, cudaStreamDestroy> stream_;
 };
 
 /// A CUDA event; `timing` enables cudaEventElapsedTime.
@@ -151,14 +161,10 @@ class Event {
 public:
   explicit Event(bool timing = false) {
     SMCGRAPH_CUDA_CHECK(
-        cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
+        cudaEventCreateWithFlags(event_.out(), timing ? cudaEventDefault : cudaEventDisableTiming));
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
-  ~Event() {
-    if (event_)
-      cudaEventDestroy(event_);
-  }
   cudaEvent_t get() const noexcept { return event_; }
   void record(cudaStream_t stream) { SMCGRAPH_CUDA_CHECK(cudaEventRecord(event_, stream)); }
   void synchronize() const { SMCGRAPH_CUDA_CHECK(cudaEventSynchronize(event_)); }
@@ -171,7 +177,7 @@ public:
   float elapsed_ms_since(const Event& start) const;
 
 private:
-  cudaEvent_t event_ = nullptr;
+  detail::UniqueHandle<cudaEvent_t, cudaEventDestroy> event_;
 };
 
 /// An NVTX range that lasts for the scope (shows up in Nsight timelines; costs nothing without a tool).

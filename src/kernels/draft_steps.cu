@@ -119,21 +119,20 @@ __global__ void __launch_bounds__(kLoopThreads)
 
 DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
   const AdaptiveDraftSteps& a = config.adaptive;
-  DraftStepsPolicy policy;
-  policy.adaptive = a.enabled;
-  policy.max_steps = config.draft_steps;
+  const int watermark_slots = static_cast<int>(
+      std::floor(static_cast<double>(a.pressure_free_fraction) * (config.slot_pool_size - 1)));
   // validate_engine_config has checked 1 <= min_steps <= mid_steps <= draft_steps and the cap's range when
   // adaptive; without it the three are never read.
-  policy.min_steps = a.min_steps;
-  policy.mid_steps = a.mid_steps;
-  policy.pressure_cap = a.pressure_cap;
-  policy.pressure_watermark_slots = static_cast<int>(
-      std::floor(static_cast<double>(a.pressure_free_fraction) * (config.slot_pool_size - 1)));
-  policy.smoothing = a.smoothing;
-  policy.initial_acceptance = a.initial_acceptance;
-  policy.high_threshold = a.high_threshold;
-  policy.low_threshold = a.low_threshold;
-  return policy;
+  return {.adaptive = a.enabled,
+          .min_steps = a.min_steps,
+          .mid_steps = a.mid_steps,
+          .max_steps = config.draft_steps,
+          .pressure_cap = a.pressure_cap,
+          .pressure_watermark_slots = watermark_slots,
+          .smoothing = a.smoothing,
+          .initial_acceptance = a.initial_acceptance,
+          .high_threshold = a.high_threshold,
+          .low_threshold = a.low_threshold};
 }
 
 void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "smcgraph/error.hpp"
+#include "smcgraph/sample.hpp"
 #include "smcgraph/slots.hpp"
 
 namespace smcgraph::detail {
@@ -14,11 +16,26 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+/// A pointer a launcher requires, with the name its error text gives it.
+struct NamedPointer {
+  const char* name;
+  const void* pointer;
+};
+
+/// Checks the pointers in order: the first null one throws
+/// "<where>: <name> = null: must be a device pointer".
+///
+///   require_device_pointers(kWhere, {{"in.live", in.live}, {"logw", logw}});
+inline void require_device_pointers(const char* where, std::initializer_list<NamedPointer> pointers) {
+  for (const NamedPointer& p : pointers)
+    require(p.pointer != nullptr, where, p.name, "null", "must be a device pointer");
+}
+
 inline void require_pool(const SlotPoolView& pool, const char* where) {
   require(pool.pool_size >= 1, where, "pool.pool_size", pool.pool_size, "must be >= 1 (slot 0 is the dummy)");
-  require(pool.free_stack != nullptr, where, "pool.free_stack", "null", "must be a device pointer");
-  require(pool.free_count != nullptr, where, "pool.free_count", "null", "must be a device pointer");
-  require(pool.refcount != nullptr, where, "pool.refcount", "null", "must be a device pointer");
+  require_device_pointers(where, {{"pool.free_stack", pool.free_stack},
+                                  {"pool.free_count", pool.free_count},
+                                  {"pool.refcount", pool.refcount}});
 }
 
 /// Checks the view's shape; the pointers only when it has rows.
@@ -27,10 +44,18 @@ inline void require_tables(const RowTablesView& tables, const char* where) {
   require(tables.max_seq_len >= 1, where, "tables.max_seq_len", tables.max_seq_len, "must be >= 1");
   if (tables.rows == 0)
     return;
-  require(tables.slot_table != nullptr, where, "tables.slot_table", "null", "must be a device pointer");
-  require(tables.token_table != nullptr, where, "tables.token_table", "null", "must be a device pointer");
-  require(tables.seq_len != nullptr, where, "tables.seq_len", "null", "must be a device pointer");
-  require(tables.live != nullptr, where, "tables.live", "null", "must be a device pointer");
+  require_device_pointers(where, {{"tables.slot_table", tables.slot_table},
+                                  {"tables.token_table", tables.token_table},
+                                  {"tables.seq_len", tables.seq_len},
+                                  {"tables.live", tables.live}});
+}
+
+/// Checks the Philox keys and draw counters of a RowRandom, and its particles per request.
+inline void require_random(const RowRandom& random, const char* where) {
+  require_device_pointers(where,
+                          {{"random.seeds", random.seeds}, {"random.draw_counters", random.draw_counters}});
+  require(random.particles_per_request >= 1, where, "random.particles_per_request",
+          random.particles_per_request, "must be >= 1");
 }
 
 } // namespace smcgraph::detail

@@ -69,8 +69,8 @@ template <> struct VectorOf<4> { using type = uint32_t; };
 template <> struct VectorOf<2> { using type = uint16_t; };
 
 struct PackArgs {
-  TokenVerifyInputs verify;              ///< greedy mode: what to verify
-  VerifyOutputs verdict;                 ///< greedy mode: where the verdict goes
+  TokenVerifyInputs verify{};            ///< greedy mode: what to verify
+  VerifyOutputs verdict{};               ///< greedy mode: where the verdict goes
   const int32_t* accepted_in = nullptr;  ///< counts mode
   const int32_t* next_in = nullptr;      ///< counts mode, packed tokens with include_next
   const int32_t* draft_tokens = nullptr; ///< packed tokens
@@ -78,7 +78,7 @@ struct PackArgs {
   int rows = 0, draft_steps = 0, include_next = 0;
   const char* payload = nullptr;
   int64_t payload_row_stride_bytes = 0, position_bytes = 0;
-  PackOutputs out;
+  PackOutputs out{};
   int rows_per_tile = 0, tiles = 0, splits = 0;
   Word* workspace = nullptr;
 };
@@ -370,6 +370,15 @@ void validate_payload(const char* where, const PayloadView& payload, int positio
           payload.data, "must be aligned to its element size");
 }
 
+/// The fields both launchers fill alike, from their rows (a TokenVerifyInputs or an AcceptedRows).
+template <class Rows> PackArgs rows_args(const Rows& rows, bool include_next) {
+  return {.draft_tokens = rows.draft_tokens,
+          .draft_row_stride = rows.draft_row_stride,
+          .rows = rows.rows,
+          .draft_steps = rows.draft_steps,
+          .include_next = include_next ? 1 : 0};
+}
+
 /// Shared tail of both launchers: outputs, workspace, shape, launch.
 template <bool COUNTS_GIVEN>
 void launch_pack(const char* where, PackArgs args, const PayloadView& payload, const PackOutputs& out,
@@ -446,14 +455,9 @@ void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload
   inputs.validate(kWhere);
   verdict.validate(kWhere);
   const NvtxRange range("verify_and_pack");
-  PackArgs args;
+  PackArgs args = rows_args(inputs, include_next);
   args.verify = inputs;
   args.verdict = verdict;
-  args.draft_tokens = inputs.draft_tokens;
-  args.draft_row_stride = inputs.draft_row_stride;
-  args.rows = inputs.rows;
-  args.draft_steps = inputs.draft_steps;
-  args.include_next = include_next ? 1 : 0;
   launch_pack<false>(kWhere, args, payload, out, workspace, stream);
 }
 
@@ -473,14 +477,9 @@ void pack_accepted(const AcceptedRows& accepted, const PayloadView& payload, boo
             "must be a device pointer when out.packed_tokens and include_next are given");
   }
   const NvtxRange range("pack_accepted");
-  PackArgs args;
+  PackArgs args = rows_args(accepted, include_next);
   args.accepted_in = accepted.accepted;
   args.next_in = accepted.next_tokens;
-  args.draft_tokens = accepted.draft_tokens;
-  args.draft_row_stride = accepted.draft_row_stride;
-  args.rows = accepted.rows;
-  args.draft_steps = accepted.draft_steps;
-  args.include_next = include_next ? 1 : 0;
   launch_pack<true>(kWhere, args, payload, out, workspace, stream);
 }
 

@@ -4,6 +4,7 @@
 #include <cub/warp/warp_scan.cuh>
 #include <cuda/functional>
 
+#include "kernels/launch_checks.hpp"
 #include "kernels/random.cuh"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
@@ -182,15 +183,15 @@ void resample(const ResampleInputs& in, double* logw, const ResampleOutputs& out
           in.requests, "times particles_per_request must fit in int32");
   if (in.requests == 0)
     return;
-  require(in.live != nullptr, kWhere, "in.live", "null", "must be a device pointer");
-  require(in.tau != nullptr, kWhere, "in.tau", "null", "must be a device pointer");
-  require(in.seeds != nullptr, kWhere, "in.seeds", "null", "must be a device pointer");
-  require(in.draw_counters != nullptr, kWhere, "in.draw_counters", "null", "must be a device pointer");
-  require(logw != nullptr, kWhere, "logw", "null", "must be a device pointer");
-  require(out.ancestor != nullptr, kWhere, "out.ancestor", "null", "must be a device pointer");
-  require(out.ess != nullptr, kWhere, "out.ess", "null", "must be a device pointer");
-  require(out.resampled != nullptr, kWhere, "out.resampled", "null", "must be a device pointer");
-  require(out.log_evidence != nullptr, kWhere, "out.log_evidence", "null", "must be a device pointer");
+  detail::require_device_pointers(kWhere, {{"in.live", in.live},
+                                           {"in.tau", in.tau},
+                                           {"in.seeds", in.seeds},
+                                           {"in.draw_counters", in.draw_counters},
+                                           {"logw", logw},
+                                           {"out.ancestor", out.ancestor},
+                                           {"out.ess", out.ess},
+                                           {"out.resampled", out.resampled},
+                                           {"out.log_evidence", out.log_evidence}});
   const int blocks = (in.requests + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const NvtxRange range("resample");
   ResampleKernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(in, logw, out);

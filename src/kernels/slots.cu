@@ -13,6 +13,7 @@
 
 namespace smcgraph {
 using detail::ceil_div;
+using detail::require_device_pointers;
 using detail::require_pool;
 using detail::require_tables;
 namespace {
@@ -197,6 +198,17 @@ void change_refs(bool increment, const SlotPoolView& pool, const int32_t* slots,
   SMCGRAPH_CHECK_LAUNCH();
 }
 
+/// The checks of the launchers that work request by request: the pool, the tables, and rows that form whole
+/// requests of `particles_per_request` rows each.
+void require_request_rows(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
+                          const char* where) {
+  require_pool(pool, where);
+  require_tables(tables, where);
+  require(particles_per_request >= 1, where, "particles_per_request", particles_per_request, "must be >= 1");
+  require(tables.rows % particles_per_request == 0, where, "tables.rows", tables.rows,
+          "must be a multiple of particles_per_request");
+}
+
 constexpr int kCollectThreads = 1024;
 constexpr int kCollectWordsPerThread = 4;
 
@@ -274,18 +286,12 @@ void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, in
                        int slots_per_row, const RequestSlotCounts& counts, int32_t* out_slots,
                        uint32_t* row_flags, uint32_t* status, cudaStream_t stream) {
   constexpr const char* kWhere = "alloc_cycle_slots";
-  require_pool(pool, kWhere);
-  require_tables(tables, kWhere);
-  require(particles_per_request >= 1, kWhere, "particles_per_request", particles_per_request, "must be >= 1");
-  require(tables.rows % particles_per_request == 0, kWhere, "tables.rows", tables.rows,
-          "must be a multiple of particles_per_request");
+  require_request_rows(pool, tables, particles_per_request, kWhere);
   require(slots_per_row >= 1 && slots_per_row <= tables.max_seq_len, kWhere, "slots_per_row", slots_per_row,
           "must be in [1, tables.max_seq_len]");
   if (tables.rows == 0)
     return;
-  require(out_slots != nullptr, kWhere, "out_slots", "null", "must be a device pointer");
-  require(row_flags != nullptr, kWhere, "row_flags", "null", "must be a device pointer");
-  require(status != nullptr, kWhere, "status", "null", "must be a device pointer");
+  require_device_pointers(kWhere, {{"out_slots", out_slots}, {"row_flags", row_flags}, {"status", status}});
   const NvtxRange range("alloc_cycle_slots");
   AllocCycleSlotsKernel<<<1, kAllocThreads, 0, stream>>>(pool, tables, particles_per_request, slots_per_row,
                                                          counts, out_slots, row_flags, status);
@@ -318,11 +324,7 @@ void release_rows(const SlotPoolView& pool, const RowTablesView& tables, const u
 void fan_out_rows(const SlotPoolView& pool, const RowTablesView& tables, int particles_per_request,
                   const uint8_t* request_mask, cudaStream_t stream) {
   constexpr const char* kWhere = "fan_out_rows";
-  require_pool(pool, kWhere);
-  require_tables(tables, kWhere);
-  require(particles_per_request >= 1, kWhere, "particles_per_request", particles_per_request, "must be >= 1");
-  require(tables.rows % particles_per_request == 0, kWhere, "tables.rows", tables.rows,
-          "must be a multiple of particles_per_request");
+  require_request_rows(pool, tables, particles_per_request, kWhere);
   if (tables.rows == 0)
     return;
   require(request_mask != nullptr, kWhere, "request_mask", "null", "must be a device pointer");

@@ -4,6 +4,7 @@
 // so lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
 // from one position of the row (the residual max(0, p - q) at the first rejection, or p at position
 // draft_steps) by Gumbel-max in log space, in one pass over that position's logits.
+#include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
 #include "kernels/verify_device.cuh"
 
@@ -493,15 +494,9 @@ void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs
   require(inputs.target_logprobs != nullptr, kWhere, "target_logprobs", "null", "must be a device pointer");
   require(inputs.target_logprob_row_stride >= draft_steps, kWhere, "target_logprob_row_stride",
           inputs.target_logprob_row_stride, "must be >= draft_steps");
-  require(inputs.draft_temperature != nullptr, kWhere, "draft_temperature", "null",
-          "must be a device pointer");
-  require(inputs.target_temperature != nullptr, kWhere, "target_temperature", "null",
-          "must be a device pointer");
-  require(inputs.random.seeds != nullptr, kWhere, "random.seeds", "null", "must be a device pointer");
-  require(inputs.random.draw_counters != nullptr, kWhere, "random.draw_counters", "null",
-          "must be a device pointer");
-  require(inputs.random.particles_per_request >= 1, kWhere, "random.particles_per_request",
-          inputs.random.particles_per_request, "must be >= 1");
+  detail::require_device_pointers(kWhere, {{"draft_temperature", inputs.draft_temperature},
+                                           {"target_temperature", inputs.target_temperature}});
+  detail::require_random(inputs.random, kWhere);
   out.validate(kWhere);
 
   const NvtxRange range("verify_stochastic");

@@ -47,21 +47,59 @@ std::string shape_text(const std::vector<int64_t>& dims) {
   return text + "]";
 }
 
+// The T at `p`, as an int64.
+template <class T> int64_t as_int64(const uint8_t* p) {
+  return static_cast<int64_t>(load<T>(p));
+}
+
+// What the reader knows of each metadata value type, indexed by its gguf_type number: its name, the bytes of
+// one scalar (0 for string and array) and, for the integer types (bool included), how to read one as an int64
+// (a uint64 above INT64_MAX would wrap: integer_at checks it first).
+struct ValueTypeInfo {
+  const char* name;
+  size_t size;
+  int64_t (*integer)(const uint8_t*); // null for the other types
+};
+// clang-format off
+constexpr ValueTypeInfo kValueTypes[] = {
+    {"uint8", 1, as_int64<uint8_t>}, {"int8", 1, as_int64<int8_t>},     {"uint16", 2, as_int64<uint16_t>},
+    {"int16", 2, as_int64<int16_t>}, {"uint32", 4, as_int64<uint32_t>}, {"int32", 4, as_int64<int32_t>},
+    {"float32", 4, nullptr},         {"bool", 1, as_int64<uint8_t>},    {"string", 0, nullptr},
+    {"array", 0, nullptr},           {"uint64", 8, as_int64<uint64_t>}, {"int64", 8, as_int64<int64_t>},
+    {"float64", 8, nullptr}};
+// clang-format on
+static_assert(std::size(kValueTypes) == static_cast<size_t>(GgufValueType::kFloat64) + 1,
+              "one entry per value type");
+
 bool known_value_type(uint32_t type) {
-  return type <= static_cast<uint32_t>(GgufValueType::kFloat64);
+  return type < std::size(kValueTypes);
+}
+
+// nullptr for a number that is not a value type.
+const ValueTypeInfo* value_type_info(GgufValueType type) {
+  const auto index = static_cast<uint32_t>(type);
+  return known_value_type(index) ? &kValueTypes[index] : nullptr;
+}
+
+// The tensor types this reader loads, with their block layout.
+struct TensorTypeInfo {
+  GgufType type;
+  size_t block_elements, block_bytes;
+};
+constexpr TensorTypeInfo kTensorTypes[] = {{GgufType::kF32, 1, 4},    {GgufType::kF16, 1, 2},
+                                           {GgufType::kBF16, 1, 2},   {GgufType::kQ4_0, 32, 18},
+                                           {GgufType::kQ4_1, 32, 20}, {GgufType::kQ8_0, 32, 34}};
+
+// nullptr for a type this reader does not load.
+const TensorTypeInfo* tensor_type_info(uint32_t type) {
+  for (const TensorTypeInfo& info : kTensorTypes)
+    if (static_cast<uint32_t>(info.type) == type)
+      return &info;
+  return nullptr;
 }
 
 bool supported_tensor_type(uint32_t type) {
-  switch (static_cast<GgufType>(type)) {
-  case GgufType::kF32:
-  case GgufType::kF16:
-  case GgufType::kQ4_0:
-  case GgufType::kQ4_1:
-  case GgufType::kQ8_0:
-  case GgufType::kBF16:
-    return true;
-  }
-  return false;
+  return tensor_type_info(type) != nullptr;
 }
 
 // Names of the ggml types this reader does not load, so the error says which one the file holds.
@@ -78,20 +116,8 @@ const char* ggml_type_name(uint32_t type) {
 }
 
 bool is_integer(GgufValueType type) {
-  switch (type) {
-  case GgufValueType::kUint8:
-  case GgufValueType::kInt8:
-  case GgufValueType::kUint16:
-  case GgufValueType::kInt16:
-  case GgufValueType::kUint32:
-  case GgufValueType::kInt32:
-  case GgufValueType::kUint64:
-  case GgufValueType::kInt64:
-  case GgufValueType::kBool:
-    return true;
-  default:
-    return false;
-  }
+  const ValueTypeInfo* info = value_type_info(type);
+  return info != nullptr && info->integer != nullptr;
 }
 
 bool is_float(GgufValueType type) {
@@ -146,32 +172,14 @@ struct GgufFile::Impl {
   // The integer (or bool) stored at `offset` as `type`.
   int64_t integer_at(const std::string& key, GgufValueType type, uint64_t offset) const {
     const uint8_t* p = bytes.data() + offset;
-    switch (type) {
-    case GgufValueType::kUint8:
-    case GgufValueType::kBool:
-      return load<uint8_t>(p);
-    case GgufValueType::kInt8:
-      return load<int8_t>(p);
-    case GgufValueType::kUint16:
-      return load<uint16_t>(p);
-    case GgufValueType::kInt16:
-      return load<int16_t>(p);
-    case GgufValueType::kUint32:
-      return load<uint32_t>(p);
-    case GgufValueType::kInt32:
-      return load<int32_t>(p);
-    case GgufValueType::kInt64:
-      return load<int64_t>(p);
-    case GgufValueType::kUint64: {
+    if (!is_integer(type))
+      fail("key " + in_quotes(key) + ": internal error: not an integer type");
+    if (type == GgufValueType::kUint64) {
       const uint64_t u = load<uint64_t>(p);
       if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
         fail("key " + in_quotes(key) + ": uint64 value " + std::to_string(u) + " does not fit in int64");
-      return static_cast<int64_t>(u);
     }
-    default:
-      break;
-    }
-    fail("key " + in_quotes(key) + ": internal error: not an integer type");
+    return value_type_info(type)->integer(p);
   }
 
   double number_at(const std::string& key, GgufValueType type, uint64_t offset) const {
@@ -182,6 +190,17 @@ struct GgufFile::Impl {
     if (type == GgufValueType::kUint64)
       return static_cast<double>(load<uint64_t>(bytes.data() + offset));
     return static_cast<double>(integer_at(key, type, offset));
+  }
+
+  // The elements of the array `v`, each read by `read_at` (integer_at or number_at).
+  template <class T>
+  std::vector<T> array_at(const std::string& key, const Value& v,
+                          T (Impl::*read_at)(const std::string&, GgufValueType, uint64_t) const) const {
+    const size_t element_size = gguf_value_type_size(v.element_type);
+    std::vector<T> out(static_cast<size_t>(v.count));
+    for (uint64_t i = 0; i < v.count; ++i)
+      out[i] = (this->*read_at)(key, v.element_type, v.offset + i * element_size);
+    return out;
   }
 };
 
@@ -560,22 +579,14 @@ std::vector<int64_t> GgufFile::get_int_array(const std::string& key) const {
   const Value& v = impl_->value(key);
   if (v.type != GgufValueType::kArray || !is_integer(v.element_type))
     impl_->wrong_type(key, v, "array of integers (uint8..int64 or bool)");
-  const size_t element_size = gguf_value_type_size(v.element_type);
-  std::vector<int64_t> out(static_cast<size_t>(v.count));
-  for (uint64_t i = 0; i < v.count; ++i)
-    out[i] = impl_->integer_at(key, v.element_type, v.offset + i * element_size);
-  return out;
+  return impl_->array_at(key, v, &Impl::integer_at);
 }
 
 std::vector<double> GgufFile::get_float_array(const std::string& key) const {
   const Value& v = impl_->value(key);
   if (v.type != GgufValueType::kArray || (!is_float(v.element_type) && !is_integer(v.element_type)))
     impl_->wrong_type(key, v, "array of numbers (float32, float64 or integers)");
-  const size_t element_size = gguf_value_type_size(v.element_type);
-  std::vector<double> out(static_cast<size_t>(v.count));
-  for (uint64_t i = 0; i < v.count; ++i)
-    out[i] = impl_->number_at(key, v.element_type, v.offset + i * element_size);
-  return out;
+  return impl_->array_at(key, v, &Impl::number_at);
 }
 
 std::vector<std::string> GgufFile::keys() const {
@@ -649,34 +660,15 @@ uint16_t gguf_float_to_bf16(float value) {
 }
 
 size_t gguf_type_block_elements(GgufType type) {
-  switch (type) {
-  case GgufType::kF32:
-  case GgufType::kF16:
-  case GgufType::kBF16:
-    return 1;
-  case GgufType::kQ4_0:
-  case GgufType::kQ4_1:
-  case GgufType::kQ8_0:
-    return 32;
-  }
+  if (const TensorTypeInfo* info = tensor_type_info(static_cast<uint32_t>(type)))
+    return info->block_elements;
   throw Error("gguf_type_block_elements: type = " + std::to_string(static_cast<uint32_t>(type)) +
               ": not a supported GGUF tensor type");
 }
 
 size_t gguf_type_block_bytes(GgufType type) {
-  switch (type) {
-  case GgufType::kF32:
-    return 4;
-  case GgufType::kF16:
-  case GgufType::kBF16:
-    return 2;
-  case GgufType::kQ4_0:
-    return 18;
-  case GgufType::kQ4_1:
-    return 20;
-  case GgufType::kQ8_0:
-    return 34;
-  }
+  if (const TensorTypeInfo* info = tensor_type_info(static_cast<uint32_t>(type)))
+    return info->block_bytes;
   throw Error("gguf_type_block_bytes: type = " + std::to_string(static_cast<uint32_t>(type)) +
               ": not a supported GGUF tensor type");
 }
@@ -687,35 +679,13 @@ const char* gguf_type_name(GgufType type) {
 }
 
 size_t gguf_value_type_size(GgufValueType type) {
-  switch (type) {
-  case GgufValueType::kUint8:
-  case GgufValueType::kInt8:
-  case GgufValueType::kBool:
-    return 1;
-  case GgufValueType::kUint16:
-  case GgufValueType::kInt16:
-    return 2;
-  case GgufValueType::kUint32:
-  case GgufValueType::kInt32:
-  case GgufValueType::kFloat32:
-    return 4;
-  case GgufValueType::kUint64:
-  case GgufValueType::kInt64:
-  case GgufValueType::kFloat64:
-    return 8;
-  case GgufValueType::kString:
-  case GgufValueType::kArray:
-    return 0;
-  }
-  return 0;
+  const ValueTypeInfo* info = value_type_info(type);
+  return info != nullptr ? info->size : 0;
 }
 
 const char* gguf_value_type_name(GgufValueType type) {
-  static constexpr const char* kNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
-                                           "int32",  "float32", "bool",   "string", "array",
-                                           "uint64", "int64",   "float64"};
-  const auto index = static_cast<uint32_t>(type);
-  return index < std::size(kNames) ? kNames[index] : "unknown";
+  const ValueTypeInfo* info = value_type_info(type);
+  return info != nullptr ? info->name : "unknown";
 }
 
 void dequantize_row(GgufType type, const uint8_t* src, int64_t elements, float* dst) {

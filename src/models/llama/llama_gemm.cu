@@ -318,25 +318,22 @@ void launch_variant(const GemmArgs& a, cudaStream_t stream) {
              smem_bytes(M_FRAGS, wide, a.k, stage_w), stream, a, stage_w);
 }
 
-template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
-  if (wide) {
-    switch (m_frags) {
-    case 1:
-      return launch_variant<EPILOGUE, 1, 4>(a, stream);
-    case 2:
-      return launch_variant<EPILOGUE, 2, 4>(a, stream);
-    default:
-      return launch_variant<EPILOGUE, 4, 4>(a, stream);
-    }
-  }
+/// The variant with `m_frags` row fragments for blocks of N_WARPS column warps (1: narrow, 4: wide).
+template <int EPILOGUE, int N_WARPS> void launch_width(int m_frags, const GemmArgs& a, cudaStream_t stream) {
   switch (m_frags) {
   case 1:
-    return launch_variant<EPILOGUE, 1, 1>(a, stream);
+    return launch_variant<EPILOGUE, 1, N_WARPS>(a, stream);
   case 2:
-    return launch_variant<EPILOGUE, 2, 1>(a, stream);
+    return launch_variant<EPILOGUE, 2, N_WARPS>(a, stream);
   default:
-    return launch_variant<EPILOGUE, 4, 1>(a, stream);
+    return launch_variant<EPILOGUE, 4, N_WARPS>(a, stream);
   }
+}
+
+template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
+  if (wide)
+    return launch_width<EPILOGUE, 4>(m_frags, a, stream);
+  return launch_width<EPILOGUE, 1>(m_frags, a, stream);
 }
 
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "models/llama/unicode_tables.hpp"
@@ -56,36 +57,38 @@ struct Utf8Lead {
 };
 
 Utf8Lead utf8_lead(unsigned char b0) {
-  Utf8Lead lead;
-  if (b0 < 0x80) {
-    lead.length = 1;
-  } else if (b0 >= 0xc2 && b0 <= 0xdf) {
-    lead.length = 2;
-  } else if (b0 >= 0xe0 && b0 <= 0xef) {
-    lead.length = 3;
-    if (b0 == 0xe0)
-      lead.low = 0xa0;
-    if (b0 == 0xed)
-      lead.high = 0x9f;
-  } else if (b0 >= 0xf0 && b0 <= 0xf4) {
-    lead.length = 4;
-    if (b0 == 0xf0)
-      lead.low = 0x90;
-    if (b0 == 0xf4)
-      lead.high = 0x8f;
-  }
-  return lead;
+  // The rows of Table 3-7: a range of lead bytes and what they announce.
+  struct Row {
+    unsigned char first, last;
+    Utf8Lead lead;
+  };
+  static constexpr Row kTable[] = {
+      {0x00, 0x7f, {1}},             // U+0000..U+007F
+      {0xc2, 0xdf, {2}},             // U+0080..U+07FF
+      {0xe0, 0xe0, {3, 0xa0, 0xbf}}, // U+0800..U+0FFF
+      {0xe1, 0xec, {3}},             // U+1000..U+CFFF
+      {0xed, 0xed, {3, 0x80, 0x9f}}, // U+D000..U+D7FF (no surrogates)
+      {0xee, 0xef, {3}},             // U+E000..U+FFFF
+      {0xf0, 0xf0, {4, 0x90, 0xbf}}, // U+10000..U+3FFFF
+      {0xf1, 0xf3, {4}},             // U+40000..U+FFFFF
+      {0xf4, 0xf4, {4, 0x80, 0x8f}}, // U+100000..U+10FFFF
+  };
+  for (const Row& row : kTable)
+    if (b0 >= row.first && b0 <= row.last)
+      return row.lead;
+  return {}; // C0, C1, F5..FF and continuation bytes
 }
 
 // Length of the maximal subpart of an ill-formed sequence at `pos` (Unicode §3.9 "U+FFFD substitution of
 // maximal subparts"): the lead byte and the continuation bytes that still fit, at least 1. For a well-formed
 // sequence it is the sequence's length.
-int utf8_maximal_subpart(const unsigned char* s, size_t size, size_t pos) {
+int utf8_maximal_subpart(std::string_view text, size_t pos) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
   const Utf8Lead lead = utf8_lead(s[pos]);
   if (lead.length <= 1)
     return 1;
   int taken = 1;
-  for (int k = 1; k < lead.length && pos + k < size; ++k) {
+  for (int k = 1; k < lead.length && pos + k < text.size(); ++k) {
     const unsigned char b = s[pos + k];
     const bool fits = k == 1 ? (b >= lead.low && b <= lead.high) : (b & 0xc0) == 0x80;
     if (!fits)
@@ -95,16 +98,21 @@ int utf8_maximal_subpart(const unsigned char* s, size_t size, size_t pos) {
   return taken;
 }
 
-// The well-formed sequence at `pos`: its length and code point, or 0 when it is ill-formed.
-int utf8_sequence(const unsigned char* s, size_t size, size_t pos, uint32_t& code_point) {
+// The sequence at `pos`: its length (0 when the bytes there are ill-formed) and its code point.
+struct Utf8Sequence {
+  int length = 0;
+  uint32_t code_point = 0;
+};
+
+Utf8Sequence utf8_sequence(std::string_view text, size_t pos) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
   const Utf8Lead lead = utf8_lead(s[pos]);
-  if (lead.length == 0 || utf8_maximal_subpart(s, size, pos) != lead.length)
-    return 0;
+  if (lead.length == 0 || utf8_maximal_subpart(text, pos) != lead.length)
+    return {};
   uint32_t cp = lead.length == 1 ? s[pos] : s[pos] & (0x7f >> lead.length);
   for (int k = 1; k < lead.length; ++k)
     cp = (cp << 6) | (s[pos + k] & 0x3f);
-  code_point = cp;
-  return lead.length;
+  return {lead.length, cp};
 }
 
 void append_utf8(std::string& out, uint32_t cp) {
@@ -254,10 +262,8 @@ std::string token_bytes_of(const std::string& token) {
   const auto& alphabet = byte_alphabet();
   std::string bytes;
   bytes.reserve(token.size());
-  const auto* s = reinterpret_cast<const unsigned char*>(token.data());
   for (size_t pos = 0; pos < token.size();) {
-    uint32_t cp = 0;
-    const int length = utf8_sequence(s, token.size(), pos, cp);
+    const auto [length, cp] = utf8_sequence(token, pos);
     if (length == 0 || cp >= alphabet.byte_of.size() || alphabet.byte_of[cp] < 0)
       return token;
     bytes.push_back(static_cast<char>(alphabet.byte_of[cp]));
@@ -467,10 +473,8 @@ void Tokenizer::Impl::encode_segment(std::string_view text, Scratch& scratch,
   const auto& classes = class_table();
   auto& units = scratch.units;
   units.clear();
-  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
   for (size_t pos = 0; pos < text.size();) {
-    uint32_t cp = 0;
-    const int length = utf8_sequence(s, text.size(), pos, cp);
+    const auto [length, cp] = utf8_sequence(text, pos);
     if (length == 0) {
       units.push_back(Unit{static_cast<uint32_t>(pos), kInvalid, CodePointClass::kOther});
       pos += 1;
@@ -636,16 +640,14 @@ std::string Tokenizer::decode_lossy(const std::vector<int32_t>& ids, bool skip_s
   const std::string raw = decode(ids, skip_special);
   std::string out;
   out.reserve(raw.size());
-  const auto* s = reinterpret_cast<const unsigned char*>(raw.data());
   for (size_t pos = 0; pos < raw.size();) {
-    uint32_t cp = 0;
-    const int length = utf8_sequence(s, raw.size(), pos, cp);
+    const int length = utf8_sequence(raw, pos).length;
     if (length > 0) {
       out.append(raw, pos, length);
       pos += length;
     } else {
       out += "\xef\xbf\xbd";
-      pos += utf8_maximal_subpart(s, raw.size(), pos);
+      pos += utf8_maximal_subpart(raw, pos);
     }
   }
   return out;
