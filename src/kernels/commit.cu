@@ -95,6 +95,14 @@ __global__ void CommitCycleKernel(CommitView b, int rows) {
     b.tables.live[r] = 0; // the request fails; its rows stop here
 }
 
+} // namespace
+
+void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  launch_per_row(CommitCycleKernel, rows, stream, commit_view(b), rows);
+}
+
+namespace {
+
 __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
   const CommitRow row = commit_row(b, rows);
   if (row.cycle == nullptr) {
@@ -133,10 +141,6 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
 }
 
 } // namespace
-
-void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  launch_per_row(CommitCycleKernel, rows, stream, commit_view(b), rows);
-}
 
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream) {
   launch_per_row(CommitSpeculativeKernel, rows, stream, speculative_commit_view(b), rows);

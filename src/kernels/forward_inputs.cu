@@ -36,20 +36,6 @@ DraftInputsView draft_inputs_view(const CycleBuffers& b) {
   // clang-format on
 }
 
-struct VerifyInputsView {
-  RowTablesView tables; ///< read: live, seq_len, token_table
-  int draft_steps = 1, particles = 1;
-  const int32_t* request_draft_steps;
-  int32_t* draft_tokens; ///< written: column 0 (x_{L-1}) and the columns not drafted this cycle
-};
-
-VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
-  // clang-format off
-  return {.tables = b.tables, .draft_steps = b.draft_steps, .particles = b.particles,
-          .request_draft_steps = b.request_draft_steps, .draft_tokens = b.draft_tokens};
-  // clang-format on
-}
-
 /// K_q of row r's request, within [1, K].
 template <class View> __device__ __forceinline__ int row_draft_steps(const View& b, int r) {
   return request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps);
@@ -92,6 +78,28 @@ __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
   b.verify_seq_lens[r] = live ? L + steps : 0;
 }
 
+} // namespace
+
+void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
+  launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows);
+}
+
+namespace {
+
+struct VerifyInputsView {
+  RowTablesView tables; ///< read: live, seq_len, token_table
+  int draft_steps = 1, particles = 1;
+  const int32_t* request_draft_steps;
+  int32_t* draft_tokens; ///< written: column 0 (x_{L-1}) and the columns not drafted this cycle
+};
+
+VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
+  // clang-format off
+  return {.tables = b.tables, .draft_steps = b.draft_steps, .particles = b.particles,
+          .request_draft_steps = b.request_draft_steps, .draft_tokens = b.draft_tokens};
+  // clang-format on
+}
+
 __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
@@ -109,10 +117,6 @@ __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
 }
 
 } // namespace
-
-void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows);
-}
 
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
   launch_per_row(PrepareVerifyInputsKernel, rows, stream, verify_inputs_view(b), rows);
