@@ -575,18 +575,28 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   config.buckets = o.requests;
   config.max_seq_len = ctx.constants->max_seq_len;
   config.slot_pool_size = ctx.constants->pool_size;
+  const int max_rows = config.max_requests * particles;
+  ForwardBench forwards(max_rows, steps + 1, vocab, dtype, config.max_seq_len, config.slot_pool_size);
+  Stream& stream = *ctx.stream;
   if (kind == CycleKind::kSpeculative && o.adaptive) {
     config.adaptive.enabled = true;
     config.adaptive.mid_steps = std::max(1, (steps + 1) / 2);
+    config.adaptive.draft_cost = o.draft_cost;
+    if (o.draft_cost < 0.0f) { // the cost-aware rule with this pair's measured cost ratio
+      const ModelTiming alone =
+          forwards.time_cycle_forwards(*models.draft, *models.target, o.requests.front(), steps, stream);
+      const double draft_us = steps > 1 ? alone.step_us : alone.head_us;
+      config.adaptive.draft_cost = static_cast<float>(std::clamp(draft_us / alone.verify_us, 0.001, 64.0));
+    }
+    std::printf("\nadaptive K: %s (draft_cost %.3f)\n",
+                config.adaptive.draft_cost > 0.0f ? "cost-aware rule" : "the seed's thresholds",
+                config.adaptive.draft_cost);
   }
 
   const auto construct_start = std::chrono::steady_clock::now();
   Engine engine(config, *models.draft, *models.target);
   const double construct_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - construct_start).count();
-  const int max_rows = config.max_requests * particles;
-  ForwardBench forwards(max_rows, steps + 1, vocab, dtype, config.max_seq_len, config.slot_pool_size);
-  Stream& stream = *ctx.stream;
   const size_t draft_nodes = forwards.nodes_per_forward(*models.draft, particles, 1, stream);
   const size_t target_nodes = forwards.nodes_per_forward(*models.target, particles, steps + 1, stream);
   const int64_t model_nodes = static_cast<int64_t>(draft_nodes) * steps + static_cast<int64_t>(target_nodes);

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
@@ -154,7 +155,49 @@ TEST_CASE("the device policy is built from the same fields as the reference rule
     CHECK(static_cast<double>(policy.pressure_watermark_slots) == rule.watermark_slots);
     CHECK(policy.smoothing == rule.smoothing);
     CHECK(policy.initial_acceptance == rule.initial);
+    CHECK(policy.draft_cost == rule.draft_cost);
   }
+}
+
+TEST_CASE("the cost-aware rule picks the K with the most expected tokens per unit of cycle time") {
+  EngineConfig config = adaptive_config(4);
+  config.adaptive.mid_steps = 2;
+  config.adaptive.draft_cost = 0.93f; // a draft of 28 of SmolLM2's 30 layers: a forward ~0.93 of the rest
+  reference::DraftStepsRule rule = reference::draft_steps_rule(config);
+  // a = 0.5: E = 1.5, 1.75, 1.9375 over 1.93, 2.86, 4.72: K = 1; a = 1: 2 / 1.93 < 5 / 4.72: K = 4.
+  CHECK(reference::choose_steps(rule, 0.5f, false, 0) == 1);
+  CHECK(reference::choose_steps(rule, 1.0f, false, 0) == 4);
+  CHECK(reference::choose_steps(rule, 0.0f, false, 0) == 1); // nothing accepted: the least drafting
+  config.adaptive.draft_cost = 0.05f;                        // a cheap draft: K_max from a = 0.5 on
+  rule = reference::draft_steps_rule(config);
+  CHECK(reference::choose_steps(rule, 0.5f, false, 0) == 4);
+  CHECK(reference::choose_steps(rule, 0.3f, false, 0) == 2); // 1.39 / 1.1 > 1.3 / 1.05, > 1.4251 / 1.2
+  CHECK(reference::choose_steps(rule, 0.5f, true, 0) == 2);  // the pressure cap still applies
+  CHECK(reference::choose_steps(rule, 0.0f, false, 3) == 3); // and a pin still wins
+  // Against a brute-force argmax over the three candidates, on a grid of EMAs and costs.
+  int checked = 0;
+  for (int cost_index = 1; cost_index <= 40; ++cost_index) {
+    config.adaptive.draft_cost = 0.05f * static_cast<float>(cost_index);
+    rule = reference::draft_steps_rule(config);
+    for (int e = 0; e <= 100; ++e) {
+      const float a = 0.01f * static_cast<float>(e);
+      auto yield = [&](int k) {
+        double sum = 0.0;
+        for (int i = 0; i <= k; ++i)
+          sum += std::pow(static_cast<double>(a), i);
+        return sum / (1.0 + k * static_cast<double>(config.adaptive.draft_cost));
+      };
+      int want = 1;
+      for (int k : {2, 4})
+        if (yield(k) > yield(want) * (1.0 + 1e-12))
+          want = k;
+      const int got = reference::choose_steps(rule, a, false, 0);
+      if (std::abs(yield(got) - yield(want)) > 1e-12 * yield(want)) // equal yields may round either way
+        CHECK_MESSAGE(got == want, "a " << a << ", cost " << config.adaptive.draft_cost);
+      ++checked;
+    }
+  }
+  CHECK(checked == 40 * 101);
 }
 
 TEST_CASE("every adaptive field out of range is named with its value") {
@@ -168,6 +211,10 @@ TEST_CASE("every adaptive field out of range is named with its value") {
   expect_config([](auto& c) { c.adaptive.initial_acceptance = -0.1f; }, "adaptive.initial_acceptance = -0.1");
   expect_config([](auto& c) { c.adaptive.low_threshold = 0.9f; }, "adaptive.high_threshold = 0.8");
   expect_config([](auto& c) { c.adaptive.low_threshold = -1.0f; }, "adaptive.low_threshold = -1");
+  expect_config([](auto& c) { c.adaptive.draft_cost = -0.5f; }, "adaptive.draft_cost = -0.5");
+  expect_config([](auto& c) { c.adaptive.draft_cost = 65.0f; }, "adaptive.draft_cost = 65");
+  expect_config([nan](auto& c) { c.adaptive.draft_cost = nan; }, "adaptive.draft_cost = nan");
+  expect_config([](auto& c) { c.adaptive.draft_cost = 64.0f; });
   expect_config([](auto& c) { c.adaptive.high_threshold = 2.0f; }, "adaptive.high_threshold = 2");
   expect_config([](auto& c) { c.adaptive.pressure_cap = 0; }, "adaptive.pressure_cap = 0");
   expect_config([](auto& c) { c.adaptive.pressure_cap = 9; }, "adaptive.pressure_cap = 9");

@@ -43,6 +43,8 @@ TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pres
     config.adaptive.low_threshold = static_cast<float>(rng.uniform(0.0, 0.7));
     config.adaptive.high_threshold = static_cast<float>(rng.uniform(config.adaptive.low_threshold, 1.0));
     config.adaptive.pressure_free_fraction = static_cast<float>(rng.uniform());
+    // Half the trials take the cost-aware rule (yields compared in double on both sides).
+    config.adaptive.draft_cost = rng.uniform() < 0.5 ? 0.0f : static_cast<float>(rng.uniform(0.01, 3.0));
     validate_engine_config(config);
     const reference::DraftStepsRule rule = reference::draft_steps_rule(config);
     const int requests = static_cast<int>(rng.integer(1, 300)), K = config.draft_steps;

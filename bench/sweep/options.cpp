@@ -1,6 +1,7 @@
 // bucket_sweep's command line (bench/bucket_sweep.cpp): --help and the parsing of the options.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -42,6 +43,11 @@ void print_usage() {
       "                        pending when the engine rejects kSpeculative)\n"
       "  --adaptive            spec engines choose each request's K on the device (EngineConfig::adaptive,\n"
       "                        K in {1, ceil(K/2), K}); every spec row prints its mean K and acceptance EMA\n"
+      "  --draft-cost C        with --adaptive: the cost-aware rule's draft cost "
+      "(AdaptiveDraftSteps::draft_cost);\n"
+      "                        default: measured (a draft forward over the target verify forward, timed "
+      "alone\n"
+      "                        at the smallest bucket); 0: the seed's thresholds\n"
       "  --cycles C            timed cycles per phase (default 30)\n"
       "  --perturbation P      draft head perturbation of the toy pair (default 0.3)\n"
       "  --csv PATH            CSV output (default results/bucket_sweep.csv); the peer files go beside it\n"
@@ -71,6 +77,13 @@ void print_usage() {
       "  --draft-layers LIST   layers of the real model's draft, e.g. 0-27 (default) or 0-11,18-29\n"
       "exit status: 0; 1 a validation failed; 2 could not run; 3 a peer failed or reported invalid "
       "results\n");
+}
+
+/// A whole-text float in [lo, hi] (finite).
+bool parse_float(const char* text, float lo, float hi, float& out) {
+  char* end = nullptr;
+  out = std::strtof(text, &end);
+  return end != text && *end == '\0' && std::isfinite(out) && out >= lo && out <= hi;
 }
 
 bool parse_int_list(const std::string& text, std::vector<int>& out) {
@@ -170,13 +183,13 @@ int parse_options(int argc, char** argv, Options& o) {
       if (o.cycles < 1 || o.cycles > 10000)
         return bad(text);
       explicit_cycles = true;
-    } else if (arg == "--perturbation") {
+    } else if (arg == "--perturbation" || arg == "--draft-cost") {
       const char* text = value();
       if (!text)
         return 2;
-      char* end = nullptr;
-      o.draft_perturbation = std::strtof(text, &end);
-      if (*end != '\0' || !(o.draft_perturbation >= 0.0f) || !std::isfinite(o.draft_perturbation))
+      const bool perturbation = arg == "--perturbation";
+      if (!parse_float(text, 0.0f, perturbation ? std::numeric_limits<float>::max() : 64.0f,
+                       perturbation ? o.draft_perturbation : o.draft_cost))
         return bad(text);
     } else if (arg == "--model") {
       const char* text = value();

@@ -62,6 +62,9 @@ struct Options {
   std::string csv = "results/bucket_sweep.csv";
   bool quick = false, peers = false, plots = false, progress = true;
   bool adaptive = false; ///< --adaptive: speculative engines choose each request's K on the device
+  /// --draft-cost C: AdaptiveDraftSteps::draft_cost of the adaptive engines; < 0 (default): measured (one
+  /// draft forward over the target verify forward, timed alone at the smallest bucket); 0: the seed's rule
+  float draft_cost = -1.0f;
   std::string python = "python3";
   std::string peer_script, spec_peer_script, plot_script; // empty: found from the cwd or the executable
   std::string peer_methods;  // empty: each peer's default methods; spec_* names go to spec_peer.py

@@ -56,6 +56,12 @@ struct AdaptiveDraftSteps {
   int pressure_cap = 2;            ///< largest K under KV pressure, in [1, draft_steps]
   /// KV pressure: free slots < pressure_free_fraction x (slot_pool_size - 1) (the seed's 85% full); [0, 1].
   float pressure_free_fraction = 0.15f;
+  /// 0 (default, the seed's rule): the thresholds choose K. > 0: the cost-aware rule, for drafts that are not
+  /// cheap: the K of {min_steps, mid_steps, draft_steps} that maximises the expected tokens a cycle commits
+  /// per unit of cycle time, (1 + a + ... + a^K) / (1 + K * draft_cost), a = the EMA read as the per-token
+  /// acceptance probability and draft_cost = one draft forward's time over the rest of the cycle (the target
+  /// verify and the cycle's own stages); ties take the smaller K and the thresholds are not read. In [0, 64].
+  float draft_cost = 0.0f;
 };
 
 struct EngineConfig {

@@ -21,6 +21,7 @@ struct DraftStepsPolicy {
   int min_steps = 1, mid_steps = 1, max_steps = 1, pressure_cap = 1;
   int pressure_watermark_slots = 0; ///< KV pressure while free_count < this
   float smoothing = 0.2f, initial_acceptance = 0.8f, high_threshold = 0.8f, low_threshold = 0.5f;
+  float draft_cost = 0.0f; ///< > 0: the cost-aware rule (AdaptiveDraftSteps::draft_cost)
 };
 DraftStepsPolicy draft_steps_policy(const EngineConfig& config);
 

@@ -54,10 +54,36 @@ __device__ __forceinline__ float next_ema(float ema, int accepted, int proposed,
   return __fadd_rn(__fmul_rn(smoothing, rate), __fmul_rn(__fsub_rn(1.0f, smoothing), ema));
 }
 
+/// The cost-aware rule's score of K: expected tokens a cycle commits, 1 + a + ... + a^K, over its time in
+/// units of the rest of the cycle, 1 + K * cost. Double, rounded operations in a fixed order (the host
+/// reference does the same steps).
+__device__ __forceinline__ double cycle_yield(int steps, double a, double cost) {
+  double expected = 1.0, term = 1.0;
+  for (int i = 0; i < steps; ++i) {
+    term = __dmul_rn(term, a);
+    expected = __dadd_rn(expected, term);
+  }
+  return __ddiv_rn(expected, __dadd_rn(1.0, __dmul_rn(static_cast<double>(steps), cost)));
+}
+
 __device__ __forceinline__ int choose_steps(const DraftStepsPolicy& policy, float ema, bool pressure) {
-  int steps = ema >= policy.high_threshold  ? policy.max_steps
-              : ema >= policy.low_threshold ? policy.mid_steps
-                                            : policy.min_steps;
+  int steps;
+  if (policy.draft_cost > 0.0f) { // min <= mid <= max: a later candidate must do strictly better
+    steps = policy.min_steps;
+    double best = cycle_yield(steps, ema, policy.draft_cost);
+    const int candidates[] = {policy.mid_steps, policy.max_steps};
+    for (const int candidate : candidates) {
+      const double yield = cycle_yield(candidate, ema, policy.draft_cost);
+      if (yield > best) {
+        best = yield;
+        steps = candidate;
+      }
+    }
+  } else {
+    steps = ema >= policy.high_threshold  ? policy.max_steps
+            : ema >= policy.low_threshold ? policy.mid_steps
+                                          : policy.min_steps;
+  }
   if (pressure)
     steps = min(steps, policy.pressure_cap);
   return steps;
@@ -132,7 +158,8 @@ DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
           .smoothing = a.smoothing,
           .initial_acceptance = a.initial_acceptance,
           .high_threshold = a.high_threshold,
-          .low_threshold = a.low_threshold};
+          .low_threshold = a.low_threshold,
+          .draft_cost = a.draft_cost};
 }
 
 void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,

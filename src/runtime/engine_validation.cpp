@@ -50,6 +50,8 @@ void validate_adaptive(const EngineConfig& c) {
           a.pressure_cap, "must be in [1, draft_steps]");
   require(unit(a.pressure_free_fraction), kConfig, "adaptive.pressure_free_fraction",
           a.pressure_free_fraction, "must be in [0, 1]");
+  require(std::isfinite(a.draft_cost) && a.draft_cost >= 0.0f && a.draft_cost <= 64.0f, kConfig,
+          "adaptive.draft_cost", a.draft_cost, "must be in [0, 64]");
 }
 
 } // namespace

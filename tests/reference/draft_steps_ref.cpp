@@ -19,6 +19,7 @@ DraftStepsRule draft_steps_rule(const EngineConfig& config) {
   rule.initial = a.initial_acceptance;
   rule.high = a.high_threshold;
   rule.low = a.low_threshold;
+  rule.draft_cost = a.draft_cost;
   return rule;
 }
 
@@ -39,16 +40,40 @@ bool kv_pressure(const DraftStepsRule& rule, int free_slots) {
   return static_cast<double>(free_slots) < rule.watermark_slots;
 }
 
+double cycle_yield(int steps, double a, double cost) {
+  // One IEEE double operation a statement, in the order the sum is written: no contraction to FMA.
+  double expected = 1.0, power = 1.0;
+  for (int i = 1; i <= steps; ++i) {
+    power = power * a; // a^i
+    expected = expected + power;
+  }
+  const double spent = static_cast<double>(steps) * cost;
+  const double time = 1.0 + spent;
+  return expected / time;
+}
+
 int choose_steps(const DraftStepsRule& rule, float ema, bool pressure, int pinned) {
   if (pinned > 0)
     return pinned;
   if (!rule.adaptive)
     return rule.max_steps;
   int steps = rule.min_steps;
-  if (ema >= rule.low)
-    steps = rule.mid_steps;
-  if (ema >= rule.high)
-    steps = rule.max_steps;
+  if (rule.draft_cost > 0.0f) {
+    // The largest yield wins; equal yields keep the smaller K (candidates in increasing K).
+    double best = cycle_yield(rule.min_steps, ema, rule.draft_cost);
+    for (int candidate : {rule.mid_steps, rule.max_steps}) {
+      const double yield = cycle_yield(candidate, ema, rule.draft_cost);
+      if (yield > best) {
+        best = yield;
+        steps = candidate;
+      }
+    }
+  } else {
+    if (ema >= rule.low)
+      steps = rule.mid_steps;
+    if (ema >= rule.high)
+      steps = rule.max_steps;
+  }
   return pressure ? std::min(steps, rule.pressure_cap) : steps;
 }
 

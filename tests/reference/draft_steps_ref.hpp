@@ -2,7 +2,9 @@
 // the seed's rule and AdaptiveDraftSteps' documentation rather than from the kernel:
 //
 //   ema' = smoothing * accepted / K + (1 - smoothing) * ema        (every request that drafted this cycle)
-//   K'   = K_max if ema' >= high, mid if ema' >= low, else min     (adaptive requests)
+//   K'   = K_max if ema' >= high, mid if ema' >= low, else min     (adaptive requests, draft_cost = 0)
+//   K'   = argmax over {min, mid, max} of (1 + ema' + ... + ema'^K) / (1 + K * draft_cost), the smallest
+//          on a tie                                                 (adaptive requests, draft_cost > 0)
 //   K'   = min(K', pressure_cap) while free slots < floor(fraction * (pool - 1))
 //   K'   = the pin for a pinned request (no cap); K_max for every request when adaptive is off
 //
@@ -24,6 +26,7 @@ struct DraftStepsRule {
   int max_steps = 1, mid_steps = 1, min_steps = 1, pressure_cap = 1;
   double watermark_slots = 0.0; ///< pressure while free slots < this (an integer: floor of the fraction)
   float smoothing = 0.2f, initial = 0.8f, high = 0.8f, low = 0.5f;
+  float draft_cost = 0.0f; ///< > 0: the cost-aware rule
 };
 DraftStepsRule draft_steps_rule(const EngineConfig& config);
 
@@ -39,6 +42,8 @@ RequestDraftState admitted_state(const DraftStepsRule& rule, int pinned);
 /// each operation rounded on its own).
 float ema_after(float ema, int accepted, int proposed, float smoothing);
 bool kv_pressure(const DraftStepsRule& rule, int free_slots);
+/// The cost-aware rule's score of K: (1 + a + ... + a^K) / (1 + K * cost) in double.
+double cycle_yield(int steps, double a, double cost);
 /// K of the next cycle for an EMA (pins and the cap applied).
 int choose_steps(const DraftStepsRule& rule, float ema, bool pressure, int pinned);
 
