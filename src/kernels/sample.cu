@@ -99,15 +99,9 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   require(logits.rows == 1 ||
               logits.row_stride >= (logits.positions - 1) * logits.position_stride + logits.vocab,
           where, "logits.row_stride", logits.row_stride, "must cover positions * vocab logits");
-  require(args.params.temperature != nullptr, where, "params.temperature", "null",
-          "must be a device pointer");
-  require(args.random.seeds != nullptr, where, "random.seeds", "null", "must be a device pointer");
-  require(args.random.draw_counters != nullptr, where, "random.draw_counters", "null",
-          "must be a device pointer");
-  require(args.random.particles_per_request >= 1, where, "random.particles_per_request",
-          args.random.particles_per_request, "must be >= 1");
-  require(args.row_flags != nullptr, where, "row_flags", "null", "must be a device pointer");
-  require(args.status != nullptr, where, "status", "null", "must be a device pointer");
+  require_device_pointers(where, {{"params.temperature", args.params.temperature}});
+  require_random(args.random, where);
+  require_device_pointers(where, {{"row_flags", args.row_flags}, {"status", args.status}});
   const int64_t jobs = static_cast<int64_t>(logits.rows) * logits.positions;
   require(jobs <= workspace.max_jobs(), where, "rows * positions", jobs,
           "exceeds the workspace (SampleWorkspace max_jobs)");
@@ -139,9 +133,8 @@ void sample(const LogitsView& logits, const RowParams& params, const RowRandom& 
             const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream) {
   constexpr const char* kWhere = "smcgraph::sample";
   require(logits.positions == 1, kWhere, "logits.positions", logits.positions, "must be 1 (use score())");
-  require(out.tokens != nullptr, kWhere, "out.tokens", "null", "must be a device pointer");
-  require(out.logprobs != nullptr, kWhere, "out.logprobs", "null", "must be a device pointer");
-  require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
+  detail::require_device_pointers(
+      kWhere, {{"out.tokens", out.tokens}, {"out.logprobs", out.logprobs}, {"out.logz", out.logz}});
   require(out.row_stride >= 1, kWhere, "out.row_stride", out.row_stride, "must be >= 1");
   // clang-format off
   const detail::PassArgs args{.logits = logits, .params = params, .random = random, .stream_word = stream_word,

@@ -1,6 +1,7 @@
 // score(): for logits [rows, P, V] and tokens [rows, P - 1], the tempered log-prob of each given token at
 // positions < P - 1 and a bonus sample at position P - 1, all in one launch and one read of the logits
 // (the pass kernel in logits_pass.cuh, instantiated in sample.cu).
+#include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
 
 #include "smcgraph/error.hpp"
@@ -17,9 +18,9 @@ void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_st
             "must be >= positions - 1");
     require(out.token_logprobs != nullptr, kWhere, "out.token_logprobs", "null", "must be a device pointer");
   }
-  require(out.bonus_tokens != nullptr, kWhere, "out.bonus_tokens", "null", "must be a device pointer");
-  require(out.bonus_logprobs != nullptr, kWhere, "out.bonus_logprobs", "null", "must be a device pointer");
-  require(out.logz != nullptr, kWhere, "out.logz", "null", "must be a device pointer");
+  detail::require_device_pointers(kWhere, {{"out.bonus_tokens", out.bonus_tokens},
+                                           {"out.bonus_logprobs", out.bonus_logprobs},
+                                           {"out.logz", out.logz}});
   // clang-format off
   const detail::PassArgs args{.logits = logits, .params = params, .random = random, .stream_word = stream_word,
                               .tokens = tokens, .token_row_stride = token_row_stride,
