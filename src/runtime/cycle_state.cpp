@@ -11,91 +11,98 @@ namespace {
 
 using State = Engine::State;
 using B = CycleBuffers;
-constexpr Kinds kBoth = Kinds::kBoth, kSpec = Kinds::kSpeculativeOnly;
-constexpr bool kZeroed = true, kUninit = false, kMoved = true, kStays = false;
+/// A row's properties, combined with |: zero-filled at construction, moved by compact() with its request,
+/// allocated by the speculative cycle only. kNone: written before it is read, stays with its row, both kinds.
+enum Flag : unsigned { kNone = 0, kZeroed = 1u << 0, kMoved = 1u << 1, kSpec = 1u << 2 };
 
 template <class T>
-constexpr StateBuffer<T> buffer(const char* name, DeviceBuffer<T> State::*member, Extent extent, bool zeroed,
-                                bool compacted, Kinds kinds, T* B::*view = nullptr) {
-  return {name, member, extent, zeroed, compacted, kinds, view};
+constexpr StateBuffer<T> buffer(const char* name, DeviceBuffer<T> State::*member, Extent extent, unsigned flags,
+                                T* B::*view = nullptr) {
+  return {name,
+          member,
+          extent,
+          (flags & kZeroed) != 0,
+          (flags & kMoved) != 0,
+          (flags & kSpec) != 0 ? Kinds::kSpeculativeOnly : Kinds::kBoth,
+          view};
 }
 
 // clang-format off
-// name, member, extent, zeroed, moved by compact(), kinds, CycleBuffers view
+// name, member, extent, flags, CycleBuffers view
 const auto kCycleState = std::make_tuple(
     // The slot pool and the row tables (slots.hpp; viewed through pool_view() / tables_view()).
-    buffer("free_stack",         &State::free_stack,         Extent::kPool,              kZeroed, kStays, kBoth),
-    buffer("free_count",         &State::free_count,         Extent::kOne,               kZeroed, kStays, kBoth),
-    buffer("refcount",           &State::refcount,           Extent::kPool,              kZeroed, kStays, kBoth),
-    buffer("freed_bitmap",       &State::freed_bitmap,       Extent::kPoolWords,         kZeroed, kStays, kBoth),
-    buffer("slot_table",         &State::slot_table,         Extent::kRowsBySeq,         kZeroed, kMoved, kBoth),
-    buffer("token_table",        &State::token_table,        Extent::kRowsBySeq,         kZeroed, kMoved, kBoth),
-    buffer("seq_len",            &State::seq_len,            Extent::kRows,              kZeroed, kMoved, kBoth),
-    buffer("live",               &State::live,               Extent::kRows,              kZeroed, kMoved, kBoth),
+    buffer("free_stack",         &State::free_stack,         Extent::kPool,              kZeroed),
+    buffer("free_count",         &State::free_count,         Extent::kOne,               kZeroed),
+    buffer("refcount",           &State::refcount,           Extent::kPool,              kZeroed),
+    buffer("freed_bitmap",       &State::freed_bitmap,       Extent::kPoolWords,         kZeroed),
+    buffer("slot_table",         &State::slot_table,         Extent::kRowsBySeq,         kZeroed | kMoved),
+    buffer("token_table",        &State::token_table,        Extent::kRowsBySeq,         kZeroed | kMoved),
+    buffer("seq_len",            &State::seq_len,            Extent::kRows,              kZeroed | kMoved),
+    buffer("live",               &State::live,               Extent::kRows,              kZeroed | kMoved),
     // Per row and per request.
-    buffer("finished",           &State::finished,           Extent::kRows,              kZeroed, kMoved, kBoth, &B::finished),
-    buffer("resampled",          &State::resampled,          Extent::kRequests,          kZeroed, kMoved, kBoth, &B::resampled),
-    buffer("release_mask",       &State::release_mask,       Extent::kRows,              kZeroed, kStays, kBoth),
-    buffer("request_mask",       &State::request_mask,       Extent::kRequests,          kZeroed, kStays, kBoth),
-    buffer("draft_temperature",  &State::draft_temperature,  Extent::kRows,              kZeroed, kMoved, kBoth, &B::draft_temperature),
-    buffer("target_temperature", &State::target_temperature, Extent::kRows,              kZeroed, kMoved, kBoth, &B::target_temperature),
-    buffer("alpha",              &State::alpha,              Extent::kRows,              kZeroed, kMoved, kBoth, &B::alpha),
-    buffer("tau",                &State::tau,                Extent::kRequests,          kZeroed, kMoved, kBoth, &B::tau),
-    buffer("logw",               &State::logw,               Extent::kRows,              kZeroed, kMoved, kBoth, &B::logw),
-    buffer("ess",                &State::ess,                Extent::kRequests,          kZeroed, kMoved, kBoth, &B::ess),
-    buffer("log_evidence",       &State::log_evidence,       Extent::kRequests,          kZeroed, kMoved, kBoth, &B::log_evidence),
-    buffer("row_flags",          &State::row_flags,          Extent::kRows,              kZeroed, kMoved, kBoth, &B::row_flags),
-    buffer("status",             &State::status,             Extent::kOne,               kZeroed, kStays, kBoth, &B::status),
-    buffer("draw_counters",      &State::draw_counters,      Extent::kRequests,          kZeroed, kMoved, kBoth, &B::draw_counters),
-    buffer("seeds",              &State::seeds,              Extent::kRequests,          kZeroed, kMoved, kBoth, &B::seeds),
+    buffer("finished",           &State::finished,           Extent::kRows,              kZeroed | kMoved, &B::finished),
+    buffer("resampled",          &State::resampled,          Extent::kRequests,          kZeroed | kMoved, &B::resampled),
+    buffer("release_mask",       &State::release_mask,       Extent::kRows,              kZeroed),
+    buffer("request_mask",       &State::request_mask,       Extent::kRequests,          kZeroed),
+    buffer("draft_temperature",  &State::draft_temperature,  Extent::kRows,              kZeroed | kMoved, &B::draft_temperature),
+    buffer("target_temperature", &State::target_temperature, Extent::kRows,              kZeroed | kMoved, &B::target_temperature),
+    buffer("alpha",              &State::alpha,              Extent::kRows,              kZeroed | kMoved, &B::alpha),
+    buffer("tau",                &State::tau,                Extent::kRequests,          kZeroed | kMoved, &B::tau),
+    buffer("logw",               &State::logw,               Extent::kRows,              kZeroed | kMoved, &B::logw),
+    buffer("ess",                &State::ess,                Extent::kRequests,          kZeroed | kMoved, &B::ess),
+    buffer("log_evidence",       &State::log_evidence,       Extent::kRequests,          kZeroed | kMoved, &B::log_evidence),
+    buffer("row_flags",          &State::row_flags,          Extent::kRows,              kZeroed | kMoved, &B::row_flags),
+    buffer("status",             &State::status,             Extent::kOne,               kZeroed,          &B::status),
+    buffer("draw_counters",      &State::draw_counters,      Extent::kRequests,          kZeroed | kMoved, &B::draw_counters),
+    buffer("seeds",              &State::seeds,              Extent::kRequests,          kZeroed | kMoved, &B::seeds),
     // Forward inputs, rebuilt every cycle.
-    buffer("head_tokens",        &State::head_tokens,        Extent::kRowsByTwo,         kUninit, kStays, kBoth, &B::head_tokens),
-    buffer("head_positions",     &State::head_positions,     Extent::kRowsByTwo,         kUninit, kStays, kBoth, &B::head_positions),
-    buffer("head_out_slots",     &State::head_out_slots,     Extent::kRowsByTwo,         kUninit, kStays, kBoth, &B::head_out_slots),
-    buffer("head_seq_lens",      &State::head_seq_lens,      Extent::kRows,              kUninit, kStays, kBoth, &B::head_seq_lens),
-    buffer("step_positions",     &State::step_positions,     Extent::kRowsByDraftSteps,  kUninit, kStays, kBoth, &B::step_positions),
-    buffer("step_out_slots",     &State::step_out_slots,     Extent::kRowsByDraftSteps,  kUninit, kStays, kBoth, &B::step_out_slots),
-    buffer("step_seq_lens",      &State::step_seq_lens,      Extent::kRowsByDraftSteps,  kUninit, kStays, kBoth, &B::step_seq_lens),
-    buffer("verify_positions",   &State::verify_positions,   Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::verify_positions),
-    buffer("verify_out_slots",   &State::verify_out_slots,   Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::verify_out_slots),
-    buffer("verify_seq_lens",    &State::verify_seq_lens,    Extent::kRows,              kUninit, kStays, kBoth, &B::verify_seq_lens),
+    buffer("head_tokens",        &State::head_tokens,        Extent::kRowsByTwo,         kNone,            &B::head_tokens),
+    buffer("head_positions",     &State::head_positions,     Extent::kRowsByTwo,         kNone,            &B::head_positions),
+    buffer("head_out_slots",     &State::head_out_slots,     Extent::kRowsByTwo,         kNone,            &B::head_out_slots),
+    buffer("head_seq_lens",      &State::head_seq_lens,      Extent::kRows,              kNone,            &B::head_seq_lens),
+    buffer("step_positions",     &State::step_positions,     Extent::kRowsByDraftSteps,  kNone,            &B::step_positions),
+    buffer("step_out_slots",     &State::step_out_slots,     Extent::kRowsByDraftSteps,  kNone,            &B::step_out_slots),
+    buffer("step_seq_lens",      &State::step_seq_lens,      Extent::kRowsByDraftSteps,  kNone,            &B::step_seq_lens),
+    buffer("verify_positions",   &State::verify_positions,   Extent::kRowsByKPlus1,      kNone,            &B::verify_positions),
+    buffer("verify_out_slots",   &State::verify_out_slots,   Extent::kRowsByKPlus1,      kNone,            &B::verify_out_slots),
+    buffer("verify_seq_lens",    &State::verify_seq_lens,    Extent::kRows,              kNone,            &B::verify_seq_lens),
     // Samples, scores and the commit's results.
-    buffer("cycle_slots",        &State::cycle_slots,        Extent::kRowsByKPlus1,      kUninit, kStays, kBoth, &B::cycle_slots),
-    buffer("draft_tokens",       &State::draft_tokens,       Extent::kRowsByKPlus1,      kZeroed, kStays, kBoth, &B::draft_tokens),
-    buffer("draft_logprobs",     &State::draft_logprobs,     Extent::kRowsByKPlus1,      kZeroed, kStays, kBoth, &B::draft_logprobs),
-    buffer("scratch_logz",       &State::scratch_logz,       Extent::kRows,              kUninit, kStays, kBoth, &B::scratch_logz),
-    buffer("target_logprobs",    &State::target_logprobs,    Extent::kRowsByK,           kUninit, kStays, kBoth, &B::target_logprobs),
-    buffer("bonus_tokens",       &State::bonus_tokens,       Extent::kRows,              kZeroed, kStays, kBoth, &B::bonus_tokens),
-    buffer("bonus_logprobs",     &State::bonus_logprobs,     Extent::kRows,              kUninit, kStays, kBoth, &B::bonus_logprobs),
-    buffer("bonus_logz",         &State::bonus_logz,         Extent::kRows,              kUninit, kStays, kBoth, &B::bonus_logz),
-    buffer("first_eos",          &State::first_eos,          Extent::kRows,              kZeroed, kStays, kBoth, &B::first_eos),
-    buffer("ancestor",           &State::ancestor,           Extent::kRows,              kZeroed, kStays, kBoth, &B::ancestor),
-    buffer("cycle_tokens",       &State::cycle_tokens,       Extent::kRowsByKPlus1,      kZeroed, kStays, kBoth, &B::cycle_tokens),
-    buffer("committed",          &State::committed,          Extent::kRows,              kZeroed, kStays, kBoth, &B::committed),
+    buffer("cycle_slots",        &State::cycle_slots,        Extent::kRowsByKPlus1,      kNone,            &B::cycle_slots),
+    buffer("draft_tokens",       &State::draft_tokens,       Extent::kRowsByKPlus1,      kZeroed,          &B::draft_tokens),
+    buffer("draft_logprobs",     &State::draft_logprobs,     Extent::kRowsByKPlus1,      kZeroed,          &B::draft_logprobs),
+    buffer("scratch_logz",       &State::scratch_logz,       Extent::kRows,              kNone,            &B::scratch_logz),
+    buffer("target_logprobs",    &State::target_logprobs,    Extent::kRowsByK,           kNone,            &B::target_logprobs),
+    buffer("bonus_tokens",       &State::bonus_tokens,       Extent::kRows,              kZeroed,          &B::bonus_tokens),
+    buffer("bonus_logprobs",     &State::bonus_logprobs,     Extent::kRows,              kNone,            &B::bonus_logprobs),
+    buffer("bonus_logz",         &State::bonus_logz,         Extent::kRows,              kNone,            &B::bonus_logz),
+    buffer("first_eos",          &State::first_eos,          Extent::kRows,              kZeroed,          &B::first_eos),
+    buffer("ancestor",           &State::ancestor,           Extent::kRows,              kZeroed,          &B::ancestor),
+    buffer("cycle_tokens",       &State::cycle_tokens,       Extent::kRowsByKPlus1,      kZeroed,          &B::cycle_tokens),
+    buffer("committed",          &State::committed,          Extent::kRows,              kZeroed,          &B::committed),
     // The per-request draft length (AdaptiveDraftSteps; draft_steps.cu).
-    buffer("request_draft_steps",&State::request_draft_steps,Extent::kRequests,          kZeroed, kMoved, kBoth, &B::request_draft_steps),
-    buffer("pinned_draft_steps", &State::pinned_draft_steps, Extent::kRequests,          kZeroed, kMoved, kBoth, &B::pinned_draft_steps),
-    buffer("acceptance_ema",     &State::acceptance_ema,     Extent::kRequests,          kZeroed, kMoved, kBoth, &B::acceptance_ema),
-    buffer("cycle_draft_steps",  &State::cycle_draft_steps,  Extent::kRequests,          kZeroed, kMoved, kBoth, &B::cycle_draft_steps),
-    buffer("step_live",          &State::step_live,          Extent::kRowsByDraftSteps,  kZeroed, kStays, kBoth, &B::step_live),
-    buffer("decision_free_slots",&State::decision_free_slots,Extent::kOne,               kZeroed, kStays, kBoth, &B::decision_free_slots),
-    buffer("kv_pressure",        &State::kv_pressure,        Extent::kOne,               kZeroed, kStays, kBoth, &B::kv_pressure),
+    buffer("request_draft_steps",&State::request_draft_steps,Extent::kRequests,          kZeroed | kMoved, &B::request_draft_steps),
+    buffer("pinned_draft_steps", &State::pinned_draft_steps, Extent::kRequests,          kZeroed | kMoved, &B::pinned_draft_steps),
+    buffer("acceptance_ema",     &State::acceptance_ema,     Extent::kRequests,          kZeroed | kMoved, &B::acceptance_ema),
+    buffer("cycle_draft_steps",  &State::cycle_draft_steps,  Extent::kRequests,          kZeroed | kMoved, &B::cycle_draft_steps),
+    buffer("step_live",          &State::step_live,          Extent::kRowsByDraftSteps,  kZeroed,          &B::step_live),
+    buffer("decision_free_slots",&State::decision_free_slots,Extent::kOne,               kZeroed,          &B::decision_free_slots),
+    buffer("kv_pressure",        &State::kv_pressure,        Extent::kOne,               kZeroed,          &B::kv_pressure),
     // The speculative cycle's verification and packing.
-    buffer("draft_step_logits",  &State::draft_step_logits,  Extent::kStepLogitsBytes,   kZeroed, kStays, kSpec),
-    buffer("packed_logprobs",    &State::packed_logprobs,    Extent::kRowsByK,           kUninit, kStays, kSpec, &B::packed_logprobs),
-    buffer("packed_tokens",      &State::packed_tokens,      Extent::kRowsByK,           kUninit, kStays, kSpec, &B::packed_tokens),
-    buffer("accepted",           &State::accepted,           Extent::kRows,              kZeroed, kStays, kSpec, &B::accepted),
-    buffer("next_tokens",        &State::next_tokens,        Extent::kRows,              kZeroed, kStays, kSpec, &B::next_tokens),
-    buffer("packed_offsets",     &State::packed_offsets,     Extent::kRows,              kUninit, kStays, kSpec, &B::packed_offsets),
-    buffer("packed_total",       &State::packed_total,       Extent::kOne,               kUninit, kStays, kSpec, &B::packed_total),
+    buffer("draft_step_logits",  &State::draft_step_logits,  Extent::kStepLogitsBytes,   kZeroed | kSpec),
+    buffer("packed_logprobs",    &State::packed_logprobs,    Extent::kRowsByK,           kSpec,            &B::packed_logprobs),
+    buffer("packed_tokens",      &State::packed_tokens,      Extent::kRowsByK,           kSpec,            &B::packed_tokens),
+    buffer("accepted",           &State::accepted,           Extent::kRows,              kZeroed | kSpec,  &B::accepted),
+    buffer("next_tokens",        &State::next_tokens,        Extent::kRows,              kZeroed | kSpec,  &B::next_tokens),
+    buffer("packed_offsets",     &State::packed_offsets,     Extent::kRows,              kSpec,            &B::packed_offsets),
+    buffer("packed_total",       &State::packed_total,       Extent::kOne,               kSpec,            &B::packed_total),
     // Model outputs (the model's logits dtype), admission scratch and the output block.
-    buffer("draft_logits",       &State::draft_logits,       Extent::kDraftLogitsBytes,  kZeroed, kStays, kBoth),
-    buffer("target_logits",      &State::target_logits,      Extent::kTargetLogitsBytes, kZeroed, kStays, kBoth),
-    buffer("prefill_logits",     &State::prefill_logits,     Extent::kPrefillLogitsBytes,kZeroed, kStays, kBoth),
-    buffer("positions_iota",     &State::positions_iota,     Extent::kSeq,               kUninit, kStays, kBoth),
-    buffer("admit_scalars",      &State::admit_scalars,      Extent::kFour,              kUninit, kStays, kBoth),
-    buffer("admit_floats",       &State::admit_floats,       Extent::kFour,              kUninit, kStays, kBoth),
-    buffer("outputs_device",     &State::outputs_device,     Extent::kOutputBytes,       kZeroed, kStays, kBoth));
+    buffer("draft_logits",       &State::draft_logits,       Extent::kDraftLogitsBytes,  kZeroed),
+    buffer("target_logits",      &State::target_logits,      Extent::kTargetLogitsBytes, kZeroed),
+    buffer("prefill_logits",     &State::prefill_logits,     Extent::kPrefillLogitsBytes,kZeroed),
+    buffer("positions_iota",     &State::positions_iota,     Extent::kSeq,               kNone),
+    buffer("admit_scalars",      &State::admit_scalars,      Extent::kFour,              kNone),
+    buffer("admit_floats",       &State::admit_floats,       Extent::kFour,              kNone),
+    buffer("outputs_device",     &State::outputs_device,     Extent::kOutputBytes,       kZeroed));
 // clang-format on
 
 bool applies(Kinds kinds, const Engine::State& s) {
@@ -115,10 +122,8 @@ StateDims state_dims(const Engine::State& s) {
   d.draft_steps = static_cast<size_t>(s.draft_steps);
   d.max_seq_len = static_cast<size_t>(s.config.max_seq_len);
   d.pool = static_cast<size_t>(s.config.slot_pool_size);
-  d.draft_logits_bytes = s.logits_bytes(s.rows, 2);
-  d.target_logits_bytes = s.logits_bytes(s.rows, s.draft_steps + 1);
-  d.step_logits_bytes = s.logits_bytes(s.rows, s.draft_steps);
-  d.prefill_logits_bytes = s.logits_bytes(1, s.prefill_chunk);
+  d.logits_row_bytes = s.logits_bytes(1, 1);
+  d.prefill_chunk = static_cast<size_t>(s.prefill_chunk);
   d.output_bytes = output_layout(s.rows, s.config.max_requests, s.draft_steps).bytes;
   d.particles = s.config.particles;
   return d;
@@ -150,14 +155,16 @@ size_t extent_count(Extent extent, const StateDims& d) {
     return d.rows * (d.draft_steps > 1 ? d.draft_steps - 1 : 1);
   case Extent::kSeq:
     return d.max_seq_len;
+  // Logits blocks: [rows, 2] for the draft head, [rows, K + 1] for the verify, K blocks of [rows] for the
+  // speculative draft steps, [prefill_chunk] for admission; a row of vocab logits each.
   case Extent::kDraftLogitsBytes:
-    return d.draft_logits_bytes;
+    return d.rows * 2 * d.logits_row_bytes;
   case Extent::kTargetLogitsBytes:
-    return d.target_logits_bytes;
+    return d.rows * (d.draft_steps + 1) * d.logits_row_bytes;
   case Extent::kStepLogitsBytes:
-    return d.step_logits_bytes;
+    return d.rows * d.draft_steps * d.logits_row_bytes;
   case Extent::kPrefillLogitsBytes:
-    return d.prefill_logits_bytes;
+    return d.prefill_chunk * d.logits_row_bytes;
   case Extent::kOutputBytes:
     return d.output_bytes;
   }

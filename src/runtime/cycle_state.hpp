@@ -55,7 +55,7 @@ template <class T> struct StateBuffer {
 /// The sizes an Extent is measured in.
 struct StateDims {
   size_t rows = 0, requests = 0, draft_steps = 0, max_seq_len = 0, pool = 0;
-  size_t draft_logits_bytes = 0, target_logits_bytes = 0, step_logits_bytes = 0, prefill_logits_bytes = 0;
+  size_t logits_row_bytes = 0, prefill_chunk = 0; ///< bytes of one row of vocab logits; admission chunk
   size_t output_bytes = 0;
   int particles = 1;
 };
