@@ -16,8 +16,8 @@ using B = CycleBuffers;
 enum Flag : unsigned { kNone = 0, kZeroed = 1u << 0, kMoved = 1u << 1, kSpec = 1u << 2 };
 
 template <class T>
-constexpr StateBuffer<T> buffer(const char* name, DeviceBuffer<T> State::*member, Extent extent, unsigned flags,
-                                T* B::*view = nullptr) {
+constexpr StateBuffer<T> buffer(const char* name, DeviceBuffer<T> State::*member, Extent extent,
+                                unsigned flags, T* B::*view = nullptr) {
   return {name,
           member,
           extent,
