@@ -361,6 +361,47 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
   MESSAGE("long row: ", subject.finish());
 }
 
+TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits in any block and batch") {
+  // The GEMM picks its tiles by the forward's token count (narrow 16-row tiles for few tokens, wide
+  // 64 x 64 tiles for many; llama_gemm.cu) and attention splits positions by a token's own length only, so a
+  // token's logits must not depend on how many tokens share its forward: a 40-token block of 16 rows (640
+  // tokens: wide tiles), the same tokens in blocks of 8 (128 tokens: narrow) and one at a time (16 tokens)
+  // give the same bits. Greedy speculative decoding reproducing greedy decoding rests on this.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const Shape shape{2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  constexpr int kRows = 16, kLength = 40, kPool = 1024, kMaxSeqLen = 64;
+  const LlamaSequences start = reference::random_llama_sequences(std::vector<int>(kRows, kLength), shape.vocab,
+                                                                 kPool, kMaxSeqLen, 1.0, rng.engine());
+  const auto every_row = [](int) { return true; };
+  const size_t vocab = static_cast<size_t>(shape.vocab);
+  std::vector<uint8_t> whole; // [rows, kLength, vocab] fp32 from one forward
+  for (int block : {kLength, 8, 1}) {
+    CAPTURE(block);
+    LlamaModel model(tiny->weights, options_of(kPool, kMaxSeqLen, kRows * kLength, DType::kFloat32));
+    LlamaSequences s = start;
+    for (int first = 0; first < kLength; first += block) {
+      const LlamaForwardInputs in = step_inputs(s, block, every_row, rng.engine());
+      DeviceBatch batch(in, shape.vocab, DType::kFloat32, stream);
+      const std::vector<uint8_t> got = run_forward(model, batch, block == 1, stream);
+      if (block == kLength) {
+        whole = got;
+        continue;
+      }
+      size_t differing = 0;
+      for (int row = 0; row < kRows; ++row)
+        for (int j = 0; j < block; ++j)
+          differing += std::memcmp(got.data() + ((size_t(row) * block + j) * vocab) * 4,
+                                   whole.data() + ((size_t(row) * kLength + first + j) * vocab) * 4,
+                                   vocab * 4) != 0;
+      CHECK_MESSAGE(differing == 0, differing << " tokens of block " << first / block
+                                              << " have logits that differ from the whole-prefill forward");
+    }
+  }
+}
+
 TEST_CASE("llama forward: tokens read with a row stride give the dense forward's logits") {
   // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block.
   test::Rng rng;

@@ -4,9 +4,9 @@
 // whole rows anyway), streams its W columns from global memory, and finishes its tile in shared memory, where
 // a column and its RoPE / SwiGLU partner meet.
 //
-// Two shapes: few tokens (decode, T <= 64): 16 columns per block and the 4 warps split K, so even a 576-wide
-// projection spreads over 36+ blocks; many tokens (prefill, large verify batches): 64 columns per block, one
-// warp per 16 columns, 64 rows per block.
+// Two shapes: narrow (up to kNarrowMaxTokens tokens: decode, verify blocks, small prefills): 16 columns and
+// 16 rows per block and the 4 warps split K, so even a 576-wide projection spreads over 36+ blocks; wide
+// (more tokens, and the LM head): 64 columns per block, one warp per 16 columns, up to 64 rows per block.
 #include <algorithm>
 #include <cmath>
 
@@ -37,6 +37,8 @@ constexpr int kNormVec = 8;
 constexpr int kMaxNormK = 32 * 4 * kNormVec;
 /// Rows of A a block holds at most (4 fragments of 16).
 constexpr int kMaxBlockRows = 64;
+/// Forwards of up to this many tokens use narrow 16-row tiles for the layer GEMMs (gemm()).
+constexpr int kNarrowMaxTokens = 384;
 /// Rows a warp normalises at once (a block has at least 16 rows, 4 a warp).
 constexpr int kNormRows = 2;
 static_assert(kMaxNormK == kLlamaMaxHidden,
@@ -318,7 +320,7 @@ void launch_variant(const GemmArgs& a, cudaStream_t stream) {
              smem_bytes(M_FRAGS, wide, a.k, stage_w), stream, a, stage_w);
 }
 
-/// The variant with `m_frags` row fragments for blocks of N_WARPS column warps (1: narrow, 4: wide).
+/// The variant with `m_frags` row fragments for blocks of N_WARPS column warps.
 template <int EPILOGUE, int N_WARPS> void launch_width(int m_frags, const GemmArgs& a, cudaStream_t stream) {
   switch (m_frags) {
   case 1:
@@ -330,10 +332,11 @@ template <int EPILOGUE, int N_WARPS> void launch_width(int m_frags, const GemmAr
   }
 }
 
+/// Narrow tiles have one row fragment; wide ones `m_frags`.
 template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
   if (wide)
     return launch_width<EPILOGUE, 4>(m_frags, a, stream);
-  return launch_width<EPILOGUE, 1>(m_frags, a, stream);
+  return launch_variant<EPILOGUE, 1, 1>(a, stream);
 }
 
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
@@ -347,8 +350,6 @@ template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
 
 template <int EPILOGUE> void set_smem_limits(int max_k) {
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1>, smem_bytes(1, false, max_k, true));
-  set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 1>, smem_bytes(2, false, max_k, true));
-  set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 1>, smem_bytes(4, false, max_k, true));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 4>, smem_bytes(1, true, max_k, false));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 4>, smem_bytes(2, true, max_k, false));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 4>, smem_bytes(4, true, max_k, false));
@@ -399,11 +400,16 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
             a.logits_cols, "must be in [1, n] with logits set");
   if (epilogue == GemmEpilogue::kSwiGlu)
     require(a.n % (2 * kSwiGluGroup) == 0, kWhere, "n", a.n, "must be a multiple of 16 (gate/up groups)");
-  // Rows per block: the fewest fragments that cover T, at most 4 (and what shared memory allows).
+  // The tiles, by the forward's token count T (bench/llama_gemm_bench and bucket_sweep on an H100, SmolLM2's
+  // shapes): up to kNarrowMaxTokens, 16-row narrow tiles, ceil(T / 16) of them down each column block (their
+  // weight tiles come from L2 after the first): at T = 40-320 they run the layer GEMMs 1.1-2.2x faster than
+  // 64-row tiles, whose A rows (up to 197 KB for the down projection) leave one block per SM; beyond it, 64 x
+  // 64 wide tiles (T = 512 and 1024-2560: 6-27% faster forwards than narrow). The LM head (N alone gives
+  // every SM two blocks) always takes wide tiles with the fewest row fragments that cover T.
   const int multiprocessors = current_device_info().multiprocessors;
-  // 64 columns a block when there are many tokens, or when N alone gives every SM two blocks.
-  const bool wide = a.n % 64 == 0 && (a.tokens > 64 || a.n / 64 >= 2 * multiprocessors);
-  int m_frags = a.tokens <= 16 ? 1 : a.tokens <= 32 ? 2 : 4;
+  const bool head_like = a.n % 64 == 0 && a.n / 64 >= 2 * multiprocessors;
+  const bool wide = a.n % 64 == 0 && (a.tokens > kNarrowMaxTokens || head_like);
+  int m_frags = !wide ? 1 : a.tokens <= 16 ? 1 : a.tokens <= 32 ? 2 : 4;
   while (m_frags > 1 && smem_bytes(m_frags, wide, a.k, false) > static_cast<size_t>(max_optin_smem()))
     m_frags /= 2;
   require(smem_bytes(m_frags, wide, a.k, false) <= static_cast<size_t>(max_optin_smem()), kWhere, "k", a.k,
