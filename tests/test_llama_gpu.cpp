@@ -95,6 +95,17 @@ TinyLlamaSpec spec_of(const Shape& s, uint64_t seed, int context = 2048) {
   return spec;
 }
 
+/// A test's random source (its seed printed), a stream and a tiny model file of `shape` drawn from it.
+struct TinySetup {
+  test::Rng rng;
+  Stream stream;
+  std::unique_ptr<Tiny> tiny;
+  explicit TinySetup(const Shape& shape) {
+    MESSAGE("seed ", rng.seed());
+    tiny = make_tiny(spec_of(shape, rng.bits()));
+  }
+};
+
 LlamaModelOptions options_of(int pool_size, int max_seq_len, int max_tokens, DType dtype,
                              std::vector<int> layers = {}) {
   LlamaModelOptions options;
@@ -333,11 +344,11 @@ TEST_CASE("llama forward equals the reference: shapes, block sizes, slot tables,
 }
 
 TEST_CASE("llama forward: a long row runs the split-KV attention and matches the reference") {
-  test::Rng rng;
-  MESSAGE("seed ", rng.seed());
-  Stream stream;
   const Shape shape{2, 64, 4, 2, 128, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
-  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  TinySetup setup(shape);
+  test::Rng& rng = setup.rng;
+  Stream& stream = setup.stream;
+  const std::unique_ptr<Tiny>& tiny = setup.tiny;
   constexpr int kPool = 2048, kMaxSeqLen = 2048, kMaxTokens = 1024; // 2 rows x 499
   Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens);
   // Racecheck tracks every shared-memory access of the attention's position loop: a 600-token row there (10
@@ -367,25 +378,22 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   // token's logits must not depend on how many tokens share its forward: a 40-token block of 16 rows (640
   // tokens: wide tiles), the same tokens in blocks of 8 (128 tokens: narrow) and one at a time (16 tokens)
   // give the same bits. Greedy speculative decoding reproducing greedy decoding rests on this.
-  test::Rng rng;
-  MESSAGE("seed ", rng.seed());
-  Stream stream;
   const Shape shape{2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
-  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  TinySetup setup(shape);
   constexpr int kRows = 16, kLength = 40, kPool = 1024, kMaxSeqLen = 64;
-  const LlamaSequences start = reference::random_llama_sequences(std::vector<int>(kRows, kLength), shape.vocab,
-                                                                 kPool, kMaxSeqLen, 1.0, rng.engine());
+  const LlamaSequences start = reference::random_llama_sequences(
+      std::vector<int>(kRows, kLength), shape.vocab, kPool, kMaxSeqLen, 1.0, setup.rng.engine());
   const auto every_row = [](int) { return true; };
   const size_t vocab = static_cast<size_t>(shape.vocab);
   std::vector<uint8_t> whole; // [rows, kLength, vocab] fp32 from one forward
   for (int block : {kLength, 8, 1}) {
     CAPTURE(block);
-    LlamaModel model(tiny->weights, options_of(kPool, kMaxSeqLen, kRows * kLength, DType::kFloat32));
+    LlamaModel model(setup.tiny->weights, options_of(kPool, kMaxSeqLen, kRows * kLength, DType::kFloat32));
     LlamaSequences s = start;
     for (int first = 0; first < kLength; first += block) {
-      const LlamaForwardInputs in = step_inputs(s, block, every_row, rng.engine());
-      DeviceBatch batch(in, shape.vocab, DType::kFloat32, stream);
-      const std::vector<uint8_t> got = run_forward(model, batch, block == 1, stream);
+      const LlamaForwardInputs in = step_inputs(s, block, every_row, setup.rng.engine());
+      DeviceBatch batch(in, shape.vocab, DType::kFloat32, setup.stream);
+      const std::vector<uint8_t> got = run_forward(model, batch, block == 1, setup.stream);
       if (block == kLength) {
         whole = got;
         continue;
@@ -393,9 +401,9 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
       size_t differing = 0;
       for (int row = 0; row < kRows; ++row)
         for (int j = 0; j < block; ++j)
-          differing += std::memcmp(got.data() + ((size_t(row) * block + j) * vocab) * 4,
-                                   whole.data() + ((size_t(row) * kLength + first + j) * vocab) * 4,
-                                   vocab * 4) != 0;
+          differing +=
+              std::memcmp(got.data() + ((size_t(row) * block + j) * vocab) * 4,
+                          whole.data() + ((size_t(row) * kLength + first + j) * vocab) * 4, vocab * 4) != 0;
       CHECK_MESSAGE(differing == 0, differing << " tokens of block " << first / block
                                               << " have logits that differ from the whole-prefill forward");
     }
@@ -404,11 +412,11 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
 
 TEST_CASE("llama forward: tokens read with a row stride give the dense forward's logits") {
   // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block.
-  test::Rng rng;
-  MESSAGE("seed ", rng.seed());
-  Stream stream;
   const Shape shape{2, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
-  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  TinySetup setup(shape);
+  test::Rng& rng = setup.rng;
+  Stream& stream = setup.stream;
+  const std::unique_ptr<Tiny>& tiny = setup.tiny;
   LlamaModel model(tiny->weights, options_of(256, 64, 64, DType::kFloat32));
   LlamaSequences s =
       reference::random_llama_sequences(std::vector<int>(5, 30), shape.vocab, 256, 64, 0.7, rng.engine());
