@@ -1,6 +1,7 @@
 // The phase both cycle recipes share (graphs/smc_cycle.cpp, graphs/spec_cycle.cpp): slot allocation for
 // K + 1 positions, the draft head (2 tokens) and its sample d_1, K - 1 draft steps each with its sample, and
-// the target verify forward over K + 1 tokens. The speculative cycle also keeps the draft's logits at every
+// the target verify forward over K + 1 tokens (captured with conditional nodes: over max K_q + 1, the columns
+// the longest live row needs). The speculative cycle also keeps the draft's logits at every
 // position (its verifier's residual needs q). Nothing here allocates, synchronizes or reads a host value that
 // changes between replays.
 #include "runtime/engine_state.hpp"
@@ -122,6 +123,14 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
             cudaGraphConditionalHandleCreate(&handle, site.graph, 1, cudaGraphCondAssignDefault));
         conditions.handles[step - 1] = handle;
       }
+      // One IF node per verify width w = 2 .. K + 1; by default only the full width K + 1 runs.
+      conditions.verify_count = K;
+      for (int width = 2; width <= K + 1; ++width) {
+        cudaGraphConditionalHandle handle = 0;
+        SMCGRAPH_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, site.graph, width == K + 1 ? 1 : 0,
+                                                             cudaGraphCondAssignDefault));
+        conditions.verify_handles[width - 2] = handle;
+      }
       set_draft_loop(b, rows, conditions, stream);
     }
 #endif
@@ -195,16 +204,41 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   {
     Stage stage(s, verify_name);
     prepare_verify_inputs(b, rows, stream);
-    ForwardArgs verify{rows,
-                       K + 1,
-                       b.draft_tokens,
-                       b.verify_positions,
-                       b.tables.slot_table,
-                       b.verify_seq_lens,
-                       b.verify_out_slots,
-                       b.tables.live,
-                       s.target_logits.data()};
-    s.target->forward(verify, stream);
+    // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out
+    // slots, and the target logits (row r's column j at r * (K + 1) + j in each).
+    auto verify_forward = [&](int width, cudaStream_t verify_stream) {
+      ForwardArgs verify{rows,
+                         width,
+                         b.draft_tokens,
+                         b.verify_positions,
+                         b.tables.slot_table,
+                         b.verify_seq_lens,
+                         b.verify_out_slots,
+                         b.tables.live,
+                         s.target_logits.data(),
+                         K + 1,
+                         K + 1};
+      s.target->forward(verify, verify_stream);
+      if (width <= K) {
+        // Columns width .. K are past every live row's K_q: no stage uses them, but score() reads every
+        // column, so they get finite zeros rather than an earlier cycle's logits (which may hold a NaN).
+        const size_t column_bytes = static_cast<size_t>(V) * element_bytes;
+        SMCGRAPH_CUDA_CHECK(cudaMemset2DAsync(s.target_logits.data() + width * column_bytes,
+                                              (K + 1) * column_bytes, 0, (K + 1 - width) * column_bytes, rows,
+                                              verify_stream));
+      }
+    };
+#if CUDART_VERSION >= 12040
+    if (conditional) { // the width of the longest live row's block: max K_q + 1 (set_draft_loop)
+      for (int width = 2; width <= K + 1; ++width) {
+        ConditionalBody body(stream, s.body_stream, conditions.verify_handles[width - 2]);
+        verify_forward(width, s.body_stream);
+        body.end();
+      }
+      return;
+    }
+#endif
+    verify_forward(K + 1, stream);
   }
 }
 

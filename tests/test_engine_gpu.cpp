@@ -477,10 +477,11 @@ public:
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
     ForwardingModel::forward(args, stream);
     if (fault_ == Fault::kNanRow && row_ < args.rows) {
-      const size_t row_bytes =
-          static_cast<size_t>(args.tokens_per_row) * vocab() * dtype_bytes(logits_dtype());
+      // The row's tokens_per_row logits rows, io_stride() rows apart from the next row's (ForwardArgs).
+      const size_t token_bytes = static_cast<size_t>(vocab()) * dtype_bytes(logits_dtype());
       SMCGRAPH_CUDA_CHECK(
-          cudaMemsetAsync(static_cast<uint8_t*>(args.logits) + row_ * row_bytes, 0xff, row_bytes, stream));
+          cudaMemsetAsync(static_cast<uint8_t*>(args.logits) + row_ * args.io_stride() * token_bytes, 0xff,
+                          args.tokens_per_row * token_bytes, stream));
     }
     if (fault_ == Fault::kSynchronize)
       SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));

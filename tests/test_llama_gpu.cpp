@@ -410,8 +410,10 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
-TEST_CASE("llama forward: tokens read with a row stride give the dense forward's logits") {
-  // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block.
+TEST_CASE("llama forward: tokens, positions, out slots and logits with a row stride give the dense forward's "
+          "logits") {
+  // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block; its verify forward over
+  // W <= K + 1 columns reads and writes all of its [rows, K + 1] blocks with that stride.
   const Shape shape{2, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
   test::Rng& rng = setup.rng;
@@ -429,15 +431,36 @@ TEST_CASE("llama forward: tokens read with a row stride give the dense forward's
     const int64_t stride = per_row + 2;
     const DeviceBuffer<int32_t> wide_tokens =
         test::to_device(test::widen_rows(in.tokens, in.rows, per_row, stride, -3), stream);
+    const DeviceBuffer<int32_t> wide_positions =
+        test::to_device(test::widen_rows(in.positions, in.rows, per_row, stride, -5), stream);
+    const DeviceBuffer<int32_t> wide_out_slots =
+        test::to_device(test::widen_rows(in.out_slots, in.rows, per_row, stride, -1), stream);
+    const size_t row_bytes = static_cast<size_t>(shape.vocab) * sizeof(float);
+    DeviceBuffer<uint8_t> wide_logits(static_cast<size_t>(in.rows) * stride * row_bytes);
     for (bool captured : {false, true}) {
-      CAPTURE(captured);
-      batch.logits.fill_bytes(kPoison, stream);
-      ForwardArgs args = batch.args();
-      args.tokens = wide_tokens.data() + 1;
-      args.token_row_stride = stride;
-      test::run_on_stream(captured, stream, [&](cudaStream_t st) { model.forward(args, st); });
-      CHECK_MESSAGE(batch.download(stream) == dense,
-                    "the strided forward's logits differ from the dense one");
+      for (bool io_strided : {false, true}) {
+        CAPTURE(captured);
+        CAPTURE(io_strided);
+        batch.logits.fill_bytes(kPoison, stream);
+        wide_logits.fill_bytes(kPoison, stream);
+        ForwardArgs args = batch.args();
+        args.tokens = wide_tokens.data() + 1;
+        args.token_row_stride = stride;
+        if (io_strided) {
+          args.positions = wide_positions.data() + 1;
+          args.out_slots = wide_out_slots.data() + 1;
+          args.logits = wide_logits.data();
+          args.io_row_stride = stride;
+        }
+        test::run_on_stream(captured, stream, [&](cudaStream_t st) { model.forward(args, st); });
+        bool rest_untouched = true;
+        const std::vector<uint8_t> got =
+            io_strided ? test::narrow_rows(test::to_host(wide_logits.data(), wide_logits.size(), stream),
+                                           in.rows, per_row, stride, row_bytes, kPoison, rest_untouched)
+                       : batch.download(stream);
+        CHECK_MESSAGE(rest_untouched, "the strided forward wrote logits past tokens_per_row");
+        CHECK_MESSAGE(got == dense, "the strided forward's logits differ from the dense one");
+      }
     }
   }
 }
@@ -476,6 +499,10 @@ TEST_CASE("llama forward: argument errors and option validation") {
   narrow.token_row_stride = 4; // < tokens_per_row = 5
   e = message_of(narrow);
   CHECK_MESSAGE(e.find("args.token_row_stride = 4") != std::string::npos, e);
+  narrow = fits;
+  narrow.io_row_stride = 3; // < tokens_per_row = 5
+  e = message_of(narrow);
+  CHECK_MESSAGE(e.find("args.io_row_stride = 3") != std::string::npos, e);
   for (int which = 0; which < 7; ++which) {
     CAPTURE(which);
     ForwardArgs args = fits;

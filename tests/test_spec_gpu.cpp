@@ -559,34 +559,48 @@ TEST_CASE("stochastic speculative decoding stays exact while K changes between c
 
 namespace {
 
-/// Counts, on the device, the one-token draft forwards that really ran (a graph's conditional bodies run or
-/// not at replay, so counting calls on the host would count captures).
-class StepCountingModel : public test::ForwardingModel {
+/// Counts, on the device, the forwards that really ran (a graph's conditional bodies run or not at replay, so
+/// counting calls on the host would count captures): counts()[w] is the number of forwards of w tokens per
+/// row that `counted` selects, for w < max_width.
+class CountingModel : public test::ForwardingModel {
 public:
-  explicit StepCountingModel(Model& inner) : ForwardingModel(inner), counter_(1) {
-    counter_.fill_bytes(0, nullptr);
+  using Select = bool (*)(const ForwardArgs&);
+  CountingModel(Model& inner, int max_width, Select counted)
+      : ForwardingModel(inner), counters_(static_cast<size_t>(max_width)), counted_(counted) {
+    counters_.fill_bytes(0, nullptr);
     SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
   }
   void forward(const ForwardArgs& args, cudaStream_t stream) override {
     ForwardingModel::forward(args, stream);
-    if (args.tokens_per_row == 1 && args.positions != nullptr)
-      test::launch_count(counter_.data(), stream);
+    if (counted_(args) && args.tokens_per_row < static_cast<int>(counters_.size()))
+      test::launch_count(counters_.data() + args.tokens_per_row, stream);
   }
-  int count() {
-    int value = 0;
+  std::vector<int> counts() {
+    std::vector<int> values(counters_.size());
     SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
-    counter_.copy_to_host(&value, 1, nullptr);
+    counters_.copy_to_host(values.data(), values.size(), nullptr);
     SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
-    return value;
+    return values;
   }
 
 private:
-  DeviceBuffer<int> counter_;
+  DeviceBuffer<int> counters_;
+  Select counted_;
 };
+
+/// The engine's one-token draft steps (the head and admission pass more tokens per row).
+bool is_draft_step(const ForwardArgs& args) {
+  return args.tokens_per_row == 1 && args.positions != nullptr;
+}
+/// The engine's verify forward: the one forward that reads and writes its [rows, K + 1] blocks with a stride.
+bool is_verify(const ForwardArgs& args) {
+  return args.io_row_stride > 0;
+}
 
 } // namespace
 
-TEST_CASE("a captured cycle runs max K over its live rows of draft steps (conditional nodes), else K_max") {
+TEST_CASE("a captured cycle runs max K over its live rows of draft steps and verifies max K + 1 columns "
+          "(conditional nodes), else K_max") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   for (const char* disable : {"0", "1"}) {
@@ -597,8 +611,9 @@ TEST_CASE("a captured cycle runs max K over its live rows of draft steps (condit
       EngineConfig config = spec_config(8, 6, 512);
       config.use_graphs = graphs;
       ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
-      StepCountingModel draft(*models.draft);
-      Engine engine(config, draft, *models.target);
+      CountingModel draft(*models.draft, 2, is_draft_step);
+      CountingModel target(*models.target, config.draft_steps + 2, is_verify);
+      Engine engine(config, draft, target);
       const bool conditional = engine.draft_loop().conditional;
       MESSAGE(std::string(graphs ? "graphed" : "eager")
               << ", SMCGRAPH_DISABLE_CONDITIONAL=" << std::string(disable) << ": "
@@ -615,13 +630,21 @@ TEST_CASE("a captured cycle runs max K over its live rows of draft steps (condit
                                      {.seed = rng.bits(), .max_new_tokens = 200, .draft_steps = 3}));
         const int longest = phase == 0 ? 1 : 3;
         for (int c = 0; c < 5; ++c) {
-          const int before = draft.count();
+          const int before = draft.counts()[1];
+          const std::vector<int> widths_before = target.counts();
           for (const RequestUpdate& update : cycle(engine)) {
             REQUIRE_FALSE(update.failed);
             CHECK(update.tokens[0].size() <= static_cast<size_t>(update.draft_steps) + 1);
           }
           CAPTURE(phase);
-          CHECK(draft.count() - before == (conditional ? longest - 1 : config.draft_steps - 1));
+          CHECK(draft.counts()[1] - before == (conditional ? longest - 1 : config.draft_steps - 1));
+          // One verify forward a cycle, of max K_q + 1 columns with conditional nodes, K_max + 1 without.
+          const std::vector<int> widths = target.counts();
+          const int width = conditional ? longest + 1 : config.draft_steps + 1;
+          for (size_t w = 0; w < widths.size(); ++w) {
+            CAPTURE(w);
+            CHECK(widths[w] - widths_before[w] == (static_cast<int>(w) == width ? 1 : 0));
+          }
           REQUIRE(check_invariants(engine).ok);
         }
       }

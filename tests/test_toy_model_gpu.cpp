@@ -505,8 +505,10 @@ TEST_CASE("a captured forward replays with new input values behind the same poin
   SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
-TEST_CASE("tokens read with a row stride give the dense forward's logits and KV, eagerly and in a graph") {
-  // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block.
+TEST_CASE("tokens, positions, out slots and logits with a row stride give the dense forward's logits and KV, "
+          "eagerly and in a graph") {
+  // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block; its verify forward over
+  // W <= K + 1 columns reads and writes all of its [rows, K + 1] blocks with that stride.
   test::Rng rng;
   MESSAGE("seed ", rng.seed());
   Stream stream;
@@ -523,19 +525,41 @@ TEST_CASE("tokens read with a row stride give the dense forward's logits and KV,
     const int64_t stride = per_row + 3;
     const DeviceBuffer<int32_t> wide_tokens =
         test::to_device(test::widen_rows(in.tokens, in.rows, per_row, stride, -7), stream);
+    const DeviceBuffer<int32_t> wide_positions =
+        test::to_device(test::widen_rows(in.positions, in.rows, per_row, stride, -5), stream);
+    const DeviceBuffer<int32_t> wide_out_slots =
+        test::to_device(test::widen_rows(in.out_slots, in.rows, per_row, stride, -1), stream);
+    const size_t row_bytes = static_cast<size_t>(config.vocab) * smcgraph::dtype_bytes(config.logits_dtype);
+    DeviceBuffer<uint8_t> wide_logits(static_cast<size_t>(in.rows) * stride * row_bytes);
     for (bool captured : {false, true}) {
-      CAPTURE(captured);
-      upload_kv(model, kv0, stream);
-      batch.logits.fill_bytes(kPoison, stream);
-      ForwardArgs args = batch.args();
-      args.tokens = wide_tokens.data() + 1;
-      args.token_row_stride = stride;
-      test::run_on_stream(captured, stream, [&](cudaStream_t s) { model.forward(args, s); });
-      const std::string logits_diff =
-          logits_difference(batch.download(stream), want, config.logits_dtype, per_row, config.vocab);
-      CHECK_MESSAGE(logits_diff.empty(), logits_diff);
-      const std::string kv_diff = kv_difference(download_kv(model, stream), want_kv, config.hidden);
-      CHECK_MESSAGE(kv_diff.empty(), kv_diff);
+      for (bool io_strided : {false, true}) {
+        CAPTURE(captured);
+        CAPTURE(io_strided);
+        upload_kv(model, kv0, stream);
+        batch.logits.fill_bytes(kPoison, stream);
+        wide_logits.fill_bytes(kPoison, stream);
+        ForwardArgs args = batch.args();
+        args.tokens = wide_tokens.data() + 1;
+        args.token_row_stride = stride;
+        if (io_strided) {
+          args.positions = wide_positions.data() + 1;
+          args.out_slots = wide_out_slots.data() + 1;
+          args.logits = wide_logits.data();
+          args.io_row_stride = stride;
+        }
+        test::run_on_stream(captured, stream, [&](cudaStream_t s) { model.forward(args, s); });
+        bool rest_untouched = true;
+        const std::vector<uint8_t> got =
+            io_strided ? test::narrow_rows(test::to_host(wide_logits.data(), wide_logits.size(), stream),
+                                           in.rows, per_row, stride, row_bytes, kPoison, rest_untouched)
+                       : batch.download(stream);
+        CHECK_MESSAGE(rest_untouched, "the strided forward wrote logits past tokens_per_row");
+        const std::string logits_diff =
+            logits_difference(got, want, config.logits_dtype, per_row, config.vocab);
+        CHECK_MESSAGE(logits_diff.empty(), logits_diff);
+        const std::string kv_diff = kv_difference(download_kv(model, stream), want_kv, config.hidden);
+        CHECK_MESSAGE(kv_diff.empty(), kv_diff);
+      }
     }
   }
 }
@@ -570,6 +594,9 @@ TEST_CASE("forward validates its arguments on the host; rows = 0 is a no-op") {
   args = batch.args();
   args.token_row_stride = 1; // < tokens_per_row = 2
   check_rejects(args, "token_row_stride");
+  args = batch.args();
+  args.io_row_stride = 1; // < tokens_per_row = 2
+  check_rejects(args, "io_row_stride");
   const char* names[] = {"tokens", "positions", "slot_table", "seq_lens", "out_slots", "live", "logits"};
   for (int i = 0; i < 7; ++i) {
     args = batch.args();

@@ -28,8 +28,15 @@ struct ForwardArgs {
   /// Elements between the rows of `tokens`; 0 (the default) means dense (tokens_per_row). The engine's draft
   /// steps read one column of its [rows, K + 1] draft-token block this way. Models must honour it.
   int64_t token_row_stride = 0;
+  /// Tokens between the rows of `positions`, `out_slots` and `logits` (token j of row r at r * io_stride() +
+  /// j, its logits at (r * io_stride() + j) * vocab()); 0 (the default) means dense (tokens_per_row). Entries
+  /// past tokens_per_row in a row are neither read nor written. The engine's verify forward over the
+  /// W <= K + 1 columns a cycle needs reads and writes its [rows, K + 1] blocks this way. Models must honour
+  /// it.
+  int64_t io_row_stride = 0;
 
   int64_t token_stride() const { return token_row_stride > 0 ? token_row_stride : tokens_per_row; }
+  int64_t io_stride() const { return io_row_stride > 0 ? io_row_stride : tokens_per_row; }
 };
 
 /// A model whose forward pass can be captured into a CUDA graph: `forward` enqueues work on `stream`

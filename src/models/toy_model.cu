@@ -82,7 +82,8 @@ struct ToyForwardParams {
   int tokens;               // rows * tokens_per_row
   const int32_t* token_ids; // rows token_row_stride apart
   int64_t token_row_stride; // >= tokens_per_row
-  const int32_t* positions;
+  const int32_t* positions; // rows io_row_stride apart, as out_slots and logits
+  int64_t io_row_stride;    // >= tokens_per_row
   const int32_t* slot_table;
   const int32_t* seq_lens;
   const int32_t* out_slots;
@@ -107,6 +108,11 @@ __device__ __forceinline__ int clamp_int(int value, int lo, int hi) {
   return min(max(value, lo), hi);
 }
 
+/// Where token `token` of the forward sits in positions, out_slots and (times vocab) logits.
+__device__ __forceinline__ int64_t io_index(const ToyForwardParams& params, int64_t token) {
+  return token / params.tokens_per_row * params.io_row_stride + token % params.tokens_per_row;
+}
+
 // One thread per (token, h): writes the KV of every live token before any token reads KV (separate launch),
 // so token j of a forward sees tokens < j of the same forward through the slot table.
 __global__ void ToyKvWriteKernel(ToyForwardParams params) {
@@ -119,12 +125,12 @@ __global__ void ToyKvWriteKernel(ToyForwardParams params) {
   const int row = token / params.tokens_per_row;
   if (!params.live[row])
     return;
-  const int slot = params.out_slots[token];
+  const int slot = params.out_slots[io_index(params, token)];
   if (slot <= 0 || slot >= params.pool_size)
     return; // slot 0 is the dummy; out-of-range writes are dropped
   const int32_t id = params.token_ids[row * params.token_row_stride + token % params.tokens_per_row];
   const int token_id = clamp_int(id, 0, params.vocab - 1);
-  const int position = clamp_int(params.positions[token], 0, params.max_seq_len - 1);
+  const int position = clamp_int(params.positions[io_index(params, token)], 0, params.max_seq_len - 1);
   params.kv[static_cast<int64_t>(slot) * hidden + h] =
       __fadd_rn(params.embedding[static_cast<int64_t>(token_id) * hidden + h],
                 params.position[(position % kToyPositionPeriod) * hidden + h]);
@@ -213,7 +219,8 @@ __global__ void __launch_bounds__(kThreads, 2) ToyLogitsKernel(ToyForwardParams 
         const int row = token / params.tokens_per_row;
         if (params.live[row]) {
           store = 1;
-          const int position = clamp_int(params.positions[token], 0, params.max_seq_len - 1);
+          const int position =
+              clamp_int(params.positions[io_index(params, token)], 0, params.max_seq_len - 1);
           const int seq_len = params.seq_lens[row];
           const int last = seq_len <= 0 ? -1 : min(position, seq_len - 1);
           first = max(0, position - params.window + 1);
@@ -377,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 2) ToyLogitsKernel(ToyForwardParams 
       if (!store_s[t_in_tile])
         continue;
       const int64_t token = static_cast<int64_t>(token_tile) * TOKEN_TILE + t_in_tile;
-      OUT* out = logits + token * params.vocab;
+      OUT* out = logits + io_index(params, token) * params.vocab;
       if (params.vector_store) {
         // vocab % 4 == 0, so a run of 4 starting below vocab ends below it.
         if (v_low < params.vocab)
@@ -555,6 +562,8 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   require(tokens <= (int64_t{1} << 30), where, "rows * tokens_per_row", tokens, "must be <= 2^30");
   require(args.token_row_stride == 0 || args.token_row_stride >= args.tokens_per_row, where,
           "token_row_stride", args.token_row_stride, "must be 0 (dense) or >= tokens_per_row");
+  require(args.io_row_stride == 0 || args.io_row_stride >= args.tokens_per_row, where, "io_row_stride",
+          args.io_row_stride, "must be 0 (dense) or >= tokens_per_row");
   const char* const null_pointer = "must be a device pointer (got null)";
   require(args.tokens != nullptr, where, "tokens", "null", null_pointer);
   require(args.positions != nullptr, where, "positions", "null", null_pointer);
@@ -570,7 +579,7 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const ToyForwardParams params{
       .rows = args.rows, .tokens_per_row = args.tokens_per_row, .tokens = static_cast<int>(tokens),
       .token_ids = args.tokens, .token_row_stride = args.token_stride(), .positions = args.positions,
-      .slot_table = args.slot_table, .seq_lens = args.seq_lens, .out_slots = args.out_slots, .live = args.live,
+      .io_row_stride = args.io_stride(), .slot_table = args.slot_table, .seq_lens = args.seq_lens, .out_slots = args.out_slots, .live = args.live,
       .logits = args.logits, .vector_store = vector_store,
       .vocab = config_.vocab, .vocab_padded = vocab_padded_, .hidden = config_.hidden, .window = config_.window,
       .pool_size = config_.pool_size, .max_seq_len = config_.max_seq_len, .embedding = embedding_.data(),

@@ -31,7 +31,8 @@ bool env_flag(const char* name) {
 /// toolkit and driver of CUDA 12.4 or later, and no SMCGRAPH_DISABLE_CONDITIONAL=1. A failed capture turns it
 /// off later (Engine::Engine).
 DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
-  const char* masked = "every cycle runs K_max - 1 draft steps, masked per row";
+  const char* masked =
+      "every cycle runs K_max - 1 draft steps, masked per row, and verifies K_max + 1 columns";
   if (config.kind != CycleKind::kSpeculative)
     return {false, std::string("SMC cycle: every request drafts draft_steps; ") + masked};
   if (config.draft_steps == 1)
@@ -48,7 +49,8 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
                        std::to_string(driver % 1000 / 10) + ") has no conditional nodes (needs 12.4); " +
                        masked};
   }
-  return {true, "conditional IF node per draft step: a cycle runs max K over its live rows"};
+  return {true, "conditional IF nodes per draft step and per verify width: a cycle runs max K over its live "
+                "rows and verifies max K + 1 columns"};
 #else
   return {false, std::string("built with CUDA < 12.4 (no conditional nodes); ") + masked};
 #endif

@@ -96,6 +96,24 @@ inline std::vector<int32_t> widen_rows(const std::vector<int32_t>& dense, int ro
   return wide;
 }
 
+/// Columns 0 .. per_row - 1 of every row of a [rows, stride] block of `row_bytes`-byte entries (logits
+/// written with ForwardArgs::io_row_stride = stride), packed densely; `rest_untouched` says whether every
+/// other column still holds `poison` bytes only.
+inline std::vector<uint8_t> narrow_rows(const std::vector<uint8_t>& wide, int rows, int per_row,
+                                        int64_t stride, size_t row_bytes, uint8_t poison,
+                                        bool& rest_untouched) {
+  std::vector<uint8_t> dense;
+  dense.reserve(static_cast<size_t>(rows) * per_row * row_bytes);
+  rest_untouched = true;
+  for (int r = 0; r < rows; ++r) {
+    const auto row = wide.begin() + static_cast<size_t>(r) * stride * row_bytes;
+    dense.insert(dense.end(), row, row + per_row * row_bytes);
+    rest_untouched = rest_untouched && std::all_of(row + per_row * row_bytes, row + stride * row_bytes,
+                                                   [poison](uint8_t b) { return b == poison; });
+  }
+  return dense;
+}
+
 inline int sanitizer_scaled(int full, int reduced) {
   return under_sanitizer() ? reduced : full;
 }

@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   // before waiting. Q and the KV of the row's own tokens (the QKV projection just wrote them) come after.
   const int t = r * a.tokens_per_row + j;
   const bool live = a.live[r];
-  const int length = min(min(a.positions[t] + 1, a.seq_lens[r]), a.max_seq_len);
+  const int length =
+      min(min(a.positions[io_index(t, a.tokens_per_row, a.io_row_stride)] + 1, a.seq_lens[r]), a.max_seq_len);
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
   const int chunks = max(0, (length + kAttentionChunk - 1) / kAttentionChunk);
   int next_slot = 0;

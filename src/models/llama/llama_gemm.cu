@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       const int t = m0 + threadIdx.x;
       row_live[threadIdx.x] = a.live[t / a.tokens_per_row];
       if constexpr (kQkv) {
-        row_position[threadIdx.x] = a.positions[t];
-        row_slot[threadIdx.x] = a.out_slots[t];
+        const int64_t io = io_index(t, a.tokens_per_row, a.io_row_stride);
+        row_position[threadIdx.x] = a.positions[io];
+        row_slot[threadIdx.x] = a.out_slots[io];
       }
     }
     if (kQkv && threadIdx.x < a.head_dim / 2)
@@ -257,7 +258,8 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kLogits)) {
       if (col >= a.logits_cols || !row_live[m])
         continue;
-      const size_t index = static_cast<size_t>(t) * a.logits_cols + col;
+      const size_t index =
+          static_cast<size_t>(io_index(t, a.tokens_per_row, a.io_row_stride)) * a.logits_cols + col;
       if (a.logits_dtype == DType::kFloat32)
         static_cast<float*>(a.logits)[index] = value;
       else
@@ -395,6 +397,8 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
                 a.n == a.q_dim + 2 * a.kv_dim,
             kWhere, "n", a.n, "must equal q_dim + 2 kv_dim with head_dim dividing both");
   }
+  require(a.io_row_stride == 0 || a.io_row_stride >= a.tokens_per_row, kWhere, "io_row_stride",
+          a.io_row_stride, "must be 0 (dense) or >= tokens_per_row");
   if (epilogue == GemmEpilogue::kLogits)
     require(a.logits != nullptr && a.logits_cols >= 1 && a.logits_cols <= a.n, kWhere, "logits_cols",
             a.logits_cols, "must be in [1, n] with logits set");
