@@ -429,35 +429,18 @@ TEST_CASE("llama forward: tokens, positions, out slots and logits with a row str
     DeviceBatch batch(in, shape.vocab, DType::kFloat32, stream);
     const std::vector<uint8_t> dense = run_forward(model, batch, false, stream);
     const int64_t stride = per_row + 2;
-    const DeviceBuffer<int32_t> wide_tokens =
-        test::to_device(test::widen_rows(in.tokens, in.rows, per_row, stride, -3), stream);
-    const DeviceBuffer<int32_t> wide_positions =
-        test::to_device(test::widen_rows(in.positions, in.rows, per_row, stride, -5), stream);
-    const DeviceBuffer<int32_t> wide_out_slots =
-        test::to_device(test::widen_rows(in.out_slots, in.rows, per_row, stride, -1), stream);
-    const size_t row_bytes = static_cast<size_t>(shape.vocab) * sizeof(float);
-    DeviceBuffer<uint8_t> wide_logits(static_cast<size_t>(in.rows) * stride * row_bytes);
+    test::StridedForward strided(in.tokens, in.positions, in.out_slots, in.rows, per_row, stride,
+                                 static_cast<size_t>(shape.vocab) * sizeof(float), stream);
     for (bool captured : {false, true}) {
       for (bool io_strided : {false, true}) {
         CAPTURE(captured);
         CAPTURE(io_strided);
         batch.logits.fill_bytes(kPoison, stream);
-        wide_logits.fill_bytes(kPoison, stream);
-        ForwardArgs args = batch.args();
-        args.tokens = wide_tokens.data() + 1;
-        args.token_row_stride = stride;
-        if (io_strided) {
-          args.positions = wide_positions.data() + 1;
-          args.out_slots = wide_out_slots.data() + 1;
-          args.logits = wide_logits.data();
-          args.io_row_stride = stride;
-        }
+        const ForwardArgs args = strided.args(batch.args(), io_strided, kPoison, stream);
         test::run_on_stream(captured, stream, [&](cudaStream_t st) { model.forward(args, st); });
         bool rest_untouched = true;
         const std::vector<uint8_t> got =
-            io_strided ? test::narrow_rows(test::to_host(wide_logits.data(), wide_logits.size(), stream),
-                                           in.rows, per_row, stride, row_bytes, kPoison, rest_untouched)
-                       : batch.download(stream);
+            io_strided ? strided.dense_logits(kPoison, rest_untouched, stream) : batch.download(stream);
         CHECK_MESSAGE(rest_untouched, "the strided forward wrote logits past tokens_per_row");
         CHECK_MESSAGE(got == dense, "the strided forward's logits differ from the dense one");
       }

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "smcgraph/model.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/types.hpp"
 
@@ -113,6 +114,50 @@ inline std::vector<uint8_t> narrow_rows(const std::vector<uint8_t>& wide, int ro
   }
   return dense;
 }
+
+/// A forward's per-token inputs laid out with a row stride, as the engine passes them: tokens at columns
+/// 1 .. per_row of rows `stride` apart (ForwardArgs::token_row_stride) and, for an io-strided forward, the
+/// positions and out slots likewise and a [rows, stride] block of `row_bytes`-byte logits rows
+/// (ForwardArgs::io_row_stride). Entries outside a row's columns hold values that break the forward if read
+/// (token -7, position -5, slot -1) or poison (logits).
+struct StridedForward {
+  int rows = 0, per_row = 0;
+  int64_t stride = 0;
+  size_t row_bytes = 0;
+  DeviceBuffer<int32_t> tokens, positions, out_slots;
+  DeviceBuffer<uint8_t> logits;
+
+  StridedForward(const std::vector<int32_t>& dense_tokens, const std::vector<int32_t>& dense_positions,
+                 const std::vector<int32_t>& dense_out_slots, int row_count, int tokens_per_row,
+                 int64_t row_stride, size_t logits_row_bytes, cudaStream_t stream)
+      : rows(row_count), per_row(tokens_per_row), stride(row_stride), row_bytes(logits_row_bytes),
+        tokens(to_device(widen_rows(dense_tokens, rows, per_row, stride, -7), stream)),
+        positions(to_device(widen_rows(dense_positions, rows, per_row, stride, -5), stream)),
+        out_slots(to_device(widen_rows(dense_out_slots, rows, per_row, stride, -1), stream)),
+        logits(static_cast<size_t>(rows) * stride * row_bytes) {}
+
+  /// `dense` reading its tokens with the stride and, when `io_strided`, its positions, out slots and logits
+  /// too (the logits block poisoned first).
+  ForwardArgs args(ForwardArgs dense, bool io_strided, uint8_t poison, cudaStream_t stream) {
+    dense.tokens = tokens.data() + 1;
+    dense.token_row_stride = stride;
+    if (io_strided) {
+      logits.fill_bytes(poison, stream);
+      dense.positions = positions.data() + 1;
+      dense.out_slots = out_slots.data() + 1;
+      dense.logits = logits.data();
+      dense.io_row_stride = stride;
+    }
+    return dense;
+  }
+
+  /// The io-strided forward's logits packed densely ([rows, per_row]); `rest_untouched` says whether every
+  /// other column still holds the poison.
+  std::vector<uint8_t> dense_logits(uint8_t poison, bool& rest_untouched, cudaStream_t stream) const {
+    return narrow_rows(to_host(logits.data(), logits.size(), stream), rows, per_row, stride, row_bytes,
+                       poison, rest_untouched);
+  }
+};
 
 inline int sanitizer_scaled(int full, int reduced) {
   return under_sanitizer() ? reduced : full;
