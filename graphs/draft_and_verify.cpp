@@ -116,21 +116,21 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
 #if CUDART_VERSION >= 12040
     if (conditional) {
       const CaptureSite site = capture_site(stream);
-      conditions.count = K - 1;
-      for (int step = 1; step < K; ++step) { // default 1: a step whose condition is never set still runs
+      // Reset to `value` at every launch, so a node whose condition is never set behaves as in a fixed-K
+      // cycle.
+      auto new_handle = [&](unsigned value) {
         cudaGraphConditionalHandle handle = 0;
         SMCGRAPH_CUDA_CHECK(
-            cudaGraphConditionalHandleCreate(&handle, site.graph, 1, cudaGraphCondAssignDefault));
-        conditions.handles[step - 1] = handle;
-      }
+            cudaGraphConditionalHandleCreate(&handle, site.graph, value, cudaGraphCondAssignDefault));
+        return static_cast<unsigned long long>(handle);
+      };
+      conditions.count = K - 1;
+      for (int step = 1; step < K; ++step) // every draft step runs by default
+        conditions.handles[step - 1] = new_handle(1);
       // One IF node per verify width w = 2 .. K + 1; by default only the full width K + 1 runs.
       conditions.verify_count = K;
-      for (int width = 2; width <= K + 1; ++width) {
-        cudaGraphConditionalHandle handle = 0;
-        SMCGRAPH_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, site.graph, width == K + 1 ? 1 : 0,
-                                                             cudaGraphCondAssignDefault));
-        conditions.verify_handles[width - 2] = handle;
-      }
+      for (int width = 2; width <= K + 1; ++width)
+        conditions.verify_handles[width - 2] = new_handle(width == K + 1 ? 1 : 0);
       set_draft_loop(b, rows, conditions, stream);
     }
 #endif

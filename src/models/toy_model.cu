@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 
+#include "models/forward_layout.cuh"
 #include "smcgraph/error.hpp"
 
 namespace smcgraph {
@@ -110,7 +111,7 @@ __device__ __forceinline__ int clamp_int(int value, int lo, int hi) {
 
 /// Where token `token` of the forward sits in positions, out_slots and (times vocab) logits.
 __device__ __forceinline__ int64_t io_index(const ToyForwardParams& params, int64_t token) {
-  return token / params.tokens_per_row * params.io_row_stride + token % params.tokens_per_row;
+  return detail::strided_token_index(token, params.tokens_per_row, params.io_row_stride);
 }
 
 // One thread per (token, h): writes the KV of every live token before any token reads KV (separate launch),
@@ -128,7 +129,8 @@ __global__ void ToyKvWriteKernel(ToyForwardParams params) {
   const int slot = params.out_slots[io_index(params, token)];
   if (slot <= 0 || slot >= params.pool_size)
     return; // slot 0 is the dummy; out-of-range writes are dropped
-  const int32_t id = params.token_ids[row * params.token_row_stride + token % params.tokens_per_row];
+  const int32_t id =
+      params.token_ids[detail::strided_token_index(token, params.tokens_per_row, params.token_row_stride)];
   const int token_id = clamp_int(id, 0, params.vocab - 1);
   const int position = clamp_int(params.positions[io_index(params, token)], 0, params.max_seq_len - 1);
   params.kv[static_cast<int64_t>(slot) * hidden + h] =
@@ -560,10 +562,7 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   require(args.tokens_per_row >= 1, where, "tokens_per_row", args.tokens_per_row, "must be >= 1");
   const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
   require(tokens <= (int64_t{1} << 30), where, "rows * tokens_per_row", tokens, "must be <= 2^30");
-  require(args.token_row_stride == 0 || args.token_row_stride >= args.tokens_per_row, where,
-          "token_row_stride", args.token_row_stride, "must be 0 (dense) or >= tokens_per_row");
-  require(args.io_row_stride == 0 || args.io_row_stride >= args.tokens_per_row, where, "io_row_stride",
-          args.io_row_stride, "must be 0 (dense) or >= tokens_per_row");
+  detail::require_row_strides(args, where);
   const char* const null_pointer = "must be a device pointer (got null)";
   require(args.tokens != nullptr, where, "tokens", "null", null_pointer);
   require(args.positions != nullptr, where, "positions", "null", null_pointer);
@@ -579,7 +578,8 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const ToyForwardParams params{
       .rows = args.rows, .tokens_per_row = args.tokens_per_row, .tokens = static_cast<int>(tokens),
       .token_ids = args.tokens, .token_row_stride = args.token_stride(), .positions = args.positions,
-      .io_row_stride = args.io_stride(), .slot_table = args.slot_table, .seq_lens = args.seq_lens, .out_slots = args.out_slots, .live = args.live,
+      .io_row_stride = args.io_stride(), .slot_table = args.slot_table, .seq_lens = args.seq_lens,
+      .out_slots = args.out_slots, .live = args.live,
       .logits = args.logits, .vector_store = vector_store,
       .vocab = config_.vocab, .vocab_padded = vocab_padded_, .hidden = config_.hidden, .window = config_.window,
       .pool_size = config_.pool_size, .max_seq_len = config_.max_seq_len, .embedding = embedding_.data(),

@@ -19,6 +19,7 @@
 #include <cuda_pipeline.h>
 
 #include "kernels/launch_checks.hpp"
+#include "models/forward_layout.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
@@ -83,8 +84,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   // before waiting. Q and the KV of the row's own tokens (the QKV projection just wrote them) come after.
   const int t = r * a.tokens_per_row + j;
   const bool live = a.live[r];
-  const int length =
-      min(min(a.positions[io_index(t, a.tokens_per_row, a.io_row_stride)] + 1, a.seq_lens[r]), a.max_seq_len);
+  const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
+  const int length = min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
   const int chunks = max(0, (length + kAttentionChunk - 1) / kAttentionChunk);
   int next_slot = 0;
@@ -218,7 +219,7 @@ __global__ void LlamaEmbedKernel(int tokens_per_row, int64_t token_row_stride, i
       row[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     return;
   }
-  const int32_t id = token_ids[t / tokens_per_row * token_row_stride + t % tokens_per_row];
+  const int32_t id = token_ids[detail::strided_token_index(t, tokens_per_row, token_row_stride)];
   const int token = min(max(id, 0), vocab - 1);
   const uint2* source = reinterpret_cast<const uint2*>(token_embd + static_cast<size_t>(token) * hidden);
   for (int h = threadIdx.x; h < quads; h += blockDim.x) {
@@ -243,6 +244,8 @@ void prepare_attention(int head_dim) {
 void attention(const AttentionArgs& a, cudaStream_t stream) {
   constexpr const char* kWhere = "llama::attention";
   require(a.rows >= 0 && a.tokens_per_row >= 1, kWhere, "tokens_per_row", a.tokens_per_row, "must be >= 1");
+  require(a.io_row_stride >= a.tokens_per_row, kWhere, "io_row_stride", a.io_row_stride,
+          "must be >= tokens_per_row");
   require(a.head_dim % 8 == 0 && a.head_dim <= kLlamaMaxHeadDim, kWhere, "head_dim", a.head_dim,
           "must be a multiple of 8 and <= 128");
   require(a.kv_heads >= 1 && a.heads % a.kv_heads == 0, kWhere, "kv_heads", a.kv_heads, "must divide heads");

@@ -17,6 +17,7 @@
 #include <mma.h>
 
 #include "kernels/launch_checks.hpp"
+#include "models/forward_layout.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       const int t = m0 + threadIdx.x;
       row_live[threadIdx.x] = a.live[t / a.tokens_per_row];
       if constexpr (kQkv) {
-        const int64_t io = io_index(t, a.tokens_per_row, a.io_row_stride);
+        const int64_t io = detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride);
         row_position[threadIdx.x] = a.positions[io];
         row_slot[threadIdx.x] = a.out_slots[io];
       }
@@ -259,7 +260,9 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       if (col >= a.logits_cols || !row_live[m])
         continue;
       const size_t index =
-          static_cast<size_t>(io_index(t, a.tokens_per_row, a.io_row_stride)) * a.logits_cols + col;
+          static_cast<size_t>(detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)) *
+              a.logits_cols +
+          col;
       if (a.logits_dtype == DType::kFloat32)
         static_cast<float*>(a.logits)[index] = value;
       else
@@ -322,23 +325,19 @@ void launch_variant(const GemmArgs& a, cudaStream_t stream) {
              smem_bytes(M_FRAGS, wide, a.k, stage_w), stream, a, stage_w);
 }
 
-/// The variant with `m_frags` row fragments for blocks of N_WARPS column warps.
-template <int EPILOGUE, int N_WARPS> void launch_width(int m_frags, const GemmArgs& a, cudaStream_t stream) {
+/// Narrow tiles (one row fragment, one column warp); wide ones (four column warps) with `m_frags` row
+/// fragments.
+template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
+  if (!wide)
+    return launch_variant<EPILOGUE, 1, 1>(a, stream);
   switch (m_frags) {
   case 1:
-    return launch_variant<EPILOGUE, 1, N_WARPS>(a, stream);
+    return launch_variant<EPILOGUE, 1, 4>(a, stream);
   case 2:
-    return launch_variant<EPILOGUE, 2, N_WARPS>(a, stream);
+    return launch_variant<EPILOGUE, 2, 4>(a, stream);
   default:
-    return launch_variant<EPILOGUE, 4, N_WARPS>(a, stream);
+    return launch_variant<EPILOGUE, 4, 4>(a, stream);
   }
-}
-
-/// Narrow tiles have one row fragment; wide ones `m_frags`.
-template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
-  if (wide)
-    return launch_width<EPILOGUE, 4>(m_frags, a, stream);
-  return launch_variant<EPILOGUE, 1, 1>(a, stream);
 }
 
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
@@ -397,8 +396,9 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
                 a.n == a.q_dim + 2 * a.kv_dim,
             kWhere, "n", a.n, "must equal q_dim + 2 kv_dim with head_dim dividing both");
   }
-  require(a.io_row_stride == 0 || a.io_row_stride >= a.tokens_per_row, kWhere, "io_row_stride",
-          a.io_row_stride, "must be 0 (dense) or >= tokens_per_row");
+  if (epilogue == GemmEpilogue::kQkvRope || epilogue == GemmEpilogue::kLogits)
+    require(a.io_row_stride >= a.tokens_per_row, kWhere, "io_row_stride", a.io_row_stride,
+            "must be >= tokens_per_row (positions, out_slots and logits rows are read or written)");
   if (epilogue == GemmEpilogue::kLogits)
     require(a.logits != nullptr && a.logits_cols >= 1 && a.logits_cols <= a.n, kWhere, "logits_cols",
             a.logits_cols, "must be in [1, n] with logits set");
@@ -411,8 +411,7 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
   // 64 wide tiles (T = 512 and 1024-2560: 6-27% faster forwards than narrow). The LM head (N alone gives
   // every SM two blocks) always takes wide tiles with the fewest row fragments that cover T.
   const int multiprocessors = current_device_info().multiprocessors;
-  const bool head_like = a.n % 64 == 0 && a.n / 64 >= 2 * multiprocessors;
-  const bool wide = a.n % 64 == 0 && (a.tokens > kNarrowMaxTokens || head_like);
+  const bool wide = a.n % 64 == 0 && (a.tokens > kNarrowMaxTokens || a.n / 64 >= 2 * multiprocessors);
   int m_frags = !wide ? 1 : a.tokens <= 16 ? 1 : a.tokens <= 32 ? 2 : 4;
   while (m_frags > 1 && smem_bytes(m_frags, wide, a.k, false) > static_cast<size_t>(max_optin_smem()))
     m_frags /= 2;

@@ -15,17 +15,6 @@
 
 namespace smcgraph::llama {
 
-/// Where token t of a forward sits in its per-token inputs and outputs laid out [rows, io_row_stride] (0:
-/// dense, tokens_per_row): positions, out_slots and logits rows.
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-    inline int64_t
-    io_index(int t, int tokens_per_row, int64_t io_row_stride) {
-  const int64_t stride = io_row_stride > 0 ? io_row_stride : tokens_per_row;
-  return static_cast<int64_t>(t / tokens_per_row) * stride + t % tokens_per_row;
-}
-
 /// What the GEMM does around Y[T, N] = A[T, K] W[N, K]^T (bf16 operands, fp32 accumulation).
 enum class GemmEpilogue : int {
   kQkvRope = 0,     ///< A = RMSNorm(x); RoPE on q and k columns; q -> q_out, k and v -> KV at out_slots
@@ -40,7 +29,8 @@ inline constexpr int kSwiGluGroup = 8;
 struct GemmArgs {
   int tokens = 0, n = 0, k = 0; ///< T, N, K (N and K multiples of 16)
   int tokens_per_row = 1;       ///< token t belongs to row t / tokens_per_row
-  /// Tokens between rows of positions, out_slots (kQkvRope) and logits (kLogits); 0: tokens_per_row.
+  /// Tokens between rows of positions, out_slots (kQkvRope) and logits (kLogits), >= tokens_per_row
+  /// (ForwardArgs::io_stride(); forward_layout.cuh).
   int64_t io_row_stride = 0;
   const uint16_t* weight = nullptr; ///< [N, K] bf16, row-major
   const uint16_t* a_bf16 = nullptr; ///< [T, K] (kResidualAdd)
@@ -75,7 +65,8 @@ inline constexpr int kAttentionChunk = 32;
 struct AttentionArgs {
   int rows = 0, tokens_per_row = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int max_seq_len = 0, pool_size = 0;
-  int64_t io_row_stride = 0;    ///< tokens between rows of positions; 0: tokens_per_row
+  /// Tokens between rows of positions, >= tokens_per_row (ForwardArgs::io_stride()).
+  int64_t io_row_stride = 0;
   float scale = 1.0f;           ///< 1 / sqrt(head_dim)
   const uint16_t* q = nullptr;  ///< [T, heads * head_dim] bf16, after RoPE
   const uint16_t* kv = nullptr; ///< this layer's KV [pool_size, 2, kv_heads * head_dim]

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "models/forward_layout.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/llama_model.hpp"
@@ -151,10 +152,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
   require(tokens <= options_.max_tokens_per_forward, kWhere, "rows * tokens_per_row", tokens,
           "exceeds LlamaModelOptions::max_tokens_per_forward");
-  require(args.token_row_stride == 0 || args.token_row_stride >= args.tokens_per_row, kWhere,
-          "args.token_row_stride", args.token_row_stride, "must be 0 (dense) or >= tokens_per_row");
-  require(args.io_row_stride == 0 || args.io_row_stride >= args.tokens_per_row, kWhere, "args.io_row_stride",
-          args.io_row_stride, "must be 0 (dense) or >= tokens_per_row");
+  detail::require_row_strides(args, kWhere);
   if (args.rows == 0)
     return;
   require(args.tokens && args.positions && args.slot_table && args.seq_lens && args.out_slots && args.live &&
@@ -172,7 +170,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   llama::AttentionArgs attention{
       .rows = args.rows, .tokens_per_row = args.tokens_per_row, .heads = c.heads, .kv_heads = c.kv_heads,
       .head_dim = c.head_dim, .max_seq_len = options_.max_seq_len, .pool_size = options_.pool_size,
-      .io_row_stride = args.io_stride(), .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)), .q = w.q.data(), .kv = nullptr,
+      .io_row_stride = args.io_stride(), .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+      .q = w.q.data(), .kv = nullptr,
       .slot_table = args.slot_table, .seq_lens = args.seq_lens, .positions = args.positions, .live = args.live,
       .out = w.o.data()}; // .kv: each layer's
   // clang-format on
