@@ -1,9 +1,9 @@
 // The phase both cycle recipes share (graphs/smc_cycle.cpp, graphs/spec_cycle.cpp): slot allocation for
 // K + 1 positions, the draft head (2 tokens) and its sample d_1, K - 1 draft steps each with its sample, and
-// the target verify forward over K + 1 tokens (captured with conditional nodes: over max K_q + 1, the columns
-// the longest live row needs). The speculative cycle also keeps the draft's logits at every
-// position (its verifier's residual needs q). Nothing here allocates, synchronizes or reads a host value that
-// changes between replays.
+// the target verify forward over K + 1 tokens (captured with conditional nodes: nested IF nodes for the draft
+// steps a live row still needs, and one SWITCH node over the verify width max K_q + 1). The speculative cycle
+// also keeps the draft's logits at every position (its verifier's residual needs q). Nothing here allocates,
+// synchronizes or reads a host value that changes between replays.
 #include "runtime/engine_state.hpp"
 
 #include "smcgraph/error.hpp"
@@ -13,7 +13,7 @@
 namespace smcgraph::detail {
 namespace {
 
-#if CUDART_VERSION >= 12040
+#if CUDART_VERSION >= 12080
 /// The graph `stream` is capturing into and the nodes the next captured work depends on.
 struct CaptureSite {
   cudaGraph_t graph = nullptr;
@@ -39,49 +39,70 @@ CaptureSite capture_site(cudaStream_t stream) {
   return site;
 }
 
-/// Appends an IF node to the graph `stream` captures and captures the body on `body_stream` until end();
-/// the stream's later work depends on the IF node.
-class ConditionalBody {
-public:
-  ConditionalBody(cudaStream_t stream, cudaStream_t body_stream, cudaGraphConditionalHandle handle)
-      : body_stream_(body_stream) {
-    const CaptureSite site = capture_site(stream);
-    cudaGraphNodeParams params{};
-    params.type = cudaGraphNodeTypeConditional;
-    params.conditional.handle = handle;
-    params.conditional.type = cudaGraphCondTypeIf;
-    params.conditional.size = 1;
-    cudaGraphNode_t node = nullptr;
+inline constexpr int kMaxBranches = kMaxDraftSteps;
+
+/// The body graphs of a conditional node.
+struct Branches {
+  cudaGraph_t graphs[kMaxBranches] = {};
+};
+
+/// Appends a conditional node (IF with one body, or SWITCH with `size` bodies) at the end of what `stream`
+/// captures; the stream's later work depends on it. Returns its empty body graphs.
+Branches add_conditional(cudaStream_t stream, cudaGraphConditionalNodeType type,
+                         cudaGraphConditionalHandle handle, int size) {
+  require(size >= 1 && size <= kMaxBranches, "draft loop", "conditional size", size,
+          "must be in [1, kMaxDraftSteps]");
+  const CaptureSite site = capture_site(stream);
+  cudaGraphNodeParams params{};
+  params.type = cudaGraphNodeTypeConditional;
+  params.conditional.handle = handle;
+  params.conditional.type = type;
+  params.conditional.size = static_cast<unsigned>(size);
+  cudaGraphNode_t node = nullptr;
 #if CUDART_VERSION >= 13000
-    SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, nullptr, site.count, &params));
-    SMCGRAPH_CUDA_CHECK(
-        cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
+  SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, nullptr, site.count, &params));
+  SMCGRAPH_CUDA_CHECK(
+      cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
 #else
-    SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, site.count, &params));
-    SMCGRAPH_CUDA_CHECK(
-        cudaStreamUpdateCaptureDependencies(stream, &node, 1, cudaStreamSetCaptureDependencies));
+  SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, site.count, &params));
+  SMCGRAPH_CUDA_CHECK(
+      cudaStreamUpdateCaptureDependencies(stream, &node, 1, cudaStreamSetCaptureDependencies));
 #endif
-    SMCGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream, params.conditional.phGraph_out[0], nullptr,
-                                                      nullptr, 0, cudaStreamCaptureModeThreadLocal));
+  Branches branches;
+  for (int i = 0; i < size; ++i)
+    branches.graphs[i] = params.conditional.phGraph_out[i];
+  return branches;
+}
+
+/// Captures conditional bodies on one stream, one at a time: begin(graph) ... end(). A body may end with a
+/// nested conditional node whose own bodies are captured next on the same stream (end the parent first: the
+/// nested node is its last node). An exception leaves no capture open.
+class BodyCapture {
+public:
+  explicit BodyCapture(cudaStream_t stream) : stream_(stream) {}
+  BodyCapture(const BodyCapture&) = delete;
+  BodyCapture& operator=(const BodyCapture&) = delete;
+  cudaStream_t stream() const { return stream_; }
+  void begin(cudaGraph_t body) {
+    SMCGRAPH_CUDA_CHECK(
+        cudaStreamBeginCaptureToGraph(stream_, body, nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal));
     open_ = true;
   }
-  ConditionalBody(const ConditionalBody&) = delete;
-  ConditionalBody& operator=(const ConditionalBody&) = delete;
   void end() {
     open_ = false;
     cudaGraph_t body = nullptr;
-    SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(body_stream_, &body));
+    SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream_, &body));
   }
-  ~ConditionalBody() {
-    if (open_) { // an exception left the body open: end it so the stream can be used again
+  ~BodyCapture() {
+    if (open_) { // an exception left a body open: end it so the stream can be used again
       cudaGraph_t body = nullptr;
-      cudaStreamEndCapture(body_stream_, &body);
+      cudaStreamEndCapture(stream_, &body);
       cudaGetLastError();
     }
   }
 
 private:
-  cudaStream_t body_stream_;
+  cudaStream_t stream_;
   bool open_ = false;
 };
 #endif
@@ -113,7 +134,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     alloc_cycle_slots(b.pool, tables, N, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, b.cycle_slots,
                       b.row_flags, b.status, stream);
     prepare_draft_inputs(b, rows, stream);
-#if CUDART_VERSION >= 12040
+#if CUDART_VERSION >= 12080
     if (conditional) {
       const CaptureSite site = capture_site(stream);
       // Reset to `value` at every launch, so a node whose condition is never set behaves as in a fixed-K
@@ -127,10 +148,9 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       conditions.count = K - 1;
       for (int step = 1; step < K; ++step) // every draft step runs by default
         conditions.handles[step - 1] = new_handle(1);
-      // One IF node per verify width w = 2 .. K + 1; by default only the full width K + 1 runs.
-      conditions.verify_count = K;
-      for (int width = 2; width <= K + 1; ++width)
-        conditions.verify_handles[width - 2] = new_handle(width == K + 1 ? 1 : 0);
+      // One SWITCH node over the verify width: branch w - 2 verifies w columns; by default all K + 1.
+      conditions.verify_handle = new_handle(static_cast<unsigned>(K - 1));
+      conditions.verify_widths = K;
       set_draft_loop(b, rows, conditions, stream);
     }
 #endif
@@ -189,16 +209,28 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
               block_stride},
              s.workspace, step_stream);
     };
-    for (int step = 1; step < K; ++step) {
-#if CUDART_VERSION >= 12040
-      if (conditional) {
-        ConditionalBody body(stream, s.body_stream, conditions.handles[step - 1]);
-        draft_step(step, s.body_stream);
-        body.end();
-        continue;
+#if CUDART_VERSION >= 12080
+    if (conditional) {
+      // Nested IF nodes: step s's body ends with step s + 1's IF node, so once a step is not needed the
+      // later ones are not even evaluated (a K_q = 1 cycle pays for one conditional node here).
+      BodyCapture body(s.body_stream);
+      cudaStream_t parent = stream;
+      for (int step = 1; step < K; ++step) {
+        const Branches branch =
+            add_conditional(parent, cudaGraphCondTypeIf,
+                            static_cast<cudaGraphConditionalHandle>(conditions.handles[step - 1]), 1);
+        if (parent == body.stream())
+          body.end(); // the nested IF node is the parent body's last node
+        body.begin(branch.graphs[0]);
+        draft_step(step, body.stream());
+        parent = body.stream();
       }
+      body.end();
+    }
 #endif
-      draft_step(step, stream);
+    if (!conditional) {
+      for (int step = 1; step < K; ++step)
+        draft_step(step, stream);
     }
   }
   {
@@ -218,21 +250,19 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                          s.target_logits.data(),
                          K + 1,
                          K + 1};
+      // Columns width .. K of the logits block keep what they held: they are past every live row's K_q, and
+      // score() and the verifier read row r's columns 0 .. K_q only.
       s.target->forward(verify, verify_stream);
-      if (width <= K) {
-        // Columns width .. K are past every live row's K_q: no stage uses them, but score() reads every
-        // column, so they get finite zeros rather than an earlier cycle's logits (which may hold a NaN).
-        const size_t column_bytes = static_cast<size_t>(V) * element_bytes;
-        SMCGRAPH_CUDA_CHECK(cudaMemset2DAsync(s.target_logits.data() + width * column_bytes,
-                                              (K + 1) * column_bytes, 0, (K + 1 - width) * column_bytes, rows,
-                                              verify_stream));
-      }
     };
-#if CUDART_VERSION >= 12040
+#if CUDART_VERSION >= 12080
     if (conditional) { // the width of the longest live row's block: max K_q + 1 (set_draft_loop)
+      const Branches widths =
+          add_conditional(stream, cudaGraphCondTypeSwitch,
+                          static_cast<cudaGraphConditionalHandle>(conditions.verify_handle), K);
+      BodyCapture body(s.body_stream);
       for (int width = 2; width <= K + 1; ++width) {
-        ConditionalBody body(stream, s.body_stream, conditions.verify_handles[width - 2]);
-        verify_forward(width, s.body_stream);
+        body.begin(widths.graphs[width - 2]);
+        verify_forward(width, body.stream());
         body.end();
       }
       return;

@@ -33,7 +33,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
     score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
           philox_stream(Salt::kBonus, 0),
           {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
-          s.workspace, stream);
+          s.workspace, stream, b.request_draft_steps); // row q scores its own K_q columns (+ the bonus)
   }
   {
     Stage stage(s, "spec.verify");

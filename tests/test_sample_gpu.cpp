@@ -647,98 +647,123 @@ TEST_CASE("bad rows get flags and sentinels; the other rows are untouched") {
 TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
   test::Rng rng;
   INFO("seed " << rng.seed());
-  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    for (int positions : {1, 2, 5, 9}) {
-      const int rows = 12, vocab = 32001, particles = 4;
-      const int64_t row_stride = static_cast<int64_t>(positions) * vocab;
-      Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
-      batch.particles = particles;
-      // Per row (not per position) parameters and per request keys.
-      std::vector<float> temperature(rows), alpha(rows);
-      for (int r = 0; r < rows; ++r) {
-        temperature[r] = batch.temperature[r];
-        alpha[r] = batch.alpha[r];
-      }
-      std::vector<uint64_t> seeds(rows / particles);
-      std::vector<uint32_t> counters(rows / particles);
-      for (size_t q = 0; q < seeds.size(); ++q) {
-        seeds[q] = rng.bits();
-        counters[q] = static_cast<uint32_t>(rng.bits());
-      }
-      const int token_stride = std::max(1, positions - 1);
-      std::vector<int32_t> tokens(static_cast<size_t>(rows) * token_stride);
-      for (int32_t& t : tokens)
-        t = static_cast<int32_t>(rng.integer(0, vocab - 1));
-      if (positions > 1)
-        tokens[token_stride * 2] = vocab; // out of range: row 2 flagged
-      smcgraph::Stream stream;
-      const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
-      DeviceBuffer<uint8_t> d_logits(bytes.size());
-      d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
-      auto d_temperature = test::to_device(temperature, stream);
-      auto d_alpha = test::to_device(alpha, stream);
-      auto d_seeds = test::to_device(seeds, stream);
-      auto d_counters = test::to_device(counters, stream);
-      auto d_tokens = test::to_device(tokens, stream);
-      DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows),
-          logz(rows);
-      DeviceBuffer<int32_t> bonus(rows);
-      DeviceBuffer<uint32_t> flags(rows), status(1);
-      smcgraph::SampleWorkspace workspace(rows * positions, vocab);
-      const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
-      for (bool captured : {false, true}) {
-        token_logprobs.fill_bytes(0xff, stream);
-        bonus_logprobs.fill_bytes(0xff, stream);
-        logz.fill_bytes(0xff, stream);
-        bonus.fill_bytes(0xff, stream);
-        flags.fill_bytes(0, stream);
-        status.fill_bytes(0, stream);
-        test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-          smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab},
-                          d_tokens.data(), token_stride, {d_temperature.data(), d_alpha.data()},
-                          {d_seeds.data(), d_counters.data(), particles}, stream_word,
-                          {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(),
-                           flags.data(), status.data()},
-                          workspace, s);
-        });
-        const auto h_token_logprobs = test::to_host(token_logprobs.data(), token_logprobs.size(), stream);
-        const auto h_bonus = test::to_host(bonus.data(), rows, stream);
-        const auto h_bonus_logprobs = test::to_host(bonus_logprobs.data(), rows, stream);
-        const auto h_flags = test::to_host(flags.data(), rows, stream);
-        for (int r = 0; r < rows; ++r) {
-          CAPTURE(r);
-          CAPTURE(positions);
-          uint32_t row_flags = 0;
-          for (int p = 0; p + 1 < positions; ++p) {
-            uint32_t f = 0;
-            const double expected = reference::token_logprob(
-                batch.logits.data() + (static_cast<size_t>(r) * positions + p) * vocab, vocab, temperature[r],
-                tokens[r * token_stride + p], &f);
-            row_flags |= f;
-            const float got = h_token_logprobs[r * (positions - 1) + p];
-            if (f) {
-              CHECK(got == -kInf);
-            } else if (std::isinf(expected)) {
-              CHECK(got == -kInf);
-            } else {
-              CHECK(test::close_to(got, expected, 1e-5));
-            }
-          }
-          const auto expected_bonus = reference::sample(
-              batch.logits.data() + (static_cast<size_t>(r) * positions + positions - 1) * vocab, vocab,
-              smcgraph::sample_tile_length(dtype), temperature[r], alpha[r], seeds[r / particles],
-              counters[r / particles], static_cast<uint32_t>(r % particles), stream_word);
-          row_flags |= expected_bonus.flags;
-          CHECK(h_flags[r] == row_flags);
-          if (!expected_bonus.flags && !expected_bonus.near_tie()) {
-            CHECK(h_bonus[r] == expected_bonus.token);
-            if (h_bonus[r] == expected_bonus.token && temperature[r] > 0.0f)
-              CHECK(test::close_to(h_bonus_logprobs[r], expected_bonus.logprob, 1e-5));
+  // per_request: each request scores its own s_q positions (request_steps) and samples at s_q; its logits
+  // past s_q are NaN, which must never be read (no NaN flag) and its log-probs there are -inf.
+  for (bool per_request : {false, true})
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      for (int positions : {1, 2, 5, 9}) {
+        CAPTURE(per_request);
+        const int rows = 12, vocab = 32001, particles = 4;
+        const int64_t row_stride = static_cast<int64_t>(positions) * vocab;
+        Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
+        batch.particles = particles;
+        // s_q per request (clamped by score() to [0, P - 1]: -1 and P + 3 test the clamp).
+        std::vector<int32_t> steps(rows / particles, positions - 1);
+        if (per_request) {
+          for (int32_t& q : steps)
+            q = static_cast<int32_t>(rng.integer(0, positions - 1));
+          steps[0] = -1;
+          steps.back() = positions + 3;
+          for (int r = 0; r < rows; ++r) {
+            const int last = std::clamp(steps[r / particles], 0, positions - 1);
+            for (int p = last + 1; p < positions; ++p)
+              std::fill_n(batch.logits.begin() + (static_cast<size_t>(r) * positions + p) * vocab, vocab,
+                          std::numeric_limits<float>::quiet_NaN());
           }
         }
+        auto row_last = [&](int r) { return std::clamp(steps[r / particles], 0, positions - 1); };
+        // Per row (not per position) parameters and per request keys.
+        std::vector<float> temperature(rows), alpha(rows);
+        for (int r = 0; r < rows; ++r) {
+          temperature[r] = batch.temperature[r];
+          alpha[r] = batch.alpha[r];
+        }
+        std::vector<uint64_t> seeds(rows / particles);
+        std::vector<uint32_t> counters(rows / particles);
+        for (size_t q = 0; q < seeds.size(); ++q) {
+          seeds[q] = rng.bits();
+          counters[q] = static_cast<uint32_t>(rng.bits());
+        }
+        const int token_stride = std::max(1, positions - 1);
+        std::vector<int32_t> tokens(static_cast<size_t>(rows) * token_stride);
+        for (int32_t& t : tokens)
+          t = static_cast<int32_t>(rng.integer(0, vocab - 1));
         if (positions > 1)
-          CHECK((h_flags[2] & smcgraph::kFlagTokenOutOfRange) != 0);
+          tokens[token_stride * 2] = vocab; // out of range: row 2 flagged
+        smcgraph::Stream stream;
+        const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
+        DeviceBuffer<uint8_t> d_logits(bytes.size());
+        d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
+        auto d_temperature = test::to_device(temperature, stream);
+        auto d_alpha = test::to_device(alpha, stream);
+        auto d_seeds = test::to_device(seeds, stream);
+        auto d_counters = test::to_device(counters, stream);
+        auto d_tokens = test::to_device(tokens, stream);
+        auto d_steps = test::to_device(steps, stream);
+        DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows),
+            logz(rows);
+        DeviceBuffer<int32_t> bonus(rows);
+        DeviceBuffer<uint32_t> flags(rows), status(1);
+        smcgraph::SampleWorkspace workspace(rows * positions, vocab);
+        const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
+        for (bool captured : {false, true}) {
+          token_logprobs.fill_bytes(0xff, stream);
+          bonus_logprobs.fill_bytes(0xff, stream);
+          logz.fill_bytes(0xff, stream);
+          bonus.fill_bytes(0xff, stream);
+          flags.fill_bytes(0, stream);
+          status.fill_bytes(0, stream);
+          test::run_on_stream(captured, stream, [&](cudaStream_t s) {
+            smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab},
+                            d_tokens.data(), token_stride, {d_temperature.data(), d_alpha.data()},
+                            {d_seeds.data(), d_counters.data(), particles}, stream_word,
+                            {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(),
+                             flags.data(), status.data()},
+                            workspace, s, per_request ? d_steps.data() : nullptr);
+          });
+          const auto h_token_logprobs = test::to_host(token_logprobs.data(), token_logprobs.size(), stream);
+          const auto h_bonus = test::to_host(bonus.data(), rows, stream);
+          const auto h_bonus_logprobs = test::to_host(bonus_logprobs.data(), rows, stream);
+          const auto h_flags = test::to_host(flags.data(), rows, stream);
+          for (int r = 0; r < rows; ++r) {
+            CAPTURE(r);
+            CAPTURE(positions);
+            uint32_t row_flags = 0;
+            const int last = row_last(r);
+            for (int p = 0; p + 1 < positions; ++p) {
+              if (p >= last) { // past the request's s_q: not scored
+                CHECK(h_token_logprobs[r * (positions - 1) + p] == -kInf);
+                continue;
+              }
+              uint32_t f = 0;
+              const double expected = reference::token_logprob(
+                  batch.logits.data() + (static_cast<size_t>(r) * positions + p) * vocab, vocab,
+                  temperature[r], tokens[r * token_stride + p], &f);
+              row_flags |= f;
+              const float got = h_token_logprobs[r * (positions - 1) + p];
+              if (f) {
+                CHECK(got == -kInf);
+              } else if (std::isinf(expected)) {
+                CHECK(got == -kInf);
+              } else {
+                CHECK(test::close_to(got, expected, 1e-5));
+              }
+            }
+            const auto expected_bonus = reference::sample(
+                batch.logits.data() + (static_cast<size_t>(r) * positions + last) * vocab, vocab,
+                smcgraph::sample_tile_length(dtype), temperature[r], alpha[r], seeds[r / particles],
+                counters[r / particles], static_cast<uint32_t>(r % particles), stream_word);
+            row_flags |= expected_bonus.flags;
+            CHECK(h_flags[r] == row_flags);
+            if (!expected_bonus.flags && !expected_bonus.near_tie()) {
+              CHECK(h_bonus[r] == expected_bonus.token);
+              if (h_bonus[r] == expected_bonus.token && temperature[r] > 0.0f)
+                CHECK(test::close_to(h_bonus_logprobs[r], expected_bonus.logprob, 1e-5));
+            }
+          }
+          if (positions > 1 && row_last(2) > 0)
+            CHECK((h_flags[2] & smcgraph::kFlagTokenOutOfRange) != 0);
+        }
       }
     }
-  }
 }

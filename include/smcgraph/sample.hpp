@@ -123,9 +123,14 @@ void sample(const LogitsView& logits, const RowParams& params, const RowRandom& 
 
 /// One pass over `[rows, P, V]`: log-probs of the given tokens at positions < P - 1 under softmax(l / T)
 /// and a bonus sample (as sample()) at position P - 1. `tokens` has row stride `token_row_stride`.
+/// `request_steps` (optional, device memory, [requests], read at run time): row r of request
+/// q = r / random.particles_per_request scores only positions < s_q and samples its bonus at position s_q,
+/// s_q = request_steps[q] clamped to [0, P - 1]; its logits past s_q are never read (they may hold anything)
+/// and its token log-probs at positions >= s_q are -inf. A speculative engine passes each request's own draft
+/// length K_q.
 void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_stride, const RowParams& params,
            const RowRandom& random, uint32_t stream_word, const ScoreOutputs& out, SampleWorkspace& workspace,
-           cudaStream_t stream);
+           cudaStream_t stream, const int32_t* request_steps = nullptr);
 
 /// draw_counters[i] += 1 for i < count (one launch; put it in the graph after the draws of a cycle).
 void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stream);

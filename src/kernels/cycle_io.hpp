@@ -141,12 +141,13 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Draft steps and verify width the captured cycle runs (draft_steps.cu): with m = max K_q over the live rows
-/// (1 when none is live), sets handles[s - 1] = (s < m) for s = 1 .. count and verify_handles[w - 2] =
-/// (w == m + 1) for w = 2 .. verify_count + 1; graph replays only (cudaGraphSetConditional).
+/// (1 when none is live), sets handles[s - 1] = (s < m) for s = 1 .. count (nested IF nodes) and the verify
+/// SWITCH to branch m - 1 (width m + 1) when verify_widths > 0; graph replays only (cudaGraphSetConditional).
 struct DraftLoopConditions {
-  unsigned long long handles[kMaxDraftSteps] = {};        ///< cudaGraphConditionalHandle of step s at s - 1
-  unsigned long long verify_handles[kMaxDraftSteps] = {}; ///< the verify forward of width w at w - 2
-  int count = 0, verify_count = 0;
+  unsigned long long handles[kMaxDraftSteps] = {}; ///< cudaGraphConditionalHandle of step s at s - 1
+  unsigned long long verify_handle = 0; ///< the SWITCH over the verify width: branch w - 2, width w
+  int count = 0;
+  int verify_widths = 0; ///< branches of the verify SWITCH (K_max), 0 without one
 };
 void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,
                     cudaStream_t stream);

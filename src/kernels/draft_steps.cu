@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kLoopThreads)
     if (b.tables.live[r])
       longest = max(longest, request_draft_steps_of(b.request_draft_steps, r / b.particles, b.max_steps));
   longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
-#if CUDART_VERSION >= 12040
+#if CUDART_VERSION >= 12080
   if (threadIdx.x == 0) {
     for (int s = 1; s <= conditions.count; ++s) // step s (after the head) drafts d_{s+1}: needed when K > s
       cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.handles[s - 1]),
@@ -138,9 +138,9 @@ __global__ void __launch_bounds__(kLoopThreads)
     // The verify forward covers columns 0 .. m of the draft block: d_0 (the last committed token) and the
     // longest row's m draft tokens. Rows with K_q < m repeat their last drafted position there (never read).
     const int width = max(longest, 1) + 1;
-    for (int w = 2; w <= conditions.verify_count + 1; ++w)
-      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.verify_handles[w - 2]),
-                              w == width ? 1u : 0u);
+    if (conditions.verify_widths > 0)
+      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.verify_handle),
+                              static_cast<unsigned>(min(width, conditions.verify_widths + 1) - 2));
   }
 #else
   (void)longest;
@@ -175,8 +175,8 @@ void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& 
   require(rows >= 0 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [0, max_rows]");
   require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
           conditions.count, "must be in [0, kMaxDraftSteps]");
-  require(conditions.verify_count >= 0 && conditions.verify_count <= kMaxDraftSteps, kWhere,
-          "conditions.verify_count", conditions.verify_count, "must be in [0, kMaxDraftSteps]");
+  require(conditions.verify_widths >= 0 && conditions.verify_widths <= kMaxDraftSteps, kWhere,
+          "conditions.verify_widths", conditions.verify_widths, "must be in [0, kMaxDraftSteps]");
   const LoopView view{b.tables, b.particles, b.draft_steps, b.request_draft_steps};
   SetDraftLoopKernel<<<1, kLoopThreads, 0, stream>>>(view, rows, conditions);
   SMCGRAPH_CHECK_LAUNCH();

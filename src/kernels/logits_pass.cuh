@@ -472,6 +472,8 @@ struct PassArgs {
   float* sample_logz{};
   uint32_t* row_flags{};
   uint32_t* status{};
+  /// score(): [requests] per-request sample position s_q (clamped to [0, P - 1]); null: P - 1 for all rows
+  const int32_t* request_steps{};
   // set by launch_logits_pass
   int splits{}; ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
   PassState* partials{};
@@ -480,7 +482,7 @@ struct PassArgs {
 
 template <DType DTYPE, PassMode MODE>
 __device__ void run_job(const PassArgs& args, const JobContext& job, int row, int position, int split,
-                        uint32_t param_flags) {
+                        bool sample_position, uint32_t param_flags) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
   using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
@@ -562,7 +564,6 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   uint32_t flags = state.flags | param_flags;
   if (!flags && state.max == -INFINITY)
     flags |= kFlagAllMasked;
-  const bool sample_position = position == args.logits.positions - 1;
   if (sample_position) {
     int32_t token = kInvalidToken;
     float logprob = -INFINITY, logz = 0.0f;
@@ -614,7 +615,19 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
   const int job_index = blockIdx.x / args.splits;
   const int row = job_index / args.logits.positions;
   const int position = job_index % args.logits.positions;
-  const bool sample_position = position == args.logits.positions - 1;
+  const int particles = args.random.particles_per_request;
+  const int request = row / particles;
+  // The row's sample position: P - 1, or its request's own s_q (score() with request_steps).
+  int last = args.logits.positions - 1;
+  if (args.request_steps != nullptr)
+    last = min(max(args.request_steps[request], 0), last);
+  // A token position at or past the row's sample position is not scored: its log-prob is -inf. Past it the
+  // logits are not read at all.
+  if (position >= last && position < args.logits.positions - 1 && split == 0 && threadIdx.x == 0)
+    args.token_logprobs[row * (args.logits.positions - 1) + position] = -INFINITY;
+  if (position > last)
+    return;
+  const bool sample_position = position == last;
 
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
@@ -624,8 +637,6 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
   if (sample_position && (!(alpha > 0.0f) || isinf(alpha)))
     param_flags |= kFlagBadParameter;
 
-  const int particles = args.random.particles_per_request;
-  const int request = row / particles;
   JobContext job;
   job.c = temperature > 0.0f ? kLog2e / temperature : 0.0f;
   job.alpha = alpha;
@@ -636,13 +647,13 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy>(args, job, row, position, split, param_flags);
+    run_job<DTYPE, PassMode::kGreedy>(args, job, row, position, split, sample_position, param_flags);
   } else if (!sample_position) {
-    run_job<DTYPE, PassMode::kScore>(args, job, row, position, split, 0u);
+    run_job<DTYPE, PassMode::kScore>(args, job, row, position, split, sample_position, 0u);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace>(args, job, row, position, split, 0u);
+    run_job<DTYPE, PassMode::kRace>(args, job, row, position, split, sample_position, 0u);
   } else {
-    run_job<DTYPE, PassMode::kRacePower>(args, job, row, position, split, 0u);
+    run_job<DTYPE, PassMode::kRacePower>(args, job, row, position, split, sample_position, 0u);
   }
 }
 

@@ -1,6 +1,7 @@
 // score(): for logits [rows, P, V] and tokens [rows, P - 1], the tempered log-prob of each given token at
 // positions < P - 1 and a bonus sample at position P - 1, all in one launch and one read of the logits
-// (the pass kernel in logits_pass.cuh, instantiated in sample.cu).
+// (the pass kernel in logits_pass.cuh, instantiated in sample.cu). With per-request steps s_q, row r scores
+// positions < s_q and samples at s_q; the CTAs of its later positions return at once.
 #include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
 
@@ -10,7 +11,7 @@ namespace smcgraph {
 
 void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_stride, const RowParams& params,
            const RowRandom& random, uint32_t stream_word, const ScoreOutputs& out, SampleWorkspace& workspace,
-           cudaStream_t stream) {
+           cudaStream_t stream, const int32_t* request_steps) {
   constexpr const char* kWhere = "smcgraph::score";
   if (logits.positions > 1) {
     require(tokens != nullptr, kWhere, "tokens", "null", "must be a device pointer when positions > 1");
@@ -26,7 +27,8 @@ void score(const LogitsView& logits, const int32_t* tokens, int64_t token_row_st
                               .tokens = tokens, .token_row_stride = token_row_stride,
                               .token_logprobs = out.token_logprobs, .sample_tokens = out.bonus_tokens,
                               .sample_logprobs = out.bonus_logprobs, .sample_logz = out.logz,
-                              .row_flags = out.row_flags, .status = out.status};
+                              .row_flags = out.row_flags, .status = out.status,
+                              .request_steps = request_steps};
   // clang-format on
   detail::launch_logits_pass(kWhere, args, workspace, stream);
 }

@@ -28,8 +28,8 @@ bool env_flag(const char* name) {
 }
 
 /// Whether the captured draft steps can sit in conditional nodes: a speculative engine with graphs, K > 1, a
-/// toolkit and driver of CUDA 12.4 or later, and no SMCGRAPH_DISABLE_CONDITIONAL=1. A failed capture turns it
-/// off later (Engine::Engine).
+/// toolkit and driver of CUDA 12.8 or later (SWITCH nodes), and no SMCGRAPH_DISABLE_CONDITIONAL=1. A failed
+/// capture turns it off later (Engine::Engine).
 DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
   const char* masked =
       "every cycle runs K_max - 1 draft steps, masked per row, and verifies K_max + 1 columns";
@@ -41,18 +41,19 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
     return {false, std::string("eager: ") + masked};
   if (env_flag("SMCGRAPH_DISABLE_CONDITIONAL"))
     return {false, std::string("SMCGRAPH_DISABLE_CONDITIONAL=1: ") + masked};
-#if CUDART_VERSION >= 12040
+#if CUDART_VERSION >= 12080
   int driver = 0;
-  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12040) {
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {
     cudaGetLastError();
     return {false, "the driver (CUDA " + std::to_string(driver / 1000) + "." +
-                       std::to_string(driver % 1000 / 10) + ") has no conditional nodes (needs 12.4); " +
-                       masked};
+                       std::to_string(driver % 1000 / 10) +
+                       ") has no SWITCH conditional nodes (needs 12.8); " + masked};
   }
-  return {true, "conditional IF nodes per draft step and per verify width: a cycle runs max K over its live "
-                "rows and verifies max K + 1 columns"};
+  return {true,
+          "conditional nodes: nested IF nodes for the draft steps and one SWITCH over the verify width; "
+          "a cycle runs max K over its live rows and verifies max K + 1 columns"};
 #else
-  return {false, std::string("built with CUDA < 12.4 (no conditional nodes); ") + masked};
+  return {false, std::string("built with CUDA < 12.8 (no SWITCH conditional nodes); ") + masked};
 #endif
 }
 
