@@ -689,6 +689,27 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     engine.set_eager(false);
     check_slots(engine, check);
 
+    // 5. (--stages) Each stage's GPU time, alone on the GPU: median over 5 profiled cycles.
+    std::vector<std::pair<std::string, double>> stage_us;
+    if (o.stages) {
+      ctx.progress->update(*ctx.done, std::string(label) + ": stages");
+      refill_and_warm_up(engine, ids, requests, *ctx.seed, check);
+      std::vector<std::vector<StageTime>> profiles;
+      for (int c = 0; c < 5; ++c)
+        profiles.push_back(engine.profile_step());
+      drain(engine, updates);
+      for (size_t i = 0; i < profiles[0].size(); ++i) {
+        std::vector<double> us;
+        bool gated = true;
+        for (const auto& profile : profiles) {
+          us.push_back(profile[i].gpu_us);
+          gated = gated && profile[i].gated;
+        }
+        stage_us.emplace_back(profiles[0][i].name + (gated ? "" : " (ungated)"), summarize(us).median_us);
+      }
+      check_slots(engine, check);
+    }
+
     // Derived numbers.
     row.nonmodel_us = row.graph.median_us - row.model.cycle_us;
     const int element_bytes = dtype_bytes(dtype);
@@ -739,6 +760,23 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     if (kind == CycleKind::kSmc)
       std::printf("%8s  particles: mean ESS / N %s, resampled in %s%% of request cycles\n", "",
                   format(row.ess_over_n, 3).c_str(), format(100.0 * row.resample_rate, 1).c_str());
+    if (!stage_us.empty()) {
+      // Stages that hold a model forward are named *draft* and *verify*; the rest is the library's own part.
+      double own = 0.0;
+      std::string line;
+      auto holds_forward = [](const std::string& name) {
+        const std::string stage = name.substr(0, name.find(' '));
+        return stage == "smc.draft" || stage == "spec.draft" || stage == "smc.verify" ||
+               stage == "spec.verify_forward";
+      };
+      for (const auto& [name, us] : stage_us) {
+        line += " " + name + " " + format(us, 1);
+        if (!holds_forward(name))
+          own += us;
+      }
+      std::printf("%8s  stages (us, each alone on the GPU, eager):%s; stages without a forward %s us\n", "",
+                  line.c_str(), format(own, 1).c_str());
+    }
     if (!row.valid)
       std::printf("  validation failed: %s\n", row.problem.c_str());
     std::fflush(stdout);

@@ -123,13 +123,12 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   const size_t element_bytes = dtype_bytes(dtype);
   const size_t step_logits_bytes = static_cast<size_t>(s.rows) * V * element_bytes; // one [rows, V] block
 
-  s.stage = "reset_status";
-  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), stream));
   // Captured with conditional nodes: draft step s runs only when some live row has K_q > s.
   const bool conditional = s.draft_loop.conditional && K > 1 && mode == Enqueue::kCapture;
   DraftLoopConditions conditions;
   {
     Stage stage(s, alloc_name);
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), stream)); // the cycle's fault bits
     // Each row takes K_q + 1 slots (positions L .. L + K_q), its request's draft length.
     alloc_cycle_slots(b.pool, tables, N, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, b.cycle_slots,
                       b.row_flags, b.status, stream);

@@ -134,6 +134,45 @@ TEST_CASE("graph and eager runs are bit-identical over 50 cycles") {
   }
 }
 
+TEST_CASE("profile_step() times every stage of a real cycle and commits what step() commits") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (CycleKind kind : {CycleKind::kSmc, CycleKind::kSpeculative}) {
+    CAPTURE(static_cast<int>(kind));
+    EngineConfig config = small_config(kind == CycleKind::kSmc ? 4 : 1, 4, 8);
+    config.kind = kind;
+    Setup a(config), b(config);
+    for (int i = 0; i < 5; ++i) {
+      const auto prompt = random_prompt(rng, config.vocab, 20);
+      const uint64_t seed = rng.bits();
+      CHECK(a.engine->admit(prompt, {.seed = seed}) == b.engine->admit(prompt, {.seed = seed}));
+    }
+    const char* prefix = kind == CycleKind::kSmc ? "smc." : "spec.";
+    for (int c = 0; c < 3; ++c) {
+      CAPTURE(c);
+      const auto expected = cycle(*a.engine); // graph replay
+      const std::vector<StageTime> stages = b.engine->profile_step();
+      const auto got = b.engine->poll();
+      REQUIRE(same_updates(expected, got));
+      CHECK_FALSE(b.engine->eager()); // profile_step() leaves the engine as it was
+      // Every stage of the recipe, in order, each with a positive GPU time and all launches gated.
+      REQUIRE(stages.size() >= 8);
+      CHECK(stages.front().name == std::string(prefix) + "alloc");
+      CHECK(stages.back().name == "cycle.outputs_to_host");
+      bool has_score = false;
+      for (const StageTime& stage : stages) {
+        CAPTURE(stage.name);
+        CHECK(stage.gpu_us > 0.0);
+        CHECK(stage.gpu_us < 1e5);
+        CHECK(stage.gated);
+        has_score = has_score || stage.name == std::string(prefix) + "score";
+      }
+      CHECK(has_score);
+    }
+    CHECK(check_invariants(*b.engine).ok);
+  }
+}
+
 TEST_CASE("a request's tokens do not depend on its bucket, its neighbours or its request slot") {
   test::Rng rng;
   INFO("seed " << rng.seed());

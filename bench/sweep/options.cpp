@@ -41,6 +41,10 @@ void print_usage() {
       "  --kinds LIST          cycle kinds, smc and/or spec (default both; spec runs with N = 1 and is "
       "reported as\n"
       "                        pending when the engine rejects kSpeculative)\n"
+      "  --stages              after each row, the GPU time of every cycle stage (Engine::profile_step(): "
+      "each\n"
+      "                        stage alone on the GPU, eager, median of 5 cycles) and the non-model stages' "
+      "sum\n"
       "  --adaptive            spec engines choose each request's K on the device (EngineConfig::adaptive,\n"
       "                        K in {1, ceil(K/2), K}); every spec row prints its mean K and acceptance EMA\n"
       "  --draft-cost C        with --adaptive: the cost-aware rule's draft cost "
@@ -134,6 +138,8 @@ int parse_options(int argc, char** argv, Options& o) {
       o.plots = true;
     } else if (arg == "--no-progress") {
       o.progress = false;
+    } else if (arg == "--stages") {
+      o.stages = true;
     } else if (arg == "--adaptive") {
       o.adaptive = true;
     } else if (arg == "--requests" || arg == "--particles" || arg == "--steps" || arg == "--vocabs") {

@@ -61,6 +61,7 @@ struct Options {
   float draft_perturbation = 0.3f;
   std::string csv = "results/bucket_sweep.csv";
   bool quick = false, peers = false, plots = false, progress = true;
+  bool stages = false;   ///< --stages: per-stage GPU time of a cycle (Engine::profile_step())
   bool adaptive = false; ///< --adaptive: speculative engines choose each request's K on the device
   /// --draft-cost C: AdaptiveDraftSteps::draft_cost of the adaptive engines; < 0 (default): measured (one
   /// draft forward over the target verify forward, timed alone at the smallest bucket); 0: the seed's rule

@@ -133,6 +133,15 @@ struct DraftLoopInfo {
   std::string note;
 };
 
+/// GPU time of one stage of a cycle (Engine::profile_step()).
+struct StageTime {
+  std::string name; ///< the stage's NVTX name, e.g. "spec.score"
+  double gpu_us = 0.0;
+  /// true: the stage's launches were all queued before the GPU ran them, so gpu_us is its kernels back to
+  /// back; false: it had more launches than the queue holds and gpu_us includes the host's launch gaps.
+  bool gated = true;
+};
+
 /// A finished (or running) request's output (result()).
 struct RequestResult {
   RequestId id = -1;
@@ -201,6 +210,14 @@ public:
   /// Runs the next step() eagerly (kernel by kernel) instead of replaying a graph (debugging, comparisons).
   void set_eager(bool eager);
   bool eager() const;
+
+  /// One step() for profiling: waits for the engine's stream, runs the cycle's recipe eagerly with each
+  /// stage alone on the GPU (its launches queued behind a gate and released together, so the time is the
+  /// stage's kernels back to back, without host launch gaps and without the overlap between stages that a
+  /// captured graph's programmatic dependent launches give), waits for it and returns each stage's GPU time
+  /// in order. The cycle is a real one: its updates come from poll() as usual. Slow (a synchronization per
+  /// stage): for profiles only. Eager, so the speculative cycle runs its masked K_max loop.
+  std::vector<StageTime> profile_step();
 
   int live_requests() const;
   int current_bucket() const; ///< request slots the next step() covers (0 when nothing is live)

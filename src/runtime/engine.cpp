@@ -449,6 +449,7 @@ void Engine::step() {
   if (s.eager) {
     NvtxRange range("cycle.eager");
     detail::enqueue_cycle(s, cycle.bucket_requests, detail::Enqueue::kEager, s.stream);
+    detail::Stage stage(s, "cycle.outputs_to_host");
     SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
                                         detail::output_layout(cycle.bucket_requests * s.config.particles,
                                                               cycle.bucket_requests, s.draft_steps)
@@ -460,6 +461,25 @@ void Engine::step() {
   s.outputs_ready[parity]->record(s.stream);
   s.in_flight.push();
   ++s.cycles_launched;
+}
+
+std::vector<StageTime> Engine::profile_step() {
+  State& s = *state_;
+  s.stream.synchronize();
+  detail::StageProfiler profiler;
+  const bool eager = s.eager;
+  s.eager = true;
+  s.profiler = &profiler;
+  try {
+    step();
+  } catch (...) {
+    s.eager = eager;
+    s.profiler = nullptr;
+    throw;
+  }
+  s.eager = eager;
+  s.profiler = nullptr;
+  return profiler.finish();
 }
 
 std::vector<RequestUpdate> Engine::poll() {

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cycle_io.hpp"
+#include "runtime/stage_profiler.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/sample.hpp"
@@ -117,7 +118,8 @@ struct Engine::State {
   std::vector<BucketInfo> bucket_info;
   std::vector<std::array<CapturedCycle, 2>> graphs; ///< [bucket][parity]
   bool eager = false;
-  const char* stage = ""; ///< the cycle stage being enqueued (named by a failed capture)
+  const char* stage = "";                    ///< the cycle stage being enqueued (named by a failed capture)
+  detail::StageProfiler* profiler = nullptr; ///< set only while Engine::profile_step() enqueues its cycle
 
   // Host bookkeeping.
   std::vector<RequestId> slot_owner; ///< [max_requests], -1 when free
@@ -134,11 +136,23 @@ struct Engine::State {
 
 namespace detail {
 /// Names the stage being enqueued (a failed capture reports it) and marks it in NVTX timelines.
+/// In Engine::profile_step() it also times the stage alone on the GPU (stage_profiler.hpp).
 class Stage {
 public:
-  Stage(Engine::State& state, const char* name) : range_(name) { state.stage = name; }
+  Stage(Engine::State& state, const char* name) : state_(state), range_(name) {
+    state.stage = name;
+    if (state.profiler != nullptr)
+      state.profiler->begin(name, state.stream);
+  }
+  ~Stage() {
+    if (state_.profiler != nullptr)
+      state_.profiler->end(state_.stream);
+  }
+  Stage(const Stage&) = delete;
+  Stage& operator=(const Stage&) = delete;
 
 private:
+  Engine::State& state_;
   NvtxRange range_;
 };
 
