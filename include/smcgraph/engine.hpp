@@ -125,8 +125,9 @@ struct RequestUpdate {
 
 /// How the engine's captured cycles run the draft steps (Engine::draft_loop()).
 struct DraftLoopInfo {
-  /// true: each draft step after the head sits in a CUDA graph conditional (IF) node whose condition a
-  /// kernel sets from the largest K among the live rows, so a cycle runs max K steps, not K_max. false: the
+  /// true: the draft steps after the head sit in nested CUDA graph IF nodes and the verify forward in a
+  /// SWITCH over its width, set by a kernel from the largest K among the live rows, so a cycle runs max K
+  /// steps and verifies max K + 1 columns, not K_max and K_max + 1. false: the
   /// K_max - 1 steps always run and rows past their own K are masked (eager runs, the SMC cycle, or a
   /// toolkit / driver / model that cannot capture conditional nodes: `note` says which).
   bool conditional = false;
