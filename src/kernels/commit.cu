@@ -1,5 +1,6 @@
 // Commit (cycle_io.hpp): the cycle's tokens into the tables and lengths of every live row, for the SMC cycle
 // (K + 1 tokens) and the speculative one (accepted + 1, rejected slots back to the pool).
+#include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/row_launch.cuh"
@@ -79,6 +80,7 @@ template <class View> __device__ __forceinline__ CommitRow commit_row(const View
 }
 
 __global__ void CommitCycleKernel(CommitView b, int rows) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const CommitRow row = commit_row(b, rows);
   if (row.cycle == nullptr)
     return;
@@ -104,6 +106,7 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
 namespace {
 
 __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const CommitRow row = commit_row(b, rows);
   if (row.cycle == nullptr) {
     if (row.r < rows)

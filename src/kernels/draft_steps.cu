@@ -2,6 +2,7 @@
 // (EMA of the acceptance rate -> K of the next cycle, capped under KV pressure) and, at the start of a
 // captured cycle, the conditions of the draft steps' conditional nodes (max K over the live rows). Both read
 // every value that changes between replays from device memory; the policy is fixed for the engine's lifetime.
+#include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/launch_checks.hpp"
@@ -90,6 +91,7 @@ __device__ __forceinline__ int choose_steps(const DraftStepsPolicy& policy, floa
 }
 
 __global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t* accepted) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int q = blockIdx.x * blockDim.x + threadIdx.x;
   const int free = *b.pool.free_count;
   const bool pressure = free < b.policy.pressure_watermark_slots;
@@ -123,6 +125,7 @@ __global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t
 
 __global__ void __launch_bounds__(kLoopThreads)
     SetDraftLoopKernel(LoopView b, int rows, DraftLoopConditions conditions) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using BlockReduce = cub::BlockReduce<int, kLoopThreads>;
   __shared__ typename BlockReduce::TempStorage storage;
   int longest = 0;
@@ -178,7 +181,7 @@ void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& 
   require(conditions.verify_widths >= 0 && conditions.verify_widths <= kMaxDraftSteps, kWhere,
           "conditions.verify_widths", conditions.verify_widths, "must be in [0, kMaxDraftSteps]");
   const LoopView view{b.tables, b.particles, b.draft_steps, b.request_draft_steps};
-  SetDraftLoopKernel<<<1, kLoopThreads, 0, stream>>>(view, rows, conditions);
+  launch_pdl(SetDraftLoopKernel, dim3(1), dim3(kLoopThreads), 0, stream, view, rows, conditions);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
@@ -187,7 +190,8 @@ void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* acce
   require(requests >= 0 && requests * b.particles <= b.max_rows, kWhere, "requests", requests,
           "must be in [0, max_rows / particles]");
   const int blocks = std::max(1, static_cast<int>(ceil_div(requests, kThreads)));
-  DecideDraftStepsKernel<<<blocks, kThreads, 0, stream>>>(decide_view(b), requests, accepted);
+  launch_pdl(DecideDraftStepsKernel, dim3(blocks), dim3(kThreads), 0, stream, decide_view(b), requests,
+             accepted);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

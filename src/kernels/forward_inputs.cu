@@ -1,5 +1,6 @@
 // Forward inputs (cycle_io.hpp): the draft head's, draft steps' and target verify's tokens, positions,
 // lengths and KV slots of every row, gathered from the tables inside the captured cycle.
+#include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/row_launch.cuh"
@@ -42,6 +43,7 @@ template <class View> __device__ __forceinline__ int row_draft_steps(const View&
 }
 
 __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
@@ -101,6 +103,7 @@ VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
 }
 
 __global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;

@@ -1,4 +1,5 @@
 // Output packing (cycle_io.hpp): one cycle's outputs into the pinned buffer the host reads (layout below).
+#include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/row_launch.cuh"
 
@@ -41,6 +42,7 @@ OutputsView outputs_view(const CycleBuffers& b) {
 }
 
 __global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputLayout layout) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   const int requests = rows / b.particles;
   if (r < rows) {

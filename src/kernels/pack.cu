@@ -26,6 +26,7 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/verify.hpp"
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/verify_device.cuh"
 
@@ -134,6 +135,7 @@ __device__ __forceinline__ int row_of(const int32_t* prefix, int tile_rows, int6
 
 template <int VECTOR_BYTES, bool COUNTS_GIVEN>
 __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs args) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using Vector = typename VectorOf<VECTOR_BYTES>::type;
   using WarpScan = cub::WarpScan<int32_t>;
   using WarpReduce = cub::WarpReduce<uint32_t>;
@@ -344,16 +346,16 @@ template <bool COUNTS_GIVEN> void launch(int vector_bytes, const PackArgs& args,
   const dim3 grid(static_cast<unsigned>(int64_t{args.tiles} * args.splits));
   switch (vector_bytes) {
   case 16:
-    VerifyPackKernel<16, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
     break;
   case 8:
-    VerifyPackKernel<8, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    detail::launch_pdl(VerifyPackKernel<8, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
     break;
   case 4:
-    VerifyPackKernel<4, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    detail::launch_pdl(VerifyPackKernel<4, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
     break;
   default:
-    VerifyPackKernel<2, COUNTS_GIVEN><<<grid, kPackThreads, 0, stream>>>(args);
+    detail::launch_pdl(VerifyPackKernel<2, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
     break;
   }
 }

@@ -1,6 +1,7 @@
 // Draw-counter advance (one node per cycle) and a Philox cross-check kernel for the tests.
 #include "smcgraph/sample.hpp"
 #include "smcgraph/error.hpp"
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/random.cuh"
 
@@ -8,6 +9,7 @@ namespace smcgraph {
 namespace {
 
 __global__ void AdvanceDrawCountersKernel(uint32_t* draw_counters, int count) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < count)
     draw_counters[i] += 1u;
@@ -32,8 +34,8 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
   require(draw_counters != nullptr, "advance_draw_counters", "draw_counters", "null",
           "must be a device pointer");
   constexpr int kThreads = 256;
-  AdvanceDrawCountersKernel<<<static_cast<int>(detail::ceil_div(count, kThreads)), kThreads, 0, stream>>>(
-      draw_counters, count);
+  detail::launch_pdl(AdvanceDrawCountersKernel, dim3(static_cast<int>(detail::ceil_div(count, kThreads))),
+                     dim3(kThreads), 0, stream, draw_counters, count);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -4,6 +4,7 @@
 #include <cub/warp/warp_scan.cuh>
 #include <cuda/functional>
 
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/random.cuh"
 #include "smcgraph/error.hpp"
@@ -20,6 +21,7 @@ static_assert(kMaxResampleParticles % 32 == 0, "particles are spread evenly over
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     ResampleKernel(ResampleInputs in, double* logw, ResampleOutputs out) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using WarpReduceDouble = cub::WarpReduce<double>;
   using WarpScanDouble = cub::WarpScan<double>;
   using WarpScanInt = cub::WarpScan<int>;
@@ -194,7 +196,7 @@ void resample(const ResampleInputs& in, double* logw, const ResampleOutputs& out
                                            {"out.log_evidence", out.log_evidence}});
   const int blocks = (in.requests + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const NvtxRange range("resample");
-  ResampleKernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(in, logw, out);
+  detail::launch_pdl(ResampleKernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, in, logw, out);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -4,6 +4,7 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/slots_device.cuh"
 
@@ -14,6 +15,7 @@ constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads)
     ReshuffleKernel(SlotPoolView pool, RowTablesView tables, const int32_t* ancestor, uint8_t* finished) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int dst = blockIdx.x;
   const int source = ancestor[dst];
   // A source is never a destination, so no CTA reads a row another one writes (no snapshot needed); a plan
@@ -37,7 +39,8 @@ void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int3
   require(ancestor != nullptr, kWhere, "ancestor", "null", "must be a device pointer");
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
   const NvtxRange range("reshuffle");
-  ReshuffleKernel<<<tables.rows, kThreads, 0, stream>>>(pool, tables, ancestor, finished);
+  detail::launch_pdl(ReshuffleKernel, dim3(tables.rows), dim3(kThreads), 0, stream, pool, tables, ancestor,
+                     finished);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

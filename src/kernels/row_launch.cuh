@@ -7,18 +7,19 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/launch_checks.hpp"
+#include "kernels/pdl.cuh"
 #include "smcgraph/error.hpp"
 
 namespace smcgraph::detail {
 
 constexpr int kRowThreads = 128;
 
-/// kernel<<<ceil(rows / kRowThreads), kRowThreads, 0, stream>>>(args...), then the launch check.
+/// kernel<<<ceil(rows / kRowThreads), kRowThreads, 0, stream>>>(args...) with programmatic dependent launch
+/// (kernels/pdl.cuh: the kernel must begin with pdl_enter()).
 template <class... Params, class... Args>
 void launch_per_row(void (*kernel)(Params...), int rows, cudaStream_t stream, Args&&... args) {
   const auto blocks = static_cast<unsigned>(ceil_div(rows, kRowThreads));
-  kernel<<<blocks, kRowThreads, 0, stream>>>(std::forward<Args>(args)...);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_pdl(kernel, dim3(blocks), dim3(kRowThreads), 0, stream, std::forward<Args>(args)...);
 }
 
 } // namespace smcgraph::detail

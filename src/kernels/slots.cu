@@ -8,6 +8,7 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/types.hpp"
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/slots_device.cuh"
 
@@ -49,6 +50,7 @@ __global__ void __launch_bounds__(kAllocThreads)
     AllocCycleSlotsKernel(SlotPoolView pool, RowTablesView tables, int particles, int slots_per_row,
                           RequestSlotCounts counts, int32_t* out_slots, uint32_t* row_flags,
                           uint32_t* status) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using BlockScan = cub::BlockScan<int, kAllocThreads>;
   using BlockReduce = cub::BlockReduce<int, kAllocThreads>;
   __shared__ union {
@@ -216,6 +218,7 @@ constexpr int kCollectWordsPerThread = 4;
 // block scan of per-thread popcounts gives each thread its first stack position, then each thread pushes
 // its marked ids in ascending order and clears its words.
 __global__ void __launch_bounds__(kCollectThreads) CollectFreedSlotsKernel(SlotPoolView pool) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using BlockScan = cub::BlockScan<int, kCollectThreads>;
   __shared__ typename BlockScan::TempStorage scan;
   __shared__ int base;
@@ -264,7 +267,7 @@ void collect_freed_slots(const SlotPoolView& pool, cudaStream_t stream) {
   if (pool.freed == nullptr)
     return;
   const NvtxRange range("collect_freed_slots");
-  CollectFreedSlotsKernel<<<1, kCollectThreads, 0, stream>>>(pool);
+  detail::launch_pdl(CollectFreedSlotsKernel, dim3(1), dim3(kCollectThreads), 0, stream, pool);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
@@ -293,8 +296,8 @@ void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, in
     return;
   require_device_pointers(kWhere, {{"out_slots", out_slots}, {"row_flags", row_flags}, {"status", status}});
   const NvtxRange range("alloc_cycle_slots");
-  AllocCycleSlotsKernel<<<1, kAllocThreads, 0, stream>>>(pool, tables, particles_per_request, slots_per_row,
-                                                         counts, out_slots, row_flags, status);
+  detail::launch_pdl(AllocCycleSlotsKernel, dim3(1), dim3(kAllocThreads), 0, stream, pool, tables,
+                     particles_per_request, slots_per_row, counts, out_slots, row_flags, status);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

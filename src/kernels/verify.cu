@@ -4,6 +4,7 @@
 // so lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
 // from one position of the row (the residual max(0, p - q) at the first rejection, or p at position
 // draft_steps) by Gumbel-max in log space, in one pass over that position's logits.
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
 #include "kernels/verify_device.cuh"
@@ -44,6 +45,7 @@ struct GreedyArgs {
 /// One warp per row. The loads of kWindowsPerBatch windows are issued before their ballots, so a long row
 /// (draft_steps = 256: 8 windows) waits for memory twice, not eight times.
 __global__ void __launch_bounds__(kGreedyThreads) GreedyVerifyKernel(const GreedyArgs args) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const TokenVerifyInputs& in = args.in;
   const int row = blockIdx.x * kGreedyWarps + static_cast<int>(threadIdx.x) / 32;
   if (row >= in.rows)
@@ -279,6 +281,7 @@ struct StochasticArgs {
 /// One CTA per row: the coins by warp ballots (windows spread over the warps), then one draw.
 template <DType DTYPE, int THREADS>
 __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const StochasticArgs args) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using Pass = RowPass<DTYPE, THREADS>;
   using Scalar = typename Pass::Scalar;
   __shared__ typename Pass::TempStorage temp;
@@ -407,13 +410,16 @@ template <int THREADS> void launch_stochastic(DType dtype, const StochasticArgs&
   const dim3 grid(static_cast<unsigned>(args.in.target_logits.rows));
   switch (dtype) {
   case DType::kFloat32:
-    StochasticVerifyKernel<DType::kFloat32, THREADS><<<grid, THREADS, 0, stream>>>(args);
+    detail::launch_pdl(StochasticVerifyKernel<DType::kFloat32, THREADS>, dim3(grid), dim3(THREADS), 0, stream,
+                       args);
     break;
   case DType::kBFloat16:
-    StochasticVerifyKernel<DType::kBFloat16, THREADS><<<grid, THREADS, 0, stream>>>(args);
+    detail::launch_pdl(StochasticVerifyKernel<DType::kBFloat16, THREADS>, dim3(grid), dim3(THREADS), 0,
+                       stream, args);
     break;
   case DType::kFloat16:
-    StochasticVerifyKernel<DType::kFloat16, THREADS><<<grid, THREADS, 0, stream>>>(args);
+    detail::launch_pdl(StochasticVerifyKernel<DType::kFloat16, THREADS>, dim3(grid), dim3(THREADS), 0, stream,
+                       args);
     break;
   }
 }
@@ -465,7 +471,8 @@ void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cu
   out.validate(kWhere);
   const NvtxRange range("verify_greedy");
   const dim3 grid(static_cast<unsigned>((inputs.rows + kGreedyWarps - 1) / kGreedyWarps));
-  GreedyVerifyKernel<<<grid, kGreedyThreads, 0, stream>>>(GreedyArgs{inputs, out});
+  detail::launch_pdl(GreedyVerifyKernel, dim3(grid), dim3(kGreedyThreads), 0, stream,
+                     GreedyArgs{inputs, out});
   SMCGRAPH_CHECK_LAUNCH();
 }
 

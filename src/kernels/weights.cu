@@ -1,5 +1,6 @@
 // Importance weights (DESIGN.md §2 step 6): one thread per row, accumulated in double.
 #include "smcgraph/error.hpp"
+#include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
@@ -15,6 +16,7 @@ template <class T> __device__ __forceinline__ T at(const StepMatrix<T>& matrix, 
 
 __global__ void AccumulateWeightsKernel(WeightInputs in, double* logw, uint8_t* finished,
                                         int32_t* first_eos) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= in.rows)
     return;
@@ -73,8 +75,8 @@ void accumulate_weights(const WeightInputs& in, double* logw, uint8_t* finished,
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
   require(first_eos != nullptr, kWhere, "first_eos", "null", "must be a device pointer");
   const NvtxRange range("accumulate_weights");
-  AccumulateWeightsKernel<<<static_cast<int>(detail::ceil_div(in.rows, kThreads)), kThreads, 0, stream>>>(
-      in, logw, finished, first_eos);
+  detail::launch_pdl(AccumulateWeightsKernel, dim3(static_cast<int>(detail::ceil_div(in.rows, kThreads))),
+                     dim3(kThreads), 0, stream, in, logw, finished, first_eos);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,64 @@
+// Programmatic dependent launch (PDL) for kernel chains: the cycle's stage kernels and the Llama forward.
+// A kernel launched through launch_pdl() carries cudaLaunchAttributeProgrammaticStreamSerialization, so it
+// can be launched (its CTAs made resident) while its predecessor in the stream finishes; it must wait in
+// pdl_wait() (cudaGridDependencySynchronize: the predecessor grid has completed and its writes are visible)
+// before it touches memory the predecessor reads or writes. A kernel calls pdl_trigger() only after its own
+// pdl_wait(), so at most two kernels of a chain are resident at a time. Captured graphs keep the programmatic
+// edges (the launch latency between two dependent nodes is hidden). SMCGRAPH_DISABLE_PDL=1 launches plainly
+// (pdl_wait() is then a no-op). A kernel that may be launched through launch_pdl() must call pdl_wait()
+// before its first global-memory access; pdl_enter() does both at the top of a small stage kernel.
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "smcgraph/error.hpp"
+
+namespace smcgraph::detail {
+
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("SMCGRAPH_DISABLE_PDL");
+    return value == nullptr || std::strcmp(value, "1") != 0;
+  }();
+  return enabled;
+}
+
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+/// The top of a stage kernel: wait for the predecessor, then let the successor launch.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_trigger();
+}
+
+} // namespace smcgraph::detail
