@@ -194,9 +194,10 @@ struct Validation {
   }
 };
 
-/// Host two-level Gumbel-max on the logits the device saw (sample.hpp): the tile t with the largest
-/// log Z_t - log(-log u_t) (u_t the word of element kTileDrawElement + t), then inside it the vocab id with
-/// the largest alpha l_v / T - log(-log u_v); plus the log-prob of the device's token and log Z, in double.
+/// Host two-level Gumbel-max on the logits the device saw (sample.hpp): the sub-tile s (sample_subtile())
+/// with the largest log Z_s - log(-log u_s) (u_s the word of element kTileDrawElement + s), then inside it
+/// the vocab id with the largest alpha l_v / T - log(-log u_v); plus the log-prob of the device's token and
+/// log Z, in double.
 void check_row_against_host(const float* row_logits, const Shape& shape, int row, const RowSetup& setup,
                             const HostOutputs& device, Validation& validation) {
   const int request = row / setup.particles_per_request;
@@ -210,37 +211,36 @@ void check_row_against_host(const float* row_logits, const Shape& shape, int row
         smcgraph::uniform_open01(smcgraph::philox_word(seed, element, draw_counter, particle, kStreamWord));
     return -std::log(-std::log(static_cast<double>(u)));
   };
-  const int tile_length = smcgraph::sample_tile_length(shape.dtype);
-  const int tiles = smcgraph::sample_splits(shape.vocab, shape.dtype);
-  const auto tile_of = [&](int t) {
-    return std::pair{t * tile_length, std::min(shape.vocab, (t + 1) * tile_length)};
-  };
+  const int sub_tiles = smcgraph::sample_splits(shape.vocab, shape.dtype) * smcgraph::kSampleSubTilesPerTile;
+  std::vector<int> sub_tile_of(shape.vocab);
+  for (int v = 0; v < shape.vocab; ++v)
+    sub_tile_of[v] = smcgraph::sample_subtile(v, shape.dtype);
 
-  // Per tile: lse of alpha l / T (the tile race's log Z_t), and the row's lse of l / T and of alpha l / T.
+  // Per sub-tile: lse of alpha l / T (the sub-tile race's log Z_s), and the row's lse of l / T and of
+  // alpha l / T.
   double max_x = -std::numeric_limits<double>::infinity(), max_plain = max_x;
   for (int v = 0; v < shape.vocab; ++v) {
     max_plain = std::max(max_plain, row_logits[v] * inverse_t);
     max_x = std::max(max_x, alpha * row_logits[v] * inverse_t);
   }
   double sum_x = 0.0, sum_plain = 0.0;
-  std::vector<double> tile_scores(tiles);
-  for (int t = 0; t < tiles; ++t) {
-    const auto [begin, end] = tile_of(t);
-    double tile_sum = 0.0;
-    for (int v = begin; v < end; ++v) {
-      tile_sum += std::exp(alpha * row_logits[v] * inverse_t - max_x);
-      sum_plain += std::exp(row_logits[v] * inverse_t - max_plain);
-    }
-    sum_x += tile_sum;
-    tile_scores[t] = tiles == 1 ? 0.0 : std::log(tile_sum) + noise(smcgraph::kTileDrawElement + t);
+  std::vector<double> sub_sums(sub_tiles, 0.0), tile_scores(sub_tiles);
+  for (int v = 0; v < shape.vocab; ++v) {
+    const double x = std::exp(alpha * row_logits[v] * inverse_t - max_x);
+    sub_sums[sub_tile_of[v]] += x;
+    sum_x += x;
+    sum_plain += std::exp(row_logits[v] * inverse_t - max_plain);
   }
+  for (int s = 0; s < sub_tiles; ++s) // an empty or all -inf sub-tile scores -inf: it never wins
+    tile_scores[s] = std::log(sub_sums[s]) + noise(smcgraph::kTileDrawElement + s);
   const double lse_x = max_x + std::log(sum_x), lse_plain = max_plain + std::log(sum_plain);
   const int best_tile =
       static_cast<int>(std::max_element(tile_scores.begin(), tile_scores.end()) - tile_scores.begin());
-  const auto [begin, end] = tile_of(best_tile);
   double best_score = -std::numeric_limits<double>::infinity();
   int best_token = -1;
-  for (int v = begin; v < end; ++v) {
+  for (int v = 0; v < shape.vocab; ++v) {
+    if (sub_tile_of[v] != best_tile)
+      continue;
     const double score = alpha * row_logits[v] * inverse_t + noise(v);
     if (score > best_score) {
       best_score = score;
@@ -251,8 +251,8 @@ void check_row_against_host(const float* row_logits, const Shape& shape, int row
   ++validation.checked_rows;
   if (token != best_token) {
     // The device works in fp32 with approximate exp2/log2: a gap this small is a tie, not a bug (between
-    // tiles when the device's token lies in another tile, else between tokens of the tile).
-    const int token_tile = token / tile_length;
+    // sub-tiles when the device's token lies in another sub-tile, else between tokens of the sub-tile).
+    const int token_tile = sub_tile_of[token];
     const double best = token_tile == best_tile ? best_score : tile_scores[best_tile];
     const double gap = token_tile == best_tile
                            ? best_score - (alpha * row_logits[token] * inverse_t + noise(token))

@@ -115,6 +115,60 @@ TEST_CASE("tiles of the two-level sampler: 4096 fp32, 8192 bf16 / fp16 logits, o
   std::vector<float> logits{0.f, 1.f};
   CHECK_THROWS_WITH_AS(smcgraph::reference::sample(logits.data(), 2, 0, 1.0f, 1.0f, 1, 0, 0, 0),
                        doctest::Contains("tile_length = 0"), smcgraph::Error);
+  // The int overload is the device's layout: other tile lengths need an explicit TileLayout.
+  CHECK_THROWS_WITH_AS(smcgraph::reference::sample(logits.data(), 2, 100, 1.0f, 1.0f, 1, 0, 0, 0),
+                       doctest::Contains("tile_length = 100: must be sample_tile_length() of a dtype"),
+                       smcgraph::Error);
+  const smcgraph::reference::TileLayout ragged{10, 2, 4, 2}; // 10 is not a multiple of 2 * 4
+  CHECK_THROWS_WITH_AS(smcgraph::reference::sample(logits.data(), 2, ragged, 1.0f, 1.0f, 1, 0, 0, 0),
+                       doctest::Contains("must be a multiple of vector_length * threads"), smcgraph::Error);
+  const smcgraph::reference::TileLayout odd_lanes{16, 1, 4, 3};
+  CHECK_THROWS_WITH_AS(smcgraph::reference::sample(logits.data(), 2, odd_lanes, 1.0f, 1.0f, 1, 0, 0, 0),
+                       doctest::Contains("lanes = 3"), smcgraph::Error);
+}
+
+TEST_CASE("sub-tiles: sub-tile w of a tile is what warp w of its CTA folds (512 fp32, 1024 bf16 / fp16)") {
+  using smcgraph::DType;
+  CHECK(smcgraph::kSampleSubTilesPerTile == 8);
+  CHECK(smcgraph::sample_subtile_length(DType::kFloat32) == 512);
+  CHECK(smcgraph::sample_subtile_length(DType::kBFloat16) == 1024);
+  CHECK(smcgraph::sample_subtile_length(DType::kFloat16) == 1024);
+  CHECK_THROWS_WITH_AS(smcgraph::sample_subtile(-1, DType::kFloat32), doctest::Contains("vocab_id = -1"),
+                       smcgraph::Error);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    CAPTURE(smcgraph::dtype_name(dtype));
+    const int tile = smcgraph::sample_tile_length(dtype), vector = 16 / smcgraph::dtype_bytes(dtype);
+    const auto layout = smcgraph::reference::TileLayout::device(dtype);
+    CHECK(layout.tile_length == tile);
+    CHECK(layout.sub_tiles_per_tile() == smcgraph::kSampleSubTilesPerTile);
+    // The pass's fold (logits_pass.cuh, for_each_vector): thread t of a tile's CTA loads vectors t, t + 256,
+    // ... of the tile; warp t / 32 merges what its lanes folded. Every vocab id of three tiles, once.
+    std::vector<int> expected(3 * tile, -1), members(3 * smcgraph::kSampleSubTilesPerTile, 0);
+    for (int t = 0; t < 3; ++t)
+      for (int thread = 0; thread < 256; ++thread)
+        for (int q = thread; q < tile / vector; q += 256)
+          for (int i = 0; i < vector; ++i) {
+            const int v = t * tile + q * vector + i;
+            REQUIRE(expected[v] == -1);
+            expected[v] = t * smcgraph::kSampleSubTilesPerTile + thread / 32;
+          }
+    int wrong = 0;
+    for (int v = 0; v < 3 * tile; ++v) {
+      wrong += smcgraph::sample_subtile(v, dtype) != expected[v] || layout.sub_tile(v) != expected[v];
+      ++members[expected[v]];
+    }
+    CHECK(wrong == 0);
+    for (int count : members)
+      CHECK(count == smcgraph::sample_subtile_length(dtype));
+    // Spot checks of the formula in sample.hpp.
+    CHECK(smcgraph::sample_subtile(0, dtype) == 0);
+    CHECK(smcgraph::sample_subtile(32 * vector - 1, dtype) == 0);
+    CHECK(smcgraph::sample_subtile(32 * vector, dtype) == 1);
+    CHECK(smcgraph::sample_subtile(256 * vector, dtype) == 0); // thread 0's second vector
+    CHECK(smcgraph::sample_subtile(tile - 1, dtype) == 7);
+    CHECK(smcgraph::sample_subtile(tile, dtype) == 8);
+    CHECK(smcgraph::sample_subtile(15 * tile + 255 * vector, dtype) == 15 * 8 + 7);
+  }
 }
 
 TEST_CASE("score() validates its token inputs") {
@@ -145,17 +199,19 @@ namespace {
 
 /// Draws `draws` tokens from the reference (draw counter d for draw d) and returns the chi-square fit of
 /// their counts to softmax(alpha l / T).
-smcgraph::test::ChiSquare reference_fit(const std::vector<float>& logits, int tile_length, float temperature,
+smcgraph::test::ChiSquare reference_fit(const std::vector<float>& logits,
+                                        const smcgraph::reference::TileLayout& layout, float temperature,
                                         float alpha, uint64_t seed, int draws) {
   const int vocab = static_cast<int>(logits.size());
   std::vector<double> counts(vocab, 0.0), weights(vocab);
   for (int d = 0; d < draws; ++d) {
-    const auto result = smcgraph::reference::sample(logits.data(), vocab, tile_length, temperature, alpha,
-                                                    seed, static_cast<uint32_t>(d), 0, 7);
+    const auto result = smcgraph::reference::sample(logits.data(), vocab, layout, temperature, alpha, seed,
+                                                    static_cast<uint32_t>(d), 0, 7);
     REQUIRE(result.flags == 0);
     REQUIRE(result.token >= 0);
     REQUIRE(result.token < vocab);
-    REQUIRE(result.tile == result.token / tile_length);
+    REQUIRE(result.tile == result.token / layout.tile_length);
+    REQUIRE(result.sub_tile == layout.sub_tile(result.token));
     counts[result.token] += 1.0;
   }
   const double max_l = *std::max_element(logits.begin(), logits.end());
@@ -176,50 +232,70 @@ TEST_CASE("reference sampler: Gumbel-max over Philox draws follows softmax(alpha
   for (float& l : logits)
     l = static_cast<float>(rng.normal(0.0, 1.0));
   logits[2] = kNegativeInfinity; // masked: never sampled (a draw of it fails the fit)
-  const auto fit = reference_fit(logits, vocab, 0.8f, 1.5f, rng.bits(), 200000); // one tile
+  const smcgraph::reference::TileLayout one_sub_tile{vocab, 1, 1, 1};
+  const auto fit = reference_fit(logits, one_sub_tile, 0.8f, 1.5f, rng.bits(), 200000);
   INFO("chi2 " << fit.statistic << " bins " << fit.bins);
   CHECK(fit.bins == vocab - 1);
   CHECK(fit.p_value > 1e-4);
 }
 
-TEST_CASE("reference sampler: the two-level race follows softmax(alpha l / T) whatever the tiles hold") {
+TEST_CASE("reference sampler: the two-level race follows softmax(alpha l / T) whatever the sub-tiles hold") {
   smcgraph::test::Rng rng;
   INFO("seed " << rng.seed());
-  const int vocab = 30, tile_length = 4; // 8 tiles, the last one of 2 logits
-  enum class Layout { kOneTile, kAllTiles, kMostTilesMasked };
-  for (Layout layout : {Layout::kOneTile, Layout::kAllTiles, Layout::kMostTilesMasked}) {
-    std::vector<float> logits(vocab);
-    for (int v = 0; v < vocab; ++v) {
-      const int tile = v / tile_length;
-      const double normal = rng.normal(0.0, 1.0);
-      switch (layout) {
-      case Layout::kOneTile: // tile 3 holds ~99% of the mass
-        logits[v] = static_cast<float>(tile == 3 ? normal : normal - 6.0);
-        break;
-      case Layout::kAllTiles: // every tile a different share
-        logits[v] = static_cast<float>(normal + 0.25 * tile);
-        break;
-      case Layout::kMostTilesMasked: // tiles 1 and 7 only; one logit of tile 5
-        logits[v] = tile == 1 || tile == 7 ? static_cast<float>(normal) : kNegativeInfinity;
-        break;
+  const int vocab = 30;
+  // Small layouts shaped like the device's: tiles of 8 (4 threads of 2 lanes, elements t and t + 4: 2
+  // sub-tiles {0, 1, 4, 5} and {2, 3, 6, 7}; 8 sub-tiles, the last tile's partial) and tiles of 16 read as
+  // vectors of 2 (sub-tiles {0-3, 8-11} and {4-7, 12-15}; 4 sub-tiles).
+  using smcgraph::reference::TileLayout;
+  for (const TileLayout& layout : {TileLayout{8, 1, 4, 2}, TileLayout{16, 2, 4, 2}}) {
+    const int sub_tiles = (vocab + layout.tile_length - 1) / layout.tile_length * layout.sub_tiles_per_tile();
+    enum class Layout { kOneSubTile, kAllSubTiles, kMostSubTilesMasked };
+    for (Layout mass : {Layout::kOneSubTile, Layout::kAllSubTiles, Layout::kMostSubTilesMasked}) {
+      std::vector<float> logits(vocab);
+      int lone = -1; // kMostSubTilesMasked: the one finite logit of a third sub-tile
+      for (int v = 0; v < vocab; ++v) {
+        const int s = layout.sub_tile(v);
+        const double normal = rng.normal(0.0, 1.0);
+        switch (mass) {
+        case Layout::kOneSubTile: // sub-tile 2 holds ~99% of the mass
+          logits[v] = static_cast<float>(s == 2 ? normal : normal - 6.0);
+          break;
+        case Layout::kAllSubTiles: // every sub-tile a different share
+          logits[v] = static_cast<float>(normal + 0.25 * s);
+          break;
+        case Layout::kMostSubTilesMasked: // the first and the last sub-tile only, and one logit of sub-tile 2
+          logits[v] = s == 0 || s == sub_tiles - 1 ? static_cast<float>(normal) : kNegativeInfinity;
+          if (s == 2 && lone < 0)
+            lone = v;
+          break;
+        }
       }
-    }
-    if (layout == Layout::kMostTilesMasked)
-      logits[5 * tile_length + 2] = 0.5f;
-    for (const auto& [temperature, alpha] : {std::pair{1.0f, 1.0f}, std::pair{0.7f, 2.0f}}) {
-      const auto fit = reference_fit(logits, tile_length, temperature, alpha, rng.bits(), 100000);
-      INFO("layout " << static_cast<int>(layout) << " T " << temperature << " alpha " << alpha << " chi2 "
-                     << fit.statistic << " bins " << fit.bins);
-      CHECK(fit.bins > 2);
-      CHECK(fit.p_value > 1e-4);
+      if (mass == Layout::kMostSubTilesMasked)
+        logits[lone] = 0.5f;
+      for (const auto& [temperature, alpha] : {std::pair{1.0f, 1.0f}, std::pair{0.7f, 2.0f}}) {
+        const auto fit = reference_fit(logits, layout, temperature, alpha, rng.bits(), 100000);
+        INFO("tile " << layout.tile_length << " mass " << static_cast<int>(mass) << " T " << temperature
+                     << " alpha " << alpha << " chi2 " << fit.statistic << " bins " << fit.bins);
+        CHECK(fit.bins > 2);
+        CHECK(fit.p_value > 1e-4);
+      }
     }
   }
 }
 
-TEST_CASE("reference sampler: the tile draw is element kTileDrawElement + t, the token draw element v") {
+TEST_CASE("reference sampler: the sub-tile draw is element kTileDrawElement + s, the token draw element v") {
   smcgraph::test::Rng rng;
   INFO("seed " << rng.seed());
-  const int tile_length = 5, tiles = 7, vocab = tile_length * tiles;
+  // Tiles of 12 as 6 vectors of 2, 2 threads of one lane: sub-tiles {0, 1, 4, 5, 8, 9} and
+  // {2, 3, 6, 7, 10, 11} of each tile; 4 tiles, 8 sub-tiles.
+  const smcgraph::reference::TileLayout layout{12, 2, 2, 1};
+  const int vocab = 4 * layout.tile_length, sub_tiles = 8;
+  std::vector<std::vector<int>> members(sub_tiles);
+  for (int v = 0; v < vocab; ++v)
+    members[layout.sub_tile(v)].push_back(v);
+  for (const auto& m : members)
+    REQUIRE(m.size() == 6);
+  CHECK(members[1] == std::vector<int>{2, 3, 6, 7, 10, 11});
   const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 3);
   const auto uniform = [&](uint64_t seed, uint64_t element, uint32_t counter, uint32_t particle) {
     return smcgraph::uniform_open01(smcgraph::philox_word(seed, element, counter, particle, stream_word));
@@ -227,37 +303,38 @@ TEST_CASE("reference sampler: the tile draw is element kTileDrawElement + t, the
   for (int trial = 0; trial < 2000; ++trial) {
     const uint64_t seed = rng.bits();
     const uint32_t counter = static_cast<uint32_t>(rng.bits()), particle = static_cast<uint32_t>(trial % 4);
-    // Equal tiles (one finite logit each, at a different offset): Z_t is the same for every tile, so the
-    // tile with the largest tile uniform wins, whatever the logits.
+    // Equal sub-tiles (one finite logit each, at a random member): Z_s is the same for every sub-tile, so the
+    // sub-tile with the largest sub-tile uniform wins, whatever the logits.
     std::vector<float> logits(vocab, kNegativeInfinity);
-    std::vector<int> offset(tiles);
-    for (int t = 0; t < tiles; ++t) {
-      offset[t] = static_cast<int>(rng.integer(0, tile_length - 1));
-      logits[t * tile_length + offset[t]] = 1.25f;
+    std::vector<int> chosen(sub_tiles);
+    for (int s = 0; s < sub_tiles; ++s) {
+      chosen[s] = members[s][rng.integer(0, 5)];
+      logits[chosen[s]] = 1.25f;
     }
-    int best_tile = 0;
-    for (int t = 1; t < tiles; ++t)
-      if (uniform(seed, smcgraph::kTileDrawElement + t, counter, particle) >
-          uniform(seed, smcgraph::kTileDrawElement + best_tile, counter, particle))
-        best_tile = t;
-    auto result = smcgraph::reference::sample(logits.data(), vocab, tile_length, 0.9f, 1.0f, seed, counter,
+    int best_sub_tile = 0;
+    for (int s = 1; s < sub_tiles; ++s)
+      if (uniform(seed, smcgraph::kTileDrawElement + s, counter, particle) >
+          uniform(seed, smcgraph::kTileDrawElement + best_sub_tile, counter, particle))
+        best_sub_tile = s;
+    auto result = smcgraph::reference::sample(logits.data(), vocab, layout, 0.9f, 1.0f, seed, counter,
                                               particle, stream_word);
     if (!result.near_tie()) {
-      CHECK(result.tile == best_tile);
-      CHECK(result.token == best_tile * tile_length + offset[best_tile]);
+      CHECK(result.sub_tile == best_sub_tile);
+      CHECK(result.tile == best_sub_tile / 2);
+      CHECK(result.token == chosen[best_sub_tile]);
     }
-    // One finite tile of equal logits: the element with the largest uniform of its own vocab id wins.
-    const int tile = static_cast<int>(rng.integer(0, tiles - 1));
+    // One finite sub-tile of equal logits: the member with the largest uniform of its own vocab id wins.
+    const int s = static_cast<int>(rng.integer(0, sub_tiles - 1));
     std::fill(logits.begin(), logits.end(), kNegativeInfinity);
-    int best_token = tile * tile_length;
-    for (int v = tile * tile_length; v < (tile + 1) * tile_length; ++v) {
+    int best_token = members[s][0];
+    for (int v : members[s]) {
       logits[v] = -0.5f;
       if (uniform(seed, v, counter, particle) > uniform(seed, best_token, counter, particle))
         best_token = v;
     }
-    result = smcgraph::reference::sample(logits.data(), vocab, tile_length, 1.3f, 2.0f, seed, counter,
-                                         particle, stream_word);
-    CHECK(result.tile == tile);
+    result = smcgraph::reference::sample(logits.data(), vocab, layout, 1.3f, 2.0f, seed, counter, particle,
+                                         stream_word);
+    CHECK(result.sub_tile == s);
     if (!result.near_tie())
       CHECK(result.token == best_token);
   }
@@ -265,18 +342,26 @@ TEST_CASE("reference sampler: the tile draw is element kTileDrawElement + t, the
 
 TEST_CASE("reference sampler: flags and sentinels") {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const smcgraph::reference::TileLayout pairs{2, 1, 2, 1}; // tiles of 2, a sub-tile per logit
+  const int device_tile = smcgraph::sample_tile_length(smcgraph::DType::kFloat32);
   std::vector<float> with_nan{0.f, nan, 1.f};
-  auto r = smcgraph::reference::sample(with_nan.data(), 3, 2, 1.0f, 1.0f, 1, 0, 0, 0);
+  auto r = smcgraph::reference::sample(with_nan.data(), 3, pairs, 1.0f, 1.0f, 1, 0, 0, 0);
   CHECK(r.flags == smcgraph::kFlagNanLogit);
   CHECK(r.token == smcgraph::kInvalidToken);
   std::vector<float> masked{-inf, -inf};
-  CHECK(smcgraph::reference::sample(masked.data(), 2, 1, 1.0f, 1.0f, 1, 0, 0, 0).flags ==
+  CHECK(smcgraph::reference::sample(masked.data(), 2, device_tile, 1.0f, 1.0f, 1, 0, 0, 0).flags ==
         smcgraph::kFlagAllMasked);
   std::vector<float> fine{0.f, 1.f};
-  CHECK(smcgraph::reference::sample(fine.data(), 2, 1, -1.0f, 1.0f, 1, 0, 0, 0).flags ==
+  CHECK(smcgraph::reference::sample(fine.data(), 2, pairs, -1.0f, 1.0f, 1, 0, 0, 0).flags ==
         smcgraph::kFlagBadParameter);
-  CHECK(smcgraph::reference::sample(fine.data(), 2, 1, 1.0f, 0.0f, 1, 0, 0, 0).flags ==
+  CHECK(smcgraph::reference::sample(fine.data(), 2, device_tile, 1.0f, 0.0f, 1, 0, 0, 0).flags ==
         smcgraph::kFlagBadParameter);
   std::vector<float> ties{3.f, 5.f, 5.f, 1.f};
-  CHECK(smcgraph::reference::sample(ties.data(), 4, 2, 0.0f, 1.0f, 1, 0, 0, 0).token == 1);
+  CHECK(smcgraph::reference::sample(ties.data(), 4, pairs, 0.0f, 1.0f, 1, 0, 0, 0).token == 1);
+  // One finite logit: it is drawn, from its sub-tile (1 of the pairs layout).
+  std::vector<float> lone{-inf, -inf, -inf, 2.5f};
+  r = smcgraph::reference::sample(lone.data(), 4, pairs, 0.6f, 1.0f, 9, 1, 0, 0);
+  CHECK(r.token == 3);
+  CHECK(r.sub_tile == 3);
+  CHECK(r.tile == 1);
 }

@@ -325,6 +325,23 @@ test::ChiSquare fit_draws(test::Rng& rng, DType dtype, const std::vector<float>&
   return test::chi_square_fit(counts, weights);
 }
 
+/// One setting of the chi-square layout tests: dtype, where the mass sits (the test's own enum), T, alpha
+/// and V (0: the test's default).
+template <class Layout> struct LayoutSetting {
+  DType dtype;
+  Layout layout;
+  float temperature, alpha;
+  int vocab = 0;
+};
+
+/// The draws fit the law (p > 1e-4) and, outside the sanitizers (whose draw counts fill too few bins for
+/// this power check), over more than 100 bins.
+void check_fit(const test::ChiSquare& fit) {
+  if (!test::under_sanitizer())
+    CHECK(fit.bins > 100);
+  CHECK(fit.p_value > 1e-4);
+}
+
 } // namespace
 
 TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draws") {
@@ -349,17 +366,14 @@ TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draw
 }
 
 TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one tile, all tiles, or few tiles") {
+  // Tiles (CTAs) here; the sub-tile layouts (the first level's unit) are the next test.
   test::Rng rng;
   INFO("seed " << rng.seed());
   // 1,007,616 draws per setting (1024 rows x 984 launches); fewer under a sanitizer, same test.
   const int rows = test::sanitizer_scaled(1024, 256, 64), launches = test::sanitizer_scaled(984, 64, 16);
   enum class Layout { kOneTile, kAllTiles, kMostTilesMasked };
   const char* const names[] = {"mass in one tile", "mass over all tiles", "most tiles -inf"};
-  struct Setting {
-    DType dtype;
-    Layout layout;
-    float temperature, alpha;
-  };
+  using Setting = LayoutSetting<Layout>;
   std::vector<Setting> settings;
   for (Layout layout : {Layout::kOneTile, Layout::kAllTiles, Layout::kMostTilesMasked})
     for (const auto& [temperature, alpha] : {std::pair{1.0f, 1.0f}, std::pair{0.7f, 2.0f}})
@@ -392,70 +406,137 @@ TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one tile,
     INFO(names[static_cast<int>(setting.layout)] << ", " << smcgraph::dtype_name(setting.dtype) << ", T "
                                                  << setting.temperature << " alpha " << setting.alpha
                                                  << ": chi2 " << fit.statistic << " bins " << fit.bins);
-    if (!test::under_sanitizer()) // the sanitizers' draw counts fill too few bins for this power check
-      CHECK(fit.bins > 100);
-    CHECK(fit.p_value > 1e-4);
+    check_fit(fit);
   }
 }
 
-TEST_CASE("two-level race: the tile draw is element kTileDrawElement + t, the token draws element v") {
+TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one sub-tile, all, or few sub-tiles") {
   test::Rng rng;
   INFO("seed " << rng.seed());
-  const DType dtype = DType::kBFloat16;
-  const int tile = smcgraph::sample_tile_length(dtype), vocab = 128256; // 16 tiles, the last of 5376
-  const int tiles = smcgraph::sample_splits(vocab, dtype), rows = 64;
-  const auto uniform = [](const Batch& batch, int r, uint64_t element) {
-    return smcgraph::uniform_open01(
-        smcgraph::philox_word(batch.seeds[r], element, batch.counters[r], 0, kStream));
-  };
-  Batch batch = replicated_batch(rng, dtype, std::vector<float>(vocab, -kInf), rows, 0.8f, 1.0f);
-  std::vector<int> expected(rows);
-  for (int r = 0; r < rows; ++r) {
-    float* logits = batch.logits.data() + static_cast<size_t>(r) * vocab;
-    if (r % 2 == 0) {
-      // Equal tiles (one logit 1.5 each, at a random offset): Z_t is the same for every tile, so the tile
-      // with the largest tile uniform wins, and within it its one finite logit.
-      int best_tile = 0;
-      std::vector<int> offset(tiles);
-      for (int t = 0; t < tiles; ++t) {
-        offset[t] = static_cast<int>(rng.integer(0, std::min(tile, vocab - t * tile) - 1));
-        logits[t * tile + offset[t]] = 1.5f;
-        if (uniform(batch, r, smcgraph::kTileDrawElement + t) >
-            uniform(batch, r, smcgraph::kTileDrawElement + best_tile))
-          best_tile = t;
+  // As the tile test above, at the granularity of the first level: sub-tiles (one warp's share of a tile,
+  // not contiguous: smcgraph::sample_subtile). 1,007,616 draws per setting; fewer under a sanitizer.
+  const int rows = test::sanitizer_scaled(1024, 256, 64), launches = test::sanitizer_scaled(984, 64, 16);
+  enum class Layout { kOneSubTile, kAllSubTiles, kMostSubTilesMasked };
+  const char* const names[] = {"mass in one sub-tile", "mass over all sub-tiles", "most sub-tiles -inf"};
+  using Setting = LayoutSetting<Layout>;
+  // Two tiles and 500 logits (a partial last tile: some of its sub-tiles partial, the rest empty), or one
+  // tile of 8000 bf16 logits, whose two levels run over its 8 sub-tiles from shared memory.
+  const auto two_tiles = [](DType dtype) { return 2 * smcgraph::sample_tile_length(dtype) + 500; };
+  std::vector<Setting> settings;
+  for (Layout layout : {Layout::kOneSubTile, Layout::kAllSubTiles, Layout::kMostSubTilesMasked})
+    for (const auto& [temperature, alpha] : {std::pair{1.0f, 1.0f}, std::pair{0.7f, 2.0f}})
+      settings.push_back({DType::kBFloat16, layout, temperature, alpha, two_tiles(DType::kBFloat16)});
+  settings.push_back({DType::kFloat32, Layout::kOneSubTile, 1.0f, 1.0f, two_tiles(DType::kFloat32)});
+  settings.push_back({DType::kFloat32, Layout::kAllSubTiles, 0.7f, 2.0f, two_tiles(DType::kFloat32)});
+  settings.push_back({DType::kFloat16, Layout::kMostSubTilesMasked, 1.0f, 1.0f, two_tiles(DType::kFloat16)});
+  settings.push_back({DType::kBFloat16, Layout::kAllSubTiles, 1.0f, 1.0f, 8000});
+  settings.push_back({DType::kBFloat16, Layout::kMostSubTilesMasked, 0.7f, 2.0f, 8000});
+  for (const Setting& setting : settings) {
+    const int vocab = setting.vocab;
+    int last = 0; // the last non-empty sub-tile (not always the one of vocab id V - 1)
+    for (int v = 0; v < vocab; ++v)
+      last = std::max(last, smcgraph::sample_subtile(v, setting.dtype));
+    REQUIRE(last > 2);
+    const int heavy = std::min(last - 1, 11); // tile 1, warp 3 (two tiles)
+    std::vector<float> row(vocab);
+    int lone = -1; // kMostSubTilesMasked: the one finite logit of a third sub-tile
+    for (int v = 0; v < vocab; ++v) {
+      const int s = smcgraph::sample_subtile(v, setting.dtype);
+      const float normal = static_cast<float>(rng.normal(0.0, 1.0));
+      switch (setting.layout) {
+      case Layout::kOneSubTile: // sub-tile 11 holds all but ~1% of the mass (at T = 1)
+        row[v] = s == heavy ? normal : normal - 8.0f;
+        break;
+      case Layout::kAllSubTiles: // every sub-tile a different share
+        row[v] = normal + 0.125f * static_cast<float>(s % 8) - 0.25f * static_cast<float>(s / 8);
+        break;
+      case Layout::kMostSubTilesMasked: // sub-tile 1 and the last (partial) one, one logit of sub-tile 2
+        row[v] = s == 1 || s == last ? normal : -kInf;
+        if (s == 2 && lone < 0)
+          lone = v;
+        break;
       }
-      expected[r] = best_tile * tile + offset[best_tile];
-    } else {
-      // One finite tile of equal logits: the vocab id with the largest uniform of its own element wins.
-      const int t = static_cast<int>(rng.integer(0, tiles - 1));
-      const int end = std::min(vocab, (t + 1) * tile);
-      expected[r] = t * tile;
-      for (int v = t * tile; v < end; ++v) {
-        logits[v] = -0.75f;
-        if (uniform(batch, r, v) > uniform(batch, r, expected[r]))
-          expected[r] = v;
-      }
+      row[v] = test::round_to(setting.dtype, row[v]);
     }
+    if (setting.layout == Layout::kMostSubTilesMasked) {
+      REQUIRE(lone >= 0);
+      row[lone] = 2.0f;
+    }
+    const auto fit = fit_draws(rng, setting.dtype, row, setting.temperature, setting.alpha, rows, launches);
+    INFO(names[static_cast<int>(setting.layout)]
+         << ", " << smcgraph::dtype_name(setting.dtype) << ", V " << vocab << ", T " << setting.temperature
+         << " alpha " << setting.alpha << ": chi2 " << fit.statistic << " bins " << fit.bins);
+    check_fit(fit);
   }
-  DeviceBatch device(batch);
-  long checked = 0;
-  for (bool captured : {false, true}) {
-    const Outputs out = device.run(captured);
-    CAPTURE(captured);
-    CHECK(out.status == 0);
+}
+
+TEST_CASE("two-level race: the sub-tile draw is element kTileDrawElement + s, the token draws element v") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    CAPTURE(smcgraph::dtype_name(dtype));
+    // bf16: 16 tiles (128 sub-tiles), the last of 5376 logits, whose sub-tiles hold 768 or 512; fp32: 32
+    // tiles (256 sub-tiles), the last of 1280, whose sub-tiles hold 256 or 128 logits.
+    const int vocab = 128256, rows = 64;
+    const int sub_tiles = smcgraph::sample_splits(vocab, dtype) * smcgraph::kSampleSubTilesPerTile;
+    std::vector<std::vector<int>> members(sub_tiles);
+    for (int v = 0; v < vocab; ++v)
+      members[smcgraph::sample_subtile(v, dtype)].push_back(v);
+    for (const auto& m : members)
+      REQUIRE(!m.empty());
+    const auto uniform = [](const Batch& batch, int r, uint64_t element) {
+      return smcgraph::uniform_open01(
+          smcgraph::philox_word(batch.seeds[r], element, batch.counters[r], 0, kStream));
+    };
+    Batch batch = replicated_batch(rng, dtype, std::vector<float>(vocab, -kInf), rows, 0.8f, 1.0f);
+    std::vector<int> expected(rows);
     for (int r = 0; r < rows; ++r) {
-      CAPTURE(r);
-      const auto reference_result = reference::sample(batch.logits.data() + static_cast<size_t>(r) * vocab,
-                                                      vocab, tile, batch.temperature[r], batch.alpha[r],
-                                                      batch.seeds[r], batch.counters[r], 0, kStream);
-      if (reference_result.near_tie()) // equal uniforms: both sides take the smaller index, by a float key
-        continue;
-      CHECK(reference_result.token == expected[r]);
-      CHECK(out.tokens[r] == expected[r]);
-      ++checked;
+      float* logits = batch.logits.data() + static_cast<size_t>(r) * vocab;
+      if (r % 2 == 0) {
+        // Equal sub-tiles (one logit 1.5 each, at a random member): Z_s is the same for every sub-tile, so
+        // the sub-tile with the largest sub-tile uniform wins, and within it its one finite logit.
+        int best = 0;
+        std::vector<int> chosen(sub_tiles);
+        for (int s = 0; s < sub_tiles; ++s) {
+          chosen[s] = members[s][rng.integer(0, static_cast<int64_t>(members[s].size()) - 1)];
+          logits[chosen[s]] = 1.5f;
+          if (uniform(batch, r, smcgraph::kTileDrawElement + s) >
+              uniform(batch, r, smcgraph::kTileDrawElement + best))
+            best = s;
+        }
+        expected[r] = chosen[best];
+      } else {
+        // One finite sub-tile of equal logits: the member with the largest uniform of its own element wins
+        // (the device races it over all 256 threads; ties go to the smaller id).
+        const int s = static_cast<int>(rng.integer(0, sub_tiles - 1));
+        expected[r] = members[s][0];
+        for (int v : members[s]) {
+          logits[v] = -0.75f;
+          if (uniform(batch, r, v) > uniform(batch, r, expected[r]))
+            expected[r] = v;
+        }
+      }
     }
+    DeviceBatch device(batch);
+    long checked = 0;
+    for (bool captured : {false, true}) {
+      const Outputs out = device.run(captured);
+      CAPTURE(captured);
+      CHECK(out.status == 0);
+      for (int r = 0; r < rows; ++r) {
+        CAPTURE(r);
+        const auto reference_result = reference::sample(
+            batch.logits.data() + static_cast<size_t>(r) * vocab, vocab, smcgraph::sample_tile_length(dtype),
+            batch.temperature[r], batch.alpha[r], batch.seeds[r], batch.counters[r], 0, kStream);
+        if (reference_result.near_tie()) // equal uniforms: both sides take the smaller index, by a float key
+          continue;
+        CHECK(reference_result.token == expected[r]);
+        CHECK(out.tokens[r] == expected[r]);
+        ++checked;
+      }
+    }
+    CHECK(checked >= rows);
   }
-  CHECK(checked >= rows);
 }
 
 TEST_CASE("a row's result does not depend on its batch, its row index, or graph vs eager") {

@@ -10,8 +10,9 @@
 //   word    = element % 4
 //
 // The sampler's two-level race (sample.hpp) draws, under one (c.y, c.z, c.w), one word per vocab id v
-// (element = v, so c.x < 2^31) and one word per tile t of the row (element = kTileDrawElement + t, so
-// c.x = 2^31 | t / 4): the high bit of c.x keeps the tile draws apart from the vocab draws.
+// (element = v, so c.x < 2^31) and one word per sub-tile t of the row (sample_subtile(); element =
+// kTileDrawElement + t, so c.x = 2^31 | t / 4): the high bit of c.x keeps the tile draws apart from the vocab
+// draws.
 //
 // Limits: vocab ids < 2^33 (and tiles < 2^33); 2^32 cycles per request before the draw counter wraps (a
 // wrap would repeat numbers: at 10^4 cycles/s that is 5 days of one request); particles < 2^32; steps
@@ -77,7 +78,7 @@ inline PhiloxKey philox_key(uint64_t seed) {
   return {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
 }
 
-/// Element id of the first tile draw of the two-level sampler: tile t draws the word of element
+/// Element id of the first tile draw of the two-level sampler: sub-tile t draws the word of element
 /// kTileDrawElement + t (counter word c.x = 2^31 | t / 4, word t % 4). Vocab ids stay below it.
 inline constexpr uint64_t kTileDrawElement = uint64_t{1} << 33;
 static_assert((kTileDrawElement >> 2) == 0x80000000u, "tile draws own the high bit of counter word c.x");

@@ -1,18 +1,20 @@
 // Graph-safe sampling and scoring from logits (DESIGN.md §2 steps 2-5, §4).
 //
 // One read of the logits per (row, position) from memory. The vocabulary is cut into fixed tiles
-// (sample_tile_length(): a function of the dtype only), one CTA each, which keep an online log-sum-exp
-// (max and sum, base 2) and draw no random numbers; the last CTA of a row combines the tiles' results (a
-// ticket counter that it resets, so a captured graph replays without host help) and samples in two levels,
-// an exact two-level Gumbel-max:
-//   1. a tile c by Gumbel-max over log Z_c, Z_c = sum over tile c of exp(alpha l_v / T), one Philox word per
-//      tile (philox.hpp: element kTileDrawElement + c);
-//   2. the token inside tile c by Gumbel-max over alpha l_v / T of that tile alone, one Philox word per
-//      element (element v), after re-reading the tile (from L2).
-// Exactness: P(c) = Z_c / Z and P(v | c) = exp(alpha l_v / T) / Z_c, because the tile noises and the element
-// noises are distinct Philox words and so independent; the product is exp(alpha l_v / T) / Z, exactly
-// softmax(alpha l / T), the law of a single Gumbel-max over the row (which is what a one-tile row does).
-// Per-element random numbers are drawn for one tile only, so the pass is bound by bytes, not by Philox.
+// (sample_tile_length(): a function of the dtype only), one CTA each, and each tile into
+// kSampleSubTilesPerTile sub-tiles, one per warp of that CTA (sample_subtile(): the elements the warp reads,
+// not contiguous). Each sub-tile keeps an online log-sum-exp (max and sum, base 2) and draws no random
+// numbers; the last CTA of a row combines the sub-tiles' results (a ticket counter that it resets, so a
+// captured graph replays without host help) and samples in two levels, an exact two-level Gumbel-max:
+//   1. a sub-tile s by Gumbel-max over log Z_s, Z_s = sum over sub-tile s of exp(alpha l_v / T), one Philox
+//      word per sub-tile (philox.hpp: element kTileDrawElement + s, s numbered over the row);
+//   2. the token inside sub-tile s by Gumbel-max over alpha l_v / T of that sub-tile alone, one Philox word
+//      per element (element v), after re-reading the sub-tile (from L2; 1024 bf16 / 512 fp32 logits).
+// Exactness: P(s) = Z_s / Z and P(v | s) = exp(alpha l_v / T) / Z_s, because the sub-tile noises and the
+// element noises are distinct Philox words and so independent; the product is exp(alpha l_v / T) / Z, exactly
+// softmax(alpha l / T), the law of a single Gumbel-max over the row. Any partition of the row into sub-tiles
+// gives this law; the sampler's own (fixed per dtype) only decides which token a given key draws.
+// Per-element random numbers are drawn for one sub-tile only, so the pass is bound by bytes, not by Philox.
 // The host reference (tests/reference/sample_ref.hpp) draws the same words and picks the same tokens.
 //
 //   smcgraph::SampleWorkspace workspace(max_rows, vocab);                 // once, before capture
@@ -83,10 +85,11 @@ struct ScoreOutputs {
   uint32_t* status = nullptr;      ///< [1] OR-accumulated
 };
 
-/// Scratch for the split-vocabulary combine, sized for the largest launch it will serve. Allocated and
-/// zeroed once, outside any capture; launches leave it zeroed again. With a stream (CUB style) the zeroing
-/// is enqueued on it and the constructor does not wait: use the workspace on that stream or on streams
-/// ordered after it. Without one the constructor waits for the zeroing, so any stream may use it at once.
+/// Scratch for the split-vocabulary combine (a state per sub-tile of each job, a ticket per job), sized for
+/// the largest launch it will serve. Allocated and zeroed once, outside any capture; launches leave it zeroed
+/// again. With a stream (CUB style) the zeroing is enqueued on it and the constructor does not wait: use the
+/// workspace on that stream or on streams ordered after it. Without one the constructor waits for the
+/// zeroing, so any stream may use it at once.
 namespace detail {
 struct SampleWorkspaceAccess; // the sampler's launcher (src/kernels/sample.cu): the scratch pointers
 } // namespace detail
@@ -115,8 +118,9 @@ private:
 };
 
 /// Samples one token per row from softmax(alpha * logits / T) by the two-level Gumbel-max above, with keyed
-/// noise (stream = the counter word w, see philox_stream): tile t draws the word of element
-/// kTileDrawElement + t, vocab id v the word of element v, both under (seed, draw counter, particle, w).
+/// noise (stream = the counter word w, see philox_stream): sub-tile s (sample_subtile()) draws the word of
+/// element kTileDrawElement + s, vocab id v the word of element v, both under (seed, draw counter, particle,
+/// w).
 /// T = 0 is greedy (argmax, ties to the smallest id). Never allocates or synchronizes: capturable.
 void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
             const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream);
@@ -139,13 +143,27 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
 void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word,
                   uint32_t* out, int count, cudaStream_t stream);
 
-/// Logits per tile of the two-level sampler and per CTA of the pass: 4096 fp32, 8192 bf16 / fp16. Tile t of
-/// a row holds vocab ids [t * length, min(V, (t + 1) * length)).
+/// Logits per tile, i.e. per CTA of the pass: 4096 fp32, 8192 bf16 / fp16. Tile t of a row holds vocab ids
+/// [t * length, min(V, (t + 1) * length)).
 int sample_tile_length(DType dtype);
 
 /// CTAs (tiles) per (row, position) the launchers use: ceil(vocab / sample_tile_length(dtype)). It depends
 /// on the vocabulary and dtype only, so a row's reduction order, its tiles and its results (bit for bit)
 /// do not depend on the batch it is in.
 int sample_splits(int vocab, DType dtype);
+
+/// Sub-tiles per tile, the unit of the sampler's first level: one per warp of the tile's CTA.
+inline constexpr int kSampleSubTilesPerTile = 8;
+
+/// Logits per (full) sub-tile: sample_tile_length(dtype) / kSampleSubTilesPerTile, 512 fp32, 1024 bf16 /
+/// fp16. The second level of the sampler draws a random number for each logit of one sub-tile.
+int sample_subtile_length(DType dtype);
+
+/// The sub-tile holding vocab id v, numbered over the row (tile t holds sub-tiles 8 t .. 8 t + 7); sub-tile s
+/// draws the word of element kTileDrawElement + s. Sub-tile w of a tile is what warp w of its CTA reads: the
+/// tile's 16-byte vectors (4 fp32 / 8 bf16 logits) w * 32 + i + 256 k, i < 32, so it is not contiguous:
+/// v in tile t = v / L (L = sample_tile_length) is in sub-tile 8 t + ((v % L) / (16 / bytes) % 256) / 32.
+/// The last tile's sub-tiles may be partial or empty (an empty one never wins).
+int sample_subtile(int vocab_id, DType dtype);
 
 } // namespace smcgraph

@@ -2,32 +2,41 @@
 //
 // A job is one (row, position) of `[rows, P, V]` logits. Its V logits are cut into fixed tiles of
 // kSplitLength<DTYPE> logits (4096 fp32, 8192 bf16/fp16: a function of the dtype only), one CTA per tile.
-// Each CTA reads its tile once and keeps an online log-sum-exp in base 2: max m_c and sums relative to it,
-// sum 2^((l - m_c) c) and, for alpha != 1, sum 2^(alpha (l - m_c) c), with c = log2(e) / T. That costs one
-// exponential per element (two at alpha != 1) and no random number. The last CTA of the job (a ticket
-// counter it resets to 0, so graph replays need no memset) merges the tiles' states into lse(l / T) and
+// Thread t of a CTA reads the 16-byte vectors t, t + 256, t + 512, t + 768 of its tile, so warp w reads the
+// vectors w * 32 + lane + 256 k (lane < 32, k < 4): that set of elements (1024 bf16 / 512 fp32, not
+// contiguous) is sub-tile w of the tile, and sub-tile 8 c + w of the row. Each thread keeps an online
+// log-sum-exp in base 2 of what it reads: max m and sums relative to it, sum 2^((l - m) c) and, for
+// alpha != 1, sum 2^(alpha (l - m) c), with c = log2(e) / T. That costs one exponential per element (two at
+// alpha != 1) and no random number. A warp-shuffle reduction turns the 32 lanes' states into the sub-tile's,
+// and the CTA writes its 8 sub-tile states to the workspace. The last CTA of the job (a ticket counter it
+// resets to 0, so graph replays need no memset) merges all the row's sub-tile states into lse(l / T) and
 // lse(alpha l / T) for the log-prob and log Z outputs, and, when the job samples, draws the token in two
 // levels (an exact two-level Gumbel-max):
 //
-//   1. tile:  c* = argmax_c log Z_c + G_c, where Z_c = sum over tile c of exp(alpha l_v / T) and G_c is
-//             Gumbel noise from the tile draw of c (philox.hpp: element kTileDrawElement + c). In base 2 and
-//             ratio-free form: argmax_c alpha (m_c - M) c + log2(sum_c) - log2(-log2 u_c), M the row max.
-//             One Philox word per tile; tiles that are entirely -inf (Z_c = 0) never win.
-//   2. token: the last CTA re-reads tile c* (an L2 hit: its CTA read it moments ago with L2's normal
-//             eviction policy) and runs the per-element race over it alone: argmax_v e_v / E_v with
-//             e_v = 2^(alpha (l_v - m_c*) c) and E_v = -log2 u_v, u_v from the vocab draw of v (element v),
-//             which is Gumbel-max over alpha l_v / T in ratio form (no division: fractions are compared by
-//             cross-multiplication).
+//   1. sub-tile: s* = argmax_s log Z_s + G_s, where Z_s = sum over sub-tile s of exp(alpha l_v / T) and G_s
+//             is Gumbel noise from the tile draw of s (philox.hpp: element kTileDrawElement + s, s the
+//             sub-tile's index over the row). In base 2 and ratio-free form:
+//             argmax_s alpha (m_s - M) c + log2(sum_s) - log2(-log2 u_s), M the row max. One Philox word
+//             per sub-tile; sub-tiles that are entirely -inf (Z_s = 0), or empty, never win.
+//   2. token: the last CTA re-reads sub-tile s* (an L2 hit: its CTA read it moments ago with L2's normal
+//             eviction policy), spread over all 256 threads (two per vector for fp32 and bf16), and runs
+//             the per-element race over it alone: argmax_v e_v / E_v with e_v = 2^(alpha (l_v - m_s*) c)
+//             and E_v = -log2 u_v, u_v from the vocab draw of v (element v), which is Gumbel-max over
+//             alpha l_v / T in ratio form (no division: fractions are compared by cross-multiplication).
+//             Ties go to the smallest vocab id.
 //
-// Exactness: the tile draws and the vocab draws are distinct Philox words (c.x < 2^31 for vocab ids, 2^31 |
-// c / 4 for tiles), so the noises are independent. Gumbel-max over the tiles picks c with probability
-// Z_c / Z, and Gumbel-max inside c picks v with probability exp(alpha l_v / T) / Z_c, independently of
-// which noises decided the tile; the product is exp(alpha l_v / T) / Z = softmax(alpha l / T)_v, the same law
-// as one Gumbel-max over the whole row. Only the winning tile draws per-element numbers, so the first read
-// of the logits is bound by bytes, not by Philox and log2 per element. With a single tile (V <= one tile)
-// the tile level is skipped and the race runs over the whole row, as before.
+// Exactness: the sub-tile draws and the vocab draws are distinct Philox words (c.x < 2^31 for vocab ids,
+// 2^31 | s / 4 for sub-tiles), so the noises are independent. Gumbel-max over the sub-tiles picks s with
+// probability Z_s / Z, and Gumbel-max inside s picks v with probability exp(alpha l_v / T) / Z_s,
+// independently of which noises decided the sub-tile; the product is exp(alpha l_v / T) / Z =
+// softmax(alpha l / T)_v, the same law as one Gumbel-max over the whole row. The sub-tiles only need to
+// partition the row (they need not be contiguous), so each is exactly the set of elements one warp folded.
+// Only the winning sub-tile draws per-element numbers (4 bf16 / 2 fp32 per thread), so the first read of the
+// logits is bound by bytes, and the last CTA's serial tail is short. A one-tile row (V <= one tile) runs the
+// same two levels over its 8 sub-tiles, from shared memory instead of the workspace.
 //
-// The host reference (tests/reference/sample_ref.cpp) runs the same two levels with the same Philox words.
+// The host reference (tests/reference/sample_ref.cpp) runs the same two levels with the same Philox words
+// over the same sub-tiles.
 #pragma once
 
 #include <cstdint>
@@ -210,34 +219,40 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
   }
 }
 
-/// The element race of one thread over its share of the winning tile: the best ratio e / E so far, kept
+/// The element race of one thread over its share of the winning sub-tile: the best ratio e / E so far, kept
 /// as a fraction (no division) until the end.
 struct RaceState {
-  float numerator;   ///< e = 2^(alpha (l - m) c) of the best (m the tile max); 0 while none
+  float numerator;   ///< e = 2^(alpha (l - m) c) of the best (m the sub-tile max); 0 while none
   float denominator; ///< E = -log2 u of the best
   float logit;       ///< raw logit of the best
   int index;         ///< -1 when none
 };
 
-/// Races up to N consecutive logits starting at vocab id `first` (a multiple of 4) into `state`. The
-/// Philox words, the exponentials and the logs are independent across the N elements; a fixed pairwise
-/// tree picks the chunk's best, which then meets the running best.
+/// Races up to N consecutive logits starting at vocab id `first` into `state`. N is 1, 2, 4 or 8 and `first`
+/// a multiple of N (of 4 when N = 8), so the N elements lie in N / 4 whole Philox groups (N >= 4) or inside
+/// one (N < 4). The Philox words, the exponentials and the logs are independent across the N elements; a
+/// fixed pairwise tree picks the chunk's best, which then meets the running best.
 template <int N>
 __device__ __forceinline__ void race_chunk(RaceState& state, const float (&logits)[N], int first, int count,
                                            const JobContext& job, float tile_max, float power_c) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "a race chunk is 1, 2, 4 or 8 logits");
+  constexpr int kGroups = (N + 3) / 4;
+  uint4 groups[kGroups];
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) // issued first: independent of everything below
+    groups[g] = device::philox_group(job.seed, static_cast<uint32_t>((first >> 2) + g), job.draw_counter,
+                                     job.particle, job.stream_word);
   uint32_t words[N];
 #pragma unroll
-  for (int g = 0; g < N / 4; ++g) { // issued first: independent of everything below
-    const uint4 w = device::philox_group(job.seed, static_cast<uint32_t>((first >> 2) + g), job.draw_counter,
-                                         job.particle, job.stream_word);
-    words[4 * g] = w.x;
-    words[4 * g + 1] = w.y;
-    words[4 * g + 2] = w.z;
-    words[4 * g + 3] = w.w;
+  for (int i = 0; i < N; ++i) {
+    if constexpr (N >= 4)
+      words[i] = device::group_word(groups[i / 4], static_cast<uint32_t>(i % 4));
+    else // a part of one group: its words start at first % 4
+      words[i] = device::group_word(groups[0], static_cast<uint32_t>((first & 3) + i));
   }
   // Ratios e / E, E = -log2 u. log2f, not lg2.approx: winners have u near 1 where the approximation's
   // 2^-22 absolute error is a large relative error of E. Masked (and missing) elements have e = 0: they
-  // never beat anything, and the tile max (e = 1) is always a candidate.
+  // never beat anything, and the sub-tile max (e = 1) is always a candidate.
   float numerator[N], denominator[N], logit[N];
   int index[N];
 #pragma unroll
@@ -305,6 +320,26 @@ template <PassMode MODE> struct MergeOp {
     return merge_states<MODE>(a, b, c, alpha);
   }
 };
+
+/// The merged state of a warp's 32 lanes (a sub-tile's state), on every lane: a fixed xor-butterfly of
+/// merges, so a sub-tile's state does not depend on anything but its logits. Only the fields MODE uses travel
+/// (merge_states copies sum into sum_power outside kRacePower and ignores max_index outside kGreedy).
+template <PassMode MODE>
+__device__ __forceinline__ PassState warp_merge(PassState state, float c, float alpha) {
+  constexpr unsigned kAll = 0xffffffffu;
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) {
+    PassState other;
+    other.max = __shfl_xor_sync(kAll, state.max, offset);
+    other.sum = MODE == PassMode::kGreedy ? 0.0f : __shfl_xor_sync(kAll, state.sum, offset);
+    other.sum_power =
+        MODE == PassMode::kRacePower ? __shfl_xor_sync(kAll, state.sum_power, offset) : other.sum;
+    other.max_index = MODE == PassMode::kGreedy ? __shfl_xor_sync(kAll, state.max_index, offset) : -1;
+    other.flags = __shfl_xor_sync(kAll, state.flags, offset);
+    state = merge_states<MODE>(state, other, c, alpha);
+  }
+  return state;
+}
 
 template <DType DTYPE> __device__ __forceinline__ uint32_t negative_infinity_bits() {
   if constexpr (DTYPE == DType::kFloat32)
@@ -409,48 +444,154 @@ __device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE
   return state;
 }
 
-/// Vectors in flight per thread in the element race: it re-reads one tile from L2 and is bound by Philox
-/// and log2, so fewer loads in flight leave the registers to the race (no spills at 80 registers).
-#ifndef SMCGRAPH_RACE_VECTORS_PER_THREAD
-#define SMCGRAPH_RACE_VECTORS_PER_THREAD 2
-#endif
-inline constexpr int kRaceUnrollVectors = SMCGRAPH_RACE_VECTORS_PER_THREAD;
+/// Sub-tiles per tile, the unit of the sampler's first level: one per warp of the tile's CTA. Sub-tile w of a
+/// tile is the set of elements warp w folds in fold_range: its lanes' vectors w * 32 + lane + 256 k of the
+/// tile, k < kUnrollVectors (not contiguous; the last tile's may be partial or empty).
+inline constexpr int kWarpSize = 32;
+inline constexpr int kSubTiles = kPassThreads / kWarpSize;
+static_assert(kPassThreads % kWarpSize == 0, "a CTA is whole warps");
+template <DType DTYPE> inline constexpr int kSubTileLength = kSplitLength<DTYPE> / kSubTiles;
 
-/// The element race over logits [begin, end) of the winning tile (max tile_max): this thread's best, as a
-/// key log2(e / E). power_c = alpha c (c when alpha = 1).
+/// Logits per run of the element race: the winning sub-tile spread over the CTA's threads (4 bf16 / 2 fp32
+/// each), a run never longer than one Philox group (4) and dividing a vector, so a thread draws one Philox
+/// group and pays few log2f. Runs (and so a thread's elements) go by ascending vocab id.
 template <DType DTYPE>
-__device__ __forceinline__ RaceBest race_range(const typename DTypeTraits<DTYPE>::Scalar* row, int begin,
-                                               int end, bool aligned, const JobContext& job, float tile_max,
-                                               float power_c) {
+inline constexpr int kRaceRun = kSubTileLength<DTYPE> / kPassThreads >= 4   ? 4
+                                : kSubTileLength<DTYPE> / kPassThreads >= 2 ? 2
+                                                                            : 1;
+static_assert(DTypeTraits<DType::kFloat32>::kPerVector % kRaceRun<DType::kFloat32> == 0 &&
+                  DTypeTraits<DType::kBFloat16>::kPerVector % kRaceRun<DType::kBFloat16> == 0,
+              "a race run lies inside one vector");
+
+/// The float of one element's bits (the low 16 bits for bf16 / fp16).
+template <DType DTYPE> __device__ __forceinline__ float element_to_float(uint32_t bits) {
+  if constexpr (DTYPE == DType::kFloat32)
+    return __uint_as_float(bits);
+  else if constexpr (DTYPE == DType::kBFloat16)
+    return __uint_as_float(bits << 16);
+  else
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+/// Loads the N logits [first, first + count) of a row from L2 (the race's re-read: __ldcg, the tile's CTA
+/// read it moments ago with L2's normal policy) as floats; missing ones (count < N) read as -inf. One 8- or
+/// 16-byte load when the row is aligned and the run full and that wide, element loads otherwise: the same
+/// values either way.
+template <DType DTYPE, int N>
+__device__ __forceinline__ void load_run(const typename DTypeTraits<DTYPE>::Scalar* row, int first, int count,
+                                         bool aligned, float (&out)[N]) {
+  constexpr int kElementBytes = DTYPE == DType::kFloat32 ? 4 : 2;
+  constexpr int kBytes = N * kElementBytes;
+  if constexpr (kBytes == 8 || kBytes == 16) {
+    if (aligned && count == N) { // row + first is kBytes-aligned: first is a multiple of N
+      uint32_t words[kBytes / 4];
+      if constexpr (kBytes == 16) {
+        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(row + first));
+        words[0] = raw.x;
+        words[1] = raw.y;
+        words[2] = raw.z;
+        words[3] = raw.w;
+      } else {
+        const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(row + first));
+        words[0] = raw.x;
+        words[1] = raw.y;
+      }
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if constexpr (kElementBytes == 4)
+          out[i] = element_to_float<DTYPE>(words[i]);
+        else
+          out[i] = element_to_float<DTYPE>(words[i / 2] >> (16 * (i % 2)));
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i < count) {
+      if constexpr (kElementBytes == 4)
+        out[i] = element_to_float<DTYPE>(__ldcg(reinterpret_cast<const unsigned int*>(row + first + i)));
+      else
+        out[i] = element_to_float<DTYPE>(__ldcg(reinterpret_cast<const unsigned short*>(row + first + i)));
+    } else {
+      out[i] = -INFINITY;
+    }
+  }
+}
+
+/// The element race over sub-tile `warp` of the tile starting at vocab id `tile_begin` (max tile_max): this
+/// thread's best, as a key log2(e / E). The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (tile
+/// vector k * 256 + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256,
+/// ... (one run per thread at the default tiling). Runs ascend with vocab ids, so "strictly better" keeps
+/// ties at the smaller id here as in the reduction across threads. power_c = alpha c (c when alpha = 1).
+template <DType DTYPE>
+__device__ __forceinline__ RaceBest race_subtile(const typename DTypeTraits<DTYPE>::Scalar* row, int vocab,
+                                                 int tile_begin, int warp, bool aligned,
+                                                 const JobContext& job, float tile_max, float power_c) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
+  constexpr int kRun = kRaceRun<DTYPE>;
+  constexpr int kRunsPerVector = kPerVector / kRun;
+  constexpr int kRuns = kSubTileLength<DTYPE> / kRun;
+  constexpr int kRunsPerThread = (kRuns + kPassThreads - 1) / kPassThreads;
   RaceState state{0.0f, 1.0f, -INFINITY, -1};
-  for_each_vector<DTYPE, false, kRaceUnrollVectors>(
-      row, begin, end, aligned, [&](const float(&values)[kPerVector], int first, int count) {
-        race_chunk<kPerVector>(state, values, first, count, job, tile_max, power_c);
-      });
+#pragma unroll
+  for (int i = 0; i < kRunsPerThread; ++i) {
+    const int run = static_cast<int>(threadIdx.x) + i * kPassThreads;
+    if (kRuns % kPassThreads != 0 && run >= kRuns)
+      break;
+    const int j = run / kRunsPerVector; // the sub-tile's j-th vector: lane j % 32 of pass j / 32
+    const int vector = (j / kWarpSize) * kPassThreads + warp * kWarpSize + j % kWarpSize;
+    const int first = tile_begin + vector * kPerVector + (run % kRunsPerVector) * kRun;
+    const int count = max(0, min(kRun, vocab - first));
+    if (count == 0) // past the end of the row (a partial last tile): nothing to load
+      continue;
+    float values[kRun];
+    load_run<DTYPE, kRun>(row, first, count, aligned, values);
+    race_chunk<kRun>(state, values, first, count, job, tile_max, power_c);
+  }
   if (state.index < 0)
     return RaceBest{-INFINITY, -INFINITY, -1};
   return RaceBest{log2f(state.numerator) - log2f(state.denominator), state.logit, state.index};
 }
 
-/// This thread's best tile of a job from the tiles' partial states: key = log2 Z_c relative to the row
-/// max M (alpha (m_c - M) c + log2 sum_c) minus log2 E_c, E_c = -log2 u_c from the tile draw of c. Tiles
-/// that are entirely -inf (Z_c = 0) never win.
+/// A job's sub-tile states as its last CTA reads them: from the workspace, where the job's CTAs wrote them
+/// (L2 loads: L1 is not coherent across CTAs), or, for a one-tile job, from the CTA's shared memory.
+struct SubTileStates {
+  const PassState* global; ///< null: one tile, read `shared`
+  const PassState* shared;
+  __device__ __forceinline__ PassState load(int s) const {
+    if (global == nullptr)
+      return shared[s];
+    PassState state;
+    state.max = __ldcg(&global[s].max);
+    state.sum = __ldcg(&global[s].sum);
+    state.sum_power = __ldcg(&global[s].sum_power);
+    state.max_index = __ldcg(&global[s].max_index);
+    state.flags = __ldcg(&global[s].flags);
+    return state;
+  }
+};
+
+/// This thread's best sub-tile of a job (it looks at sub-tiles threadIdx.x, + 256, ...; `mine` is the state
+/// of sub-tile threadIdx.x, already loaded): key = log2 Z_s relative to the row max M (alpha (m_s - M) c +
+/// log2 sum_s) minus log2 E_s, E_s = -log2 u_s from the tile draw of s (element kTileDrawElement + s).
+/// Sub-tiles that are entirely -inf or empty (Z_s = 0) never win.
 template <PassMode MODE>
-__device__ __forceinline__ RaceBest choose_tile(const PassState* tiles, int tile_count, float row_max,
-                                                const JobContext& job, float power_c) {
+__device__ __forceinline__ RaceBest choose_subtile(const SubTileStates& subtiles, const PassState& mine,
+                                                   int count, float row_max, const JobContext& job,
+                                                   float power_c) {
   RaceBest best{-INFINITY, -INFINITY, -1};
-  for (int tile = threadIdx.x; tile < tile_count; tile += kPassThreads) { // ascending: ties keep the first
-    const float tile_max = __ldcg(&tiles[tile].max);
-    if (tile_max == -INFINITY)
+  for (int s = threadIdx.x; s < count; s += kPassThreads) { // ascending: ties keep the first
+    const PassState sub = s == static_cast<int>(threadIdx.x) ? mine : subtiles.load(s);
+    if (sub.max == -INFINITY)
       continue;
-    const float sum = __ldcg(MODE == PassMode::kRacePower ? &tiles[tile].sum_power : &tiles[tile].sum);
-    const uint32_t word = device::philox_tile_word(job.seed, static_cast<uint32_t>(tile), job.draw_counter,
+    const float sum = MODE == PassMode::kRacePower ? sub.sum_power : sub.sum;
+    const uint32_t word = device::philox_tile_word(job.seed, static_cast<uint32_t>(s), job.draw_counter,
                                                    job.particle, job.stream_word);
     const float key =
-        (tile_max - row_max) * power_c + log2f(sum) - log2f(-log2f(device::uniform_open01(word)));
+        (sub.max - row_max) * power_c + log2f(sum) - log2f(-log2f(device::uniform_open01(word)));
     if (best.index < 0 || key > best.key)
-      best = RaceBest{key, tile_max, tile};
+      best = RaceBest{key, sub.max, s};
   }
   return best;
 }
@@ -476,6 +617,7 @@ struct PassArgs {
   const int32_t* request_steps{};
   // set by launch_logits_pass
   int splits{}; ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
+  /// splits * kSubTiles sub-tile states per job: sub-tile s (over the row) of job j at j * splits * 8 + s
   PassState* partials{};
   uint32_t* tickets{};
 };
@@ -486,6 +628,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
   using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
+  __shared__ PassState warp_states[kSubTiles]; // a one-tile job's sub-tile states
   __shared__ bool is_last;
 
   const int job_index = row * args.logits.positions + position;
@@ -494,17 +637,23 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   const int begin = split * kSplitLength<DTYPE>;
   const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
   const bool aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const bool warp_leader = threadIdx.x % kWarpSize == 0;
 
   PassState state =
       param_flags ? empty_state() : fold_range<DTYPE, MODE>(row_logits, begin, end, aligned, job);
   const MergeOp<MODE> merge{job.c, job.alpha};
-  state = BlockReduce(reduce_storage).Reduce(state, merge);
+  // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
+  state = warp_merge<MODE>(state, job.c, job.alpha);
 
-  PassState* tiles = args.partials + static_cast<int64_t>(job_index) * args.splits;
+  const int subtile_count = args.splits * kSubTiles;
+  PassState* subtiles = args.partials + static_cast<int64_t>(job_index) * subtile_count;
   if (args.splits > 1) {
+    if (warp_leader)
+      subtiles[split * kSubTiles + warp] = state;
+    __syncthreads(); // the CTA's 8 writes happen before thread 0's fence (fences are cumulative)
     if (threadIdx.x == 0) {
-      tiles[split] = state;
-      __threadfence(); // publish the partial before taking a ticket
+      __threadfence(); // publish the partials before taking a ticket
       const uint32_t ticket = atomicAdd(&args.tickets[job_index], 1u);
       is_last = ticket == static_cast<uint32_t>(args.splits - 1);
       if (is_last)
@@ -514,19 +663,20 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
     if (!is_last)
       return;
     __threadfence(); // acquire the other CTAs' partials
-    state = empty_state();
-    for (int s = threadIdx.x; s < args.splits; s += kPassThreads) {
-      PassState other;
-      other.max = __ldcg(&tiles[s].max);
-      other.sum = __ldcg(&tiles[s].sum);
-      other.sum_power = __ldcg(&tiles[s].sum_power);
-      other.max_index = __ldcg(&tiles[s].max_index);
-      other.flags = __ldcg(&tiles[s].flags);
-      state = merge_states<MODE>(state, other, job.c, job.alpha);
-    }
-    __syncthreads(); // reduce_storage is reused
-    state = BlockReduce(reduce_storage).Reduce(state, merge);
+  } else {
+    if (warp_leader)
+      warp_states[warp] = state;
+    __syncthreads();
   }
+  // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
+  // reduction), the same whatever else the launch holds.
+  const SubTileStates states{args.splits > 1 ? subtiles : nullptr, warp_states};
+  const int thread = static_cast<int>(threadIdx.x);
+  const PassState mine = thread < subtile_count ? states.load(thread) : empty_state();
+  state = mine;
+  for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
+    state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
+  state = BlockReduce(reduce_storage).Reduce(state, merge);
 
   // Sampling: the two-level race (header comment). Every thread takes part, so the row's merged state
   // goes through shared memory first.
@@ -535,25 +685,22 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
     using RaceReduce = cub::BlockReduce<RaceBest, kPassThreads>;
     __shared__ typename RaceReduce::TempStorage race_storage;
     __shared__ PassState row_state;
-    __shared__ RaceBest tile_winner;
+    __shared__ RaceBest subtile_winner;
     if (threadIdx.x == 0)
       row_state = state;
     __syncthreads();
     const PassState total = row_state; // uniform across the CTA, so are the branches below
     if (!total.flags && total.max != -INFINITY) {
       const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
-      RaceBest tile{0.0f, total.max, 0}; // one tile: it holds the whole row
-      if (args.splits > 1) {
-        tile = choose_tile<MODE>(tiles, args.splits, total.max, job, power_c);
-        tile = RaceReduce(race_storage).Reduce(tile, RaceBestOp{});
-        if (threadIdx.x == 0)
-          tile_winner = tile;
-        __syncthreads();
-        tile = tile_winner;
-      }
-      const int tile_begin = tile.index * kSplitLength<DTYPE>;
-      const int tile_end = min(args.logits.vocab, tile_begin + kSplitLength<DTYPE>);
-      winner = race_range<DTYPE>(row_logits, tile_begin, tile_end, aligned, job, tile.logit, power_c);
+      RaceBest subtile = choose_subtile<MODE>(states, mine, subtile_count, total.max, job, power_c);
+      subtile = RaceReduce(race_storage).Reduce(subtile, RaceBestOp{});
+      if (threadIdx.x == 0)
+        subtile_winner = subtile;
+      __syncthreads();
+      subtile = subtile_winner; // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
+      winner = race_subtile<DTYPE>(row_logits, args.logits.vocab,
+                                   (subtile.index / kSubTiles) * kSplitLength<DTYPE>,
+                                   subtile.index % kSubTiles, aligned, job, subtile.logit, power_c);
       __syncthreads(); // race_storage is reused
       winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
     }

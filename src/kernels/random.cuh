@@ -22,7 +22,8 @@ __device__ __forceinline__ uint32_t group_word(const uint4& words, uint32_t lane
   return lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;
 }
 
-/// The sampler's tile draw (philox.hpp): the word of element kTileDrawElement + tile, i.e. word tile % 4 of
+/// The sampler's sub-tile draw (philox.hpp): the word of element kTileDrawElement + tile (the row's sub-tile
+/// index), i.e. word tile % 4 of
 /// the counter {2^31 | tile / 4, draw_counter, particle, stream_word}. Vocab draws keep c.x < 2^31.
 __device__ __forceinline__ uint32_t philox_tile_word(uint64_t seed, uint32_t tile, uint32_t draw_counter,
                                                      uint32_t particle, uint32_t stream_word) {

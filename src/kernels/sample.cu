@@ -1,5 +1,5 @@
 // sample(): one token per row from softmax(alpha * logits / T), its log-prob and log Z, in one read of the
-// logits from memory (the two-level race re-reads one tile from L2). The kernel itself lives in
+// logits from memory (the two-level race re-reads one sub-tile from L2). The kernel itself lives in
 // logits_pass.cuh (shared with score()).
 #include "kernels/logits_pass.cuh"
 
@@ -25,6 +25,23 @@ int sample_splits(int vocab, DType dtype) {
   return static_cast<int>(ceil_div(vocab, sample_tile_length(dtype)));
 }
 
+static_assert(kSampleSubTilesPerTile == detail::kSubTiles, "the public sub-tile count is the kernel's");
+
+int sample_subtile_length(DType dtype) {
+  return sample_tile_length(dtype) / kSampleSubTilesPerTile;
+}
+
+int sample_subtile(int vocab_id, DType dtype) {
+  require(vocab_id >= 0, "sample_subtile", "vocab_id", vocab_id, "must be >= 0");
+  // As the pass folds a tile: 16-byte vectors, vector q of a tile to thread q % 256, thread t in warp t / 32.
+  const int tile_length = sample_tile_length(dtype);
+  const int vector_length = dtype == DType::kFloat32 ? detail::DTypeTraits<DType::kFloat32>::kPerVector
+                                                     : detail::DTypeTraits<DType::kBFloat16>::kPerVector;
+  const int vector = (vocab_id % tile_length) / vector_length;
+  const int warp = (vector % detail::kPassThreads) / detail::kWarpSize;
+  return (vocab_id / tile_length) * kSampleSubTilesPerTile + warp;
+}
+
 SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab)
     : SampleWorkspace(max_jobs, max_vocab, nullptr) {
   // The zeroing ran on the default stream, which the caller's non-blocking streams do not wait for: wait
@@ -36,8 +53,11 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab, cudaStream_t strea
     : max_jobs_(max_jobs), max_vocab_(max_vocab) {
   require(max_jobs >= 1, "SampleWorkspace", "max_jobs", max_jobs, "must be >= 1");
   require(max_vocab >= 1, "SampleWorkspace", "max_vocab", max_vocab, "must be >= 1");
-  const int64_t partials = static_cast<int64_t>(max_jobs) * sample_splits(max_vocab, DType::kFloat32);
-  require(partials < (int64_t{1} << 31), "SampleWorkspace", "max_jobs * splits", partials, "must be < 2^31");
+  // One state per sub-tile (kSampleSubTilesPerTile per tile) of each job; fp32 has the most tiles per vocab.
+  const int64_t partials =
+      static_cast<int64_t>(max_jobs) * sample_splits(max_vocab, DType::kFloat32) * kSampleSubTilesPerTile;
+  require(partials < (int64_t{1} << 31), "SampleWorkspace", "max_jobs * sub-tiles", partials,
+          "must be < 2^31");
   max_partials_ = static_cast<int>(partials);
   bytes_ = static_cast<size_t>(max_partials_) * sizeof(detail::PassState) + static_cast<size_t>(max_jobs) * 4;
   // Counted in device_memory_stats() like every DeviceBuffer.
@@ -107,8 +127,9 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
           "exceeds the workspace (SampleWorkspace max_jobs)");
 
   args.splits = sample_splits(logits.vocab, dtype);
-  require(jobs * args.splits <= SampleWorkspaceAccess::max_partials(workspace), where,
-          "rows * positions * splits", jobs * args.splits, "exceeds the workspace");
+  const int64_t partials = jobs * args.splits * kSubTiles; // one state per sub-tile of each job
+  require(partials <= SampleWorkspaceAccess::max_partials(workspace), where, "rows * positions * sub-tiles",
+          partials, "exceeds the workspace");
   args.partials = static_cast<PassState*>(SampleWorkspaceAccess::partials(workspace));
   args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
