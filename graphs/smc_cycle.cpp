@@ -4,7 +4,7 @@
 //
 //   alloc -> draft head (2 tokens) -> sample d_1 -> K - 1 x (draft step -> sample d_{s+1}) -> target verify
 //   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights -> commit -> resample -> reshuffle ->
-//   advance draw counters -> pack outputs
+//   next K report + advance draw counters (one launch) -> pack outputs
 //
 // The commit precedes resample/reshuffle (DESIGN.md lists it last): reshuffle copies whole rows, so the
 // copy must already hold this cycle's tokens and slots.
@@ -64,12 +64,11 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
   }
   {
     Stage stage(s, "smc.draft_steps");
-    decide_draft_steps(b, bucket_requests, nullptr,
-                       stream); // K stays draft_steps: reports it and the pressure
+    // K stays draft_steps (it reports it and the pressure); the same launch advances the draw counters.
+    decide_draft_steps(b, bucket_requests, nullptr, stream, /*advance_draw_counters=*/true);
   }
   {
     Stage stage(s, "smc.outputs");
-    advance_draw_counters(b.draw_counters, bucket_requests, stream);
     pack_outputs(b, rows, s.outputs_device.data(), stream);
   }
 }

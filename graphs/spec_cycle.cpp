@@ -5,7 +5,8 @@
 //   min(1, p/q), residual max(0, p - q) by Gumbel-max, bonus from p; T_t = 0 makes it exact greedy
 //   verification) -> fused pack of the accepted tokens and their log-probs (offsets and total on the device)
 //   -> commit (tokens, L += k + 1, rejected positions' slots released) -> collect freed slots -> next K per
-//   request (EMA of the acceptance rate, KV-pressure cap) -> advance the draw counters -> pack outputs
+//   request (EMA of the acceptance rate, KV-pressure cap) and the draw counters advanced, one launch -> pack
+//   outputs
 //
 // Each request drafts its own K_q <= K (draft_steps.cu): it pops K_q + 1 slots, its rows are masked in the
 // draft steps past K_q (skipped altogether by the captured cycle's conditional nodes once no live row needs
@@ -69,11 +70,12 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
   }
   {
     Stage stage(s, "spec.draft_steps");
-    decide_draft_steps(b, bucket_requests, b.accepted, stream); // after the frees: pressure sees them
+    // After the frees (the pressure sees them); the same launch advances the draw counters (the cycle's
+    // draws are done).
+    decide_draft_steps(b, bucket_requests, b.accepted, stream, /*advance_draw_counters=*/true);
   }
   {
     Stage stage(s, "spec.outputs");
-    advance_draw_counters(b.draw_counters, bucket_requests, stream);
     pack_outputs(b, rows, s.outputs_device.data(), stream);
   }
 }

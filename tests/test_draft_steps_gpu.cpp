@@ -50,6 +50,11 @@ TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pres
     const int requests = static_cast<int>(rng.integer(1, 300)), K = config.draft_steps;
     const int free_slots = static_cast<int>(rng.integer(0, config.slot_pool_size - 1));
 
+    // Half the trials fold the draw-counter advance into the launch (as the cycles do).
+    const bool advance = trial % 2 == 0;
+    std::vector<uint32_t> counters(requests);
+    for (uint32_t& c : counters)
+      c = static_cast<uint32_t>(rng.bits());
     std::vector<int32_t> committed(requests), accepted(requests), pinned(requests), steps(requests);
     std::vector<float> ema(requests);
     for (int q = 0; q < requests; ++q) {
@@ -70,6 +75,8 @@ TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pres
           d_steps(requests), d_cycle_steps(requests), d_free(1), d_decision_free(1);
       DeviceBuffer<float> d_ema(requests);
       DeviceBuffer<uint8_t> d_pressure(1);
+      DeviceBuffer<uint32_t> d_counters(requests);
+      d_counters.copy_from_host(counters.data(), requests, stream);
       d_committed.copy_from_host(committed.data(), requests, stream);
       d_accepted.copy_from_host(accepted.data(), requests, stream);
       d_pinned.copy_from_host(pinned.data(), requests, stream);
@@ -93,9 +100,12 @@ TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pres
       b.acceptance_ema = d_ema.data();
       b.decision_free_slots = d_decision_free.data();
       b.kv_pressure = d_pressure.data();
+      b.draw_counters = d_counters.data();
       test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-        detail::decide_draft_steps(b, requests, d_accepted.data(), s);
+        detail::decide_draft_steps(b, requests, d_accepted.data(), s, advance);
       });
+      std::vector<uint32_t> got_counters(requests);
+      d_counters.copy_to_host(got_counters.data(), requests, stream);
       std::vector<int32_t> got_steps(requests), got_cycle(requests);
       std::vector<float> got_ema(requests);
       int32_t got_free = 0;
@@ -120,6 +130,10 @@ TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pres
                              << "; reference " << used << " -> " << state.steps << " ema " << state.ema);
       }
       CHECK(mismatches == 0);
+      int counter_mismatches = 0;
+      for (int q = 0; q < requests; ++q)
+        counter_mismatches += got_counters[q] != counters[q] + (advance ? 1u : 0u);
+      CHECK(counter_mismatches == 0);
     }
   }
 }

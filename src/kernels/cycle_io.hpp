@@ -154,7 +154,10 @@ void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& 
 /// End of a speculative cycle: for every request that drafted (committed > 0) the EMA takes accepted / K_q,
 /// and K_q of the next cycle follows the policy (pins kept); cycle_draft_steps keeps this cycle's K_q. Reads
 /// free_count after the cycle's frees were collected. `accepted` null (SMC): the EMA does not move.
-void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream);
+/// advance_draw_counters: also draw_counters[q] += 1 for q < requests (the recipe's draw-counter stage folded
+/// into this launch; the cycle's draws are all done by then).
+void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream,
+                        bool advance_draw_counters = false);
 /// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
 

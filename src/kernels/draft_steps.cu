@@ -3,6 +3,7 @@
 // captured cycle, the conditions of the draft steps' conditional nodes (max K over the live rows). Both read
 // every value that changes between replays from device memory; the policy is fixed for the engine's lifetime.
 #include "kernels/pdl.cuh"
+#include "kernels/random.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/launch_checks.hpp"
@@ -31,14 +32,16 @@ struct DecideView {
   int32_t *request_draft_steps, *cycle_draft_steps, *decision_free_slots;
   float* acceptance_ema;
   uint8_t* kv_pressure;
+  uint32_t* draw_counters; ///< advanced by one per request when not null (the cycle's last draw is done)
 };
 
-DecideView decide_view(const CycleBuffers& b) {
+DecideView decide_view(const CycleBuffers& b, bool advance_draw_counters) {
   // clang-format off
   return {.policy = b.policy, .particles = b.particles, .pool = b.pool, .committed = b.committed,
           .pinned_draft_steps = b.pinned_draft_steps, .request_draft_steps = b.request_draft_steps,
           .cycle_draft_steps = b.cycle_draft_steps, .decision_free_slots = b.decision_free_slots,
-          .acceptance_ema = b.acceptance_ema, .kv_pressure = b.kv_pressure};
+          .acceptance_ema = b.acceptance_ema, .kv_pressure = b.kv_pressure,
+          .draw_counters = advance_draw_counters ? b.draw_counters : nullptr};
   // clang-format on
 }
 
@@ -101,6 +104,8 @@ __global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t
   }
   if (q >= requests)
     return;
+  if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh), folded into this launch
+    device::advance_draw_counter(b.draw_counters, q);
   const int steps = request_draft_steps_of(b.request_draft_steps, q, b.policy.max_steps);
   b.cycle_draft_steps[q] = steps;
   bool drafted = false;
@@ -185,13 +190,14 @@ void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& 
   SMCGRAPH_CHECK_LAUNCH();
 }
 
-void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream) {
+void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream,
+                        bool advance_draw_counters) {
   constexpr const char* kWhere = "decide_draft_steps";
   require(requests >= 0 && requests * b.particles <= b.max_rows, kWhere, "requests", requests,
           "must be in [0, max_rows / particles]");
   const int blocks = std::max(1, static_cast<int>(ceil_div(requests, kThreads)));
-  launch_pdl(DecideDraftStepsKernel, dim3(blocks), dim3(kThreads), 0, stream, decide_view(b), requests,
-             accepted);
+  launch_pdl(DecideDraftStepsKernel, dim3(blocks), dim3(kThreads), 0, stream,
+             decide_view(b, advance_draw_counters), requests, accepted);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

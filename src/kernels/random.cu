@@ -12,7 +12,7 @@ __global__ void AdvanceDrawCountersKernel(uint32_t* draw_counters, int count) {
   detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < count)
-    draw_counters[i] += 1u;
+    device::advance_draw_counter(draw_counters, i);
 }
 
 __global__ void PhiloxWordsKernel(uint64_t seed, uint32_t draw_counter, uint32_t particle,

@@ -38,4 +38,11 @@ __device__ __forceinline__ float uniform_open01(uint32_t word) {
   return __uint_as_float(0x3f800000u | (word >> 9)) - 0.99999994039535522f;
 }
 
+/// The draw-counter stage for request q: its next cycle draws fresh Philox words (advance_draw_counters()
+/// launches it alone; a recipe may fold it into another per-request kernel that runs after the cycle's last
+/// draw).
+__device__ __forceinline__ void advance_draw_counter(uint32_t* draw_counters, int q) {
+  draw_counters[q] += 1u;
+}
+
 } // namespace smcgraph::device
