@@ -163,8 +163,11 @@ TEST_CASE("profile_step() times every stage of a real cycle and commits what ste
       for (const StageTime& stage : stages) {
         CAPTURE(stage.name);
         CHECK(stage.gpu_us > 0.0);
-        CHECK(stage.gpu_us < 1e5);
-        CHECK(stage.gated);
+        if (!test::under_sanitizer()) { // a sanitizer slows launches past the gate's timeout and stages past
+                                        // 0.1 s
+          CHECK(stage.gpu_us < 1e5);
+          CHECK(stage.gated);
+        }
         has_score = has_score || stage.name == std::string(prefix) + "score";
       }
       CHECK(has_score);
