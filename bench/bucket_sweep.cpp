@@ -738,16 +738,15 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     row.problem = check.problem;
     ctx.csv->row(csv_cells(env, row));
 
-    std::printf("%8d %5d %10s %10s %7s %9s %10s %9s %10s %9s %8s %6s %11s %9s %6lld %8lld%s\n", requests, rows,
-                format(row.graph.median_us, 1).c_str(), format(row.eager.median_us, 1).c_str(),
+    std::printf("%8d %5d %10s %10s %7s %9s %10s %9s %10s %9s %8s %6s %11s %9s %6lld %8lld%s\n", requests,
+                rows, format(row.graph.median_us, 1).c_str(), format(row.eager.median_us, 1).c_str(),
                 format(row.eager.median_us / row.graph.median_us, 2).c_str(),
                 format(row.host_step_us, 1).c_str(), format(row.eager_host_step_us, 1).c_str(),
                 format(row.model.cycle_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(),
                 format(row.floor_us, 1).c_str(), format(row.nonmodel_us / row.floor_us, 2).c_str(),
                 format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
                 format(row.capture_ms, 2).c_str(), static_cast<long long>(row.graph_nodes),
-                static_cast<long long>(row.nonmodel_nodes),
-                row.valid ? "" : "  INVALID");
+                static_cast<long long>(row.nonmodel_nodes), row.valid ? "" : "  INVALID");
     if (models.real)
       std::printf(
           "%8s  HBM roofline: %.1f MB a cycle (weights per forward, KV, logits) = %s us at copy bandwidth, "

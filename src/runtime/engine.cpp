@@ -467,18 +467,19 @@ std::vector<StageTime> Engine::profile_step() {
   State& s = *state_;
   s.stream.synchronize();
   detail::StageProfiler profiler;
-  const bool eager = s.eager;
-  s.eager = true;
-  s.profiler = &profiler;
-  try {
+  { // one eager step with the profiler attached; the engine is as it was afterwards, even after a throw
+    struct Restore {
+      State& s;
+      bool eager;
+      ~Restore() {
+        s.eager = eager;
+        s.profiler = nullptr;
+      }
+    } restore{s, s.eager};
+    s.eager = true;
+    s.profiler = &profiler;
     step();
-  } catch (...) {
-    s.eager = eager;
-    s.profiler = nullptr;
-    throw;
   }
-  s.eager = eager;
-  s.profiler = nullptr;
   return profiler.finish();
 }
 
