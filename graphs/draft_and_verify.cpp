@@ -1,10 +1,19 @@
 // The phase both cycle recipes share (graphs/smc_cycle.cpp, graphs/spec_cycle.cpp): slot allocation for
 // K + 1 positions, the draft head (2 tokens) and its sample d_1, K - 1 draft steps each with its sample, and
-// the target verify forward over K + 1 tokens (captured with conditional nodes: nested IF nodes for the draft
-// steps a live row still needs, and one SWITCH node over the verify width max K_q + 1). The speculative cycle
-// also keeps the draft's logits at every position (its verifier's residual needs q). Nothing here allocates,
-// synchronizes or reads a host value that changes between replays.
+// the target verify forward over K + 1 tokens, followed by the recipe's own stages (its `rest`). The
+// speculative cycle also keeps the draft's logits at every position (its verifier's residual needs q).
+//
+// Captured with conditional nodes (a speculative engine, K > 1), draft step s sits in the then-branch of an
+// IF/ELSE node whose else-branch verifies s + 1 columns and runs the rest of the cycle; step s's then-branch
+// ends with step s + 1's node, and step K - 1's with the verify over K + 1 columns and the rest. A cycle
+// whose longest live row drafts m tokens so evaluates min(max(m, 1), K - 1) conditional nodes and no node
+// follows them: nothing breaks the programmatic-dependent-launch chain of the verify and the rest of the
+// cycle but the one conditional node whose else-branch (or last then-branch) holds them. The price is K
+// copies of the verify forward and of the recipe's stages in the graph (one per width). Nothing here
+// allocates, synchronizes or reads a host value that changes between replays.
 #include "runtime/engine_state.hpp"
+
+#include <vector>
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/sample.hpp"
@@ -39,25 +48,20 @@ CaptureSite capture_site(cudaStream_t stream) {
   return site;
 }
 
-inline constexpr int kMaxBranches = kMaxDraftSteps;
-
-/// The body graphs of a conditional node.
+/// The bodies of an IF/ELSE node.
 struct Branches {
-  cudaGraph_t graphs[kMaxBranches] = {};
+  cudaGraph_t then_graph = nullptr, else_graph = nullptr;
 };
 
-/// Appends a conditional node (IF with one body, or SWITCH with `size` bodies) at the end of what `stream`
-/// captures; the stream's later work depends on it. Returns its empty body graphs.
-Branches add_conditional(cudaStream_t stream, cudaGraphConditionalNodeType type,
-                         cudaGraphConditionalHandle handle, int size) {
-  require(size >= 1 && size <= kMaxBranches, "draft loop", "conditional size", size,
-          "must be in [1, kMaxDraftSteps]");
+/// Appends an IF/ELSE conditional node (CUDA >= 12.8) at the end of what `stream` captures; the stream's
+/// later work depends on it. Returns its two empty bodies.
+Branches add_if_else(cudaStream_t stream, cudaGraphConditionalHandle handle) {
   const CaptureSite site = capture_site(stream);
   cudaGraphNodeParams params{};
   params.type = cudaGraphNodeTypeConditional;
   params.conditional.handle = handle;
-  params.conditional.type = type;
-  params.conditional.size = static_cast<unsigned>(size);
+  params.conditional.type = cudaGraphCondTypeIf;
+  params.conditional.size = 2; // then, else
   cudaGraphNode_t node = nullptr;
 #if CUDART_VERSION >= 13000
   SMCGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, site.graph, site.dependencies, nullptr, site.count, &params));
@@ -68,10 +72,7 @@ Branches add_conditional(cudaStream_t stream, cudaGraphConditionalNodeType type,
   SMCGRAPH_CUDA_CHECK(
       cudaStreamUpdateCaptureDependencies(stream, &node, 1, cudaStreamSetCaptureDependencies));
 #endif
-  Branches branches;
-  for (int i = 0; i < size; ++i)
-    branches.graphs[i] = params.conditional.phGraph_out[i];
-  return branches;
+  return {params.conditional.phGraph_out[0], params.conditional.phGraph_out[1]};
 }
 
 /// Captures conditional bodies on one stream, one at a time: begin(graph) ... end(). A body may end with a
@@ -109,7 +110,8 @@ private:
 
 } // namespace
 
-void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream) {
+void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                              const CycleRest& rest) {
   const bool speculative = s.config.kind == CycleKind::kSpeculative;
   const char* const alloc_name = speculative ? "spec.alloc" : "smc.alloc";
   const char* const draft_name = speculative ? "spec.draft" : "smc.draft";
@@ -132,30 +134,47 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     // Each row takes K_q + 1 slots (positions L .. L + K_q), its request's draft length.
     alloc_cycle_slots(b.pool, tables, N, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, b.cycle_slots,
                       b.row_flags, b.status, stream);
-    prepare_draft_inputs(b, rows, stream);
 #if CUDART_VERSION >= 12080
     if (conditional) {
       const CaptureSite site = capture_site(stream);
-      // Reset to `value` at every launch, so a node whose condition is never set behaves as in a fixed-K
-      // cycle.
-      auto new_handle = [&](unsigned value) {
+      conditions.count = K - 1;
+      for (int step = 1; step < K; ++step) { // reset to 1 (run the step) at every launch
         cudaGraphConditionalHandle handle = 0;
         SMCGRAPH_CUDA_CHECK(
-            cudaGraphConditionalHandleCreate(&handle, site.graph, value, cudaGraphCondAssignDefault));
-        return static_cast<unsigned long long>(handle);
-      };
-      conditions.count = K - 1;
-      for (int step = 1; step < K; ++step) // every draft step runs by default
-        conditions.handles[step - 1] = new_handle(1);
-      // One SWITCH node over the verify width: branch w - 2 verifies w columns; by default all K + 1.
-      conditions.verify_handle = new_handle(static_cast<unsigned>(K - 1));
-      conditions.verify_widths = K;
-      set_draft_loop(b, rows, conditions, stream);
+            cudaGraphConditionalHandleCreate(&handle, site.graph, 1u, cudaGraphCondAssignDefault));
+        conditions.handles[step - 1] = static_cast<unsigned long long>(handle);
+      }
     }
 #endif
+    prepare_draft_inputs(b, rows, stream, conditions); // sets the conditions from max K_q
   }
   const RowParams draft_params{b.draft_temperature, nullptr};
   const RowRandom random{b.seeds, b.draw_counters, N};
+  // Samples go straight into the [rows, K + 1] draft block: d_k in column k.
+  const int64_t block_stride = K + 1;
+  // Step s reads d_s (column s of the draft block) and drafts d_{s+1} for the rows with K_q > s
+  // (step_live); the others write the dummy slot and their samples are never read.
+  auto draft_step = [&](int step, cudaStream_t step_stream) {
+    const size_t offset = static_cast<size_t>(step - 1) * s.rows;
+    uint8_t* logits =
+        speculative ? s.draft_step_logits.data() + step * step_logits_bytes : s.draft_logits.data();
+    ForwardArgs one{rows,
+                    1,
+                    b.draft_tokens + step,
+                    b.step_positions + offset,
+                    b.tables.slot_table,
+                    b.step_seq_lens + offset,
+                    b.step_out_slots + offset,
+                    b.step_live + offset,
+                    logits,
+                    block_stride};
+    s.draft->forward(one, step_stream);
+    const LogitsView view{logits, dtype, rows, 1, V, V, V};
+    sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
+           {b.draft_tokens + step + 1, b.draft_logprobs + step + 1, b.scratch_logz, b.row_flags, b.status,
+            block_stride},
+           s.workspace, step_stream);
+  };
   {
     Stage stage(s, draft_name);
     ForwardArgs head{rows,
@@ -176,8 +195,6 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                                V,
                                2 * static_cast<int64_t>(V),
                                V};
-    // Samples go straight into the [rows, K + 1] draft block: d_k in column k.
-    const int64_t block_stride = K + 1;
     sample(head_last, draft_params, random, philox_stream(Salt::kDraft, 0),
            {b.draft_tokens + 1, b.draft_logprobs + 1, b.scratch_logz, b.row_flags, b.status, block_stride},
            s.workspace, stream);
@@ -185,59 +202,16 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       SMCGRAPH_CUDA_CHECK(cudaMemcpy2DAsync(s.draft_step_logits.data(), V * element_bytes,
                                             s.draft_logits.data() + V * element_bytes, 2 * V * element_bytes,
                                             V * element_bytes, rows, cudaMemcpyDeviceToDevice, stream));
-    // Step s reads d_s (column s of the draft block) and drafts d_{s+1} for the rows with K_q > s
-    // (step_live); the others write the dummy slot and their samples are never read.
-    auto draft_step = [&](int step, cudaStream_t step_stream) {
-      const size_t offset = static_cast<size_t>(step - 1) * s.rows;
-      uint8_t* logits =
-          speculative ? s.draft_step_logits.data() + step * step_logits_bytes : s.draft_logits.data();
-      ForwardArgs one{rows,
-                      1,
-                      b.draft_tokens + step,
-                      b.step_positions + offset,
-                      b.tables.slot_table,
-                      b.step_seq_lens + offset,
-                      b.step_out_slots + offset,
-                      b.step_live + offset,
-                      logits,
-                      block_stride};
-      s.draft->forward(one, step_stream);
-      const LogitsView view{logits, dtype, rows, 1, V, V, V};
-      sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
-             {b.draft_tokens + step + 1, b.draft_logprobs + step + 1, b.scratch_logz, b.row_flags, b.status,
-              block_stride},
-             s.workspace, step_stream);
-    };
-#if CUDART_VERSION >= 12080
-    if (conditional) {
-      // Nested IF nodes: step s's body ends with step s + 1's IF node, so once a step is not needed the
-      // later ones are not even evaluated (a K_q = 1 cycle pays for one conditional node here).
-      BodyCapture body(s.body_stream);
-      cudaStream_t parent = stream;
-      for (int step = 1; step < K; ++step) {
-        const Branches branch =
-            add_conditional(parent, cudaGraphCondTypeIf,
-                            static_cast<cudaGraphConditionalHandle>(conditions.handles[step - 1]), 1);
-        if (parent == body.stream())
-          body.end(); // the nested IF node is the parent body's last node
-        body.begin(branch.graphs[0]);
-        draft_step(step, body.stream());
-        parent = body.stream();
-      }
-      body.end();
-    }
-#endif
-    if (!conditional) {
+    if (!conditional)
       for (int step = 1; step < K; ++step)
         draft_step(step, stream);
-    }
   }
-  {
-    Stage stage(s, verify_name);
-    prepare_verify_inputs(b, rows, stream);
-    // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out
-    // slots, and the target logits (row r's column j at r * (K + 1) + j in each).
-    auto verify_forward = [&](int width, cudaStream_t verify_stream) {
+  // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out slots,
+  // and the target logits (row r's column j at r * (K + 1) + j in each); then the recipe's stages.
+  auto verify_and_rest = [&](int width, cudaStream_t verify_stream) {
+    {
+      Stage stage(s, verify_name);
+      prepare_verify_inputs(b, rows, verify_stream);
       ForwardArgs verify{rows,
                          width,
                          b.draft_tokens,
@@ -252,23 +226,44 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       // Columns width .. K of the logits block keep what they held: they are past every live row's K_q, and
       // score() and the verifier read row r's columns 0 .. K_q only.
       s.target->forward(verify, verify_stream);
-    };
-#if CUDART_VERSION >= 12080
-    if (conditional) { // the width of the longest live row's block: max K_q + 1 (set_draft_loop)
-      const Branches widths =
-          add_conditional(stream, cudaGraphCondTypeSwitch,
-                          static_cast<cudaGraphConditionalHandle>(conditions.verify_handle), K);
-      BodyCapture body(s.body_stream);
-      for (int width = 2; width <= K + 1; ++width) {
-        body.begin(widths.graphs[width - 2]);
-        verify_forward(width, body.stream());
-        body.end();
-      }
-      return;
     }
-#endif
-    verify_forward(K + 1, stream);
+    rest(verify_stream);
+  };
+#if CUDART_VERSION >= 12080
+  if (conditional) {
+    // Step s's IF/ELSE node: then step s (and step s + 1's node, or the full-width verify after the last
+    // step), else the verify over s + 1 columns. Each node is the last node of the body it sits in, so the
+    // bodies are captured one after another on one stream.
+    BodyCapture body(s.body_stream);
+    std::vector<cudaGraph_t> then_graphs;
+    cudaStream_t parent = stream;
+    for (int step = 1; step < K; ++step) {
+      const Branches branch =
+          add_if_else(parent, static_cast<cudaGraphConditionalHandle>(conditions.handles[step - 1]));
+      if (parent == body.stream())
+        body.end(); // the node is the parent body's last node
+      body.begin(branch.else_graph);
+      verify_and_rest(step + 1, body.stream());
+      body.end();
+      body.begin(branch.then_graph);
+      then_graphs.push_back(branch.then_graph);
+      {
+        Stage stage(s, draft_name);
+        draft_step(step, body.stream());
+      }
+      parent = body.stream();
+    }
+    verify_and_rest(K + 1, body.stream());
+    body.end();
+    for (cudaGraph_t then_graph : then_graphs) { // each holds the next step's node: a K_max cycle runs all
+      size_t nodes = 0;
+      SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(then_graph, nullptr, &nodes));
+      s.captured_branch_nodes += nodes;
+    }
+    return;
   }
+#endif
+  verify_and_rest(K + 1, stream);
 }
 
 } // namespace smcgraph::detail

@@ -22,55 +22,63 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
   RowTablesView tables = b.tables;
   tables.rows = rows;
   const RowRandom random{b.seeds, b.draw_counters, N};
-  enqueue_draft_and_verify(s, bucket_requests, mode, stream);
-  {
-    Stage stage(s, "smc.score");
-    const LogitsView logits{
-        s.target_logits.data(), s.target->logits_dtype(), rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
-    score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, b.alpha}, random,
-          philox_stream(Salt::kBonus, 0),
-          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
-          s.workspace, stream);
-  }
-  {
-    Stage stage(s, "smc.weights");
-    WeightInputs in;
-    in.draft_logprobs = {b.draft_logprobs + 1, K + 1, 1}; // the draft block's columns 1 .. K
-    in.target_logprobs = {b.target_logprobs, K, 1};
-    in.logz = b.bonus_logz;
-    in.draft_tokens = {b.draft_tokens + 1, K + 1, 1};
-    in.alpha = b.alpha;
-    in.live = b.tables.live;
-    in.bonus_tokens = b.bonus_tokens;
-    in.rows = rows;
-    in.steps = K;
-    in.eos_id = s.config.eos_id;
-    accumulate_weights(in, b.logw, b.finished, b.first_eos, stream);
-  }
-  {
-    Stage stage(s, "smc.commit");
-    commit_cycle(b, rows, stream);
-  }
-  {
-    Stage stage(s, "smc.resample");
-    const ResampleInputs in{b.tables.live, b.tau, b.seeds, b.draw_counters, bucket_requests, N};
-    const ResampleOutputs out{b.ancestor, b.ess, b.resampled, b.log_evidence};
-    resample(in, b.logw, out, stream);
-  }
-  {
-    Stage stage(s, "smc.reshuffle");
-    reshuffle(b.pool, tables, b.ancestor, b.finished, stream);
-    collect_freed_slots(b.pool, stream); // freed slots back in id order: slot ids stay deterministic
-  }
-  {
-    Stage stage(s, "smc.draft_steps");
-    // K stays draft_steps (it reports it and the pressure); the same launch advances the draw counters.
-    decide_draft_steps(b, bucket_requests, nullptr, stream, /*advance_draw_counters=*/true);
-  }
-  {
-    Stage stage(s, "smc.outputs");
-    pack_outputs(b, rows, s.outputs_device.data(), stream);
-  }
+  // Everything after the verify forward (the SMC cycle captures no conditional nodes: it runs once).
+  const CycleRest rest = [&](cudaStream_t st) {
+    {
+      Stage stage(s, "smc.score");
+      const LogitsView logits{s.target_logits.data(),
+                              s.target->logits_dtype(),
+                              rows,
+                              K + 1,
+                              V,
+                              static_cast<int64_t>(K + 1) * V,
+                              V};
+      score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, b.alpha}, random,
+            philox_stream(Salt::kBonus, 0),
+            {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
+            s.workspace, st);
+    }
+    {
+      Stage stage(s, "smc.weights");
+      WeightInputs in;
+      in.draft_logprobs = {b.draft_logprobs + 1, K + 1, 1}; // the draft block's columns 1 .. K
+      in.target_logprobs = {b.target_logprobs, K, 1};
+      in.logz = b.bonus_logz;
+      in.draft_tokens = {b.draft_tokens + 1, K + 1, 1};
+      in.alpha = b.alpha;
+      in.live = b.tables.live;
+      in.bonus_tokens = b.bonus_tokens;
+      in.rows = rows;
+      in.steps = K;
+      in.eos_id = s.config.eos_id;
+      accumulate_weights(in, b.logw, b.finished, b.first_eos, st);
+    }
+    {
+      Stage stage(s, "smc.commit");
+      commit_cycle(b, rows, st);
+    }
+    {
+      Stage stage(s, "smc.resample");
+      const ResampleInputs in{b.tables.live, b.tau, b.seeds, b.draw_counters, bucket_requests, N};
+      const ResampleOutputs out{b.ancestor, b.ess, b.resampled, b.log_evidence};
+      resample(in, b.logw, out, st);
+    }
+    {
+      Stage stage(s, "smc.reshuffle");
+      reshuffle(b.pool, tables, b.ancestor, b.finished, st);
+      collect_freed_slots(b.pool, st); // freed slots back in id order: slot ids stay deterministic
+    }
+    {
+      Stage stage(s, "smc.draft_steps");
+      // K stays draft_steps (it reports it and the pressure); the same launch advances the draw counters.
+      decide_draft_steps(b, bucket_requests, nullptr, st, /*advance_draw_counters=*/true);
+    }
+    {
+      Stage stage(s, "smc.outputs");
+      pack_outputs(b, rows, s.outputs_device.data(), st);
+    }
+  };
+  enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);
 }
 
 } // namespace smcgraph::detail

@@ -26,58 +26,61 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
   const CycleBuffers& b = s.buffers;
   const RowRandom random{b.seeds, b.draw_counters, 1};
   const DType dtype = s.target->logits_dtype();
-  enqueue_draft_and_verify(s, bucket_requests, mode, stream);
-  {
-    Stage stage(s, "spec.score");
-    const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,
-                            static_cast<int64_t>(K + 1) * V, V};
-    score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
-          philox_stream(Salt::kBonus, 0),
-          {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
-          s.workspace, stream, b.request_draft_steps); // row q scores its own K_q columns (+ the bonus)
-  }
-  {
-    Stage stage(s, "spec.verify");
-    StochasticVerifyInputs in;
-    in.draft_tokens = b.draft_tokens + 1; // the draft block [rows, K + 1], columns 1 .. K
-    in.draft_token_row_stride = K + 1;
-    in.draft_logprobs = b.draft_logprobs + 1;
-    in.draft_logprob_row_stride = K + 1;
-    in.target_logprobs = b.target_logprobs;
-    in.target_logprob_row_stride = K;
-    // Draft logits are position-major [K, rows, V]; target logits row-major [rows, K + 1, V].
-    in.draft_logits = {s.draft_step_logits.data(), dtype, rows, K, V, V, static_cast<int64_t>(s.rows) * V};
-    in.target_logits = {s.target_logits.data(), dtype, rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
-    in.draft_temperature = b.draft_temperature;
-    in.target_temperature = b.target_temperature;
-    in.random = random;
-    in.draft_steps = K;
-    in.row_draft_steps = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
-    verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, stream);
-  }
-  {
-    Stage stage(s, "spec.pack");
-    AcceptedRows accepted{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
-    const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
-    const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets,
-                          b.packed_total, b.packed_tokens};
-    pack_accepted(accepted, payload, false, out, s.pack_workspace, stream);
-  }
-  {
-    Stage stage(s, "spec.commit");
-    commit_speculative(b, rows, stream);
-    collect_freed_slots(b.pool, stream);
-  }
-  {
-    Stage stage(s, "spec.draft_steps");
-    // After the frees (the pressure sees them); the same launch advances the draw counters (the cycle's
-    // draws are done).
-    decide_draft_steps(b, bucket_requests, b.accepted, stream, /*advance_draw_counters=*/true);
-  }
-  {
-    Stage stage(s, "spec.outputs");
-    pack_outputs(b, rows, s.outputs_device.data(), stream);
-  }
+  // Everything after the verify forward: once per verify width when captured with conditional nodes.
+  const CycleRest rest = [&](cudaStream_t st) {
+    {
+      Stage stage(s, "spec.score");
+      const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,
+                              static_cast<int64_t>(K + 1) * V, V};
+      score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
+            philox_stream(Salt::kBonus, 0),
+            {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
+            s.workspace, st, b.request_draft_steps); // row q scores its own K_q columns (+ the bonus)
+    }
+    {
+      Stage stage(s, "spec.verify");
+      StochasticVerifyInputs in;
+      in.draft_tokens = b.draft_tokens + 1; // the draft block [rows, K + 1], columns 1 .. K
+      in.draft_token_row_stride = K + 1;
+      in.draft_logprobs = b.draft_logprobs + 1;
+      in.draft_logprob_row_stride = K + 1;
+      in.target_logprobs = b.target_logprobs;
+      in.target_logprob_row_stride = K;
+      // Draft logits are position-major [K, rows, V]; target logits row-major [rows, K + 1, V].
+      in.draft_logits = {s.draft_step_logits.data(), dtype, rows, K, V, V, static_cast<int64_t>(s.rows) * V};
+      in.target_logits = {s.target_logits.data(), dtype, rows, K + 1, V, static_cast<int64_t>(K + 1) * V, V};
+      in.draft_temperature = b.draft_temperature;
+      in.target_temperature = b.target_temperature;
+      in.random = random;
+      in.draft_steps = K;
+      in.row_draft_steps = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
+      verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, st);
+    }
+    {
+      Stage stage(s, "spec.pack");
+      AcceptedRows accepted{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
+      const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
+      const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets,
+                            b.packed_total, b.packed_tokens};
+      pack_accepted(accepted, payload, false, out, s.pack_workspace, st);
+    }
+    {
+      Stage stage(s, "spec.commit");
+      commit_speculative(b, rows, st);
+      collect_freed_slots(b.pool, st);
+    }
+    {
+      Stage stage(s, "spec.draft_steps");
+      // After the frees (the pressure sees them); the same launch advances the draw counters (the cycle's
+      // draws are done).
+      decide_draft_steps(b, bucket_requests, b.accepted, st, /*advance_draw_counters=*/true);
+    }
+    {
+      Stage stage(s, "spec.outputs");
+      pack_outputs(b, rows, s.outputs_device.data(), st);
+    }
+  };
+  enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);
 }
 
 } // namespace smcgraph::detail

@@ -125,9 +125,10 @@ struct RequestUpdate {
 
 /// How the engine's captured cycles run the draft steps (Engine::draft_loop()).
 struct DraftLoopInfo {
-  /// true: the draft steps after the head sit in nested CUDA graph IF nodes and the verify forward in a
-  /// SWITCH over its width, set by a kernel from the largest K among the live rows, so a cycle runs max K
-  /// steps and verifies max K + 1 columns, not K_max and K_max + 1. false: the
+  /// true: each draft step after the head sits in a CUDA graph IF/ELSE node whose else-branch verifies the
+  /// columns drafted so far and runs the rest of the cycle; a kernel sets the conditions from the largest K
+  /// among the live rows, so a cycle runs max K steps and verifies max K + 1 columns, not K_max and
+  /// K_max + 1. false: the
   /// K_max - 1 steps always run and rows past their own K are masked (eager runs, the SMC cycle, or a
   /// toolkit / driver / model that cannot capture conditional nodes: `note` says which).
   bool conditional = false;
@@ -159,7 +160,7 @@ struct RequestResult {
 struct BucketInfo {
   int requests = 0;        ///< request slots the bucket covers
   double capture_ms = 0.0; ///< capture + instantiation time
-  size_t graph_nodes = 0;
+  size_t graph_nodes = 0; ///< nodes a cycle drafting K_max tokens runs (conditional nodes' branches included)
 };
 
 /// One device buffer of the engine's cycle state copied to the host (Engine::inspect).

@@ -130,9 +130,19 @@ void admit_finish(const CycleBuffers& b, int row, int prompt_length, const int32
 void set_int(int32_t* destination, int value, cudaStream_t stream);
 
 // The cycle.
+/// The conditions of a captured speculative cycle's conditional nodes (graphs/draft_and_verify.cpp): handle
+/// s - 1 is the IF node of draft step s (s = 1 .. count), whose then-branch runs step s and whose else-branch
+/// verifies s + 1 columns and runs the rest of the cycle. Graph replays only (cudaGraphSetConditional).
+struct DraftLoopConditions {
+  unsigned long long handles[kMaxDraftSteps] = {}; ///< cudaGraphConditionalHandle of step s at s - 1
+  int count = 0;                                   ///< 0: no conditional nodes (eager, SMC, K = 1)
+};
 /// Forward inputs of the draft head and steps; a row drafts its request's K_q steps (step_live), the later
-/// steps write the dummy slot and the verify positions past K_q repeat position L - 1 + K_q.
-void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// steps write the dummy slot and the verify positions past K_q repeat position L - 1 + K_q. With
+/// conditions.count > 0 the same launch sets condition s to (s < m), m = max K_q over the live rows (0 when
+/// none is live), so a captured cycle runs m - 1 draft steps and verifies max(m, 1) + 1 columns.
+void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
+                          const DraftLoopConditions& conditions = {});
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
 /// fault flag non-live (their request fails).
@@ -140,17 +150,6 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Speculative commit: d_1 .. d_k and the next token into the table, L += k + 1, the slots of the
 /// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
-/// Draft steps and verify width the captured cycle runs (draft_steps.cu): with m = max K_q over the live rows
-/// (1 when none is live), sets handles[s - 1] = (s < m) for s = 1 .. count (nested IF nodes) and the verify
-/// SWITCH to branch m - 1 (width m + 1) when verify_widths > 0; graph replays only (cudaGraphSetConditional).
-struct DraftLoopConditions {
-  unsigned long long handles[kMaxDraftSteps] = {}; ///< cudaGraphConditionalHandle of step s at s - 1
-  unsigned long long verify_handle = 0; ///< the SWITCH over the verify width: branch w - 2, width w
-  int count = 0;
-  int verify_widths = 0; ///< branches of the verify SWITCH (K_max), 0 without one
-};
-void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,
-                    cudaStream_t stream);
 /// End of a speculative cycle: for every request that drafted (committed > 0) the EMA takes accepted / K_q,
 /// and K_q of the next cycle follows the policy (pins kept); cycle_draft_steps keeps this cycle's K_q. Reads
 /// free_count after the cycle's frees were collected. `accepted` null (SMC): the EMA does not move.

@@ -1,7 +1,7 @@
 // Per-request draft length (cycle_io.hpp; seed 001, ASBS): the decision at the end of a speculative cycle
-// (EMA of the acceptance rate -> K of the next cycle, capped under KV pressure) and, at the start of a
-// captured cycle, the conditions of the draft steps' conditional nodes (max K over the live rows). Both read
-// every value that changes between replays from device memory; the policy is fixed for the engine's lifetime.
+// (EMA of the acceptance rate -> K of the next cycle, capped under KV pressure). It reads every value that
+// changes between replays from device memory; the policy is fixed for the engine's lifetime. The captured
+// cycle's conditions (max K over the live rows) are set by prepare_draft_inputs (forward_inputs.cu).
 #include "kernels/pdl.cuh"
 #include "kernels/random.cuh"
 #include "kernels/cycle_io.hpp"
@@ -11,9 +11,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include <cub/block/block_reduce.cuh>
-#include <cuda/functional>
-
 #include "smcgraph/error.hpp"
 #include "smcgraph/types.hpp"
 
@@ -21,7 +18,6 @@ namespace smcgraph::detail {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kLoopThreads = 1024; // one CTA reduces every row of the largest bucket
 
 // What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers.
 struct DecideView {
@@ -44,12 +40,6 @@ DecideView decide_view(const CycleBuffers& b, bool advance_draw_counters) {
           .draw_counters = advance_draw_counters ? b.draw_counters : nullptr};
   // clang-format on
 }
-
-struct LoopView {
-  RowTablesView tables; ///< read: live
-  int particles = 1, max_steps = 1;
-  const int32_t* request_draft_steps;
-};
 
 /// The seed's rule on the EMA after this cycle. Rounded operations (no FMA contraction), so a host reference
 /// that does the same IEEE float steps gets the same bits.
@@ -128,34 +118,6 @@ __global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t
   b.request_draft_steps[q] = next;
 }
 
-__global__ void __launch_bounds__(kLoopThreads)
-    SetDraftLoopKernel(LoopView b, int rows, DraftLoopConditions conditions) {
-  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  using BlockReduce = cub::BlockReduce<int, kLoopThreads>;
-  __shared__ typename BlockReduce::TempStorage storage;
-  int longest = 0;
-  for (int r = threadIdx.x; r < rows; r += kLoopThreads)
-    if (b.tables.live[r])
-      longest = max(longest, request_draft_steps_of(b.request_draft_steps, r / b.particles, b.max_steps));
-  longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
-#if CUDART_VERSION >= 12080
-  if (threadIdx.x == 0) {
-    for (int s = 1; s <= conditions.count; ++s) // step s (after the head) drafts d_{s+1}: needed when K > s
-      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.handles[s - 1]),
-                              s < longest ? 1u : 0u);
-    // The verify forward covers columns 0 .. m of the draft block: d_0 (the last committed token) and the
-    // longest row's m draft tokens. Rows with K_q < m repeat their last drafted position there (never read).
-    const int width = max(longest, 1) + 1;
-    if (conditions.verify_widths > 0)
-      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.verify_handle),
-                              static_cast<unsigned>(min(width, conditions.verify_widths + 1) - 2));
-  }
-#else
-  (void)longest;
-  (void)conditions;
-#endif
-}
-
 } // namespace
 
 DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
@@ -175,19 +137,6 @@ DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
           .high_threshold = a.high_threshold,
           .low_threshold = a.low_threshold,
           .draft_cost = a.draft_cost};
-}
-
-void set_draft_loop(const CycleBuffers& b, int rows, const DraftLoopConditions& conditions,
-                    cudaStream_t stream) {
-  constexpr const char* kWhere = "set_draft_loop";
-  require(rows >= 0 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [0, max_rows]");
-  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
-          conditions.count, "must be in [0, kMaxDraftSteps]");
-  require(conditions.verify_widths >= 0 && conditions.verify_widths <= kMaxDraftSteps, kWhere,
-          "conditions.verify_widths", conditions.verify_widths, "must be in [0, kMaxDraftSteps]");
-  const LoopView view{b.tables, b.particles, b.draft_steps, b.request_draft_steps};
-  launch_pdl(SetDraftLoopKernel, dim3(1), dim3(kLoopThreads), 0, stream, view, rows, conditions);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream,

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 
+#include <cub/block/block_reduce.cuh>
+#include <cuda/functional>
+
 #include "smcgraph/error.hpp"
 #include "smcgraph/types.hpp"
 
@@ -42,8 +45,34 @@ template <class View> __device__ __forceinline__ int row_draft_steps(const View&
   return request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps);
 }
 
-__global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
+/// The captured cycle's conditions (cycle_io.hpp, DraftLoopConditions): block 0 reduces m = max K_q over the
+/// live rows of the bucket and sets condition s to s < m. Every thread of block 0 takes part (no early return
+/// before it).
+__device__ void set_draft_loop(const DraftInputsView& b, int rows, const DraftLoopConditions& conditions) {
+#if CUDART_VERSION >= 12080
+  using BlockReduce = cub::BlockReduce<int, kRowThreads>;
+  __shared__ typename BlockReduce::TempStorage storage;
+  int longest = 0;
+  for (int r = threadIdx.x; r < rows; r += kRowThreads)
+    if (b.tables.live[r])
+      longest = max(longest, row_draft_steps(b, r));
+  longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
+  if (threadIdx.x == 0)
+    for (int s = 1; s <= conditions.count; ++s) // step s (after the head) drafts d_{s+1}: needed when K > s
+      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.handles[s - 1]),
+                              s < longest ? 1u : 0u);
+#else
+  (void)b;
+  (void)rows;
+  (void)conditions;
+#endif
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    PrepareDraftInputsKernel(DraftInputsView b, int rows, DraftLoopConditions conditions) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  if (conditions.count > 0 && blockIdx.x == 0)
+    set_draft_loop(b, rows, conditions);
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows)
     return;
@@ -82,8 +111,17 @@ __global__ void PrepareDraftInputsKernel(DraftInputsView b, int rows) {
 
 } // namespace
 
-void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows);
+void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
+                          const DraftLoopConditions& conditions) {
+  constexpr const char* kWhere = "prepare_draft_inputs";
+  require(rows >= 0 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [0, max_rows]");
+  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
+          conditions.count, "must be in [0, kMaxDraftSteps]");
+  // One block at least, so that block 0 sets the conditions of a bucket of 0 rows too.
+  launch_pdl(PrepareDraftInputsKernel,
+             dim3(static_cast<unsigned>(std::max<int64_t>(1, ceil_div(rows, kRowThreads)))),
+             dim3(kRowThreads), 0, stream, draft_inputs_view(b), rows, conditions);
+  SMCGRAPH_CHECK_LAUNCH();
 }
 
 namespace {

@@ -28,7 +28,8 @@ bool env_flag(const char* name) {
 }
 
 /// Whether the captured draft steps can sit in conditional nodes: a speculative engine with graphs, K > 1, a
-/// toolkit and driver of CUDA 12.8 or later (SWITCH nodes), and no SMCGRAPH_DISABLE_CONDITIONAL=1. A failed
+/// toolkit and driver of CUDA 12.8 or later (IF nodes with an else branch), and no
+/// SMCGRAPH_DISABLE_CONDITIONAL=1. A failed
 /// capture turns it off later (Engine::Engine).
 DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
   const char* masked =
@@ -47,13 +48,14 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
     cudaGetLastError();
     return {false, "the driver (CUDA " + std::to_string(driver / 1000) + "." +
                        std::to_string(driver % 1000 / 10) +
-                       ") has no SWITCH conditional nodes (needs 12.8); " + masked};
+                       ") has no IF/ELSE conditional nodes (needs 12.8); " + masked};
   }
   return {true,
-          "conditional nodes: nested IF nodes for the draft steps and one SWITCH over the verify width; "
-          "a cycle runs max K over its live rows and verifies max K + 1 columns"};
+          "conditional nodes: an IF/ELSE node per draft step (else: the verify over the columns drafted so "
+          "far and the rest of the cycle); a cycle runs max K over its live rows and verifies max K + 1 "
+          "columns"};
 #else
-  return {false, std::string("built with CUDA < 12.8 (no SWITCH conditional nodes); ") + masked};
+  return {false, std::string("built with CUDA < 12.8 (no IF/ELSE conditional nodes); ") + masked};
 #endif
 }
 
@@ -164,6 +166,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         std::string failure;
         cudaError_t failure_code = cudaSuccess;
         try {
+          s.captured_branch_nodes = 0;
           detail::enqueue_cycle(s, requests, detail::Enqueue::kCapture, s.stream);
           s.stage = "smc.copy_outputs";
           SMCGRAPH_CUDA_CHECK(
@@ -211,7 +214,9 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         }
         captured.graph = graph;
         captured.exec = exec;
-        SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &s.bucket_info[i].graph_nodes));
+        size_t top_nodes = 0;
+        SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &top_nodes));
+        s.bucket_info[i].graph_nodes = top_nodes + s.captured_branch_nodes;
       }
       s.bucket_info[i].capture_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -73,6 +74,8 @@ struct Engine::State {
   Stream stream;
   Stream body_stream; ///< captures the bodies of the draft steps' conditional nodes
   DraftLoopInfo draft_loop;
+  /// Nodes in the then-branches of the last captured cycle's conditional nodes (a K_max cycle runs them all).
+  size_t captured_branch_nodes = 0;
   int rows = 0;        ///< max_requests * N
   int draft_steps = 0; ///< K (EngineConfig::draft_steps)
   int vocab = 0;
@@ -160,10 +163,16 @@ private:
 /// (the engine knows which; the recipes do not ask the stream every cycle).
 enum class Enqueue { kEager, kCapture };
 
+/// The stages of a recipe after the target verify forward, enqueued on the stream it is given (the cycle's,
+/// or the body of a conditional node being captured).
+using CycleRest = std::function<void(cudaStream_t)>;
+
 /// Alloc, forward inputs, draft head and steps with their samples, and the target verify forward: the
-/// part both cycle kinds share (graphs/draft_and_verify.cpp). Captured, the draft steps sit in conditional
-/// nodes when the engine uses them.
-void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream);
+/// part both cycle kinds share (graphs/draft_and_verify.cpp); then `rest`. Captured with conditional nodes
+/// (DraftLoopInfo), the draft steps and the verify forward of each width, each followed by `rest`, sit in
+/// their branches, so `rest` is called once per width.
+void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                              const CycleRest& rest);
 
 /// The SMC cycle recipe (graphs/smc_cycle.cpp): every stage of DESIGN.md §2 for `bucket_requests` request
 /// slots, enqueued on `stream` (captured or eager), outputs packed into `outputs` (device).
