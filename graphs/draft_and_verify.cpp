@@ -177,6 +177,11 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   };
   {
     Stage stage(s, draft_name);
+    // The head's logits: of its last column only, straight where the sampler (and the speculative verifier,
+    // as q at position 0) reads them, when the draft supports it; else [rows, 2, V], the last column copied.
+    const bool last_only = s.draft->last_token_logits_supported();
+    uint8_t* const head_logits =
+        speculative && last_only ? s.draft_step_logits.data() : s.draft_logits.data();
     ForwardArgs head{rows,
                      2,
                      b.head_tokens,
@@ -185,20 +190,21 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                      b.head_seq_lens,
                      b.head_out_slots,
                      b.tables.live,
-                     s.draft_logits.data()};
+                     head_logits};
+    head.last_token_logits = last_only;
     s.draft->forward(head, stream);
-    // d_1 from the head's last column: rows of [2, V], the second position.
-    const LogitsView head_last{s.draft_logits.data() + static_cast<size_t>(V) * element_bytes,
+    // d_1 from the head's last column: rows of [V] (last_only) or of [2, V], the second position.
+    const LogitsView head_last{head_logits + (last_only ? 0 : static_cast<size_t>(V) * element_bytes),
                                dtype,
                                rows,
                                1,
                                V,
-                               2 * static_cast<int64_t>(V),
+                               (last_only ? 1 : 2) * static_cast<int64_t>(V),
                                V};
     sample(head_last, draft_params, random, philox_stream(Salt::kDraft, 0),
            {b.draft_tokens + 1, b.draft_logprobs + 1, b.scratch_logz, b.row_flags, b.status, block_stride},
            s.workspace, stream);
-    if (speculative) // the verifier's residual needs q at every position: keep [K, rows, V]
+    if (speculative && !last_only) // the verifier's residual needs q at every position: keep [K, rows, V]
       SMCGRAPH_CUDA_CHECK(cudaMemcpy2DAsync(s.draft_step_logits.data(), V * element_bytes,
                                             s.draft_logits.data() + V * element_bytes, 2 * V * element_bytes,
                                             V * element_bytes, rows, cudaMemcpyDeviceToDevice, stream));

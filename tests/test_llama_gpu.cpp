@@ -448,6 +448,54 @@ TEST_CASE("llama forward: tokens, positions, out slots and logits with a row str
   }
 }
 
+TEST_CASE(
+    "llama forward: last_token_logits gives the bits of each row's last column and writes nothing else") {
+  // The engine's draft head samples from its last column only; with last_token_logits the LM head reads the
+  // last token of each row (rows GEMM rows, not rows x tokens_per_row) and writes a dense [rows, V].
+  const Shape shape{2, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  TinySetup setup(shape);
+  test::Rng& rng = setup.rng;
+  Stream& stream = setup.stream;
+  constexpr int kRows = 6, kPool = 256, kMaxSeqLen = 64;
+  LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 20), shape.vocab, kPool,
+                                                       kMaxSeqLen, 0.7, rng.engine());
+  const auto all_but_row_2 = [](int row) { return row != 2; }; // row 2 is padding
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    LlamaModel model(setup.tiny->weights, options_of(kPool, kMaxSeqLen, 64, dtype));
+    REQUIRE(model.last_token_logits_supported());
+    const size_t row_bytes = static_cast<size_t>(shape.vocab) * smcgraph::dtype_bytes(dtype);
+    for (int per_row : {2, 5, 1}) {
+      CAPTURE(per_row);
+      const LlamaForwardInputs in = step_inputs(s, per_row, all_but_row_2, rng.engine());
+      DeviceBatch batch(in, shape.vocab, dtype, stream);
+      const std::vector<uint8_t> full = run_forward(model, batch, false, stream);
+      for (bool captured : {false, true}) {
+        CAPTURE(captured);
+        batch.logits.fill_bytes(kPoison, stream); // [rows, per_row, V] of poison: only [rows, V] may change
+        ForwardArgs args = batch.args();
+        args.last_token_logits = true;
+        test::run_on_stream(captured, stream, [&](cudaStream_t st) { model.forward(args, st); });
+        const std::vector<uint8_t> got = batch.download(stream);
+        for (int row = 0; row < kRows; ++row) {
+          CAPTURE(row);
+          const uint8_t* last = got.data() + row * row_bytes;
+          if (!in.live[row]) {
+            CHECK_MESSAGE(std::all_of(last, last + row_bytes, [](uint8_t b) { return b == kPoison; }),
+                          "a padding row got logits");
+            continue;
+          }
+          const uint8_t* want = full.data() + (static_cast<size_t>(row) * per_row + per_row - 1) * row_bytes;
+          CHECK_MESSAGE(std::memcmp(last, want, row_bytes) == 0,
+                        "the last-token logits differ from the full forward's last column");
+        }
+        CHECK_MESSAGE(
+            std::all_of(got.begin() + kRows * row_bytes, got.end(), [](uint8_t b) { return b == kPoison; }),
+            "the last-token forward wrote past [rows, V]");
+      }
+    }
+  }
+}
+
 TEST_CASE("llama forward: argument errors and option validation") {
   Stream stream;
   const Shape shape{3, 64, 4, 2, 96, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};

@@ -581,6 +581,10 @@ TEST_CASE("forward validates its arguments on the host; rows = 0 is a no-op") {
   args = batch.args();
   args.io_row_stride = 1; // < tokens_per_row = 2
   check_rejects(args, "io_row_stride");
+  args = batch.args();
+  args.last_token_logits = true; // the toy model computes every token's logits only
+  CHECK_FALSE(model.last_token_logits_supported());
+  check_rejects(args, "last_token_logits");
   const char* names[] = {"tokens", "positions", "slot_table", "seq_lens", "out_slots", "live", "logits"};
   for (int i = 0; i < 7; ++i) {
     args = batch.args();

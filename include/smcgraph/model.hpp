@@ -34,6 +34,10 @@ struct ForwardArgs {
   /// W <= K + 1 columns a cycle needs reads and writes its [rows, K + 1] blocks this way. Models must honour
   /// it.
   int64_t io_row_stride = 0;
+  /// Logits of each row's last token only: `logits` is then [rows, vocab()] dense, row r holding token
+  /// tokens_per_row - 1 of row r, and no other token gets logits. Set only for a model whose
+  /// last_token_logits_supported() is true (the engine's draft head: it samples from its last column only).
+  bool last_token_logits = false;
 
   int64_t token_stride() const { return token_row_stride > 0 ? token_row_stride : tokens_per_row; }
   int64_t io_stride() const { return io_row_stride > 0 ? io_row_stride : tokens_per_row; }
@@ -49,6 +53,9 @@ public:
   virtual int vocab() const = 0;
   virtual DType logits_dtype() const = 0;
   virtual int max_seq_len() const = 0;
+  /// Whether forward() honours ForwardArgs::last_token_logits (a model that does saves the LM head of the
+  /// other tokens; the engine otherwise copies the column it needs).
+  virtual bool last_token_logits_supported() const { return false; }
 };
 
 } // namespace smcgraph

@@ -563,6 +563,8 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
   require(tokens <= (int64_t{1} << 30), where, "rows * tokens_per_row", tokens, "must be <= 2^30");
   detail::require_row_strides(args, where);
+  require(!args.last_token_logits, where, "last_token_logits", "true",
+          "is not supported by ToyModel (last_token_logits_supported() is false)");
   const char* const null_pointer = "must be a device pointer (got null)";
   require(args.tokens != nullptr, where, "tokens", "null", null_pointer);
   require(args.positions != nullptr, where, "positions", "null", null_pointer);

@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   // one is used, so a row costs one memory latency, not one per 32 elements.
   if constexpr (uses_norm<EPILOGUE>()) {
     const int k4 = K / 4;
+    const int64_t x_stride = a.x_row_stride > 0 ? a.x_row_stride : K;
     const float4* norm4 = reinterpret_cast<const float4*>(a.norm_weight);
     float4 gamma[kNormVec];
 #pragma unroll
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
         const int t = m0 + m_first + r * kWarps;
-        const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<size_t>(t) * K);
+        const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<int64_t>(t) * x_stride);
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i)
           v[r][i] = (t < T && lane + 32 * i < k4) ? x4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -388,6 +389,8 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
     require(reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                 reinterpret_cast<uintptr_t>(a.norm_weight) % 16 == 0,
             kWhere, "x / norm_weight", "misaligned", "must be 16-byte aligned (float4 loads)");
+    require(a.x_row_stride == 0 || (a.x_row_stride >= a.k && a.x_row_stride % 4 == 0), kWhere, "x_row_stride",
+            a.x_row_stride, "must be 0 (dense) or a multiple of 4 that is >= k");
   }
   if (epilogue == GemmEpilogue::kQkvRope) {
     require(a.head_dim <= kLlamaMaxHeadDim, kWhere, "head_dim", a.head_dim,

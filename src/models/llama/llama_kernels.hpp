@@ -35,6 +35,7 @@ struct GemmArgs {
   const uint16_t* weight = nullptr; ///< [N, K] bf16, row-major
   const uint16_t* a_bf16 = nullptr; ///< [T, K] (kResidualAdd)
   const float* x = nullptr;         ///< [T, K] fp32 residual stream (the RMSNorm prologue)
+  int64_t x_row_stride = 0;         ///< floats between the rows of x; 0 means K (dense)
   const float* norm_weight = nullptr;
   float eps = 1e-5f;
   float* residual = nullptr;    ///< [T, N] (kResidualAdd)

@@ -233,11 +233,18 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   }
 
   llama::GemmArgs head = g;
+  if (args.last_token_logits) { // row r's last token only, its logits at row r of a dense [rows, V]
+    head.tokens = args.rows;
+    head.tokens_per_row = 1;
+    head.io_row_stride = 1;
+    head.x_row_stride = static_cast<int64_t>(args.tokens_per_row) * c.hidden;
+  }
   head.n = weights_->vocab_padded();
   head.logits_cols = c.vocab;
   head.k = c.hidden;
   head.weight = weights_->head();
-  head.x = w.x.data();
+  head.x =
+      w.x.data() + (args.last_token_logits ? static_cast<size_t>(args.tokens_per_row - 1) * c.hidden : 0);
   head.norm_weight = weights_->output_norm();
   head.logits = args.logits;
   head.logits_dtype = options_.logits_dtype;
