@@ -4,7 +4,7 @@
 //
 //   alloc -> draft head (2 tokens) -> sample d_1 -> K - 1 x (draft step -> sample d_{s+1}) -> target verify
 //   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights -> commit -> resample -> reshuffle ->
-//   next K report + advance draw counters (one launch) -> pack outputs
+//   next K report + advance draw counters + pack outputs (one launch)
 //
 // The commit precedes resample/reshuffle (DESIGN.md lists it last): reshuffle copies whole rows, so the
 // copy must already hold this cycle's tokens and slots.
@@ -69,13 +69,10 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
       collect_freed_slots(b.pool, st); // freed slots back in id order: slot ids stay deterministic
     }
     {
-      Stage stage(s, "smc.draft_steps");
-      // K stays draft_steps (it reports it and the pressure); the same launch advances the draw counters.
-      decide_draft_steps(b, bucket_requests, nullptr, st, /*advance_draw_counters=*/true);
-    }
-    {
-      Stage stage(s, "smc.outputs");
-      pack_outputs(b, rows, s.outputs_device.data(), st);
+      // The next K of every request (after the frees: the pressure sees them), the draw counters advanced
+      // (the cycle's draws are done) and the outputs packed: one launch (output_packing.cu).
+      Stage stage(s, "smc.next_k_and_outputs");
+      decide_and_pack_outputs(b, bucket_requests, nullptr, s.outputs_device.data(), st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

@@ -5,8 +5,8 @@
 //   min(1, p/q), residual max(0, p - q) by Gumbel-max, bonus from p; T_t = 0 makes it exact greedy
 //   verification) -> fused pack of the accepted tokens and their log-probs (offsets and total on the device)
 //   -> commit (tokens, L += k + 1, rejected positions' slots released) -> collect freed slots -> next K per
-//   request (EMA of the acceptance rate, KV-pressure cap) and the draw counters advanced, one launch -> pack
-//   outputs
+//   request (EMA of the acceptance rate, KV-pressure cap), the draw counters advanced and the outputs packed,
+//   one launch
 //
 // Each request drafts its own K_q <= K (draft_steps.cu): it pops K_q + 1 slots, its rows are masked in the
 // draft steps past K_q (skipped altogether by the captured cycle's conditional nodes once no live row needs
@@ -70,14 +70,10 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       collect_freed_slots(b.pool, st);
     }
     {
-      Stage stage(s, "spec.draft_steps");
-      // After the frees (the pressure sees them); the same launch advances the draw counters (the cycle's
-      // draws are done).
-      decide_draft_steps(b, bucket_requests, b.accepted, st, /*advance_draw_counters=*/true);
-    }
-    {
-      Stage stage(s, "spec.outputs");
-      pack_outputs(b, rows, s.outputs_device.data(), st);
+      // The next K of every request (after the frees: the pressure sees them), the draw counters advanced
+      // (the cycle's draws are done) and the outputs packed: one launch (output_packing.cu).
+      Stage stage(s, "spec.next_k_and_outputs");
+      decide_and_pack_outputs(b, bucket_requests, b.accepted, s.outputs_device.data(), st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

@@ -1,6 +1,7 @@
 // The device's draft-length decision (src/kernels/draft_steps.cu) against the host reference
 // (tests/reference/draft_steps_ref.cpp) on fresh random inputs, eagerly and inside a captured graph, with
-// poisoned outputs: the EMA bit for bit, the next K, the K of this cycle and the KV-pressure flag.
+// poisoned outputs: the EMA bit for bit, the next K, the K of this cycle and the KV-pressure flag; alone and
+// folded into the output packing (decide_and_pack_outputs).
 #include <doctest/doctest.h>
 
 #include <cstring>
@@ -24,7 +25,9 @@ uint32_t float_bits(float value) {
 
 } // namespace
 
-TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pressure cap, pins") {
+TEST_CASE(
+    "decide_draft_steps (alone and fused with the output packing) matches the host reference: EMA bits, "
+    "next K, pressure cap, pins") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   Stream stream;
@@ -68,72 +71,123 @@ TEST_CASE("decide_draft_steps matches the host reference: EMA bits, next K, pres
                : pick < 0.2 ? config.adaptive.low_threshold
                             : static_cast<float>(rng.uniform());
     }
-    for (bool captured : {false, true}) {
-      CAPTURE(trial);
-      CAPTURE(captured);
-      DeviceBuffer<int32_t> d_committed(requests), d_accepted(requests), d_pinned(requests),
-          d_steps(requests), d_cycle_steps(requests), d_free(1), d_decision_free(1);
-      DeviceBuffer<float> d_ema(requests);
-      DeviceBuffer<uint8_t> d_pressure(1);
-      DeviceBuffer<uint32_t> d_counters(requests);
-      d_counters.copy_from_host(counters.data(), requests, stream);
-      d_committed.copy_from_host(committed.data(), requests, stream);
-      d_accepted.copy_from_host(accepted.data(), requests, stream);
-      d_pinned.copy_from_host(pinned.data(), requests, stream);
-      d_steps.copy_from_host(steps.data(), requests, stream);
-      d_ema.copy_from_host(ema.data(), requests, stream);
-      d_free.copy_from_host(&free_slots, 1, stream);
-      for (auto* poisoned : {&d_cycle_steps, &d_decision_free})
-        poisoned->fill_bytes(0x7f, stream);
-      d_pressure.fill_bytes(0x7f, stream);
-      detail::CycleBuffers b;
-      b.pool.free_count = d_free.data();
-      b.pool.pool_size = config.slot_pool_size;
-      b.particles = 1;
-      b.draft_steps = K;
-      b.max_rows = requests;
-      b.policy = detail::draft_steps_policy(config);
-      b.committed = d_committed.data();
-      b.pinned_draft_steps = d_pinned.data();
-      b.request_draft_steps = d_steps.data();
-      b.cycle_draft_steps = d_cycle_steps.data();
-      b.acceptance_ema = d_ema.data();
-      b.decision_free_slots = d_decision_free.data();
-      b.kv_pressure = d_pressure.data();
-      b.draw_counters = d_counters.data();
-      test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-        detail::decide_draft_steps(b, requests, d_accepted.data(), s, advance);
-      });
-      std::vector<uint32_t> got_counters(requests);
-      d_counters.copy_to_host(got_counters.data(), requests, stream);
-      std::vector<int32_t> got_steps(requests), got_cycle(requests);
-      std::vector<float> got_ema(requests);
-      int32_t got_free = 0;
-      uint8_t got_pressure = 0;
-      d_steps.copy_to_host(got_steps.data(), requests, stream);
-      d_cycle_steps.copy_to_host(got_cycle.data(), requests, stream);
-      d_ema.copy_to_host(got_ema.data(), requests, stream);
-      d_decision_free.copy_to_host(&got_free, 1, stream);
-      d_pressure.copy_to_host(&got_pressure, 1, stream);
-      stream.synchronize();
-      CHECK(got_free == free_slots);
-      CHECK(got_pressure == (reference::kv_pressure(rule, free_slots) ? 1 : 0));
-      int mismatches = 0;
-      for (int q = 0; q < requests; ++q) {
-        reference::RequestDraftState state{ema[q], steps[q], pinned[q]};
-        const int used = reference::advance(rule, state, committed[q] > 0, accepted[q], free_slots);
-        mismatches += got_cycle[q] != used;
-        mismatches += got_steps[q] != state.steps;
-        mismatches += float_bits(got_ema[q]) != float_bits(state.ema);
-        if (mismatches > 0 && mismatches < 4)
-          MESSAGE("request " << q << ": K " << got_cycle[q] << " -> " << got_steps[q] << " ema " << got_ema[q]
-                             << "; reference " << used << " -> " << state.steps << " ema " << state.ema);
+    // The fused end-of-cycle launch (decide_and_pack_outputs: the decision, the draw counters and the output
+    // packing) must leave the same state, and pack the decision's values.
+    for (const bool fused : {false, true})
+      for (bool captured : {false, true}) {
+        CAPTURE(trial);
+        CAPTURE(fused);
+        CAPTURE(captured);
+        const bool advanced = fused || advance;
+        DeviceBuffer<int32_t> d_committed(requests), d_accepted(requests), d_pinned(requests),
+            d_steps(requests), d_cycle_steps(requests), d_free(1), d_decision_free(1);
+        DeviceBuffer<float> d_ema(requests);
+        DeviceBuffer<uint8_t> d_pressure(1);
+        DeviceBuffer<uint32_t> d_counters(requests);
+        d_counters.copy_from_host(counters.data(), requests, stream);
+        d_committed.copy_from_host(committed.data(), requests, stream);
+        d_accepted.copy_from_host(accepted.data(), requests, stream);
+        d_pinned.copy_from_host(pinned.data(), requests, stream);
+        d_steps.copy_from_host(steps.data(), requests, stream);
+        d_ema.copy_from_host(ema.data(), requests, stream);
+        d_free.copy_from_host(&free_slots, 1, stream);
+        for (auto* poisoned : {&d_cycle_steps, &d_decision_free})
+          poisoned->fill_bytes(0x7f, stream);
+        d_pressure.fill_bytes(0x7f, stream);
+        detail::CycleBuffers b;
+        b.pool.free_count = d_free.data();
+        b.pool.pool_size = config.slot_pool_size;
+        b.particles = 1;
+        b.draft_steps = K;
+        b.max_rows = requests;
+        b.policy = detail::draft_steps_policy(config);
+        b.committed = d_committed.data();
+        b.pinned_draft_steps = d_pinned.data();
+        b.request_draft_steps = d_steps.data();
+        b.cycle_draft_steps = d_cycle_steps.data();
+        b.acceptance_ema = d_ema.data();
+        b.decision_free_slots = d_decision_free.data();
+        b.kv_pressure = d_pressure.data();
+        b.draw_counters = d_counters.data();
+        // What the packing reads besides the decision (particles = 1: request q is row q).
+        const detail::OutputLayout layout = detail::output_layout(requests, requests, K);
+        DeviceBuffer<int32_t> d_zeros_i32(static_cast<size_t>(requests) * (K + 1)), d_seq_len(requests);
+        DeviceBuffer<uint32_t> d_zeros_u32(requests), d_status(1);
+        DeviceBuffer<uint8_t> d_zeros_u8(requests), d_out(layout.bytes);
+        DeviceBuffer<double> d_ess(requests);
+        for (auto* zero : {&d_zeros_i32, &d_seq_len})
+          zero->fill_bytes(0, stream);
+        d_zeros_u32.fill_bytes(0, stream);
+        d_status.fill_bytes(0, stream);
+        d_zeros_u8.fill_bytes(0, stream);
+        d_ess.fill_bytes(0, stream);
+        d_out.fill_bytes(0x7f, stream);
+        b.tables.live = d_zeros_u8.data();
+        b.tables.seq_len = d_seq_len.data();
+        b.cycle_tokens = d_zeros_i32.data();
+        b.first_eos = d_zeros_i32.data();
+        b.ancestor = d_zeros_i32.data();
+        b.accepted = d_accepted.data();
+        b.row_flags = d_zeros_u32.data();
+        b.status = d_status.data();
+        b.finished = d_zeros_u8.data();
+        b.resampled = d_zeros_u8.data();
+        b.ess = d_ess.data();
+        test::run_on_stream(captured, stream, [&](cudaStream_t s) {
+          if (fused)
+            detail::decide_and_pack_outputs(b, requests, d_accepted.data(), d_out.data(), s);
+          else
+            detail::decide_draft_steps(b, requests, d_accepted.data(), s, advance);
+        });
+        std::vector<uint8_t> out(layout.bytes);
+        d_out.copy_to_host(out.data(), out.size(), stream);
+        std::vector<uint32_t> got_counters(requests);
+        d_counters.copy_to_host(got_counters.data(), requests, stream);
+        std::vector<int32_t> got_steps(requests), got_cycle(requests);
+        std::vector<float> got_ema(requests);
+        int32_t got_free = 0;
+        uint8_t got_pressure = 0;
+        d_steps.copy_to_host(got_steps.data(), requests, stream);
+        d_cycle_steps.copy_to_host(got_cycle.data(), requests, stream);
+        d_ema.copy_to_host(got_ema.data(), requests, stream);
+        d_decision_free.copy_to_host(&got_free, 1, stream);
+        d_pressure.copy_to_host(&got_pressure, 1, stream);
+        stream.synchronize();
+        CHECK(got_free == free_slots);
+        CHECK(got_pressure == (reference::kv_pressure(rule, free_slots) ? 1 : 0));
+        if (fused)
+          CHECK(out[layout.kv_pressure] == got_pressure);
+        int mismatches = 0;
+        for (int q = 0; q < requests; ++q) {
+          reference::RequestDraftState state{ema[q], steps[q], pinned[q]};
+          const int used = reference::advance(rule, state, committed[q] > 0, accepted[q], free_slots);
+          mismatches += got_cycle[q] != used;
+          mismatches += got_steps[q] != state.steps;
+          mismatches += float_bits(got_ema[q]) != float_bits(state.ema);
+          if (fused) { // the packed copy of the decision
+            int32_t packed_cycle, packed_next, packed_committed, packed_accepted;
+            float packed_ema;
+            std::memcpy(&packed_cycle, out.data() + layout.cycle_draft_steps + 4 * q, 4);
+            std::memcpy(&packed_next, out.data() + layout.next_draft_steps + 4 * q, 4);
+            std::memcpy(&packed_ema, out.data() + layout.acceptance_ema + 4 * q, 4);
+            std::memcpy(&packed_committed, out.data() + layout.committed + 4 * q, 4);
+            std::memcpy(&packed_accepted, out.data() + layout.accepted + 4 * q, 4);
+            mismatches += packed_cycle != used;
+            mismatches += packed_next != state.steps;
+            mismatches += float_bits(packed_ema) != float_bits(state.ema);
+            mismatches += packed_committed != committed[q];
+            mismatches += packed_accepted != accepted[q];
+          }
+          if (mismatches > 0 && mismatches < 4)
+            MESSAGE("request " << q << ": K " << got_cycle[q] << " -> " << got_steps[q] << " ema "
+                               << got_ema[q] << "; reference " << used << " -> " << state.steps << " ema "
+                               << state.ema);
+        }
+        CHECK(mismatches == 0);
+        int counter_mismatches = 0;
+        for (int q = 0; q < requests; ++q)
+          counter_mismatches += got_counters[q] != counters[q] + (advanced ? 1u : 0u);
+        CHECK(counter_mismatches == 0);
       }
-      CHECK(mismatches == 0);
-      int counter_mismatches = 0;
-      for (int q = 0; q < requests; ++q)
-        counter_mismatches += got_counters[q] != counters[q] + (advance ? 1u : 0u);
-      CHECK(counter_mismatches == 0);
-    }
   }
 }

@@ -284,6 +284,55 @@ TEST_CASE("toy model forward equals the host reference bit for bit, eagerly and 
   }
 }
 
+TEST_CASE("toy model: last_token_logits gives each row's last-token logits of the reference and writes "
+          "nothing else") {
+  // The engine's draft head samples from its last column only: the LM head then runs over rows, not
+  // rows x tokens_per_row, tokens and writes a dense [rows, V]; the KV of every token is written as before.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const uint64_t weight_seed = rng.bits();
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const ToyModelConfig config = make_config(1000, dtype, weight_seed);
+    ToyModel model(config);
+    REQUIRE(model.last_token_logits_supported());
+    const ToyModelReference reference(config);
+    const int vocab = config.vocab;
+    const size_t element = smcgraph::dtype_bytes(dtype);
+    for (int rows : {1, 3, 64}) {
+      for (int per_row : {1, 2, 5}) {
+        const ToyForwardInputs in = random_inputs(config, rng, rows, per_row, 0.75, 0.03);
+        const std::vector<float> kv0 = random_kv(config, rng);
+        std::vector<float> kv_expected = kv0;
+        std::vector<float> logits(static_cast<size_t>(rows) * per_row * vocab, 0.0f);
+        reference.forward(in, kv_expected, logits);
+        // Row r's last token's reference logits at row r; poison for padding rows and everything past rows.
+        std::vector<uint8_t> want(static_cast<size_t>(rows) * per_row * vocab * element, kPoison);
+        for (int row = 0; row < rows; ++row)
+          if (in.live[row])
+            for (int v = 0; v < vocab; ++v)
+              encode_logit(dtype, logits[(static_cast<size_t>(row) * per_row + per_row - 1) * vocab + v],
+                           want.data() + (static_cast<size_t>(row) * vocab + v) * element);
+        DeviceBatch batch(in, vocab, dtype, stream);
+        for (bool captured : {false, true}) {
+          CAPTURE(rows);
+          CAPTURE(per_row);
+          CAPTURE(captured);
+          upload_kv(model, kv0, stream);
+          batch.logits.fill_bytes(kPoison, stream);
+          ForwardArgs args = batch.args();
+          args.last_token_logits = true;
+          test::run_on_stream(captured, stream, [&](cudaStream_t st) { model.forward(args, st); });
+          const std::string logits_diff = logits_difference(batch.download(stream), want, dtype, 1, vocab);
+          CHECK_MESSAGE(logits_diff.empty(), logits_diff);
+          const std::string kv_diff = kv_difference(download_kv(model, stream), kv_expected, config.hidden);
+          CHECK_MESSAGE(kv_diff.empty(), kv_diff);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("toy model: odd shapes (partial hidden chunk, long window, unaligned or tiny vocabulary)") {
   test::Rng rng;
   MESSAGE("seed ", rng.seed());
@@ -581,10 +630,6 @@ TEST_CASE("forward validates its arguments on the host; rows = 0 is a no-op") {
   args = batch.args();
   args.io_row_stride = 1; // < tokens_per_row = 2
   check_rejects(args, "io_row_stride");
-  args = batch.args();
-  args.last_token_logits = true; // the toy model computes every token's logits only
-  CHECK_FALSE(model.last_token_logits_supported());
-  check_rejects(args, "last_token_logits");
   const char* names[] = {"tokens", "positions", "slot_table", "seq_lens", "out_slots", "live", "logits"};
   for (int i = 0; i < 7; ++i) {
     args = batch.args();

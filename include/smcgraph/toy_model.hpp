@@ -103,6 +103,7 @@ public:
   int vocab() const override { return config_.vocab; }
   DType logits_dtype() const override { return config_.logits_dtype; }
   int max_seq_len() const override { return config_.max_seq_len; }
+  bool last_token_logits_supported() const override { return true; }
   int hidden() const { return config_.hidden; }
   int window() const { return config_.window; }
   int pool_size() const { return config_.pool_size; }

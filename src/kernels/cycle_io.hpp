@@ -159,5 +159,10 @@ void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* acce
                         bool advance_draw_counters = false);
 /// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
+/// The end of a cycle in one launch: decide_draft_steps(b, requests, accepted, stream, true) and then
+/// pack_outputs(b, requests * particles, out, stream) (thread q decides request q before it packs request q's
+/// values). The recipes use it; the two stages keep their own entry points and host references.
+void decide_and_pack_outputs(const CycleBuffers& b, int requests, const int32_t* accepted, uint8_t* out,
+                             cudaStream_t stream);
 
 } // namespace smcgraph::detail

@@ -5,7 +5,7 @@
 #include "kernels/pdl.cuh"
 #include "kernels/random.cuh"
 #include "kernels/cycle_io.hpp"
-#include "kernels/draft_steps_device.cuh"
+#include "kernels/draft_steps_decide.cuh"
 #include "kernels/launch_checks.hpp"
 
 #include <algorithm>
@@ -19,103 +19,12 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// What each kernel reads and writes (pointers to const are read only): narrow views of CycleBuffers.
-struct DecideView {
-  DraftStepsPolicy policy;
-  int particles = 1;
-  SlotPoolView pool; ///< read: free_count
-  const int32_t *committed, *pinned_draft_steps;
-  int32_t *request_draft_steps, *cycle_draft_steps, *decision_free_slots;
-  float* acceptance_ema;
-  uint8_t* kv_pressure;
-  uint32_t* draw_counters; ///< advanced by one per request when not null (the cycle's last draw is done)
-};
-
-DecideView decide_view(const CycleBuffers& b, bool advance_draw_counters) {
-  // clang-format off
-  return {.policy = b.policy, .particles = b.particles, .pool = b.pool, .committed = b.committed,
-          .pinned_draft_steps = b.pinned_draft_steps, .request_draft_steps = b.request_draft_steps,
-          .cycle_draft_steps = b.cycle_draft_steps, .decision_free_slots = b.decision_free_slots,
-          .acceptance_ema = b.acceptance_ema, .kv_pressure = b.kv_pressure,
-          .draw_counters = advance_draw_counters ? b.draw_counters : nullptr};
-  // clang-format on
-}
-
-/// The seed's rule on the EMA after this cycle. Rounded operations (no FMA contraction), so a host reference
-/// that does the same IEEE float steps gets the same bits.
-__device__ __forceinline__ float next_ema(float ema, int accepted, int proposed, float smoothing) {
-  const float rate = __fdiv_rn(static_cast<float>(accepted), static_cast<float>(proposed));
-  return __fadd_rn(__fmul_rn(smoothing, rate), __fmul_rn(__fsub_rn(1.0f, smoothing), ema));
-}
-
-/// The cost-aware rule's score of K: expected tokens a cycle commits, 1 + a + ... + a^K, over its time in
-/// units of the rest of the cycle, 1 + K * cost. Double, rounded operations in a fixed order (the host
-/// reference does the same steps).
-__device__ __forceinline__ double cycle_yield(int steps, double a, double cost) {
-  double expected = 1.0, term = 1.0;
-  for (int i = 0; i < steps; ++i) {
-    term = __dmul_rn(term, a);
-    expected = __dadd_rn(expected, term);
-  }
-  return __ddiv_rn(expected, __dadd_rn(1.0, __dmul_rn(static_cast<double>(steps), cost)));
-}
-
-__device__ __forceinline__ int choose_steps(const DraftStepsPolicy& policy, float ema, bool pressure) {
-  int steps;
-  if (policy.draft_cost > 0.0f) { // min <= mid <= max: a later candidate must do strictly better
-    steps = policy.min_steps;
-    double best = cycle_yield(steps, ema, policy.draft_cost);
-    const int candidates[] = {policy.mid_steps, policy.max_steps};
-    for (const int candidate : candidates) {
-      const double yield = cycle_yield(candidate, ema, policy.draft_cost);
-      if (yield > best) {
-        best = yield;
-        steps = candidate;
-      }
-    }
-  } else {
-    steps = ema >= policy.high_threshold  ? policy.max_steps
-            : ema >= policy.low_threshold ? policy.mid_steps
-                                          : policy.min_steps;
-  }
-  if (pressure)
-    steps = min(steps, policy.pressure_cap);
-  return steps;
-}
-
 __global__ void DecideDraftStepsKernel(DecideView b, int requests, const int32_t* accepted) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int q = blockIdx.x * blockDim.x + threadIdx.x;
-  const int free = *b.pool.free_count;
-  const bool pressure = free < b.policy.pressure_watermark_slots;
-  if (q == 0) {
-    *b.decision_free_slots = free;
-    *b.kv_pressure = pressure ? 1 : 0;
-  }
-  if (q >= requests)
-    return;
-  if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh), folded into this launch
-    device::advance_draw_counter(b.draw_counters, q);
-  const int steps = request_draft_steps_of(b.request_draft_steps, q, b.policy.max_steps);
-  b.cycle_draft_steps[q] = steps;
-  bool drafted = false;
-  for (int p = 0; p < b.particles; ++p)
-    drafted = drafted || b.committed[q * b.particles + p] > 0;
-  float ema = b.acceptance_ema[q];
-  if (drafted && accepted != nullptr) { // the EMA moves only for a request that ran this cycle
-    const int row_accepted = min(max(accepted[q * b.particles], 0), steps);
-    ema = next_ema(ema, row_accepted, steps, b.policy.smoothing);
-    b.acceptance_ema[q] = ema;
-  }
-  const int pinned = b.pinned_draft_steps[q];
-  int next;
-  if (pinned > 0)
-    next = min(pinned, b.policy.max_steps); // a pin is the caller's choice: no pressure cap
-  else if (!b.policy.adaptive)
-    next = b.policy.max_steps;
-  else
-    next = choose_steps(b.policy, ema, pressure);
-  b.request_draft_steps[q] = next;
+  const bool pressure = decide_pressure(b, q == 0);
+  if (q < requests)
+    decide_request(b, q, accepted, pressure);
 }
 
 } // namespace

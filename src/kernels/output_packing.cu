@@ -1,6 +1,7 @@
 // Output packing (cycle_io.hpp): one cycle's outputs into the pinned buffer the host reads (layout below).
 #include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
+#include "kernels/draft_steps_decide.cuh"
 #include "kernels/row_launch.cuh"
 
 #include <algorithm>
@@ -41,10 +42,25 @@ OutputsView outputs_view(const CycleBuffers& b) {
   // clang-format on
 }
 
-__global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputLayout layout) {
+/// The draft-length decision folded into the packing launch (decide_and_pack_outputs); `decide` false: none.
+struct FoldedDecision {
+  bool decide = false;
+  DecideView view;
+  const int32_t* accepted = nullptr; ///< null in the SMC cycle
+};
+
+__global__ void PackOutputsKernel(OutputsView b, int rows, uint8_t* out, OutputLayout layout,
+                                  FoldedDecision decision) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   const int requests = rows / b.particles;
+  // Thread q decides request q first, so the per-request values it packs below are the decision's (the
+  // same thread wrote them); thread 0 writes the pressure flag it packs.
+  if (decision.decide) {
+    const bool pressure = decide_pressure(decision.view, r == 0);
+    if (r < requests)
+      decide_request(decision.view, r, decision.accepted, pressure);
+  }
   if (r < rows) {
     const int stride = b.draft_steps + 1;
     int32_t* tokens = reinterpret_cast<int32_t*>(out + layout.tokens) + r * stride;
@@ -105,7 +121,18 @@ OutputLayout output_layout(int rows, int requests, int draft_steps) {
 
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream) {
   const OutputLayout layout = output_layout(rows, rows / b.particles, b.draft_steps);
-  launch_per_row(PackOutputsKernel, rows, stream, outputs_view(b), rows, out, layout);
+  launch_per_row(PackOutputsKernel, rows, stream, outputs_view(b), rows, out, layout, FoldedDecision{});
+}
+
+void decide_and_pack_outputs(const CycleBuffers& b, int requests, const int32_t* accepted, uint8_t* out,
+                             cudaStream_t stream) {
+  constexpr const char* kWhere = "decide_and_pack_outputs";
+  require(requests >= 1 && requests * b.particles <= b.max_rows, kWhere, "requests", requests,
+          "must be in [1, max_rows / particles]");
+  const int rows = requests * b.particles;
+  const OutputLayout layout = output_layout(rows, requests, b.draft_steps);
+  const FoldedDecision decision{true, decide_view(b, /*advance_draw_counters=*/true), accepted};
+  launch_per_row(PackOutputsKernel, rows, stream, outputs_view(b), rows, out, layout, decision);
 }
 
 } // namespace smcgraph::detail

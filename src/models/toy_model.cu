@@ -90,7 +90,9 @@ struct ToyForwardParams {
   const int32_t* out_slots;
   const uint8_t* live;
   void* logits;
-  bool vector_store; // vocab % 4 == 0 and logits 16-byte aligned
+  bool vector_store;      // vocab % 4 == 0 and logits 16-byte aligned
+  bool last_token_logits; // ForwardArgs::last_token_logits: logits of each row's last token, [rows, vocab]
+  int logit_tokens;       // tokens that get logits: rows when last_token_logits, else tokens
   // model
   int vocab;
   int vocab_padded;
@@ -112,6 +114,15 @@ __device__ __forceinline__ int clamp_int(int value, int lo, int hi) {
 /// Where token `token` of the forward sits in positions, out_slots and (times vocab) logits.
 __device__ __forceinline__ int64_t io_index(const ToyForwardParams& params, int64_t token) {
   return detail::strided_token_index(token, params.tokens_per_row, params.io_row_stride);
+}
+
+/// The forward's token whose logits are the i-th the LM head computes (i < logit_tokens), and where they go
+/// (times vocab).
+__device__ __forceinline__ int logit_source_token(const ToyForwardParams& params, int i) {
+  return params.last_token_logits ? i * params.tokens_per_row + params.tokens_per_row - 1 : i;
+}
+__device__ __forceinline__ int64_t logit_index(const ToyForwardParams& params, int i) {
+  return params.last_token_logits ? i : io_index(params, i);
 }
 
 // One thread per (token, h): writes the KV of every live token before any token reads KV (separate launch),
@@ -185,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 2) ToyLogitsKernel(ToyForwardParams 
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int token_tiles = (params.tokens + TOKEN_TILE - 1) / TOKEN_TILE;
+  const int token_tiles = (params.logit_tokens + TOKEN_TILE - 1) / TOKEN_TILE;
   const int vocab_tiles = params.vocab_padded / kVocabTile;
   const int64_t items = static_cast<int64_t>(token_tiles) * vocab_tiles;
   const int64_t item_begin = blockIdx.x * items / gridDim.x;
@@ -215,9 +226,10 @@ __global__ void __launch_bounds__(kThreads, 2) ToyLogitsKernel(ToyForwardParams 
   auto compute_activations = [&](int token_tile) {
     __syncthreads(); // the previous item's store loop may still read store_s
     for (int t = threadIdx.x; t < TOKEN_TILE; t += kThreads) {
-      const int token = token_tile * TOKEN_TILE + t;
+      const int i = token_tile * TOKEN_TILE + t;
       int store = 0, first = 0, count = 0;
-      if (token < params.tokens) {
+      if (i < params.logit_tokens) {
+        const int token = logit_source_token(params, i);
         const int row = token / params.tokens_per_row;
         if (params.live[row]) {
           store = 1;
@@ -242,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 2) ToyLogitsKernel(ToyForwardParams 
         const int k = k_begin + i % kWindowChunk;
         int slot = 0; // positions past the window read slot 0 and are not added
         if (k < count_s[t]) {
-          const int token = token_tile * TOKEN_TILE + t;
+          const int token = logit_source_token(params, token_tile * TOKEN_TILE + t);
           const int row = token / params.tokens_per_row;
           slot = params.slot_table[static_cast<int64_t>(row) * params.max_seq_len + first_s[t] + k];
           if (slot < 0 || slot >= params.pool_size)
@@ -385,8 +397,7 @@ __global__ void __launch_bounds__(kThreads, 2) ToyLogitsKernel(ToyForwardParams 
       const int t_in_tile = warp * TOKENS_PER_THREAD + t;
       if (!store_s[t_in_tile])
         continue;
-      const int64_t token = static_cast<int64_t>(token_tile) * TOKEN_TILE + t_in_tile;
-      OUT* out = logits + io_index(params, token) * params.vocab;
+      OUT* out = logits + logit_index(params, token_tile * TOKEN_TILE + t_in_tile) * params.vocab;
       if (params.vector_store) {
         // vocab % 4 == 0, so a run of 4 starting below vocab ends below it.
         if (v_low < params.vocab)
@@ -563,8 +574,6 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
   require(tokens <= (int64_t{1} << 30), where, "rows * tokens_per_row", tokens, "must be <= 2^30");
   detail::require_row_strides(args, where);
-  require(!args.last_token_logits, where, "last_token_logits", "true",
-          "is not supported by ToyModel (last_token_logits_supported() is false)");
   const char* const null_pointer = "must be a device pointer (got null)";
   require(args.tokens != nullptr, where, "tokens", "null", null_pointer);
   require(args.positions != nullptr, where, "positions", "null", null_pointer);
@@ -582,7 +591,8 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       .token_ids = args.tokens, .token_row_stride = args.token_stride(), .positions = args.positions,
       .io_row_stride = args.io_stride(), .slot_table = args.slot_table, .seq_lens = args.seq_lens,
       .out_slots = args.out_slots, .live = args.live,
-      .logits = args.logits, .vector_store = vector_store,
+      .logits = args.logits, .vector_store = vector_store, .last_token_logits = args.last_token_logits,
+      .logit_tokens = args.last_token_logits ? args.rows : static_cast<int>(tokens),
       .vocab = config_.vocab, .vocab_padded = vocab_padded_, .hidden = config_.hidden, .window = config_.window,
       .pool_size = config_.pool_size, .max_seq_len = config_.max_seq_len, .embedding = embedding_.data(),
       .position = position_.data(), .head_t = head_t_.data(), .bias = bias_.data(), .kv = kv_.data()};
@@ -593,15 +603,16 @@ void ToyModel::forward(const ForwardArgs& args, cudaStream_t stream) {
                      stream>>>(params);
   SMCGRAPH_CHECK_LAUNCH();
 
+  const int64_t logit_tokens = params.logit_tokens;
   int variant = 3;
   for (int candidate = 0; candidate < 4; ++candidate) {
-    if (tokens <= kWarps * kTokensPerThreadVariants[candidate]) {
+    if (logit_tokens <= kWarps * kTokensPerThreadVariants[candidate]) {
       variant = candidate;
       break;
     }
   }
   const int64_t token_tile = kWarps * kTokensPerThreadVariants[variant];
-  const int64_t items = (tokens + token_tile - 1) / token_tile * (vocab_padded_ / kVocabTile);
+  const int64_t items = (logit_tokens + token_tile - 1) / token_tile * (vocab_padded_ / kVocabTile);
   const int grid = static_cast<int>(
       std::min<int64_t>(items, static_cast<int64_t>(multiprocessors_) * blocks_per_sm_[variant]));
   const size_t shared_bytes = logits_shared_bytes(kWarps * kTokensPerThreadVariants[variant], config_.hidden);
