@@ -3,8 +3,8 @@
 // synchronizes or reads a host value that changes between replays.
 //
 //   alloc -> draft head (2 tokens) -> sample d_1 -> K - 1 x (draft step -> sample d_{s+1}) -> target verify
-//   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights -> commit -> resample -> reshuffle ->
-//   next K report + advance draw counters + pack outputs (one launch)
+//   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights + commit (one launch) -> resample ->
+//   reshuffle -> next K report + advance draw counters + pack outputs (one launch)
 //
 // The commit precedes resample/reshuffle (DESIGN.md lists it last): reshuffle copies whole rows, so the
 // copy must already hold this cycle's tokens and slots.
@@ -39,7 +39,9 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
             s.workspace, st);
     }
     {
-      Stage stage(s, "smc.weights");
+      // The weights and the commit: one launch, row by row (commit.cu; the weights' device code is
+      // weights_device.cuh, the stage of accumulate_weights).
+      Stage stage(s, "smc.weights_and_commit");
       WeightInputs in;
       in.draft_logprobs = {b.draft_logprobs + 1, K + 1, 1}; // the draft block's columns 1 .. K
       in.target_logprobs = {b.target_logprobs, K, 1};
@@ -51,11 +53,7 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
       in.rows = rows;
       in.steps = K;
       in.eos_id = s.config.eos_id;
-      accumulate_weights(in, b.logw, b.finished, b.first_eos, st);
-    }
-    {
-      Stage stage(s, "smc.commit");
-      commit_cycle(b, rows, st);
+      commit_cycle(b, rows, st, &in);
     }
     {
       Stage stage(s, "smc.resample");

@@ -5,6 +5,7 @@
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/row_launch.cuh"
 #include "kernels/slots_device.cuh"
+#include "kernels/weights_device.cuh"
 
 #include <algorithm>
 
@@ -79,8 +80,21 @@ template <class View> __device__ __forceinline__ CommitRow commit_row(const View
   return row;
 }
 
-__global__ void CommitCycleKernel(CommitView b, int rows) {
+/// The weights stage folded into the SMC commit launch (commit_cycle's `weights`); `on` false: none.
+struct FoldedWeights {
+  bool on = false;
+  WeightInputs in;
+  double* logw = nullptr;
+  uint8_t* finished = nullptr;
+  int32_t* first_eos = nullptr;
+};
+
+__global__ void CommitCycleKernel(CommitView b, int rows, FoldedWeights weights) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  // Row r's weight first (it sets first_eos[r], which the commit reads): the same thread, so no barrier.
+  const int thread_row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (weights.on && thread_row < rows)
+    accumulate_row_weight(weights.in, thread_row, weights.logw, weights.finished, weights.first_eos);
   const CommitRow row = commit_row(b, rows);
   if (row.cycle == nullptr)
     return;
@@ -99,8 +113,17 @@ __global__ void CommitCycleKernel(CommitView b, int rows) {
 
 } // namespace
 
-void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  launch_per_row(CommitCycleKernel, rows, stream, commit_view(b), rows);
+void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream, const WeightInputs* weights) {
+  FoldedWeights folded;
+  if (weights != nullptr) {
+    constexpr const char* kWhere = "commit_cycle";
+    require(weights->rows == rows, kWhere, "weights->rows", weights->rows, "must equal rows");
+    require(weights->steps == b.draft_steps, kWhere, "weights->steps", weights->steps,
+            "must equal the engine's draft_steps");
+    validate_weight_inputs(*weights, b.logw, b.finished, b.first_eos, kWhere);
+    folded = {true, *weights, b.logw, b.finished, b.first_eos};
+  }
+  launch_per_row(CommitCycleKernel, rows, stream, commit_view(b), rows, folded);
 }
 
 namespace {

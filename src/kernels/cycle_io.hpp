@@ -11,6 +11,7 @@
 
 #include "smcgraph/engine.hpp"
 #include "smcgraph/slots.hpp"
+#include "smcgraph/smc_kernels.hpp"
 
 namespace smcgraph::detail {
 
@@ -145,8 +146,11 @@ void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
                           const DraftLoopConditions& conditions = {});
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
-/// fault flag non-live (their request fails).
-void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// fault flag non-live (their request fails). `weights` (optional): the weights stage folded into the same
+/// launch, accumulate_weights(*weights, b.logw, b.finished, b.first_eos) row by row, each row's weight before
+/// its commit (which reads first_eos); weights->rows must be `rows`.
+void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream,
+                  const WeightInputs* weights = nullptr);
 /// Speculative commit: d_1 .. d_k and the next token into the table, L += k + 1, the slots of the
 /// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
