@@ -591,9 +591,12 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
       const double draft_us = steps > 1 ? alone.step_us : alone.head_us;
       config.adaptive.draft_cost = static_cast<float>(std::clamp(draft_us / alone.verify_us, 0.001, 64.0));
     }
-    std::printf("\nadaptive K: %s (draft_cost %.3f)\n",
-                config.adaptive.draft_cost > 0.0f ? "cost-aware rule" : "the seed's thresholds",
-                config.adaptive.draft_cost);
+    std::printf(
+        "\nadaptive K: %s (draft_cost %.3f); model, nonmodel, floor, nodes and the HBM roofline below "
+        "assume K_max draft steps, and the eager run (no conditional nodes) drafts K_max steps, "
+        "masked: compare tokens/s and graph time\n",
+        config.adaptive.draft_cost > 0.0f ? "cost-aware rule" : "the seed's thresholds",
+        config.adaptive.draft_cost);
   }
 
   const auto construct_start = std::chrono::steady_clock::now();
