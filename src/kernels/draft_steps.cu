@@ -56,7 +56,6 @@ void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* acce
   const int blocks = std::max(1, static_cast<int>(ceil_div(requests, kThreads)));
   launch_pdl(DecideDraftStepsKernel, dim3(blocks), dim3(kThreads), 0, stream,
              decide_view(b, advance_draw_counters), requests, accepted);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 } // namespace smcgraph::detail

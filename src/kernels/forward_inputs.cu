@@ -114,14 +114,10 @@ __global__ void __launch_bounds__(kRowThreads)
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
                           const DraftLoopConditions& conditions) {
   constexpr const char* kWhere = "prepare_draft_inputs";
-  require(rows >= 0 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [0, max_rows]");
+  require(rows >= 1 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [1, max_rows]");
   require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
           conditions.count, "must be in [0, kMaxDraftSteps]");
-  // One block at least, so that block 0 sets the conditions of a bucket of 0 rows too.
-  launch_pdl(PrepareDraftInputsKernel,
-             dim3(static_cast<unsigned>(std::max<int64_t>(1, ceil_div(rows, kRowThreads)))),
-             dim3(kRowThreads), 0, stream, draft_inputs_view(b), rows, conditions);
-  SMCGRAPH_CHECK_LAUNCH();
+  launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows, conditions);
 }
 
 namespace {

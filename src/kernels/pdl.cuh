@@ -27,6 +27,8 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
+/// Launches `kernel` (with the PDL attribute unless SMCGRAPH_DISABLE_PDL=1) and checks the launch: a launch
+/// error throws smcgraph::Error here, so callers need no SMCGRAPH_CHECK_LAUNCH() after it.
 template <class... Params, class... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
                 Args&&... args) {

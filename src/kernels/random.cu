@@ -36,7 +36,6 @@ void advance_draw_counters(uint32_t* draw_counters, int count, cudaStream_t stre
   constexpr int kThreads = 256;
   detail::launch_pdl(AdvanceDrawCountersKernel, dim3(static_cast<int>(detail::ceil_div(count, kThreads))),
                      dim3(kThreads), 0, stream, draw_counters, count);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 void philox_words(uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word,

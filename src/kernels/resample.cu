@@ -197,7 +197,6 @@ void resample(const ResampleInputs& in, double* logw, const ResampleOutputs& out
   const int blocks = (in.requests + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const NvtxRange range("resample");
   detail::launch_pdl(ResampleKernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, in, logw, out);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 } // namespace smcgraph

@@ -41,7 +41,6 @@ void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int3
   const NvtxRange range("reshuffle");
   detail::launch_pdl(ReshuffleKernel, dim3(tables.rows), dim3(kThreads), 0, stream, pool, tables, ancestor,
                      finished);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 } // namespace smcgraph

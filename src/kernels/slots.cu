@@ -268,7 +268,6 @@ void collect_freed_slots(const SlotPoolView& pool, cudaStream_t stream) {
     return;
   const NvtxRange range("collect_freed_slots");
   detail::launch_pdl(CollectFreedSlotsKernel, dim3(1), dim3(kCollectThreads), 0, stream, pool);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 void init_slot_pool(const SlotPoolView& pool, cudaStream_t stream) {
@@ -298,7 +297,6 @@ void alloc_cycle_slots(const SlotPoolView& pool, const RowTablesView& tables, in
   const NvtxRange range("alloc_cycle_slots");
   detail::launch_pdl(AllocCycleSlotsKernel, dim3(1), dim3(kAllocThreads), 0, stream, pool, tables,
                      particles_per_request, slots_per_row, counts, out_slots, row_flags, status);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 void dec_ref_slots(const SlotPoolView& pool, const int32_t* slots, const uint8_t* mask_or_null, int count,

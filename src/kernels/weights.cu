@@ -60,7 +60,6 @@ void accumulate_weights(const WeightInputs& in, double* logw, uint8_t* finished,
   const NvtxRange range("accumulate_weights");
   detail::launch_pdl(AccumulateWeightsKernel, dim3(static_cast<int>(detail::ceil_div(in.rows, kThreads))),
                      dim3(kThreads), 0, stream, in, logw, finished, first_eos);
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 } // namespace smcgraph

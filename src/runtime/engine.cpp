@@ -29,8 +29,7 @@ bool env_flag(const char* name) {
 
 /// Whether the captured draft steps can sit in conditional nodes: a speculative engine with graphs, K > 1, a
 /// toolkit and driver of CUDA 12.8 or later (IF nodes with an else branch), and no
-/// SMCGRAPH_DISABLE_CONDITIONAL=1. A failed
-/// capture turns it off later (Engine::Engine).
+/// SMCGRAPH_DISABLE_CONDITIONAL=1. A failed capture turns it off later (Engine::Engine).
 DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
   const char* masked =
       "every cycle runs K_max - 1 draft steps, masked per row, and verifies K_max + 1 columns";
