@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cycle_io.hpp"
@@ -174,6 +175,19 @@ TEST_CASE("the cost-aware rule picks the K with the most expected tokens per uni
   CHECK(reference::choose_steps(rule, 0.3f, false, 0) == 2); // 1.39 / 1.1 > 1.3 / 1.05, > 1.4251 / 1.2
   CHECK(reference::choose_steps(rule, 0.5f, true, 0) == 2);  // the pressure cap still applies
   CHECK(reference::choose_steps(rule, 0.0f, false, 3) == 3); // and a pin still wins
+  // A new request starts at the rule's K for the initial EMA (0.8), not at K_max. Yields 1.8, 2.44, 3.3616
+  // over 1 + K c: c = 0.05 gives K = 4, c = 0.4 K = 2 (1.356 against 1.286 and 1.293), c = 0.93 K = 1 (0.933
+  // against 0.853 and 0.712); the seed's thresholds K_max (0.8 >= high_threshold); a pin its K.
+  const std::pair<float, int> first_steps[] = {{0.05f, 4}, {0.4f, 2}, {0.93f, 1}, {0.0f, 4}};
+  for (const auto& [cost, steps] : first_steps) {
+    EngineConfig first = config;
+    first.adaptive.draft_cost = cost;
+    const reference::RequestDraftState state =
+        reference::admitted_state(reference::draft_steps_rule(first), 0);
+    CHECK_MESSAGE(state.steps == steps, "draft_cost " << cost);
+    CHECK(state.ema == 0.8f);
+    CHECK(reference::admitted_state(reference::draft_steps_rule(first), 3).steps == 3);
+  }
   // Against a brute-force argmax over the three candidates, on a grid of EMAs and costs.
   int checked = 0;
   for (int cost_index = 1; cost_index <= 40; ++cost_index) {

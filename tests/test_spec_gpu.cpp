@@ -354,6 +354,10 @@ TEST_CASE(
   config.slot_pool_size = test::under_sanitizer() ? 1024 : 4096;
   config.adaptive.enabled = true;
   config.adaptive.pressure_free_fraction = 0.7f; // pressure once 30% of the slots are taken (~1,230 of 4096)
+  SUBCASE("the seed's thresholds (a request starts at K_max)") {}
+  SUBCASE("the cost-aware rule (a request starts at the rule's K for the initial EMA: mid_steps 4 here)") {
+    config.adaptive.draft_cost = 0.3f;
+  }
   const reference::DraftStepsRule rule = reference::draft_steps_rule(config);
   ToyModelPair models = ToyModel::pair(toy_for(config), 0.6f);
   Engine engine(config, *models.draft, *models.target);

@@ -1,6 +1,7 @@
 // Admission (cycle_io.hpp): a request's per-row parameters, its prompt's slots, the first token's commit.
 // Each kernel is a thin gather/scatter run eagerly at admit(); every value is read from device memory.
 #include "kernels/cycle_io.hpp"
+#include "kernels/draft_steps_decide.cuh"
 #include "kernels/launch_checks.hpp"
 
 #include <algorithm>
@@ -84,8 +85,12 @@ __global__ void InitRequestRowsKernel(RequestRowsView b, int request, uint64_t s
     b.ess[request] = 0.0;
     b.resampled[request] = 0;
     b.log_evidence[request] = 0.0;
-    // The seed starts optimistic: K_max (or the pin) and the initial EMA.
-    const int first_steps = pinned_draft_steps > 0 ? pinned_draft_steps : b.policy.max_steps;
+    // The first K is the pin, or the policy's choice at the initial EMA (the seed's thresholds start
+    // optimistic, at K_max; the cost-aware rule takes the K it would pick for that EMA). No pressure cap yet:
+    // the first cycle's alloc fails the request cleanly if the pool is short.
+    const int first_steps = pinned_draft_steps > 0 ? pinned_draft_steps
+                            : b.policy.adaptive ? choose_steps(b.policy, b.policy.initial_acceptance, false)
+                                                : b.policy.max_steps;
     b.pinned_draft_steps[request] = pinned_draft_steps;
     b.request_draft_steps[request] = first_steps;
     b.cycle_draft_steps[request] = first_steps;

@@ -117,7 +117,8 @@ struct OutputLayout {
 OutputLayout output_layout(int rows, int requests, int draft_steps);
 
 // Admission (eager).
-/// `pinned_draft_steps` 0 makes the request adaptive (its first K is K_max, its EMA the initial value).
+/// `pinned_draft_steps` 0 makes the request adaptive: its EMA the initial value, its first K the policy's
+/// choice for it (K_max with the seed's thresholds).
 void init_request_rows(const CycleBuffers& b, int request, uint64_t seed, float draft_temperature,
                        float target_temperature, float alpha, float tau, int pinned_draft_steps,
                        cudaStream_t stream);

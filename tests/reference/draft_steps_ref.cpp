@@ -24,7 +24,9 @@ DraftStepsRule draft_steps_rule(const EngineConfig& config) {
 }
 
 RequestDraftState admitted_state(const DraftStepsRule& rule, int pinned) {
-  return {rule.initial, pinned > 0 ? pinned : rule.max_steps, pinned};
+  // The first K: the pin, or the rule's choice at the initial EMA without a pressure cap (K_max with the
+  // seed's thresholds).
+  return {rule.initial, choose_steps(rule, rule.initial, false, pinned), pinned};
 }
 
 float ema_after(float ema, int accepted, int proposed, float smoothing) {
