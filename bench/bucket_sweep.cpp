@@ -425,7 +425,9 @@ const std::vector<std::string> kCsvColumns = {"device",
                                               "roofline_us",
                                               "roofline_fraction",
                                               "ess_over_n",
-                                              "resample_rate"};
+                                              "resample_rate",
+                                              "mean_draft_steps",
+                                              "accepted_per_draft"};
 
 std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
   return {env.device,
@@ -469,7 +471,9 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
           format(row.roofline_us, 2),
           format(row.roofline_us / row.graph.median_us, 4),
           format(row.ess_over_n, 3),
-          format(row.resample_rate, 3)};
+          format(row.resample_rate, 3),
+          format(row.mean_draft_steps, 3),
+          format(row.accepted_per_draft, 3)};
 }
 
 namespace {
@@ -655,13 +659,17 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     const int64_t committed = check_updates(updates, static_cast<size_t>(o.cycles) * requests, config, check);
     row.tokens_per_cycle = static_cast<double>(committed) / (static_cast<double>(o.cycles) * rows);
     double mean_draft_steps = 0.0, mean_acceptance_ema = 0.0; // the draft length of the timed cycles
+    int64_t accepted = 0;
     for (const RequestUpdate& update : updates) {
       mean_draft_steps += update.draft_steps;
       mean_acceptance_ema += update.acceptance_ema;
+      accepted += update.accepted;
     }
-    if (!updates.empty()) {
+    if (!updates.empty() && kind == CycleKind::kSpeculative) {
+      row.accepted_per_draft = static_cast<double>(accepted) / mean_draft_steps;
       mean_draft_steps /= static_cast<double>(updates.size());
       mean_acceptance_ema /= static_cast<double>(updates.size());
+      row.mean_draft_steps = mean_draft_steps;
     }
     if (kind == CycleKind::kSmc && !updates.empty()) { // particle health of the timed cycles
       double ess = 0.0;
@@ -760,9 +768,10 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
           "", row.cycle_bytes / 1e6, format(row.roofline_us, 1).c_str(),
           format(100.0 * row.roofline_us / row.graph.median_us, 1).c_str());
     if (kind == CycleKind::kSpeculative)
-      std::printf("%8s  draft length: mean K %s of %d, mean acceptance EMA %s (%s)\n", "",
-                  format(mean_draft_steps, 2).c_str(), steps, format(mean_acceptance_ema, 3).c_str(),
-                  engine.draft_loop().note.c_str());
+      std::printf("%8s  draft length: mean K %s of %d, %s accepted tokens per drafted token (per draft "
+                  "forward of a request), mean acceptance EMA %s (%s)\n",
+                  "", format(mean_draft_steps, 2).c_str(), steps, format(row.accepted_per_draft, 3).c_str(),
+                  format(mean_acceptance_ema, 3).c_str(), engine.draft_loop().note.c_str());
     if (kind == CycleKind::kSmc)
       std::printf("%8s  particles: mean ESS / N %s, resampled in %s%% of request cycles\n", "",
                   format(row.ess_over_n, 3).c_str(), format(100.0 * row.resample_rate, 1).c_str());

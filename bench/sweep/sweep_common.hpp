@@ -117,6 +117,10 @@ struct Row {
   double roofline_us = NAN;   ///< cycle_bytes / copy bandwidth
   double ess_over_n = NAN;    ///< smc: mean ESS / N over the timed cycles' request updates
   double resample_rate = NAN; ///< smc: fraction of request cycles that resampled
+  double mean_draft_steps = NAN; ///< spec: mean K of the timed cycles' request updates
+  /// spec: accepted draft tokens per drafted token (sum accepted / sum K over the timed request updates): a
+  /// request's draft forwards per cycle are its K (the head and K - 1 steps)
+  double accepted_per_draft = NAN;
   bool valid = true;
   std::string problem;
 };
