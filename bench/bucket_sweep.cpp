@@ -342,10 +342,12 @@ public:
   ModelTiming time_cycle_forwards(Model& draft, Model& target, int rows, int steps, cudaStream_t stream) {
     ModelTiming timing;
     // As the cycle runs it: the head's logits of its last column only where the draft supports that.
-    timing.head_us = time_forward(draft, rows, 2, stream, draft.last_token_logits_supported());
+    // K = 0 (no draft): the verify forward of one token alone.
+    timing.head_us =
+        steps > 0 ? time_forward(draft, rows, 2, stream, draft.last_token_logits_supported()) : 0.0;
     timing.step_us = steps > 1 ? time_forward(draft, rows, 1, stream) : 0.0;
     timing.verify_us = time_forward(target, rows, steps + 1, stream);
-    timing.cycle_us = timing.head_us + (steps - 1) * timing.step_us + timing.verify_us;
+    timing.cycle_us = timing.head_us + std::max(steps - 1, 0) * timing.step_us + timing.verify_us;
     return timing;
   }
 
@@ -1004,8 +1006,11 @@ int run(const Options& o, const char* argv0) {
           progress.update(done, std::string("validation engine ") + kind_name(kind) +
                                     " V=" + std::to_string(vocab) + " " + dtype_name(dtype));
           try {
+            // The SMC cycle drafts at least one token: its validation takes K >= 1 (K = 0 is spec only).
+            const int validation_steps =
+                kind == CycleKind::kSmc ? std::max(1, o.steps.front()) : o.steps.front();
             records.push_back(run_validation_engine(models, kind, vocab, dtype, o.particles.front(),
-                                                    o.steps.front(), constants));
+                                                    validation_steps, constants));
           } catch (const Error& error) {
             records.push_back({});
             records.back().kind = kind;
@@ -1029,6 +1034,12 @@ int run(const Options& o, const char* argv0) {
       for (const auto& [kind, particles] : engine_kinds) {
         for (const int steps : o.steps) {
           const int done_before = done;
+          if (kind == CycleKind::kSmc && steps == 0) { // no SMC without a draft
+            std::printf("\nsmc N = %d K = 0: skipped (K = 0, no draft, is the speculative cycle's only)\n",
+                        particles);
+            done += static_cast<int>(o.requests.size());
+            continue;
+          }
           try {
             sweep_engine(ctx, models, kind, vocab, dtype, particles, steps, results);
           } catch (

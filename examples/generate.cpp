@@ -11,7 +11,8 @@
 // --kind greedy (default): speculative decoding with a greedy target, exactly the target's greedy text;
 // --kind spec: rejection-based speculative decoding at the given target temperature; --kind smc: SMC
 // speculative decoding, the particle drawn by weight is printed. --draft-layers picks the draft's layers
-// (default 0-27: all but the last two). --raw sends the prompt without the chat template.
+// (default 0-27: all but the last two); --steps 0 (greedy / spec) decodes with the target alone, no draft.
+// --raw sends the prompt without the chat template.
 //
 // Exit status: 0 ok, 1 a CUDA / model / engine error, 2 a bad flag, 77 no CUDA device.
 #include <algorithm>
@@ -69,7 +70,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--particles")
       o.particles = parse_integer(flag, flags.value(), 1, smcgraph::kMaxResampleParticles);
     else if (flag == "--steps")
-      o.steps = parse_integer(flag, flags.value(), 1, smcgraph::kMaxDraftSteps);
+      o.steps = parse_integer(flag, flags.value(), 0, smcgraph::kMaxDraftSteps); // 0: no draft (not smc)
     else if (flag == "--max-new")
       o.max_new = parse_integer(flag, flags.value(), 1, kIntMax / 2);
     else if (flag == "--temperature")
@@ -150,7 +151,7 @@ int run(const Options& o) {
   } else {
     config.target_temperature = o.temperature >= 0 ? o.temperature : 1.0f;
   }
-  smcgraph::Engine engine(config, draft, target);
+  smcgraph::Engine engine(config, o.steps == 0 ? target : draft, target); // K = 0 never runs the draft
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
   const auto start = std::chrono::steady_clock::now();

@@ -1,7 +1,9 @@
 // The phase both cycle recipes share (graphs/smc_cycle.cpp, graphs/spec_cycle.cpp): slot allocation for
 // K + 1 positions, the draft head (2 tokens) and its sample d_1, K - 1 draft steps each with its sample, and
 // the target verify forward over K + 1 tokens, followed by the recipe's own stages (its `rest`). The
-// speculative cycle also keeps the draft's logits at every position (its verifier's residual needs q).
+// speculative cycle also keeps the draft's logits at every position (its verifier's residual needs q). With
+// K = 0 (speculative only) there is no draft phase: one slot, the verify forward of the last committed token
+// alone, the rest.
 //
 // Captured with conditional nodes (a speculative engine, K > 1), draft step s sits in the then-branch of an
 // IF/ELSE node whose else-branch verifies s + 1 columns and runs the rest of the cycle; step s's then-branch
@@ -148,6 +150,33 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
 #endif
     prepare_draft_inputs(b, rows, stream, conditions); // sets the conditions from max K_q
   }
+  // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out slots,
+  // and the target logits (row r's column j at r * (K + 1) + j in each); then the recipe's stages.
+  auto verify_and_rest = [&](int width, cudaStream_t verify_stream) {
+    {
+      Stage stage(s, verify_name);
+      prepare_verify_inputs(b, rows, verify_stream);
+      ForwardArgs verify{rows,
+                         width,
+                         b.draft_tokens,
+                         b.verify_positions,
+                         b.tables.slot_table,
+                         b.verify_seq_lens,
+                         b.verify_out_slots,
+                         b.tables.live,
+                         s.target_logits.data(),
+                         K + 1,
+                         K + 1};
+      // Columns width .. K of the logits block keep what they held: they are past every live row's K_q, and
+      // score() and the verifier read row r's columns 0 .. K_q only.
+      s.target->forward(verify, verify_stream);
+    }
+    rest(verify_stream);
+  };
+  if (K == 0) { // no draft: the verify forward runs the last committed token alone, then the recipe's stages
+    verify_and_rest(1, stream);
+    return;
+  }
   const RowParams draft_params{b.draft_temperature, nullptr};
   const RowRandom random{b.seeds, b.draw_counters, N};
   // Samples go straight into the [rows, K + 1] draft block: d_k in column k.
@@ -212,29 +241,6 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       for (int step = 1; step < K; ++step)
         draft_step(step, stream);
   }
-  // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out slots,
-  // and the target logits (row r's column j at r * (K + 1) + j in each); then the recipe's stages.
-  auto verify_and_rest = [&](int width, cudaStream_t verify_stream) {
-    {
-      Stage stage(s, verify_name);
-      prepare_verify_inputs(b, rows, verify_stream);
-      ForwardArgs verify{rows,
-                         width,
-                         b.draft_tokens,
-                         b.verify_positions,
-                         b.tables.slot_table,
-                         b.verify_seq_lens,
-                         b.verify_out_slots,
-                         b.tables.live,
-                         s.target_logits.data(),
-                         K + 1,
-                         K + 1};
-      // Columns width .. K of the logits block keep what they held: they are past every live row's K_q, and
-      // score() and the verifier read row r's columns 0 .. K_q only.
-      s.target->forward(verify, verify_stream);
-    }
-    rest(verify_stream);
-  };
 #if CUDART_VERSION >= 12080
   if (conditional) {
     // Step s's IF/ELSE node: then step s (and step s + 1's node, or the full-width verify after the last

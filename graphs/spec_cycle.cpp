@@ -12,6 +12,10 @@
 // draft steps past K_q (skipped altogether by the captured cycle's conditional nodes once no live row needs
 // them), and it is verified with its own K_q.
 //
+// With draft_steps = 0 there is no draft: alloc (one slot), the verify forward over the last committed token,
+// its sample (score's bonus pass: greedy at T_t = 0, else an exact draw from p), commit, collect, outputs,
+// the target decoding alone through the same captured cycle.
+//
 // Row lengths differ after a cycle; they live in device memory, so the same graph replays.
 #include "runtime/engine_state.hpp"
 
@@ -28,6 +32,26 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
   const DType dtype = s.target->logits_dtype();
   // Everything after the verify forward: once per verify width when captured with conditional nodes.
   const CycleRest rest = [&](cudaStream_t st) {
+    if (K == 0) { // no draft (draft_steps = 0): the target's sample at the one column is the next token
+      {
+        Stage stage(s, "spec.score");
+        const LogitsView logits{s.target_logits.data(), dtype, rows, 1, V, V, V};
+        score(logits, b.draft_tokens, 1, {b.target_temperature, nullptr}, random,
+              philox_stream(Salt::kBonus, 0),
+              {b.target_logprobs, b.next_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
+              s.workspace, st);
+      }
+      { // accepted stays 0 (zeroed at construction, never written): the commit takes the next token alone
+        Stage stage(s, "spec.commit");
+        commit_speculative(b, rows, st);
+        collect_freed_slots(b.pool, st);
+      }
+      {
+        Stage stage(s, "spec.next_k_and_outputs");
+        decide_and_pack_outputs(b, bucket_requests, b.accepted, s.outputs_device.data(), st);
+      }
+      return;
+    }
     {
       Stage stage(s, "spec.score");
       const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,

@@ -106,6 +106,20 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("without a draft (draft_steps = 0) K stays 0 and the EMA keeps its initial value") {
+  EngineConfig config = adaptive_config();
+  config.adaptive.enabled = false;
+  config.draft_steps = 0;
+  const reference::DraftStepsRule rule = reference::draft_steps_rule(config);
+  reference::RequestDraftState state = reference::admitted_state(rule, 0);
+  CHECK(state.steps == 0);
+  for (int cycle = 0; cycle < 5; ++cycle) {
+    CHECK(reference::advance(rule, state, true, 0, 9000) == 0);
+    CHECK(state.steps == 0);
+    CHECK(state.ema == 0.8f); // nothing proposed: no 0 / 0
+  }
+}
+
 TEST_CASE("KV pressure caps an adaptive K at pressure_cap and never a pinned one") {
   const reference::DraftStepsRule rule = reference::draft_steps_rule(adaptive_config());
   CHECK(reference::kv_pressure(rule, 1499));

@@ -73,6 +73,18 @@ TEST_CASE("every EngineConfig field out of range is named with its value") {
   CHECK(contains(error_of([](auto& c) { c.vocab = 0; }), "EngineConfig: vocab = 0"));
   CHECK(contains(error_of([](auto& c) { c.draft_steps = 0; }), "draft_steps = 0"));
   CHECK(contains(error_of([](auto& c) { c.draft_steps = 65; }), "draft_steps = 65"));
+  // draft_steps = 0 is the speculative cycle without a draft (the target alone); not adaptive, not SMC.
+  auto no_draft = [](smcgraph::EngineConfig& c) {
+    c.kind = smcgraph::CycleKind::kSpeculative;
+    c.particles = 1;
+    c.draft_steps = 0;
+  };
+  CHECK(error_of(no_draft) == "no error");
+  CHECK(contains(error_of([&](auto& c) {
+                   no_draft(c);
+                   c.adaptive.enabled = true;
+                 }),
+                 "needs draft_steps >= 1"));
   CHECK(contains(error_of([](auto& c) { c.particles = 0; }), "particles = 0"));
   CHECK(contains(error_of([](auto& c) { c.particles = 257; }), "particles = 257"));
   CHECK(contains(error_of([](auto& c) { c.max_requests = 0; }), "max_requests = 0"));

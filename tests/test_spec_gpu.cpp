@@ -103,7 +103,9 @@ std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const st
     EngineConfig config = base;
     config.use_graphs = graphs;
     ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
-    Engine engine(config, *models.draft, *models.target);
+    // Without a draft (K = 0) the target is passed as both models, as a caller would: it must be prefilled
+    // once and never run as a draft.
+    Engine engine(config, config.draft_steps == 0 ? *models.target : *models.draft, *models.target);
     const reference::ToyModelReference target_reference(models.target->config());
     long compared = 0, accepted_tokens = 0, cycles = 0;
     // Every bucket; under racecheck (its per-launch cost is the largest) the smallest, a middle and the
@@ -128,9 +130,10 @@ std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const st
         for (const RequestUpdate& update : engine.poll()) {
           const int index = static_cast<int>(update.id - ids.front());
           REQUIRE(update.tokens.size() == 1);
-          REQUIRE(update.draft_steps >= 1);
+          REQUIRE(update.draft_steps >= (base.draft_steps == 0 ? 0 : 1));
           REQUIRE(update.tokens[0].size() <= static_cast<size_t>(update.draft_steps) + 1);
           steps_seen.insert(update.draft_steps);
+          REQUIRE(std::isfinite(update.acceptance_ema)); // K = 0 proposes nothing: the EMA keeps its value
           accepted_tokens += static_cast<long>(update.tokens[0].size()) - 1;
           streamed[index].insert(streamed[index].end(), update.tokens[0].begin(), update.tokens[0].end());
           REQUIRE_FALSE(update.failed);
@@ -203,6 +206,12 @@ TEST_CASE(
   CHECK(steps == std::set<int>{4});
 }
 
+TEST_CASE("draft_steps = 0 (no draft) decodes greedily exactly as the target alone, in every bucket, graphed "
+          "and eager") {
+  const std::set<int> steps = check_greedy_equals_target_only(spec_config(64, 0), [](int) { return -1; });
+  CHECK(steps == std::set<int>{0});
+}
+
 TEST_CASE(
     "with adaptive K (and some requests pinned to 1 or K_max) greedy decoding still equals the target's") {
   EngineConfig config = spec_config(64, 6);
@@ -231,6 +240,11 @@ TEST_CASE("stochastic speculative decoding emits tokens from the target distribu
   // approximation holds at every count.
   const int waves = test::sanitizer_scaled(24, 4, 2);
   EngineConfig config = law_config();
+  SUBCASE("K = 3") {}
+  SUBCASE("K = 0: no draft, the target's own sample") {
+    config.draft_steps = 0;
+  }
+  CAPTURE(config.draft_steps);
   config.max_seq_len = 64;
   ToyModelPair models = ToyModel::pair(toy_for(config), 1.5f); // a poor draft: many rejections
   Engine engine(config, *models.draft, *models.target);
@@ -285,6 +299,11 @@ TEST_CASE("speculative graph and eager runs are bit-identical and the slot invar
   test::Rng rng;
   INFO("seed " << rng.seed());
   EngineConfig graphed = spec_config(8, 4, 512);
+  SUBCASE("K = 4") {}
+  SUBCASE("K = 0 (no draft)") {
+    graphed.draft_steps = 0;
+  }
+  CAPTURE(graphed.draft_steps);
   graphed.target_temperature = 1.0f; // stochastic verification
   graphed.eos_id = 5;
   graphed.max_seq_len = 200;

@@ -35,7 +35,7 @@ void print_usage() {
       "                        20 cycles per phase\n"
       "  --requests LIST       request-slot buckets, e.g. 1,2,4,8,16,32,64 (the largest is max_requests)\n"
       "  --particles LIST      N values (default 4,8)\n"
-      "  --steps LIST          K values (default 4,8)\n"
+      "  --steps LIST          K values (default 4,8); 0 (spec only): no draft, the target alone\n"
       "  --vocabs LIST         V values (default 32000,128256)\n"
       "  --dtypes LIST         logits dtypes, fp32 and/or bf16 (default fp32,bf16)\n"
       "  --kinds LIST          cycle kinds, smc and/or spec (default both; spec runs with N = 1 and is "
@@ -90,7 +90,7 @@ bool parse_float(const char* text, float lo, float hi, float& out) {
   return end != text && *end == '\0' && std::isfinite(out) && out >= lo && out <= hi;
 }
 
-bool parse_int_list(const std::string& text, std::vector<int>& out) {
+bool parse_int_list(const std::string& text, std::vector<int>& out, long min_value) {
   out.clear();
   std::stringstream stream(text);
   std::string item;
@@ -99,7 +99,7 @@ bool parse_int_list(const std::string& text, std::vector<int>& out) {
       continue;
     char* end = nullptr;
     const long value = std::strtol(item.c_str(), &end, 10);
-    if (*end != '\0' || value < 1 || value > 1 << 20)
+    if (*end != '\0' || value < min_value || value > 1 << 20)
       return false;
     out.push_back(static_cast<int>(value));
   }
@@ -151,7 +151,7 @@ int parse_options(int argc, char** argv, Options& o) {
                                : which == 1 ? o.particles
                                : which == 2 ? o.steps
                                             : o.vocabs;
-      if (!parse_int_list(text, list))
+      if (!parse_int_list(text, list, which == 2 ? 0 : 1)) // K = 0: the speculative cycle without a draft
         return bad(text);
       explicit_lists[which] = true;
     } else if (arg == "--dtypes") {

@@ -66,8 +66,11 @@ struct AdaptiveDraftSteps {
 
 struct EngineConfig {
   CycleKind kind = CycleKind::kSmc;
-  int vocab = 32000;            ///< must equal both models' vocab()
-  int draft_steps = 4;          ///< K (K_max when adaptive) in [1, kMaxDraftSteps]
+  int vocab = 32000; ///< must equal both models' vocab()
+  /// K (K_max when adaptive) in [1, kMaxDraftSteps]; kSpeculative also takes 0: no draft, the target alone
+  /// decodes one token per row and cycle through the same captured cycle (the draft model is never run:
+  /// pass the target as both)
+  int draft_steps = 4;
   int particles = 4;            ///< N >= 1 (1 for kSpeculative)
   int max_requests = 16;        ///< request slots; the largest bucket
   std::vector<int> buckets;     ///< request-slot counts to capture; empty: powers of two up to max_requests

@@ -99,7 +99,8 @@ __device__ __forceinline__ void decide_request(const DecideView& b, int q, const
   for (int p = 0; p < b.particles; ++p)
     drafted = drafted || b.committed[q * b.particles + p] > 0;
   float ema = b.acceptance_ema[q];
-  if (drafted && accepted != nullptr) { // the EMA moves only for a request that ran this cycle
+  // The EMA moves only for a request that drafted this cycle (ran, and K_q > 0: draft_steps = 0 drafts none).
+  if (drafted && accepted != nullptr && steps > 0) {
     const int row_accepted = min(max(accepted[q * b.particles], 0), steps);
     ema = next_ema(ema, row_accepted, steps, b.policy.smoothing);
     b.acceptance_ema[q] = ema;

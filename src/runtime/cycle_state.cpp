@@ -149,8 +149,8 @@ size_t extent_count(Extent extent, const StateDims& d) {
     return 2 * d.rows;
   case Extent::kRowsByKPlus1:
     return d.rows * (d.draft_steps + 1);
-  case Extent::kRowsByK:
-    return d.rows * d.draft_steps;
+  case Extent::kRowsByK: // at least one column: draft_steps = 0 keeps the buffers (never read) non-null
+    return d.rows * std::max<size_t>(d.draft_steps, 1);
   case Extent::kRowsByDraftSteps:
     return d.rows * (d.draft_steps > 1 ? d.draft_steps - 1 : 1);
   case Extent::kSeq:
@@ -162,7 +162,7 @@ size_t extent_count(Extent extent, const StateDims& d) {
   case Extent::kTargetLogitsBytes:
     return d.rows * (d.draft_steps + 1) * d.logits_row_bytes;
   case Extent::kStepLogitsBytes:
-    return d.rows * d.draft_steps * d.logits_row_bytes;
+    return d.rows * std::max<size_t>(d.draft_steps, 1) * d.logits_row_bytes;
   case Extent::kPrefillLogitsBytes:
     return d.prefill_chunk * d.logits_row_bytes;
   case Extent::kOutputBytes:

@@ -35,6 +35,8 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
       "every cycle runs K_max - 1 draft steps, masked per row, and verifies K_max + 1 columns";
   if (config.kind != CycleKind::kSpeculative)
     return {false, std::string("SMC cycle: every request drafts draft_steps; ") + masked};
+  if (config.draft_steps == 0)
+    return {false, "draft_steps = 0: no draft, the target alone decodes one token per row and cycle"};
   if (config.draft_steps == 1)
     return {false, "draft_steps = 1: no draft step after the head"};
   if (!config.use_graphs)
@@ -281,13 +283,16 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   SMCGRAPH_CUDA_CHECK(
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
   detail::admit_alloc(b, row, P, stream);
-  // Prefill both models in chunks (KV for positions < P); keep the target's logits of the last position.
+  // Prefill both models in chunks (KV for positions < P); keep the target's logits of the last position. With
+  // draft_steps = 0 the draft never runs, so it is not prefilled either.
   const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
   int last_chunk_length = 0;
   for (int begin = 0; begin < P; begin += s.prefill_chunk) {
     const int length = std::min(s.prefill_chunk, P - begin);
     detail::set_int(s.admit_scalars.data(), begin + length, stream);
     for (Model* model : {s.draft, s.target}) {
+      if (s.draft_steps == 0 && model != s.target) // the draft never runs (it may be the target itself)
+        continue;
       ForwardArgs args{1,
                        length,
                        token_row + begin,

@@ -39,6 +39,8 @@ void validate_adaptive(const EngineConfig& c) {
   // (docs/adaptive_draft_steps.md).
   require(c.kind == CycleKind::kSpeculative, kConfig, "adaptive.enabled", a.enabled,
           "needs kind kSpeculative (the SMC cycle drafts a fixed K)");
+  require(c.draft_steps >= 1, kConfig, "adaptive.enabled", a.enabled,
+          "needs draft_steps >= 1 (draft_steps = 0 decodes with the target alone)");
   require(a.mid_steps >= 1 && a.mid_steps <= c.draft_steps, kConfig, "adaptive.mid_steps", a.mid_steps,
           "must be in [1, draft_steps]");
   require(a.min_steps >= 1 && a.min_steps <= a.mid_steps, kConfig, "adaptive.min_steps", a.min_steps,
@@ -62,9 +64,12 @@ void validate_engine_config(const EngineConfig& c) {
   require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
   require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
           "must be 1 for the speculative cycle");
-  static const std::string steps_range = "must be in [1, " + std::to_string(kMaxDraftSteps) + "]";
-  require(c.draft_steps >= 1 && c.draft_steps <= kMaxDraftSteps, kConfig, "draft_steps", c.draft_steps,
-          steps_range.c_str());
+  // draft_steps = 0 (speculative only): no draft, the target alone decodes one token per row and cycle.
+  static const std::string steps_range = "must be in [1, " + std::to_string(kMaxDraftSteps) +
+                                         "] (the speculative cycle also takes 0: the target alone)";
+  const int min_steps = c.kind == CycleKind::kSpeculative ? 0 : 1;
+  require(c.draft_steps >= min_steps && c.draft_steps <= kMaxDraftSteps, kConfig, "draft_steps",
+          c.draft_steps, steps_range.c_str());
   require(c.particles >= 1 && c.particles <= kMaxResampleParticles, kConfig, "particles", c.particles,
           "must be in [1, 256]");
   require(c.max_requests >= 1 && c.max_requests <= 4096, kConfig, "max_requests", c.max_requests,

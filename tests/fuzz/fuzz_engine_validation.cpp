@@ -32,7 +32,10 @@ void check_accepted_config(const smcgraph::EngineConfig& c) {
   using smcgraph::CycleKind;
   expect(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, "kind is known");
   expect(c.vocab >= 1, "vocab >= 1");
-  expect(c.draft_steps >= 1 && c.draft_steps <= 64, "draft_steps in [1, 64]");
+  // 0 only for the speculative cycle (no draft: the target alone), never adaptive.
+  expect(c.draft_steps >= (c.kind == CycleKind::kSpeculative ? 0 : 1) && c.draft_steps <= 64,
+         "draft_steps in [1, 64] ([0, 64] speculative)");
+  expect(c.draft_steps >= 1 || !c.adaptive.enabled, "adaptive needs a draft");
   expect(c.particles >= 1 && c.particles <= 256, "particles in [1, 256]");
   expect(c.kind == CycleKind::kSmc || c.particles == 1, "speculative: one particle");
   expect(c.max_requests >= 1 && c.max_requests <= 4096, "max_requests in [1, 4096]");
@@ -91,9 +94,10 @@ void check_accepted_request(const smcgraph::EngineConfig& c, const std::vector<i
   expect(r.tau >= 0.0f && r.tau <= 1.0f, "resolved tau in [0, 1]");
   expect(params.max_new_tokens == -1 || params.max_new_tokens >= 1, "max_new_tokens");
   // The request's K: a pin in [1, draft_steps] (SMC: draft_steps), or 0 = chosen on the device, which needs
-  // the adaptive rule.
+  // the adaptive rule, or 0 = no draft at all (draft_steps = 0).
   expect(r.pinned_draft_steps >= 0 && r.pinned_draft_steps <= c.draft_steps, "pinned K in [0, draft_steps]");
-  expect(r.pinned_draft_steps > 0 || c.adaptive.enabled, "an unpinned K needs the adaptive rule");
+  expect(r.pinned_draft_steps > 0 || c.adaptive.enabled || c.draft_steps == 0,
+         "an unpinned K needs the adaptive rule (or no draft)");
   expect(c.kind == smcgraph::CycleKind::kSpeculative || r.pinned_draft_steps == c.draft_steps,
          "SMC drafts K_max");
 }

@@ -82,7 +82,7 @@ int choose_steps(const DraftStepsRule& rule, float ema, bool pressure, int pinne
 int advance(const DraftStepsRule& rule, RequestDraftState& state, bool drafted, int accepted,
             int free_slots) {
   const int used = state.steps;
-  if (drafted)
+  if (drafted && used > 0) // draft_steps = 0 proposes nothing: the EMA stays
     state.ema = ema_after(state.ema, std::clamp(accepted, 0, used), used, rule.smoothing);
   state.steps = choose_steps(rule, state.ema, kv_pressure(rule, free_slots), state.pinned);
   return used;
