@@ -171,15 +171,20 @@ std::vector<double> decode_logits(const std::vector<uint8_t>& bytes, DType dtype
   return values;
 }
 
-/// Empty when every byte of every padding row still holds the poison.
-std::string padding_problem(const LlamaForwardInputs& in, const std::vector<uint8_t>& bytes) {
-  const size_t row_bytes = bytes.size() / in.rows;
+/// Empty when every padding row holds either the poison (not written: the own-kernel LM head skips padding
+/// rows) or finite logits only (the cuBLASLt LM head writes every row; nothing reads a padding row's logits).
+std::string padding_problem(const LlamaForwardInputs& in, const std::vector<uint8_t>& bytes, DType dtype) {
+  const std::vector<double> values = decode_logits(bytes, dtype);
+  const size_t row_bytes = bytes.size() / in.rows, row_values = values.size() / in.rows;
   for (int row = 0; row < in.rows; ++row) {
     if (in.live[row])
       continue;
     const auto begin = bytes.begin() + row * row_bytes;
-    if (!std::all_of(begin, begin + row_bytes, [](uint8_t b) { return b == kPoison; }))
-      return "padding row " + std::to_string(row) + " had its logits written";
+    const bool untouched = std::all_of(begin, begin + row_bytes, [](uint8_t b) { return b == kPoison; });
+    const auto first = values.begin() + row * row_values;
+    const bool finite = std::all_of(first, first + row_values, [](double v) { return std::isfinite(v); });
+    if (!untouched && !finite)
+      return "padding row " + std::to_string(row) + " holds partly written or non-finite logits";
   }
   return {};
 }
@@ -244,7 +249,7 @@ struct Subject {
       const std::vector<uint8_t> eager = run_forward(*model, batch, false, stream);
       const std::vector<uint8_t> graphed = run_forward(*model, batch, true, stream);
       CHECK_MESSAGE(eager == graphed, "graph replay differs from the eager forward");
-      const std::string padding = padding_problem(in, eager);
+      const std::string padding = padding_problem(in, eager, dtype);
       CHECK_MESSAGE(padding.empty(), padding);
       const reference::LogitsAgreement agreement = reference::compare_logits(
           in, vocab, decode_logits(eager, dtype), want, &ideal, reference::kLlamaLogitTolerance);
@@ -441,7 +446,21 @@ TEST_CASE("llama forward: tokens, positions, out slots and logits with a row str
         bool rest_untouched = true;
         const std::vector<uint8_t> got =
             io_strided ? strided.dense_logits(kPoison, rest_untouched, stream) : batch.download(stream);
-        CHECK_MESSAGE(rest_untouched, "the strided forward wrote logits past tokens_per_row");
+        if (io_strided && !rest_untouched) { // the cuBLASLt head writes zero logits past tokens_per_row
+          const std::vector<uint8_t> raw =
+              test::to_host(strided.logits.data(), strided.logits.size(), stream);
+          for (int row = 0; row < in.rows; ++row)
+            for (int64_t j = per_row; j < stride; ++j) {
+              const auto begin = raw.begin() + (row * stride + j) * strided.row_bytes;
+              const bool poison =
+                  std::all_of(begin, begin + strided.row_bytes, [](uint8_t b) { return b == kPoison; });
+              const bool zeros =
+                  std::all_of(begin, begin + strided.row_bytes, [](uint8_t b) { return b == 0; });
+              CHECK_MESSAGE((poison || zeros), "row "
+                                                   << row << " column " << j
+                                                   << " past tokens_per_row holds neither poison nor zeros");
+            }
+        }
         CHECK_MESSAGE(got == dense, "the strided forward's logits differ from the dense one");
       }
     }
@@ -479,9 +498,7 @@ TEST_CASE(
         for (int row = 0; row < kRows; ++row) {
           CAPTURE(row);
           const uint8_t* last = got.data() + row * row_bytes;
-          if (!in.live[row]) {
-            CHECK_MESSAGE(std::all_of(last, last + row_bytes, [](uint8_t b) { return b == kPoison; }),
-                          "a padding row got logits");
+          if (!in.live[row]) { // untouched (own LM head) or finite logits (cuBLASLt head): padding_problem
             continue;
           }
           const uint8_t* want = full.data() + (static_cast<size_t>(row) * per_row + per_row - 1) * row_bytes;
@@ -491,6 +508,11 @@ TEST_CASE(
         CHECK_MESSAGE(
             std::all_of(got.begin() + kRows * row_bytes, got.end(), [](uint8_t b) { return b == kPoison; }),
             "the last-token forward wrote past [rows, V]");
+        const std::vector<uint8_t> dense(got.begin(), got.begin() + kRows * row_bytes);
+        LlamaForwardInputs rows_only = in;
+        rows_only.tokens_per_row = 1;
+        const std::string padding = padding_problem(rows_only, dense, dtype);
+        CHECK_MESSAGE(padding.empty(), padding);
       }
     }
   }

@@ -30,7 +30,9 @@ struct ForwardArgs {
   int64_t token_row_stride = 0;
   /// Tokens between the rows of `positions`, `out_slots` and `logits` (token j of row r at r * io_stride() +
   /// j, its logits at (r * io_stride() + j) * vocab()); 0 (the default) means dense (tokens_per_row). Entries
-  /// past tokens_per_row in a row are neither read nor written. The engine's verify forward over the
+  /// past tokens_per_row in a row are not read; their logits may be written with values nothing may use (the
+  /// Llama model's cuBLASLt LM head writes zeros there), and so may a padding row's. The engine's verify
+  /// forward over the
   /// W <= K + 1 columns a cycle needs reads and writes its [rows, K + 1] blocks this way. Models must honour
   /// it.
   int64_t io_row_stride = 0;

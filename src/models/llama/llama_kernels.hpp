@@ -2,12 +2,15 @@
 //   QKV GEMM (RMSNorm prologue; RoPE, q store and KV write epilogue) -> attention (split-KV) -> O GEMM (+=
 //   residual)
 //   -> gate/up GEMM (RMSNorm prologue, SwiGLU epilogue) -> down GEMM (+= residual),
-// then the LM-head GEMM (RMSNorm prologue, logits epilogue). Every launcher validates its shape, takes the
+// then the LM head: cuBLASLt's matmul after an RMSNorm kernel (LtHead), or the own GEMM (RMSNorm prologue,
+// logits epilogue) where cuBLASLt is off or offers no algorithm. Every launcher validates its shape, takes the
 // stream last, never allocates or synchronizes, and reads every value that changes between replays from
 // device memory.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -74,6 +77,26 @@ struct AttentionArgs {
   const int32_t *slot_table = nullptr, *seq_lens = nullptr, *positions = nullptr;
   const uint8_t* live = nullptr;
   uint16_t* out = nullptr; ///< [T, heads * head_dim] bf16
+};
+
+/// The LM head through cuBLASLt (llama_head.cu): an RMSNorm kernel into `normed` ([tokens, k] bf16), then one
+/// matmul with an algorithm chosen at construction and pinned for every token count (batch-invariant logits).
+/// run() returns false, doing nothing, where it does not serve the call (no usable algorithm, a logits layout
+/// with more than one token a row and a row stride, another dtype); the caller then runs gemm(kLogits).
+/// SMCGRAPH_DISABLE_CUBLASLT_HEAD=1 turns it off. It writes the logits of every row, padding rows included.
+class LtHead {
+public:
+  LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype);
+  ~LtHead();
+  LtHead(const LtHead&) = delete;
+  LtHead& operator=(const LtHead&) = delete;
+  bool usable() const;
+  const std::string& note() const; ///< why not usable, or what it runs
+  bool run(const GemmArgs& args, uint16_t* normed, cudaStream_t stream);
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 /// Sets the attention and embedding kernels' shared-memory carveout like the GEMMs' and the attention

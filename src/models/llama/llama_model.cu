@@ -93,8 +93,9 @@ std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file) {
 }
 
 struct LlamaModel::Workspace {
-  DeviceBuffer<float> x;            // [T, hidden] residual stream
-  DeviceBuffer<uint16_t> q, o, act; // [T, q_dim], [T, q_dim], [T, ffn]
+  DeviceBuffer<float> x;                    // [T, hidden] residual stream
+  DeviceBuffer<uint16_t> q, o, act, normed; // [T, q_dim], [T, q_dim], [T, ffn], [T, hidden] (the LM head's A)
+  std::unique_ptr<llama::LtHead> head;      // the LM head through cuBLASLt where it serves the call
 };
 
 LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaModelOptions& options)
@@ -112,6 +113,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.q = DeviceBuffer<uint16_t>(T * qd);
   w.o = DeviceBuffer<uint16_t>(T * qd);
   w.act = DeviceBuffer<uint16_t>(T * c.ffn);
+  w.normed = DeviceBuffer<uint16_t>(T * c.hidden);
+  w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype);
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
   llama::prepare_attention(c.head_dim);
   // Zero everything once: padding rows of the activations are read (and ignored) by the GEMMs.
@@ -134,8 +137,9 @@ const LlamaConfig& LlamaModel::config() const {
 }
 
 int LlamaModel::launches_per_forward() const {
-  // embed + per layer (qkv, attention, o, gate/up, down) + head.
-  return 2 + static_cast<int>(layers_.size()) * 5;
+  // embed + per layer (qkv, attention, o, gate/up, down) + head: one own GEMM, or the norm and cuBLASLt's
+  // matmul (usually one kernel).
+  return 2 + static_cast<int>(layers_.size()) * 5 + (workspace_->head->usable() ? 1 : 0);
 }
 
 size_t LlamaModel::weight_bytes_per_forward() const {
@@ -248,7 +252,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   head.norm_weight = weights_->output_norm();
   head.logits = args.logits;
   head.logits_dtype = options_.logits_dtype;
-  llama::gemm(llama::GemmEpilogue::kLogits, head, stream);
+  if (!w.head->run(head, w.normed.data(), stream))
+    llama::gemm(llama::GemmEpilogue::kLogits, head, stream);
 }
 
 } // namespace smcgraph
