@@ -167,7 +167,8 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                          s.target_logits.data(),
                          K + 1,
                          K + 1};
-      // Columns width .. K of the logits block keep what they held: they are past every live row's K_q, and
+      // Columns width .. K of the logits block hold stale values (or zeros the model wrote, which the Model
+      // contract allows past tokens_per_row): they are past every live row's K_q, and
       // score() and the verifier read row r's columns 0 .. K_q only.
       s.target->forward(verify, verify_stream);
     }
