@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include <cooperative_groups.h>
@@ -100,6 +101,16 @@ struct LtHead::Impl {
   bool usable = false;
   std::string note;
 
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl() { // here, not in ~LtHead: a constructor that throws after cublasLtCreate still frees the handle
+    if (op)
+      cublasLtMatmulDescDestroy(op);
+    if (handle)
+      cublasLtDestroy(handle);
+  }
+
   /// Layouts of W (column-major [hidden, vocab]: W row-major), A ([hidden, tokens]) and Y ([vocab, tokens],
   /// leading dimension ldy elements).
   struct Layouts {
@@ -145,9 +156,11 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   m.workspace = DeviceBuffer<uint8_t>(kWorkspaceBytes);
   // The algorithm: cuBLASLt's first heuristic for a 64-token head, then split-K and its reduction switched
   // off, and checked for every token count the model may run (it is used for all of them).
-  cublasLtMatmulPreference_t preference = nullptr;
-  lt_check(cublasLtMatmulPreferenceCreate(&preference), "preference");
-  lt_check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  cublasLtMatmulPreference_t raw_preference = nullptr;
+  lt_check(cublasLtMatmulPreferenceCreate(&raw_preference), "preference");
+  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)>
+      preference(raw_preference, &cublasLtMatmulPreferenceDestroy); // freed on every path, a throw included
+  lt_check(cublasLtMatmulPreferenceSetAttribute(preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                 &kWorkspaceBytes, sizeof(kWorkspaceBytes)),
            "preference workspace");
   const int reference_tokens = std::min(64, max_tokens);
@@ -156,11 +169,10 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   {
     Impl::Layouts l;
     m.make_layouts(l, reference_tokens, vocab);
-    lt_check(cublasLtMatmulAlgoGetHeuristic(m.handle, m.op, l.w, l.a, l.y, l.y, preference, 1, &heuristic,
-                                            &returned),
+    lt_check(cublasLtMatmulAlgoGetHeuristic(m.handle, m.op, l.w, l.a, l.y, l.y, preference.get(), 1,
+                                            &heuristic, &returned),
              "heuristic");
   }
-  cublasLtMatmulPreferenceDestroy(preference);
   if (returned < 1) {
     m.note = "cuBLASLt offered no algorithm";
     return;
@@ -192,12 +204,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   m.note = "cuBLASLt, one pinned algorithm (no split-K)";
 }
 
-LtHead::~LtHead() {
-  if (impl_->op)
-    cublasLtMatmulDescDestroy(impl_->op);
-  if (impl_->handle)
-    cublasLtDestroy(impl_->handle);
-}
+LtHead::~LtHead() = default;
 
 bool LtHead::usable() const {
   return impl_->usable;
