@@ -32,36 +32,19 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
   const DType dtype = s.target->logits_dtype();
   // Everything after the verify forward: once per verify width when captured with conditional nodes.
   const CycleRest rest = [&](cudaStream_t st) {
-    if (K == 0) { // no draft (draft_steps = 0): the target's sample at the one column is the next token
-      {
-        Stage stage(s, "spec.score");
-        const LogitsView logits{s.target_logits.data(), dtype, rows, 1, V, V, V};
-        score(logits, b.draft_tokens, 1, {b.target_temperature, nullptr}, random,
-              philox_stream(Salt::kBonus, 0),
-              {b.target_logprobs, b.next_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
-              s.workspace, st);
-      }
-      { // accepted stays 0 (zeroed at construction, never written): the commit takes the next token alone
-        Stage stage(s, "spec.commit");
-        commit_speculative(b, rows, st);
-        collect_freed_slots(b.pool, st);
-      }
-      {
-        Stage stage(s, "spec.next_k_and_outputs");
-        decide_and_pack_outputs(b, bucket_requests, b.accepted, s.outputs_device.data(), st);
-      }
-      return;
-    }
     {
       Stage stage(s, "spec.score");
       const LogitsView logits{s.target_logits.data(),          dtype, rows, K + 1, V,
                               static_cast<int64_t>(K + 1) * V, V};
       score(logits, b.draft_tokens + 1, K + 1, {b.target_temperature, nullptr}, random,
             philox_stream(Salt::kBonus, 0),
-            {b.target_logprobs, b.bonus_tokens, b.bonus_logprobs, b.bonus_logz, b.row_flags, b.status},
+            {b.target_logprobs, K == 0 ? b.next_tokens : b.bonus_tokens, b.bonus_logprobs, b.bonus_logz,
+             b.row_flags, b.status},
             s.workspace, st, b.request_draft_steps); // row q scores its own K_q columns (+ the bonus)
     }
-    {
+    // Without a draft (K = 0) the bonus, the target's sample at the one column, is the next token: nothing to
+    // verify or pack, and `accepted` stays 0 (zeroed at construction, never written).
+    if (K > 0) {
       Stage stage(s, "spec.verify");
       StochasticVerifyInputs in;
       in.draft_tokens = b.draft_tokens + 1; // the draft block [rows, K + 1], columns 1 .. K
@@ -80,7 +63,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       in.row_draft_steps = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
       verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, st);
     }
-    {
+    if (K > 0) {
       Stage stage(s, "spec.pack");
       AcceptedRows accepted{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
       const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};

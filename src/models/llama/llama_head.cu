@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <string>
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
@@ -99,7 +98,6 @@ struct LtHead::Impl {
   int vocab = 0, hidden = 0, max_tokens = 0;
   DType dtype = DType::kFloat32;
   bool usable = false;
-  std::string note;
 
   Impl() = default;
   Impl(const Impl&) = delete;
@@ -138,15 +136,11 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   m.max_tokens = max_tokens;
   m.dtype = logits_dtype;
   const char* off = std::getenv("SMCGRAPH_DISABLE_CUBLASLT_HEAD");
-  if (off != nullptr && std::strcmp(off, "1") == 0) {
-    m.note = "SMCGRAPH_DISABLE_CUBLASLT_HEAD=1";
+  if (off != nullptr && std::strcmp(off, "1") == 0) // off: run() declines, the own GEMM serves
     return;
-  }
   if (hidden % 4 != 0 || hidden > kLlamaMaxHidden ||
-      (logits_dtype != DType::kFloat32 && logits_dtype != DType::kBFloat16)) {
-    m.note = "shape or logits dtype not served";
+      (logits_dtype != DType::kFloat32 && logits_dtype != DType::kBFloat16)) // not served
     return;
-  }
   lt_check(cublasLtCreate(&m.handle), "cublasLtCreate");
   lt_check(cublasLtMatmulDescCreate(&m.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
   const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
@@ -173,10 +167,8 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
                                             &heuristic, &returned),
              "heuristic");
   }
-  if (returned < 1) {
-    m.note = "cuBLASLt offered no algorithm";
+  if (returned < 1) // cuBLASLt offered no algorithm
     return;
-  }
   m.algo = heuristic.algo;
   const int one = 1;
   const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
@@ -194,23 +186,17 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
       cublasLtMatmulHeuristicResult_t check{};
       if (cublasLtMatmulAlgoCheck(m.handle, m.op, l.w, l.a, l.y, l.y, &m.algo, &check) !=
               CUBLAS_STATUS_SUCCESS ||
-          check.workspaceSize > kWorkspaceBytes) {
-        m.note = "the pinned algorithm does not serve " + std::to_string(tokens) + " tokens";
-        return;
-      }
+          check.workspaceSize > kWorkspaceBytes)
+        return; // the pinned algorithm does not serve this token count
     }
   }
   m.usable = true;
-  m.note = "cuBLASLt, one pinned algorithm (no split-K)";
 }
 
 LtHead::~LtHead() = default;
 
 bool LtHead::usable() const {
   return impl_->usable;
-}
-const std::string& LtHead::note() const {
-  return impl_->note;
 }
 
 bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {

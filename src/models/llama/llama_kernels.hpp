@@ -3,14 +3,13 @@
 //   residual)
 //   -> gate/up GEMM (RMSNorm prologue, SwiGLU epilogue) -> down GEMM (+= residual),
 // then the LM head: cuBLASLt's matmul after an RMSNorm kernel (LtHead), or the own GEMM (RMSNorm prologue,
-// logits epilogue) where cuBLASLt is off or offers no algorithm. Every launcher validates its shape, takes the
-// stream last, never allocates or synchronizes, and reads every value that changes between replays from
+// logits epilogue) where cuBLASLt is off or offers no algorithm. Every launcher validates its shape, takes
+// the stream last, never allocates or synchronizes, and reads every value that changes between replays from
 // device memory.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -91,7 +90,6 @@ public:
   LtHead(const LtHead&) = delete;
   LtHead& operator=(const LtHead&) = delete;
   bool usable() const;
-  const std::string& note() const; ///< why not usable, or what it runs
   bool run(const GemmArgs& args, uint16_t* normed, cudaStream_t stream);
 
 private:
