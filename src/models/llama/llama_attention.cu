@@ -5,8 +5,9 @@
 // One block per (row, token, query head), 8 warps. A token's positions are cut into chunks of
 // kAttentionChunk = 32; warp w takes chunks w, w + 8, ... . A chunk is one warp pass: a lane per position
 // loads the position's key (16-byte loads, to registers) and value (cp.async, to shared memory) at once, so a
-// chunk costs one memory latency (the slot loads of the warp's first chunk are issued before the kernel waits
-// for its predecessor, those of the next during the current one); the scores' max and sum are warp
+// chunk costs one memory latency (the slot loads of the warp's first chunk, and its keys and values of
+// positions older than the forward, are issued before the kernel waits for its predecessor, the slot loads
+// of the next chunk during the current one); the scores' max and sum are warp
 // reductions, and a lane per output dimension sums the weighted values from shared memory in position order.
 // The warps merge their (max, sum, accumulator) in warp order in shared memory: no partials in global memory,
 // no atomics. Nothing depends on the batch, so a token's output is the same in any batch.
@@ -91,6 +92,26 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   int next_slot = 0;
   if (live && warp < chunks && warp * kAttentionChunk + lane < length)
     next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
+  // The warp's first chunk, for positions before the row's first token in this forward: their K and V were
+  // written by earlier forwards (this forward's QKV projection writes the block's own positions only, at
+  // freshly allocated slots), so they are loaded before waiting too, and a decode token's attention costs
+  // one memory latency after the wait (q and the block's own positions), not two.
+  uint4 key[kMaxVectorsPerHead];
+  const int first_block_position =
+      a.positions[detail::strided_token_index(r * a.tokens_per_row, a.tokens_per_row, a.io_row_stride)];
+  const int early_position = warp * kAttentionChunk + lane;
+  const bool early =
+      live && warp < chunks && early_position < length && early_position < first_block_position;
+  if (early) {
+    const uint16_t* k_row = a.kv + static_cast<size_t>(next_slot) * 2 * kv_dim + kv_head * hd;
+    for (int v = 0; v < hd / 8; ++v)
+      __pipeline_memcpy_async(v_shared + lane * hd + v * 8, k_row + kv_dim + v * 8, 16);
+#pragma unroll
+    for (int v = 0; v < kMaxVectorsPerHead; ++v)
+      if (v < hd / 8)
+        key[v] = reinterpret_cast<const uint4*>(k_row)[v];
+  }
+  __pipeline_commit();
   pdl_wait();
   pdl_trigger();
   if (!live)
@@ -120,14 +141,14 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
     if (following < length) // the warp's next chunk: its slot load overlaps this chunk
       next_slot = clamp_slot(slots[following], a.pool_size);
     const uint16_t* k_row = a.kv + static_cast<size_t>(slot) * 2 * kv_dim + kv_head * hd;
-    if (valid)
+    const bool load = valid && !(early && chunk == warp); // an early position's rows are in flight already
+    if (load)
       for (int v = 0; v < hd / 8; ++v)
         __pipeline_memcpy_async(v_shared + lane * hd + v * 8, k_row + kv_dim + v * 8, 16);
     __pipeline_commit();
-    uint4 key[kMaxVectorsPerHead];
 #pragma unroll
     for (int v = 0; v < kMaxVectorsPerHead; ++v)
-      if (valid && v < hd / 8)
+      if (load && v < hd / 8)
         key[v] = reinterpret_cast<const uint4*>(k_row)[v];
     float score = -INFINITY;
     if (valid) {

@@ -108,6 +108,38 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     if (kQkv && threadIdx.x < a.head_dim / 2)
       rope_freq[threadIdx.x] = a.inv_freq[threadIdx.x];
   }
+  // Narrow QKV: the RoPE rotation (sin, cos) of each row and column pair of the block's tile, computed before
+  // waiting (positions and frequencies are forward inputs): the epilogue then only looks them up. The same
+  // float angle goes through the same sincosf as in the wide shape, so both give the same bits.
+  constexpr bool kRopeTable = kQkv && M_FRAGS == 1 && N_WARPS == 1;
+  __shared__ float2 rope_table[kRopeTable ? BM * BN / 2 : 1];
+  if constexpr (kRopeTable) {
+    static_assert(BM * BN / 2 <= kThreads, "one rotation a thread");
+    const int m = threadIdx.x / (BN / 2), col = n0 + 2 * (threadIdx.x % (BN / 2)), t = m0 + m;
+    if (threadIdx.x < BM * BN / 2 && t < T && col < a.q_dim + a.kv_dim) {
+      const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
+      const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
+      float s, c;
+      sincosf(static_cast<float>(position) * a.inv_freq[d / 2], &s, &c);
+      rope_table[threadIdx.x] = make_float2(s, c);
+    }
+  }
+  // The residual tile of the epilogue (narrow shape), where the caller vouches that the predecessor kernel
+  // does not write it (GemmArgs::residual_ready_before_wait): its load latency leaves the critical path too.
+  constexpr int kEpiloguePerThread = BM * BN / kThreads;
+  static_assert(BM * BN % kThreads == 0, "the epilogue gives every thread the same number of elements");
+  constexpr bool kPrefetchResidual = EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd) && N_WARPS == 1;
+  float residual_early[kPrefetchResidual ? kEpiloguePerThread : 1];
+  const bool residual_prefetched = kPrefetchResidual && a.residual_ready_before_wait;
+  if constexpr (kPrefetchResidual) {
+    if (residual_prefetched) {
+#pragma unroll
+      for (int i = 0; i < kEpiloguePerThread; ++i) {
+        const int e = threadIdx.x + i * kThreads, t = m0 + e / BN;
+        residual_early[i] = t < T ? a.residual[static_cast<size_t>(t) * N + n0 + e % BN] : 0.0f;
+      }
+    }
+  }
   pdl_wait();
   pdl_trigger();
 
@@ -249,14 +281,20 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     __syncthreads();
   }
 
-  // Epilogue over the finished [BM, BN] tile.
-  for (int e = threadIdx.x; e < BM * BN; e += kThreads) {
+  // Epilogue over the finished [BM, BN] tile (unrolled only where the prefetched residual sits in registers).
+#pragma unroll(kPrefetchResidual ? kEpiloguePerThread : 1)
+  for (int i = 0; i < kEpiloguePerThread; ++i) {
+    const int e = threadIdx.x + i * kThreads;
     const int m = e / BN, n = e % BN, t = m0 + m, col = n0 + n;
     if (t >= T)
       continue;
     const float value = stage[e];
     if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd)) {
-      a.residual[static_cast<size_t>(t) * N + col] += value;
+      float* residual = a.residual + static_cast<size_t>(t) * N + col;
+      if constexpr (kPrefetchResidual)
+        *residual = (residual_prefetched ? residual_early[i] : *residual) + value;
+      else
+        *residual += value;
     } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kLogits)) {
       if (col >= a.logits_cols || !row_live[m])
         continue;
@@ -283,9 +321,15 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
         const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
         // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
         const float partner = stage[e ^ 1];
-        const float angle = static_cast<float>(row_position[m]) * rope_freq[d / 2];
         float s, c;
-        sincosf(angle, &s, &c);
+        if constexpr (kRopeTable) {
+          const float2 sc = rope_table[m * (BN / 2) + n / 2];
+          s = sc.x;
+          c = sc.y;
+        } else {
+          const float angle = static_cast<float>(row_position[m]) * rope_freq[d / 2];
+          sincosf(angle, &s, &c);
+        }
         out = (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
       }
       const uint16_t bits = float_to_bf16_bits(out);
@@ -302,10 +346,11 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   }
 }
 
-/// Static shared memory of the kernel, rounded up for alignment: the epilogue's per-row inputs and the RoPE
-/// frequencies (ptxas reports 896 bytes).
-constexpr int kStaticSmemBytes = 1024;
-static_assert(kMaxBlockRows * (2 * sizeof(int) + 1) + kLlamaMaxHeadDim / 2 * sizeof(float) + 128 <=
+/// Static shared memory of the kernel, rounded up for alignment: the epilogue's per-row inputs, the RoPE
+/// frequencies and the narrow QKV tile's rotations.
+constexpr int kStaticSmemBytes = 2048;
+static_assert(kMaxBlockRows * (2 * sizeof(int) + 1) + kLlamaMaxHeadDim / 2 * sizeof(float) +
+                      16 * 16 / 2 * sizeof(float2) + 128 <=
                   kStaticSmemBytes,
               "the static shared memory must fit its reserve");
 

@@ -40,7 +40,12 @@ struct GemmArgs {
   int64_t x_row_stride = 0;         ///< floats between the rows of x; 0 means K (dense)
   const float* norm_weight = nullptr;
   float eps = 1e-5f;
-  float* residual = nullptr;    ///< [T, N] (kResidualAdd)
+  float* residual = nullptr; ///< [T, N] (kResidualAdd)
+  /// kResidualAdd: the kernel launched just before this one does not write `residual`, so it may be read
+  /// before the PDL wait (every earlier writer completed before that predecessor passed its own wait, and
+  /// this kernel starts only after that; pdl.hpp). The forward sets it: the O and down projections run two
+  /// launches after the last write of the residual stream.
+  bool residual_ready_before_wait = false;
   uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
   void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped
   int logits_cols = 0;

@@ -216,6 +216,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     o.weight = layer.o;
     o.a_bf16 = w.o.data();
     o.residual = w.x.data();
+    o.residual_ready_before_wait = true; // last written by the down projection (or embed) before QKV
     llama::gemm(llama::GemmEpilogue::kResidualAdd, o, stream);
 
     llama::GemmArgs gate_up = g;
@@ -233,6 +234,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     down.weight = layer.down;
     down.a_bf16 = w.act.data();
     down.residual = w.x.data();
+    down.residual_ready_before_wait = true; // last written by the O projection before gate/up
     llama::gemm(llama::GemmEpilogue::kResidualAdd, down, stream);
   }
 
