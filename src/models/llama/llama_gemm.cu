@@ -140,6 +140,15 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       }
     }
   }
+  // The RMSNorm weights are weights too (and cold in L2 by the time a forward comes back to them): loaded
+  // before waiting, so only the activation rows' latency is left after it.
+  float4 gamma[uses_norm<EPILOGUE>() ? kNormVec : 1];
+  if constexpr (uses_norm<EPILOGUE>()) {
+    const float4* norm4 = reinterpret_cast<const float4*>(a.norm_weight);
+#pragma unroll
+    for (int i = 0; i < kNormVec; ++i)
+      gamma[i] = lane + 32 * i < K / 4 ? norm4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   pdl_wait();
   pdl_trigger();
 
@@ -148,11 +157,6 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   if constexpr (uses_norm<EPILOGUE>()) {
     const int k4 = K / 4;
     const int64_t x_stride = a.x_row_stride > 0 ? a.x_row_stride : K;
-    const float4* norm4 = reinterpret_cast<const float4*>(a.norm_weight);
-    float4 gamma[kNormVec];
-#pragma unroll
-    for (int i = 0; i < kNormVec; ++i)
-      gamma[i] = lane + 32 * i < k4 ? norm4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // kNormRows rows a warp at a time: their loads are in flight together.
     for (int m_first = warp; m_first < BM; m_first += kNormRows * kWarps) {
       float4 v[kNormRows][kNormVec];

@@ -44,13 +44,19 @@ void lt_check(cublasStatus_t status, const char* what) {
 __global__ void __launch_bounds__(kNormThreads)
     LlamaHeadNormKernel(int out_rows, int slots_per_row, int tokens_per_row, int first_row, int k,
                         const float* x, int64_t x_row_stride, const float* gamma, float eps, uint16_t* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k4 = k / 4;
+  // The norm weights before waiting (PDL): the x row is the only load left after it.
+  const float4* g4 = reinterpret_cast<const float4*>(gamma);
+  float4 g[kMaxVectorsPerLane];
+#pragma unroll
+  for (int q = 0; q < kMaxVectorsPerLane; ++q)
+    g[q] = lane + 32 * q < k4 ? g4[lane + 32 * q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   pdl_wait();
   pdl_trigger();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int i = blockIdx.x * (kNormThreads / 32) + warp;
   if (i >= out_rows)
     return;
-  const int k4 = k / 4;
   uint2* dst = reinterpret_cast<uint2*>(out + static_cast<int64_t>(i) * k);
   const int slot = i % slots_per_row;
   if (slot >= tokens_per_row) {
@@ -60,7 +66,6 @@ __global__ void __launch_bounds__(kNormThreads)
   }
   const int64_t token = static_cast<int64_t>(first_row + i / slots_per_row) * tokens_per_row + slot;
   const float4* x4 = reinterpret_cast<const float4*>(x + token * x_row_stride);
-  const float4* g4 = reinterpret_cast<const float4*>(gamma);
   float4 v[kMaxVectorsPerLane];
   float sum_squares = 0.0f;
 #pragma unroll
@@ -76,9 +81,8 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
   for (int q = 0; q < kMaxVectorsPerLane; ++q) {
     if (lane + 32 * q < k4) {
-      const float4 g = g4[lane + 32 * q];
-      const uint32_t lo = bits(v[q].x * inv_rms * g.x) | bits(v[q].y * inv_rms * g.y) << 16;
-      const uint32_t hi = bits(v[q].z * inv_rms * g.z) | bits(v[q].w * inv_rms * g.w) << 16;
+      const uint32_t lo = bits(v[q].x * inv_rms * g[q].x) | bits(v[q].y * inv_rms * g[q].y) << 16;
+      const uint32_t hi = bits(v[q].z * inv_rms * g[q].z) | bits(v[q].w * inv_rms * g[q].w) << 16;
       dst[lane + 32 * q] = make_uint2(lo, hi);
     }
   }
