@@ -769,7 +769,9 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
           "%s%% of the graph time\n",
           "", row.cycle_bytes / 1e6, format(row.roofline_us, 1).c_str(),
           format(100.0 * row.roofline_us / row.graph.median_us, 1).c_str());
-    if (kind == CycleKind::kSpeculative)
+    if (kind == CycleKind::kSpeculative && steps == 0) // nothing drafted: no draft length or acceptance
+      std::printf("%8s  draft length: none (%s)\n", "", engine.draft_loop().note.c_str());
+    else if (kind == CycleKind::kSpeculative)
       std::printf("%8s  draft length: mean K %s of %d, %s accepted tokens per drafted token (per draft "
                   "forward of a request), mean acceptance EMA %s (%s)\n",
                   "", format(mean_draft_steps, 2).c_str(), steps, format(row.accepted_per_draft, 3).c_str(),
