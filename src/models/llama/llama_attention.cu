@@ -21,6 +21,7 @@
 
 #include "kernels/launch_checks.hpp"
 #include "models/forward_layout.cuh"
+#include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
 #pragma unroll
       for (int c = 0; c < kMaxDimsPerLane; ++c)
         if (c * 32 + lane < hd)
-          out[c * 32 + lane] = __bfloat16_as_ushort(__float2bfloat16_rn(acc[c] / l));
+          out[c * 32 + lane] = float_to_bf16_bits(acc[c] / l);
     }
     return;
   }
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
       l_all = fmaf(warp_ml[w][1], weight, l_all);
       sum = fmaf(warp_acc[w][d], weight, sum);
     }
-    out[d] = __bfloat16_as_ushort(__float2bfloat16_rn(sum / l_all));
+    out[d] = float_to_bf16_bits(sum / l_all);
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include "kernels/launch_checks.hpp"
 #include "models/forward_layout.cuh"
+#include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
@@ -44,10 +45,6 @@ constexpr int kNarrowMaxTokens = 384;
 constexpr int kNormRows = 2;
 static_assert(kMaxNormK == kLlamaMaxHidden,
               "the RMSNorm prologue must hold a row of the largest hidden size");
-
-__device__ __forceinline__ uint16_t float_to_bf16_bits(float value) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(value));
-}
 
 /// Shared memory of a variant: the A rows, the fp32 tile (one per K slice in the narrow shape) and, when
 /// `stage_w`, the block's 16 weight rows (narrow shape only).
@@ -174,22 +171,15 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
         float sum_squares = 0.0f;
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i)
-          sum_squares +=
-              v[r][i].x * v[r][i].x + v[r][i].y * v[r][i].y + v[r][i].z * v[r][i].z + v[r][i].w * v[r][i].w;
+          sum_squares += sum_of_squares(v[r][i]);
         sum_squares =
             cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), sum_squares, cg::plus<float>());
         const float inv_rms = t < T ? rsqrtf(sum_squares / static_cast<float>(K) + a.eps) : 0.0f;
         uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i) {
-          if (lane + 32 * i < k4) {
-            const float4 x = v[r][i], g = gamma[i];
-            const uint32_t lo = float_to_bf16_bits(x.x * inv_rms * g.x) |
-                                static_cast<uint32_t>(float_to_bf16_bits(x.y * inv_rms * g.y)) << 16;
-            const uint32_t hi = float_to_bf16_bits(x.z * inv_rms * g.z) |
-                                static_cast<uint32_t>(float_to_bf16_bits(x.w * inv_rms * g.w)) << 16;
-            dst[lane + 32 * i] = make_uint2(lo, hi);
-          }
+          if (lane + 32 * i < k4)
+            dst[lane + 32 * i] = rms_scaled_bf16x4(v[r][i], inv_rms, gamma[i]);
         }
       }
     }

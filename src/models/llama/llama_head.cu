@@ -17,6 +17,7 @@
 
 #include "kernels/launch_checks.hpp"
 #include "models/forward_layout.cuh"
+#include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
@@ -71,21 +72,14 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
   for (int q = 0; q < kMaxVectorsPerLane; ++q) {
     v[q] = lane + 32 * q < k4 ? x4[lane + 32 * q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    sum_squares += v[q].x * v[q].x + v[q].y * v[q].y + v[q].z * v[q].z + v[q].w * v[q].w;
+    sum_squares += sum_of_squares(v[q]);
   }
   sum_squares = cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), sum_squares, cg::plus<float>());
   const float inv_rms = rsqrtf(sum_squares / static_cast<float>(k) + eps);
-  auto bits = [](float value) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(value)));
-  };
 #pragma unroll
-  for (int q = 0; q < kMaxVectorsPerLane; ++q) {
-    if (lane + 32 * q < k4) {
-      const uint32_t lo = bits(v[q].x * inv_rms * g[q].x) | bits(v[q].y * inv_rms * g[q].y) << 16;
-      const uint32_t hi = bits(v[q].z * inv_rms * g[q].z) | bits(v[q].w * inv_rms * g[q].w) << 16;
-      dst[lane + 32 * q] = make_uint2(lo, hi);
-    }
-  }
+  for (int q = 0; q < kMaxVectorsPerLane; ++q)
+    if (lane + 32 * q < k4)
+      dst[lane + 32 * q] = rms_scaled_bf16x4(v[q], inv_rms, g[q]);
 }
 
 cudaDataType_t cuda_type(DType dtype) {
