@@ -107,23 +107,16 @@ struct LtHead::Impl {
       cublasLtDestroy(handle);
   }
 
-  /// Layouts of W (column-major [hidden, vocab]: W row-major), A ([hidden, tokens]) and Y ([vocab, tokens],
-  /// leading dimension ldy elements).
+  /// W's layout (column-major [hidden, vocab]: W row-major), set once at construction.
+  cublasLtMatrixLayoutOpaque_t w{};
+  /// Layouts of A ([hidden, tokens]) and Y ([vocab, tokens], leading dimension ldy elements), initialised in
+  /// place (cublasLtMatrixLayoutInit): a forward allocates nothing for them.
   struct Layouts {
-    cublasLtMatrixLayout_t w = nullptr, a = nullptr, y = nullptr;
-    ~Layouts() {
-      if (y)
-        cublasLtMatrixLayoutDestroy(y);
-      if (a)
-        cublasLtMatrixLayoutDestroy(a);
-      if (w)
-        cublasLtMatrixLayoutDestroy(w);
-    }
+    cublasLtMatrixLayoutOpaque_t a{}, y{};
   };
   void make_layouts(Layouts& l, int tokens, int64_t ldy) const {
-    lt_check(cublasLtMatrixLayoutCreate(&l.w, CUDA_R_16BF, hidden, vocab, hidden), "layout W");
-    lt_check(cublasLtMatrixLayoutCreate(&l.a, CUDA_R_16BF, hidden, tokens, hidden), "layout A");
-    lt_check(cublasLtMatrixLayoutCreate(&l.y, cuda_type(dtype), vocab, tokens, ldy), "layout Y");
+    lt_check(cublasLtMatrixLayoutInit(&l.a, CUDA_R_16BF, hidden, tokens, hidden), "layout A");
+    lt_check(cublasLtMatrixLayoutInit(&l.y, cuda_type(dtype), vocab, tokens, ldy), "layout Y");
   }
 };
 
@@ -145,6 +138,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   lt_check(cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
            "TRANSA");
   lt_check(cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof(none)), "TRANSB");
+  lt_check(cublasLtMatrixLayoutInit(&m.w, CUDA_R_16BF, hidden, vocab, hidden), "layout W");
   m.workspace = DeviceBuffer<uint8_t>(kWorkspaceBytes);
   // The algorithm: cuBLASLt's first heuristic for a 64-token head, then split-K and its reduction switched
   // off, and checked for every token count the model may run (it is used for all of them).
@@ -161,7 +155,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   {
     Impl::Layouts l;
     m.make_layouts(l, reference_tokens, vocab);
-    lt_check(cublasLtMatmulAlgoGetHeuristic(m.handle, m.op, l.w, l.a, l.y, l.y, preference.get(), 1,
+    lt_check(cublasLtMatmulAlgoGetHeuristic(m.handle, m.op, &m.w, &l.a, &l.y, &l.y, preference.get(), 1,
                                             &heuristic, &returned),
              "heuristic");
   }
@@ -182,7 +176,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
       Impl::Layouts l;
       m.make_layouts(l, tokens, stride * vocab);
       cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoCheck(m.handle, m.op, l.w, l.a, l.y, l.y, &m.algo, &check) !=
+      if (cublasLtMatmulAlgoCheck(m.handle, m.op, &m.w, &l.a, &l.y, &l.y, &m.algo, &check) !=
               CUBLAS_STATUS_SUCCESS ||
           check.workspaceSize > kWorkspaceBytes)
         return; // the pinned algorithm does not serve this token count
@@ -214,7 +208,7 @@ bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
     Impl::Layouts l;
     m.make_layouts(l, out_rows, ldy);
     void* y = static_cast<uint8_t*>(a.logits) + offset * dtype_bytes(m.dtype);
-    lt_check(cublasLtMatmul(m.handle, m.op, &alpha, a.weight, l.w, normed, l.a, &beta, y, l.y, y, l.y,
+    lt_check(cublasLtMatmul(m.handle, m.op, &alpha, a.weight, &m.w, normed, &l.a, &beta, y, &l.y, y, &l.y,
                             &m.algo, m.workspace.data(), kWorkspaceBytes, stream),
              "cublasLtMatmul");
   };
