@@ -283,15 +283,17 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   SMCGRAPH_CUDA_CHECK(
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
   detail::admit_alloc(b, row, P, stream);
-  // Prefill both models in chunks (KV for positions < P); keep the target's logits of the last position. With
-  // draft_steps = 0 the draft never runs, so it is not prefilled either.
+  // Prefill in chunks (KV for positions < P) each model the cycle runs, once: the draft unless it never runs
+  // (draft_steps = 0) or is the target itself (its KV is the target's), then the target, whose logits of the
+  // last position stay in prefill_logits.
   const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
+  const bool prefill_draft = s.draft_steps > 0 && s.draft != s.target;
   int last_chunk_length = 0;
   for (int begin = 0; begin < P; begin += s.prefill_chunk) {
     const int length = std::min(s.prefill_chunk, P - begin);
     detail::set_int(s.admit_scalars.data(), begin + length, stream);
-    for (Model* model : {s.draft, s.target}) {
-      if (s.draft_steps == 0 && model != s.target) // the draft never runs (it may be the target itself)
+    for (Model* model : {prefill_draft ? s.draft : nullptr, s.target}) {
+      if (model == nullptr)
         continue;
       ForwardArgs args{1,
                        length,
