@@ -45,6 +45,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/pdl.cuh"
 #include "kernels/random.cuh"
 #include "smcgraph/sample.hpp"
 
@@ -394,46 +395,44 @@ inline constexpr int kUnrollVectors = SMCGRAPH_PASS_VECTORS_PER_THREAD;
 template <DType DTYPE>
 inline constexpr int kSplitLength = kPassThreads* kUnrollVectors* DTypeTraits<DTYPE>::kPerVector;
 
-/// Calls visit(values, first, count) for the vectors of logits [begin, end) a thread owns: thread t takes
-/// vectors t, t + 256, t + 512, ... in order, issuing UNROLL loads before visiting them (the order of the
-/// visits does not depend on UNROLL).
-template <DType DTYPE, bool STREAMING, int UNROLL, class Visit>
-__device__ __forceinline__ void for_each_vector(const typename DTypeTraits<DTYPE>::Scalar* row, int begin,
-                                                int end, bool aligned, Visit&& visit) {
+/// The 16-byte vectors of one tile a thread owns, loaded: thread t takes vectors t, t + 256, t + 512, ... of
+/// the tile (kUnrollVectors of them, all loads issued before any is used), vector u holding logits
+/// first[u] .. first[u] + count[u] (count 0: past the end of the row, nothing loaded).
+template <DType DTYPE> struct TileVectors {
+  uint4 raw[kUnrollVectors];
+  int first[kUnrollVectors];
+  int count[kUnrollVectors];
+};
+
+/// Issues this thread's loads of the tile starting at vocab id `begin` (it ends at `end`).
+template <DType DTYPE, bool STREAMING>
+__device__ __forceinline__ void load_tile(TileVectors<DTYPE>& tile,
+                                          const typename DTypeTraits<DTYPE>::Scalar* row, int begin, int end,
+                                          bool aligned) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
-  const int vectors = (end - begin + kPerVector - 1) / kPerVector;
-  for (int base = 0; base < vectors; base += UNROLL * kPassThreads) {
-    uint4 raw[UNROLL];
-    int firsts[UNROLL], counts[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) { // all loads first: several in flight per thread
-      firsts[u] = begin + (base + u * kPassThreads + static_cast<int>(threadIdx.x)) * kPerVector;
-      counts[u] = max(0, min(kPerVector, end - firsts[u]));
-      if (counts[u] > 0)
-        raw[u] = load_vector<DTYPE, STREAMING>(row, firsts[u], counts[u], aligned);
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (counts[u] > 0) {
-        float values[kPerVector];
-        unpack<DTYPE>(raw[u], values);
-        visit(values, firsts[u], counts[u]);
-      }
-    }
+  for (int u = 0; u < kUnrollVectors; ++u) {
+    tile.first[u] = begin + (u * kPassThreads + static_cast<int>(threadIdx.x)) * kPerVector;
+    tile.count[u] = max(0, min(kPerVector, end - tile.first[u]));
+    if (tile.count[u] > 0)
+      tile.raw[u] = load_vector<DTYPE, STREAMING>(row, tile.first[u], tile.count[u], aligned);
   }
 }
 
-/// The first read of logits [begin, end) of one job: this thread's max and sums.
+/// The first read of one tile of one job, from its loaded vectors: this thread's max and sums (the vectors
+/// are folded in the order they were loaded).
 template <DType DTYPE, PassMode MODE>
-__device__ __forceinline__ PassState fold_range(const typename DTypeTraits<DTYPE>::Scalar* row, int begin,
-                                                int end, bool aligned, const JobContext& job) {
+__device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
-  constexpr bool kStreaming = MODE == PassMode::kGreedy || MODE == PassMode::kScore;
   PassState state = empty_state();
-  for_each_vector<DTYPE, kStreaming, kUnrollVectors>(
-      row, begin, end, aligned, [&](const float(&values)[kPerVector], int first, int count) {
-        fold_chunk<MODE, kPerVector>(state, values, first, count, job);
-      });
+#pragma unroll
+  for (int u = 0; u < kUnrollVectors; ++u) {
+    if (tile.count[u] > 0) {
+      float values[kPerVector];
+      unpack<DTYPE>(tile.raw[u], values);
+      fold_chunk<MODE, kPerVector>(state, values, tile.first[u], tile.count[u], job);
+    }
+  }
   // Per-thread NaN check: a NaN (or +inf) logit leaves max or the sums NaN.
   if constexpr (MODE != PassMode::kGreedy) {
     if (state.max != state.max || state.sum != state.sum || state.sum_power != state.sum_power)
@@ -622,42 +621,48 @@ struct PassArgs {
   uint32_t* tickets{};
 };
 
+/// Which job and tile a CTA works on.
+struct JobPlace {
+  int row, position, job_index, split;
+  bool sample_position;
+  bool aligned; ///< the job's logits are 16-byte aligned
+};
+
+/// One tile of one job, after the CTA issued its loads: fold it into sub-tile states; for a job of several
+/// tiles, the job's last CTA (a ticket counter) then merges every sub-tile state in a fixed order, runs the
+/// two-level race and writes the outputs.
 template <DType DTYPE, PassMode MODE>
-__device__ void run_job(const PassArgs& args, const JobContext& job, int row, int position, int split,
-                        bool sample_position, uint32_t param_flags) {
+__device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
+                        const TileVectors<DTYPE>& tile, uint32_t param_flags) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
   using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ PassState warp_states[kSubTiles]; // a one-tile job's sub-tile states
   __shared__ bool is_last;
 
-  const int job_index = row * args.logits.positions + position;
-  const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) + row * args.logits.row_stride +
-                             position * args.logits.position_stride;
-  const int begin = split * kSplitLength<DTYPE>;
-  const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
-  const bool aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
+  const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) +
+                             place.row * args.logits.row_stride +
+                             place.position * args.logits.position_stride;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
 
-  PassState state =
-      param_flags ? empty_state() : fold_range<DTYPE, MODE>(row_logits, begin, end, aligned, job);
+  PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
   const MergeOp<MODE> merge{job.c, job.alpha};
   // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
   state = warp_merge<MODE>(state, job.c, job.alpha);
 
   const int subtile_count = args.splits * kSubTiles;
-  PassState* subtiles = args.partials + static_cast<int64_t>(job_index) * subtile_count;
+  PassState* subtiles = args.partials + static_cast<int64_t>(place.job_index) * subtile_count;
   if (args.splits > 1) {
     if (warp_leader)
-      subtiles[split * kSubTiles + warp] = state;
+      subtiles[place.split * kSubTiles + warp] = state;
     __syncthreads(); // the CTA's 8 writes happen before thread 0's fence (fences are cumulative)
     if (threadIdx.x == 0) {
       __threadfence(); // publish the partials before taking a ticket
-      const uint32_t ticket = atomicAdd(&args.tickets[job_index], 1u);
+      const uint32_t ticket = atomicAdd(&args.tickets[place.job_index], 1u);
       is_last = ticket == static_cast<uint32_t>(args.splits - 1);
       if (is_last)
-        args.tickets[job_index] = 0; // ready for the next launch / graph replay
+        args.tickets[place.job_index] = 0; // ready for the next launch / graph replay
     }
     __syncthreads();
     if (!is_last)
@@ -668,9 +673,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
       warp_states[warp] = state;
     __syncthreads();
   }
+  const SubTileStates states{args.splits > 1 ? subtiles : nullptr, warp_states};
   // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
   // reduction), the same whatever else the launch holds.
-  const SubTileStates states{args.splits > 1 ? subtiles : nullptr, warp_states};
   const int thread = static_cast<int>(threadIdx.x);
   const PassState mine = thread < subtile_count ? states.load(thread) : empty_state();
   state = mine;
@@ -700,7 +705,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
       subtile = subtile_winner; // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
       winner = race_subtile<DTYPE>(row_logits, args.logits.vocab,
                                    (subtile.index / kSubTiles) * kSplitLength<DTYPE>,
-                                   subtile.index % kSubTiles, aligned, job, subtile.logit, power_c);
+                                   subtile.index % kSubTiles, place.aligned, job, subtile.logit, power_c);
       __syncthreads(); // race_storage is reused
       winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
     }
@@ -708,10 +713,11 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   if (threadIdx.x != 0)
     return;
 
+  const int row = place.row;
   uint32_t flags = state.flags | param_flags;
   if (!flags && state.max == -INFINITY)
     flags |= kFlagAllMasked;
-  if (sample_position) {
+  if (place.sample_position) {
     int32_t token = kInvalidToken;
     float logprob = -INFINITY, logz = 0.0f;
     if (!flags) {
@@ -732,7 +738,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
     args.sample_logz[row] = logz;
   } else {
     float logprob = -INFINITY;
-    const int32_t token = args.tokens[row * args.token_row_stride + position];
+    const int32_t token = args.tokens[row * args.token_row_stride + place.position];
     if (token < 0 || token >= args.logits.vocab) {
       flags |= kFlagTokenOutOfRange;
     } else if (!flags) {
@@ -743,7 +749,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
         logprob = kLn2 * ((l - state.max) * job.c - __log2f(state.sum));
       }
     }
-    args.token_logprobs[row * (args.logits.positions - 1) + position] = logprob;
+    args.token_logprobs[row * (args.logits.positions - 1) + place.position] = logprob;
   }
   if (flags) {
     atomicOr(&args.row_flags[row], flags);
@@ -751,17 +757,22 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, int row, in
   }
 }
 
-/// grid.x = jobs * splits; block = kPassThreads.
+/// grid.x = jobs * splits (one CTA per tile); block = kPassThreads. Launched with programmatic dependent
+/// launch (kernels/pdl.cuh): nothing is read before the wait.
 #ifndef SMCGRAPH_PASS_MIN_BLOCKS
-#define SMCGRAPH_PASS_MIN_BLOCKS 3
+#define SMCGRAPH_PASS_MIN_BLOCKS 4
 #endif
 template <DType DTYPE>
 __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
     LogitsPassKernel(const PassArgs args) {
-  const int split = blockIdx.x % args.splits;
-  const int job_index = blockIdx.x / args.splits;
-  const int row = job_index / args.logits.positions;
-  const int position = job_index % args.logits.positions;
+  using Scalar = typename DTypeTraits<DTYPE>::Scalar;
+  pdl_enter();
+  JobPlace place;
+  place.split = static_cast<int>(blockIdx.x) % args.splits;
+  place.job_index = static_cast<int>(blockIdx.x) / args.splits;
+  place.row = place.job_index / args.logits.positions;
+  place.position = place.job_index % args.logits.positions;
+  const int row = place.row, position = place.position;
   const int particles = args.random.particles_per_request;
   const int request = row / particles;
   // The row's sample position: P - 1, or its request's own s_q (score() with request_steps).
@@ -770,18 +781,32 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
     last = min(max(args.request_steps[request], 0), last);
   // A token position at or past the row's sample position is not scored: its log-prob is -inf. Past it the
   // logits are not read at all.
-  if (position >= last && position < args.logits.positions - 1 && split == 0 && threadIdx.x == 0)
+  if (position >= last && position < args.logits.positions - 1 && place.split == 0 && threadIdx.x == 0)
     args.token_logprobs[row * (args.logits.positions - 1) + position] = -INFINITY;
   if (position > last)
     return;
-  const bool sample_position = position == last;
+  place.sample_position = position == last;
+
+  // The logits loads go first: they depend on nothing the parameters below decide, so their memory latency
+  // overlaps the parameters'. Score positions stream (evict-first); a sample position keeps L2's normal
+  // policy, so the winning sub-tile is still in L2 when the race reads it again.
+  const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) + row * args.logits.row_stride +
+                             position * args.logits.position_stride;
+  place.aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
+  const int begin = place.split * kSplitLength<DTYPE>;
+  const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
+  TileVectors<DTYPE> tile;
+  if (place.sample_position)
+    load_tile<DTYPE, false>(tile, row_logits, begin, end, place.aligned);
+  else
+    load_tile<DTYPE, true>(tile, row_logits, begin, end, place.aligned);
 
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
   uint32_t param_flags = 0;
   if (!(temperature >= 0.0f) || isinf(temperature))
     param_flags |= kFlagBadParameter;
-  if (sample_position && (!(alpha > 0.0f) || isinf(alpha)))
+  if (place.sample_position && (!(alpha > 0.0f) || isinf(alpha)))
     param_flags |= kFlagBadParameter;
 
   JobContext job;
@@ -794,13 +819,13 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy>(args, job, row, position, split, sample_position, param_flags);
-  } else if (!sample_position) {
-    run_job<DTYPE, PassMode::kScore>(args, job, row, position, split, sample_position, 0u);
+    run_job<DTYPE, PassMode::kGreedy>(args, job, place, tile, param_flags);
+  } else if (!place.sample_position) {
+    run_job<DTYPE, PassMode::kScore>(args, job, place, tile, 0u);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace>(args, job, row, position, split, sample_position, 0u);
+    run_job<DTYPE, PassMode::kRace>(args, job, place, tile, 0u);
   } else {
-    run_job<DTYPE, PassMode::kRacePower>(args, job, row, position, split, sample_position, 0u);
+    run_job<DTYPE, PassMode::kRacePower>(args, job, place, tile, 0u);
   }
 }
 

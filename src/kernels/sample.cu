@@ -134,18 +134,17 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
   const dim3 grid(static_cast<unsigned>(jobs * args.splits));
-  switch (dtype) {
+  switch (dtype) { // with programmatic dependent launch: the pass waits for its predecessor before any read
   case DType::kFloat32:
-    LogitsPassKernel<DType::kFloat32><<<grid, kPassThreads, 0, stream>>>(args);
+    launch_pdl(LogitsPassKernel<DType::kFloat32>, grid, dim3(kPassThreads), 0, stream, args);
     break;
   case DType::kBFloat16:
-    LogitsPassKernel<DType::kBFloat16><<<grid, kPassThreads, 0, stream>>>(args);
+    launch_pdl(LogitsPassKernel<DType::kBFloat16>, grid, dim3(kPassThreads), 0, stream, args);
     break;
   case DType::kFloat16:
-    LogitsPassKernel<DType::kFloat16><<<grid, kPassThreads, 0, stream>>>(args);
+    launch_pdl(LogitsPassKernel<DType::kFloat16>, grid, dim3(kPassThreads), 0, stream, args);
     break;
   }
-  SMCGRAPH_CHECK_LAUNCH();
 }
 
 } // namespace detail
