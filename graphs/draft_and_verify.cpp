@@ -121,8 +121,6 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   const int N = s.config.particles, K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests * N;
   const CycleBuffers& b = s.buffers;
-  RowTablesView tables = b.tables;
-  tables.rows = rows; // the bucket's rows only
   const DType dtype = s.draft->logits_dtype();
   const size_t element_bytes = dtype_bytes(dtype);
   const size_t step_logits_bytes = static_cast<size_t>(s.rows) * V * element_bytes; // one [rows, V] block
@@ -132,10 +130,6 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   DraftLoopConditions conditions;
   {
     Stage stage(s, alloc_name);
-    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), stream)); // the cycle's fault bits
-    // Each row takes K_q + 1 slots (positions L .. L + K_q), its request's draft length.
-    alloc_cycle_slots(b.pool, tables, N, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, b.cycle_slots,
-                      b.row_flags, b.status, stream);
 #if CUDART_VERSION >= 12080
     if (conditional) {
       const CaptureSite site = capture_site(stream);
@@ -148,7 +142,10 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       }
     }
 #endif
-    prepare_draft_inputs(b, rows, stream, conditions); // sets the conditions from max K_q
+    // One launch: the cycle's fault bits cleared, K_q + 1 slots for each row (positions L .. L + K_q, its
+    // request's draft length), the forward inputs, and the conditions from max K_q.
+    alloc_and_prepare_draft_inputs(b, rows, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, stream,
+                                   conditions);
   }
   // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out slots,
   // and the target logits (row r's column j at r * (K + 1) + j in each); then the recipe's stages.

@@ -63,8 +63,8 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
     }
     {
       Stage stage(s, "smc.reshuffle");
-      reshuffle(b.pool, tables, b.ancestor, b.finished, st);
-      collect_freed_slots(b.pool, st); // freed slots back in id order: slot ids stay deterministic
+      // Freed slots go back in id order (slot ids stay deterministic), collected by the same launch.
+      reshuffle_and_collect(b, tables, st);
     }
     {
       // The next K of every request (after the frees: the pressure sees them), the draw counters advanced

@@ -73,8 +73,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
     }
     {
       Stage stage(s, "spec.commit");
-      commit_speculative(b, rows, st);
-      collect_freed_slots(b.pool, st);
+      commit_speculative(b, rows, st, /*collect_freed=*/true); // and the freed slots pushed, same launch
     }
     {
       // The next K of every request (after the frees: the pressure sees them), the draw counters advanced

@@ -311,10 +311,10 @@ TEST_CASE("the cycle-state table is consistent: unique names, members and views;
     if (row.compacted)
       CHECK(smcgraph::detail::elements_per_request(row.extent, dims) > 0);
   }
-  // CycleBuffers' 48 buffer pointers are each wired by one row; compact() moves the 20 per-request buffers
+  // CycleBuffers' 49 buffer pointers are each wired by one row; compact() moves the 20 per-request buffers
   // (the draft length's four among them: request_draft_steps, pinned_draft_steps, acceptance_ema,
   // cycle_draft_steps).
-  CHECK(views == 48);
+  CHECK(views == 49);
   CHECK(compacted == 20);
   CHECK(smcgraph::detail::extent_count(Extent::kRowsByDraftSteps, dims) == 12 * 4);
   dims.draft_steps = 1; // one draft step: the step buffers keep one row each

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <set>
 
+#include "kernels/cycle_io.hpp"
 #include "reference/slots_ref.hpp"
 #include "reference/smc_ref.hpp"
 #include "runtime/slot_checker.hpp"
@@ -519,4 +520,225 @@ TEST_CASE(
   CHECK(exhausted > 0);
   CHECK(too_long > 0);
   CHECK(resampled_requests > 0);
+}
+
+TEST_CASE(
+    "alloc_and_prepare_draft_inputs (one launch) leaves what alloc_cycle_slots then prepare_draft_inputs "
+    "leave") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  const int trials = test::sanitizer_scaled(30, 6, 3);
+  for (int trial = 0; trial < trials; ++trial) {
+    const int requests = static_cast<int>(rng.integer(1, 70));
+    const int particles = std::vector<int>{1, 2, 4, 8}[rng.integer(0, 3)];
+    const int K = static_cast<int>(rng.integer(1, 6));
+    const int max_seq_len = static_cast<int>(rng.integer(K + 4, 64));
+    const int pool_size = static_cast<int>(rng.integer(2, requests * particles * max_seq_len / 3 + 3));
+    const int rows = requests * particles;
+    CAPTURE(trial);
+    CAPTURE(requests);
+    CAPTURE(particles);
+    CAPTURE(K);
+    CAPTURE(pool_size);
+    HostSlots initial =
+        reference::random_slot_state(rng.engine(), requests, particles, max_seq_len, pool_size);
+    for (int r = 0; r < rows; ++r) // the draft head reads positions L - 2 and L - 1 of a live row
+      if (initial.seq_len[r] < 2)
+        initial.live[r] = 0;
+    std::vector<int32_t> steps(requests);
+    for (int32_t& k : steps)
+      k = static_cast<int32_t>(rng.integer(1, K));
+    std::vector<uint32_t> flags(rows);
+    for (uint32_t& f : flags)
+      f = rng.uniform() < 0.2 ? kFlagNanLogit : kFlagNone;
+
+    struct Result {
+      HostSlots state;
+      std::vector<std::vector<int32_t>> ints;
+      std::vector<uint8_t> step_live;
+      std::vector<uint32_t> flags;
+      uint32_t status = 0;
+    };
+    auto run = [&](bool fused, bool captured) {
+      DeviceSlots device(initial.pool_size, rows, max_seq_len);
+      device.upload(initial, stream);
+      DeviceBuffer<int32_t> d_steps = to_device(steps, stream);
+      DeviceBuffer<uint32_t> d_flags = to_device(flags, stream);
+      DeviceBuffer<uint32_t> d_status = to_device(std::vector<uint32_t>{kFlagTokenOutOfRange}, stream);
+      const size_t kp1 = static_cast<size_t>(rows) * (K + 1),
+                   km1 = static_cast<size_t>(rows) * std::max(K - 1, 1);
+      // Poisoned outputs: every one the stages write must be written.
+      std::vector<DeviceBuffer<int32_t>> outs;
+      for (size_t size : {kp1, size_t(2) * rows, size_t(2) * rows, size_t(2) * rows, size_t(rows), km1, km1,
+                          km1, kp1, kp1, size_t(rows)}) {
+        outs.emplace_back(size);
+        outs.back().fill_bytes(0x7f, stream);
+      }
+      DeviceBuffer<uint8_t> d_step_live(km1);
+      d_step_live.fill_bytes(0x7f, stream);
+      detail::CycleBuffers b;
+      b.pool = device.pool();
+      b.tables = device.tables();
+      b.particles = particles;
+      b.draft_steps = K;
+      b.max_rows = rows;
+      b.request_draft_steps = d_steps.data();
+      b.row_flags = d_flags.data();
+      b.status = d_status.data();
+      b.cycle_slots = outs[0].data();
+      b.head_tokens = outs[1].data();
+      b.head_positions = outs[2].data();
+      b.head_out_slots = outs[3].data();
+      b.head_seq_lens = outs[4].data();
+      b.step_positions = outs[5].data();
+      b.step_out_slots = outs[6].data();
+      b.step_seq_lens = outs[7].data();
+      b.verify_positions = outs[8].data();
+      b.verify_out_slots = outs[9].data();
+      b.verify_seq_lens = outs[10].data();
+      b.step_live = d_step_live.data();
+      const RequestSlotCounts counts{d_steps.data(), 1};
+      run_on_stream(captured, stream, [&](cudaStream_t s) {
+        if (fused) {
+          detail::alloc_and_prepare_draft_inputs(b, rows, K + 1, counts, s);
+        } else {
+          SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), s));
+          RowTablesView tables = b.tables;
+          tables.rows = rows;
+          alloc_cycle_slots(b.pool, tables, particles, K + 1, counts, b.cycle_slots, b.row_flags, b.status,
+                            s);
+          detail::prepare_draft_inputs(b, rows, s);
+        }
+      });
+      Result result;
+      result.state = device.download(stream);
+      for (auto& out : outs)
+        result.ints.push_back(to_host(out.data(), out.size(), stream));
+      result.step_live = to_host(d_step_live.data(), d_step_live.size(), stream);
+      result.flags = to_host(d_flags.data(), d_flags.size(), stream);
+      result.status = to_host(d_status.data(), 1, stream)[0];
+      return result;
+    };
+    const Result separate = run(false, false);
+    CHECK(std::find(separate.ints[0].begin(), separate.ints[0].end(), 0x7f7f7f7f) == separate.ints[0].end());
+    for (const bool captured : kModes) {
+      CAPTURE(captured);
+      const Result fused = run(true, captured);
+      REQUIRE_SAME(separate.state, fused.state, /*exact_order=*/true);
+      for (size_t i = 0; i < fused.ints.size(); ++i) {
+        CAPTURE(i);
+        CHECK(fused.ints[i] == separate.ints[i]);
+      }
+      CHECK(fused.step_live == separate.step_live);
+      CHECK(fused.flags == separate.flags);
+      CHECK(fused.status == separate.status);
+    }
+  }
+}
+
+TEST_CASE("commit_speculative with the collect folded in leaves what commit_speculative then "
+          "collect_freed_slots leave") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  const int trials = test::sanitizer_scaled(20, 5, 3);
+  for (int trial = 0; trial < trials; ++trial) {
+    // Up to 1300 rows: more than one CTA of the fused launch (1024 rows each) in some trials.
+    const int rows =
+        trial % 4 == 0 ? static_cast<int>(rng.integer(1025, 1300)) : static_cast<int>(rng.integer(1, 200));
+    const int K = static_cast<int>(rng.integer(1, 6));
+    const int max_seq_len = static_cast<int>(rng.integer(K + 4, 48));
+    const int pool_size = static_cast<int>(rng.integer(rows * (K + 3), rows * max_seq_len + 2));
+    CAPTURE(trial);
+    CAPTURE(rows);
+    CAPTURE(K);
+    CAPTURE(pool_size);
+    HostSlots initial = reference::random_slot_state(rng.engine(), rows, 1, max_seq_len, pool_size);
+    std::vector<int32_t> steps(rows), accepted(rows), next(rows), drafts(static_cast<size_t>(rows) * (K + 1));
+    std::vector<uint32_t> flags(rows);
+    for (int r = 0; r < rows; ++r) {
+      steps[r] = static_cast<int32_t>(rng.integer(1, K));
+      accepted[r] = static_cast<int32_t>(rng.integer(0, steps[r]));
+      next[r] = static_cast<int32_t>(rng.integer(0, 99));
+      flags[r] = rng.uniform() < 0.1 ? kFlagNanLogit : kFlagNone;
+    }
+    for (int32_t& d : drafts)
+      d = static_cast<int32_t>(rng.integer(0, 99));
+    const int words = (pool_size + 31) / 32, summary_words = (words + 31) / 32;
+    struct Result {
+      HostSlots state;
+      std::vector<int32_t> cycle, committed, first_eos;
+      std::vector<uint8_t> finished;
+    };
+    auto run = [&](bool fused, bool captured) {
+      DeviceSlots device(initial.pool_size, rows, max_seq_len);
+      device.upload(initial, stream);
+      DeviceBuffer<uint32_t> d_freed(words), d_summary(summary_words), d_ticket(1), d_status(1);
+      for (auto* zero : {&d_freed, &d_summary, &d_ticket, &d_status})
+        zero->fill_bytes(0, stream);
+      DeviceBuffer<int32_t> d_steps = to_device(steps, stream), d_accepted = to_device(accepted, stream),
+                            d_next = to_device(next, stream), d_drafts = to_device(drafts, stream);
+      DeviceBuffer<uint32_t> d_flags = to_device(flags, stream);
+      DeviceBuffer<int32_t> d_slots(static_cast<size_t>(rows) * (K + 1)), d_cycle(d_slots.size()),
+          d_committed(rows), d_first_eos(rows);
+      DeviceBuffer<uint8_t> d_finished(rows);
+      for (auto* poison : {&d_cycle, &d_committed, &d_first_eos})
+        poison->fill_bytes(0x7f, stream);
+      d_finished.fill_bytes(0, stream);
+      detail::CycleBuffers b;
+      b.pool = device.pool();
+      b.pool.freed = d_freed.data();
+      b.pool.freed_summary = d_summary.data();
+      b.tables = device.tables();
+      b.particles = 1;
+      b.draft_steps = K;
+      b.max_rows = rows;
+      b.eos_id = 7;
+      b.request_draft_steps = d_steps.data();
+      b.accepted = d_accepted.data();
+      b.next_tokens = d_next.data();
+      b.draft_tokens = d_drafts.data();
+      b.row_flags = d_flags.data();
+      b.status = d_status.data();
+      b.cycle_slots = d_slots.data();
+      b.cycle_tokens = d_cycle.data();
+      b.committed = d_committed.data();
+      b.first_eos = d_first_eos.data();
+      b.finished = d_finished.data();
+      b.collect_ticket = d_ticket.data();
+      // alloc first (K_q + 1 slots a row, as the cycle does), then the commit releases the rejected ones.
+      alloc_cycle_slots(b.pool, b.tables, 1, K + 1, RequestSlotCounts{d_steps.data(), 1}, b.cycle_slots,
+                        b.row_flags, b.status, stream);
+      run_on_stream(captured, stream, [&](cudaStream_t s) {
+        if (fused) {
+          detail::commit_speculative(b, rows, s, /*collect_freed=*/true);
+        } else {
+          detail::commit_speculative(b, rows, s);
+          collect_freed_slots(b.pool, s);
+        }
+      });
+      Result result;
+      result.state = device.download(stream);
+      result.cycle = to_host(d_cycle.data(), d_cycle.size(), stream);
+      result.committed = to_host(d_committed.data(), rows, stream);
+      result.first_eos = to_host(d_first_eos.data(), rows, stream);
+      result.finished = to_host(d_finished.data(), rows, stream);
+      CHECK(to_host(d_ticket.data(), 1, stream)[0] == 0u);
+      const auto freed = to_host(d_freed.data(), words, stream);
+      CHECK(std::all_of(freed.begin(), freed.end(), [](uint32_t w) { return w == 0; }));
+      return result;
+    };
+    const Result separate = run(false, false);
+    for (const bool captured : kModes) {
+      CAPTURE(captured);
+      const Result fused = run(true, captured);
+      REQUIRE_SAME(separate.state, fused.state, /*exact_order=*/true);
+      CHECK(fused.cycle == separate.cycle);
+      CHECK(fused.committed == separate.committed);
+      CHECK(fused.first_eos == separate.first_eos);
+      CHECK(fused.finished == separate.finished);
+      REQUIRE_INVARIANTS(fused.state);
+    }
+  }
 }

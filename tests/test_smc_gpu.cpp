@@ -8,6 +8,7 @@
 #include <memory>
 #include <numeric>
 
+#include "kernels/cycle_io.hpp"
 #include "reference/smc_ref.hpp"
 #include "runtime/slot_checker.hpp"
 #include "smcgraph/smc_kernels.hpp"
@@ -592,6 +593,84 @@ TEST_CASE("resampling ancestor counts match the normalised weights (chi-square, 
   }
   const double p = test::chi_square_p_value(statistic, kN - 1);
   CHECK_MESSAGE(p >= 1e-4, "total offspring chi-square " << statistic << ", p = " << p);
+}
+
+TEST_CASE(
+    "collect_freed_slots and reshuffle_and_collect push the freed slots in ascending id order, with and "
+    "without the summary bitmap") {
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  Stream stream;
+  const int trials = test::sanitizer_scaled(24, 6, 3);
+  for (int trial = 0; trial < trials; ++trial) {
+    const int requests = static_cast<int>(rng.integer(1, 48));
+    const int n = static_cast<int>(rng.integer(1, 12));
+    const int max_seq_len = static_cast<int>(rng.integer(4, 300));
+    // Pools past one pass of the 1024-thread collect (4096 bitmap words = 131072 slots) in some trials.
+    const int pool_size = trial % 3 == 0
+                              ? static_cast<int>(rng.integer(131073, 400000))
+                              : static_cast<int>(rng.integer(requests * n * 2, requests * n * max_seq_len));
+    const bool summary = trial % 2 == 0;
+    CAPTURE(trial);
+    CAPTURE(requests);
+    CAPTURE(n);
+    CAPTURE(pool_size);
+    CAPTURE(summary);
+    const HostSlots initial = reference::random_slot_state(rng.engine(), requests, n, max_seq_len, pool_size);
+    std::vector<int32_t> plan = reference::random_plan(rng.engine(), requests, n);
+    std::vector<uint8_t> finished(initial.rows);
+    for (auto& f : finished)
+      f = rng.uniform() < 0.3;
+    // The reference pushes freed slots as it meets them; the deferred path pushes them in id order.
+    HostSlots expected = initial;
+    std::vector<uint8_t> expected_finished = finished;
+    reference::reshuffle_ref(expected, plan, expected_finished);
+    std::sort(expected.free_stack.begin() + initial.free_count,
+              expected.free_stack.begin() + expected.free_count);
+    const int words = (pool_size + 31) / 32, summary_words = (words + 31) / 32;
+    DeviceBuffer<int32_t> d_plan = to_device(plan, stream);
+    DeviceBuffer<uint32_t> d_ticket(1);
+    d_ticket.fill_bytes(0, stream);
+    for (const bool fused : {false, true}) {
+      for (const bool captured : kModes) {
+        CAPTURE(fused);
+        CAPTURE(captured);
+        DeviceSlots device(pool_size, initial.rows, max_seq_len);
+        device.upload(initial, stream);
+        DeviceBuffer<uint8_t> d_finished = to_device(finished, stream);
+        DeviceBuffer<uint32_t> d_freed(words), d_summary(summary_words);
+        d_freed.fill_bytes(0, stream);
+        d_summary.fill_bytes(0, stream);
+        SlotPoolView pool = device.pool();
+        pool.freed = d_freed.data();
+        pool.freed_summary = summary ? d_summary.data() : nullptr;
+        detail::CycleBuffers b;
+        b.pool = pool;
+        b.ancestor = d_plan.data();
+        b.finished = d_finished.data();
+        b.collect_ticket = d_ticket.data();
+        run_on_stream(captured, stream, [&](cudaStream_t s) {
+          if (fused) {
+            detail::reshuffle_and_collect(b, device.tables(), s);
+          } else {
+            reshuffle(pool, device.tables(), d_plan.data(), d_finished.data(), s);
+            collect_freed_slots(pool, s);
+          }
+        });
+        const HostSlots actual = device.download(stream);
+        const std::string difference = reference::compare_slots(expected, actual, /*exact_order=*/true);
+        REQUIRE_MESSAGE(difference.empty(), difference);
+        REQUIRE(to_host(d_finished.data(), initial.rows, stream) == expected_finished);
+        const auto freed = to_host(d_freed.data(), words, stream);
+        const auto summary_left = to_host(d_summary.data(), summary_words, stream);
+        CHECK(std::all_of(freed.begin(), freed.end(), [](uint32_t w) { return w == 0; }));
+        CHECK(std::all_of(summary_left.begin(), summary_left.end(), [](uint32_t w) { return w == 0; }));
+        CHECK(to_host(d_ticket.data(), 1, stream)[0] == 0u); // reset for the next launch
+        const SlotCheck check = actual.check();
+        REQUIRE_MESSAGE(check.ok, check.problem);
+      }
+    }
+  }
 }
 
 TEST_CASE("reshuffle matches the reference, and an identity plan is a no-op") {

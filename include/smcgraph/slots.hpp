@@ -39,6 +39,9 @@ struct SlotPoolView {
   /// every later slot id, a deterministic function of the inputs (graph and eager runs give identical
   /// tables).
   uint32_t* freed = nullptr;
+  /// Optional with `freed`: a bit per word of it [ceil(ceil(pool_size / 32) / 32)], zeroed, set when the word
+  /// gets a mark, so collect_freed_slots reads the words that have marks rather than the whole bitmap.
+  uint32_t* freed_summary = nullptr;
 };
 
 /// Per-row tables, all device memory, sized once for the largest bucket. Row r belongs to request
@@ -99,7 +102,8 @@ void inc_ref_slots(const SlotPoolView& pool, const int32_t* slots, const uint8_t
                    cudaStream_t stream);
 
 /// Pushes every slot marked in pool.freed onto the free stack in ascending id order and clears the marks
-/// (one CTA; a no-op when pool.freed is null). Launch it after the kernels that release slots.
+/// (and pool.freed_summary's bits; one CTA; a no-op when pool.freed is null). Launch it after the kernels
+/// that release slots.
 void collect_freed_slots(const SlotPoolView& pool, cudaStream_t stream);
 
 /// Retirement: for every row with release_mask[r] != 0 (live or not), dec_ref slot_table[r][0 .. L), then

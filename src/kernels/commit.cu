@@ -128,8 +128,8 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream, const We
 
 namespace {
 
-__global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
-  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+/// One row of the speculative commit (the thread's row; none past `rows`).
+__device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows) {
   const CommitRow row = commit_row(b, rows);
   if (row.cycle == nullptr) {
     if (row.r < rows)
@@ -166,10 +166,34 @@ __global__ void CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
     b.tables.live[r] = 0;
 }
 
+__global__ void __launch_bounds__(kRowThreads) CommitSpeculativeKernel(SpeculativeCommitView b, int rows) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  commit_speculative_row(b, rows);
+}
+
+/// With collect_freed_slots folded in: kCollectThreads rows a CTA (one CTA up to that many rows), and the
+/// launch's last CTA pushes the freed slots (slots_device.cuh), with as many threads as the standalone
+/// collect.
+constexpr int kCollectThreads = 1024;
+__global__ void __launch_bounds__(kCollectThreads)
+    CommitSpeculativeCollectKernel(SpeculativeCommitView b, int rows, uint32_t* collect_ticket) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  commit_speculative_row(b, rows);
+  device::collect_freed_after_launch<kCollectThreads>(b.pool, collect_ticket);
+}
+
 } // namespace
 
-void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream) {
-  launch_per_row(CommitSpeculativeKernel, rows, stream, speculative_commit_view(b), rows);
+void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream, bool collect_freed) {
+  if (collect_freed) {
+    require(b.collect_ticket != nullptr, "commit_speculative", "b.collect_ticket", "null",
+            "must be a device pointer when the collect is folded in");
+    const auto blocks = static_cast<unsigned>(ceil_div(rows, kCollectThreads));
+    launch_pdl(CommitSpeculativeCollectKernel, dim3(blocks), dim3(kCollectThreads), 0, stream,
+               speculative_commit_view(b), rows, b.collect_ticket);
+  } else {
+    launch_per_row(CommitSpeculativeKernel, rows, stream, speculative_commit_view(b), rows);
+  }
 }
 
 } // namespace smcgraph::detail

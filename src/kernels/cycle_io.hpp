@@ -47,7 +47,8 @@ struct CycleBuffers {
   float* tau = nullptr;
   double *ess = nullptr, *log_evidence = nullptr;
   uint8_t* resampled = nullptr;
-  uint32_t* status = nullptr; ///< [1]
+  uint32_t* status = nullptr;         ///< [1]
+  uint32_t* collect_ticket = nullptr; ///< [1] zeroed; the launches that fold collect_freed_slots in reset it
   // forward inputs
   int32_t* head_tokens = nullptr;      ///< [rows, 2]
   int32_t* head_positions = nullptr;   ///< [rows, 2]
@@ -145,6 +146,13 @@ struct DraftLoopConditions {
 /// none is live), so a captured cycle runs m - 1 draft steps and verifies max(m, 1) + 1 columns.
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
                           const DraftLoopConditions& conditions = {});
+/// The top of a cycle in one launch (one CTA): the status word cleared, alloc_cycle_slots(b.pool, the
+/// bucket's tables, b.particles, slots_per_row, counts, b.cycle_slots, b.row_flags, b.status) and then
+/// prepare_draft_inputs(b, rows, stream, conditions) on the tables alloc wrote. The recipes use it; the
+/// stages keep their own entry points and host references.
+void alloc_and_prepare_draft_inputs(const CycleBuffers& b, int rows, int slots_per_row,
+                                    const RequestSlotCounts& counts, cudaStream_t stream,
+                                    const DraftLoopConditions& conditions = {});
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
 /// fault flag non-live (their request fails). `weights` (optional): the weights stage folded into the same
@@ -154,7 +162,9 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream,
                   const WeightInputs* weights = nullptr);
 /// Speculative commit: d_1 .. d_k and the next token into the table, L += k + 1, the slots of the
 /// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
-void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
+/// `collect_freed`: collect_freed_slots(b.pool) folded into the same launch (its last CTA, after every
+/// row's releases; b.collect_ticket counts the CTAs).
+void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream, bool collect_freed = false);
 /// End of a speculative cycle: for every request that drafted (committed > 0) the EMA takes accepted / K_q,
 /// and K_q of the next cycle follows the policy (pins kept); cycle_draft_steps keeps this cycle's K_q. Reads
 /// free_count after the cycle's frees were collected. `accepted` null (SMC): the EMA does not move.
@@ -162,6 +172,9 @@ void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// into this launch; the cycle's draws are all done by then).
 void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream,
                         bool advance_draw_counters = false);
+/// reshuffle(b.pool, tables, b.ancestor, b.finished) and collect_freed_slots(b.pool) in one launch (its last
+/// CTA collects after every row's copy; b.collect_ticket counts the CTAs). `tables` holds the bucket's rows.
+void reshuffle_and_collect(const CycleBuffers& b, const RowTablesView& tables, cudaStream_t stream);
 /// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
 /// The end of a cycle in one launch: decide_draft_steps(b, requests, accepted, stream, true) and then

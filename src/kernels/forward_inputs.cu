@@ -1,6 +1,7 @@
 // Forward inputs (cycle_io.hpp): the draft head's, draft steps' and target verify's tokens, positions,
 // lengths and KV slots of every row, gathered from the tables inside the captured cycle.
 #include "kernels/pdl.cuh"
+#include "kernels/alloc_device.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/row_launch.cuh"
@@ -45,15 +46,16 @@ template <class View> __device__ __forceinline__ int row_draft_steps(const View&
   return request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps);
 }
 
-/// The captured cycle's conditions (cycle_io.hpp, DraftLoopConditions): block 0 reduces m = max K_q over the
-/// live rows of the bucket and sets condition s to s < m. Every thread of block 0 takes part (no early return
-/// before it).
+/// The captured cycle's conditions (cycle_io.hpp, DraftLoopConditions): a CTA of THREADS threads reduces
+/// m = max K_q over the live rows of the bucket and sets condition s to s < m. Every thread of the CTA takes
+/// part (no early return before it).
+template <int THREADS>
 __device__ void set_draft_loop(const DraftInputsView& b, int rows, const DraftLoopConditions& conditions) {
 #if CUDART_VERSION >= 12080
-  using BlockReduce = cub::BlockReduce<int, kRowThreads>;
+  using BlockReduce = cub::BlockReduce<int, THREADS>;
   __shared__ typename BlockReduce::TempStorage storage;
   int longest = 0;
-  for (int r = threadIdx.x; r < rows; r += kRowThreads)
+  for (int r = threadIdx.x; r < rows; r += THREADS)
     if (b.tables.live[r])
       longest = max(longest, row_draft_steps(b, r));
   longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
@@ -68,14 +70,8 @@ __device__ void set_draft_loop(const DraftInputsView& b, int rows, const DraftLo
 #endif
 }
 
-__global__ void __launch_bounds__(kRowThreads)
-    PrepareDraftInputsKernel(DraftInputsView b, int rows, DraftLoopConditions conditions) {
-  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  if (conditions.count > 0 && blockIdx.x == 0)
-    set_draft_loop(b, rows, conditions);
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows)
-    return;
+/// Row r's forward inputs (the draft head's, the steps' and the verify's), from the tables after alloc.
+__device__ void prepare_draft_row(const DraftInputsView& b, int r) {
   const int max_len = b.tables.max_seq_len;
   const bool live = b.tables.live[r] != 0;
   const int L = b.tables.seq_len[r];
@@ -109,6 +105,36 @@ __global__ void __launch_bounds__(kRowThreads)
   b.verify_seq_lens[r] = live ? L + steps : 0;
 }
 
+__global__ void __launch_bounds__(kRowThreads)
+    PrepareDraftInputsKernel(DraftInputsView b, int rows, DraftLoopConditions conditions) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  if (conditions.count > 0 && blockIdx.x == 0)
+    set_draft_loop<kRowThreads>(b, rows, conditions);
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < rows)
+    prepare_draft_row(b, r);
+}
+
+/// The top of a cycle in one CTA: the cycle's status word cleared, alloc (alloc_device.cuh), then every
+/// row's forward inputs and the conditions, from the tables alloc just wrote (its closing barrier makes them
+/// visible to the whole CTA).
+__global__ void __launch_bounds__(device::kAllocThreads)
+    AllocAndPrepareDraftInputsKernel(DraftInputsView b, SlotPoolView pool, int particles, int slots_per_row,
+                                     RequestSlotCounts counts, int32_t* out_slots, uint32_t* row_flags,
+                                     uint32_t* status, int rows, DraftLoopConditions conditions) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  if (threadIdx.x == 0)
+    *status = 0u; // before alloc's first barrier, so every later OR into it lands on the cleared word
+  RowTablesView tables = b.tables;
+  tables.rows = rows;
+  device::alloc_cycle_slots_block<device::kAllocThreads>(pool, tables, particles, slots_per_row, counts,
+                                                         out_slots, row_flags, status);
+  if (conditions.count > 0)
+    set_draft_loop<device::kAllocThreads>(b, rows, conditions);
+  for (int r = threadIdx.x; r < rows; r += device::kAllocThreads)
+    prepare_draft_row(b, r);
+}
+
 } // namespace
 
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
@@ -118,6 +144,21 @@ void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
   require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
           conditions.count, "must be in [0, kMaxDraftSteps]");
   launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows, conditions);
+}
+
+void alloc_and_prepare_draft_inputs(const CycleBuffers& b, int rows, int slots_per_row,
+                                    const RequestSlotCounts& counts, cudaStream_t stream,
+                                    const DraftLoopConditions& conditions) {
+  constexpr const char* kWhere = "alloc_and_prepare_draft_inputs";
+  require(rows >= 1 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [1, max_rows]");
+  require(rows % b.particles == 0, kWhere, "rows", rows, "must be a multiple of particles");
+  require(slots_per_row >= 1 && slots_per_row <= b.tables.max_seq_len, kWhere, "slots_per_row", slots_per_row,
+          "must be in [1, tables.max_seq_len]");
+  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
+          conditions.count, "must be in [0, kMaxDraftSteps]");
+  launch_pdl(AllocAndPrepareDraftInputsKernel, dim3(1), dim3(device::kAllocThreads), 0, stream,
+             draft_inputs_view(b), b.pool, b.particles, slots_per_row, counts, b.cycle_slots, b.row_flags,
+             b.status, rows, conditions);
 }
 
 namespace {

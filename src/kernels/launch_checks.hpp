@@ -36,6 +36,8 @@ inline void require_pool(const SlotPoolView& pool, const char* where) {
   require_device_pointers(where, {{"pool.free_stack", pool.free_stack},
                                   {"pool.free_count", pool.free_count},
                                   {"pool.refcount", pool.refcount}});
+  require(pool.freed_summary == nullptr || pool.freed != nullptr, where, "pool.freed_summary", "set",
+          "needs pool.freed (it marks the bitmap's words)");
 }
 
 /// Checks the view's shape; the pointers only when it has rows.

@@ -5,6 +5,7 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
 #include "kernels/pdl.cuh"
+#include "kernels/cycle_io.hpp"
 #include "kernels/launch_checks.hpp"
 #include "kernels/slots_device.cuh"
 
@@ -13,24 +14,46 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__global__ void __launch_bounds__(kThreads)
-    ReshuffleKernel(SlotPoolView pool, RowTablesView tables, const int32_t* ancestor, uint8_t* finished) {
-  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  const int dst = blockIdx.x;
+/// Row dst's part of the plan, by `group` (a CTA or a warp). A source is never a destination, so no group
+/// reads a row another one writes (no snapshot needed); a plan that breaks this is ignored rather than raced
+/// on.
+template <class Group>
+__device__ __forceinline__ void reshuffle_row(const SlotPoolView& pool, const RowTablesView& tables,
+                                              const int32_t* ancestor, uint8_t* finished, int dst,
+                                              const Group& group) {
   const int source = ancestor[dst];
-  // A source is never a destination, so no CTA reads a row another one writes (no snapshot needed); a plan
-  // that breaks this is ignored rather than raced on.
   if (source == dst || source < 0 || source >= tables.rows || ancestor[source] != source)
-    return;
-  device::copy_row_refcounted(pool, tables, source, dst);
-  if (threadIdx.x == 0)
+    return; // uniform across the group
+  device::copy_row_refcounted(pool, tables, source, dst, group);
+  if (group.thread_rank() == 0)
     finished[dst] = finished[source];
 }
 
-} // namespace
+/// The public stage: one CTA per row.
+__global__ void __launch_bounds__(kThreads)
+    ReshuffleKernel(SlotPoolView pool, RowTablesView tables, const int32_t* ancestor, uint8_t* finished) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  reshuffle_row(pool, tables, ancestor, finished, static_cast<int>(blockIdx.x),
+                cooperative_groups::this_thread_block());
+}
 
-void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int32_t* ancestor,
-               uint8_t* finished, cudaStream_t stream) {
+/// With collect_freed_slots folded in: a warp per row, kCollectThreads a CTA, and the launch's last CTA
+/// pushes the freed slots (slots_device.cuh), with as many threads as the standalone collect.
+constexpr int kCollectThreads = 1024;
+constexpr int kRowsPerCollectCta = kCollectThreads / 32;
+__global__ void __launch_bounds__(kCollectThreads)
+    ReshuffleCollectKernel(SlotPoolView pool, RowTablesView tables, const int32_t* ancestor,
+                           uint8_t* finished, uint32_t* collect_ticket) {
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  const auto warp = cooperative_groups::tiled_partition<32>(cooperative_groups::this_thread_block());
+  const int dst = static_cast<int>(blockIdx.x) * kRowsPerCollectCta + static_cast<int>(threadIdx.x) / 32;
+  if (dst < tables.rows) // uniform across the warp
+    reshuffle_row(pool, tables, ancestor, finished, dst, warp);
+  device::collect_freed_after_launch<kCollectThreads>(pool, collect_ticket);
+}
+
+void check_reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int32_t* ancestor,
+                     const uint8_t* finished) {
   constexpr const char* kWhere = "reshuffle";
   detail::require_pool(pool, kWhere);
   detail::require_tables(tables, kWhere);
@@ -38,9 +61,33 @@ void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int3
     return;
   require(ancestor != nullptr, kWhere, "ancestor", "null", "must be a device pointer");
   require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
+}
+
+} // namespace
+
+void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int32_t* ancestor,
+               uint8_t* finished, cudaStream_t stream) {
+  check_reshuffle(pool, tables, ancestor, finished);
+  if (tables.rows == 0)
+    return;
   const NvtxRange range("reshuffle");
   detail::launch_pdl(ReshuffleKernel, dim3(tables.rows), dim3(kThreads), 0, stream, pool, tables, ancestor,
                      finished);
 }
+
+namespace detail {
+
+void reshuffle_and_collect(const CycleBuffers& b, const RowTablesView& tables, cudaStream_t stream) {
+  check_reshuffle(b.pool, tables, b.ancestor, b.finished);
+  require(tables.rows >= 1, "reshuffle_and_collect", "tables.rows", tables.rows, "must be >= 1");
+  require(b.collect_ticket != nullptr, "reshuffle_and_collect", "b.collect_ticket", "null",
+          "must be a device pointer");
+  const NvtxRange range("reshuffle_and_collect");
+  const auto blocks = static_cast<unsigned>(ceil_div(tables.rows, kRowsPerCollectCta));
+  launch_pdl(ReshuffleCollectKernel, dim3(blocks), dim3(kCollectThreads), 0, stream, b.pool, tables,
+             b.ancestor, b.finished, b.collect_ticket);
+}
+
+} // namespace detail
 
 } // namespace smcgraph

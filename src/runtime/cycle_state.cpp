@@ -35,6 +35,8 @@ const auto kCycleState = std::make_tuple(
     buffer("free_count",         &State::free_count,         Extent::kOne,               kZeroed),
     buffer("refcount",           &State::refcount,           Extent::kPool,              kZeroed),
     buffer("freed_bitmap",       &State::freed_bitmap,       Extent::kPoolWords,         kZeroed),
+    buffer("freed_summary",      &State::freed_summary,      Extent::kPoolSummaryWords,  kZeroed),
+    buffer("collect_ticket",     &State::collect_ticket,     Extent::kOne,               kZeroed,          &B::collect_ticket),
     buffer("slot_table",         &State::slot_table,         Extent::kRowsBySeq,         kZeroed | kMoved),
     buffer("token_table",        &State::token_table,        Extent::kRowsBySeq,         kZeroed | kMoved),
     buffer("seq_len",            &State::seq_len,            Extent::kRows,              kZeroed | kMoved),
@@ -139,6 +141,8 @@ size_t extent_count(Extent extent, const StateDims& d) {
     return d.pool;
   case Extent::kPoolWords:
     return (d.pool + 31) / 32;
+  case Extent::kPoolSummaryWords:
+    return ((d.pool + 31) / 32 + 31) / 32;
   case Extent::kRows:
     return d.rows;
   case Extent::kRequests:

@@ -22,6 +22,7 @@ enum class Extent : int {
   kFour,               ///< 4 (admission scalars)
   kPool,               ///< slot_pool_size
   kPoolWords,          ///< ceil(slot_pool_size / 32): a bit per slot
+  kPoolSummaryWords,   ///< ceil(kPoolWords / 32): a bit per word of the above
   kRows,               ///< R
   kRequests,           ///< Q
   kRowsBySeq,          ///< R x S: a row's slot or token table

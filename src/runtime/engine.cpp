@@ -63,7 +63,8 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
 } // namespace
 
 SlotPoolView Engine::State::pool_view() {
-  return {free_stack.data(), free_count.data(), refcount.data(), config.slot_pool_size, freed_bitmap.data()};
+  return {free_stack.data(),     free_count.data(),   refcount.data(),
+          config.slot_pool_size, freed_bitmap.data(), freed_summary.data()};
 }
 
 RowTablesView Engine::State::tables_view() {

@@ -85,7 +85,9 @@ struct Engine::State {
   // table (runtime/cycle_state.cpp): its extent, zeroing, compaction and CycleBuffers view are declared
   // there.
   DeviceBuffer<int32_t> free_stack, free_count, refcount;
-  DeviceBuffer<uint32_t> freed_bitmap; ///< deferred frees, pushed in id order (slots.hpp)
+  DeviceBuffer<uint32_t> freed_bitmap;   ///< deferred frees, pushed in id order (slots.hpp)
+  DeviceBuffer<uint32_t> freed_summary;  ///< a bit per word of freed_bitmap (slots.hpp)
+  DeviceBuffer<uint32_t> collect_ticket; ///< [1] the launch that folds the collect in (slots_device.cuh)
   DeviceBuffer<int32_t> slot_table, token_table, seq_len;
   DeviceBuffer<uint8_t> live, finished, resampled, release_mask, request_mask;
   DeviceBuffer<float> draft_temperature, target_temperature, alpha, tau;
