@@ -4,9 +4,9 @@
 //   verify forward (K + 1 tokens) -> score (log p(d_k) under T_t) -> stochastic verification (accept with
 //   min(1, p/q), residual max(0, p - q) by Gumbel-max, bonus from p; T_t = 0 makes it exact greedy
 //   verification) -> fused pack of the accepted tokens and their log-probs (offsets and total on the device)
-//   -> commit (tokens, L += k + 1, rejected positions' slots released) -> collect freed slots -> next K per
-//   request (EMA of the acceptance rate, KV-pressure cap), the draw counters advanced and the outputs packed,
-//   one launch
+//   -> commit (tokens, L += k + 1, rejected positions' slots released), collect freed slots, next K per
+//   request (EMA of the acceptance rate, KV-pressure cap), the draw counters advanced and the outputs packed:
+//   one launch (one CTA) for buckets of up to 1024 rows
 //
 // Each request drafts its own K_q <= K (draft_steps.cu): it pops K_q + 1 slots, its rows are masked in the
 // draft steps past K_q (skipped altogether by the captured cycle's conditional nodes once no live row needs
@@ -72,14 +72,11 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       pack_accepted(accepted, payload, false, out, s.pack_workspace, st);
     }
     {
-      Stage stage(s, "spec.commit");
-      commit_speculative(b, rows, st, /*collect_freed=*/true); // and the freed slots pushed, same launch
-    }
-    {
-      // The next K of every request (after the frees: the pressure sees them), the draw counters advanced
-      // (the cycle's draws are done) and the outputs packed: one launch (output_packing.cu).
-      Stage stage(s, "spec.next_k_and_outputs");
-      decide_and_pack_outputs(b, bucket_requests, b.accepted, s.outputs_device.data(), st);
+      // The commit, the freed slots pushed, the next K of every request (after the frees: the pressure sees
+      // them), the draw counters advanced (the cycle's draws are done) and the outputs packed: one launch for
+      // buckets of up to 1024 rows (commit.cu, output_packing_device.cuh).
+      Stage stage(s, "spec.commit_and_outputs");
+      commit_speculative_and_pack_outputs(b, bucket_requests, s.outputs_device.data(), st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

@@ -3,9 +3,11 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 
 #include "kernels/cycle_io.hpp"
+#include "runtime/engine_validation.hpp"
 #include "reference/slots_ref.hpp"
 #include "reference/smc_ref.hpp"
 #include "runtime/slot_checker.hpp"
@@ -560,6 +562,8 @@ TEST_CASE(
       std::vector<uint32_t> flags;
       uint32_t status = 0;
     };
+    const bool with_verify = trial % 2 == 1; // the verify's token columns too (the K = 0 cycle)
+    CAPTURE(with_verify);
     auto run = [&](bool fused, bool captured) {
       DeviceSlots device(initial.pool_size, rows, max_seq_len);
       device.upload(initial, stream);
@@ -571,7 +575,7 @@ TEST_CASE(
       // Poisoned outputs: every one the stages write must be written.
       std::vector<DeviceBuffer<int32_t>> outs;
       for (size_t size : {kp1, size_t(2) * rows, size_t(2) * rows, size_t(2) * rows, size_t(rows), km1, km1,
-                          km1, kp1, kp1, size_t(rows)}) {
+                          km1, kp1, kp1, size_t(rows), kp1}) {
         outs.emplace_back(size);
         outs.back().fill_bytes(0x7f, stream);
       }
@@ -597,11 +601,12 @@ TEST_CASE(
       b.verify_positions = outs[8].data();
       b.verify_out_slots = outs[9].data();
       b.verify_seq_lens = outs[10].data();
+      b.draft_tokens = outs[11].data();
       b.step_live = d_step_live.data();
       const RequestSlotCounts counts{d_steps.data(), 1};
       run_on_stream(captured, stream, [&](cudaStream_t s) {
         if (fused) {
-          detail::alloc_and_prepare_draft_inputs(b, rows, K + 1, counts, s);
+          detail::alloc_and_prepare_draft_inputs(b, rows, K + 1, counts, s, {}, with_verify);
         } else {
           SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(b.status, 0, sizeof(uint32_t), s));
           RowTablesView tables = b.tables;
@@ -609,6 +614,8 @@ TEST_CASE(
           alloc_cycle_slots(b.pool, tables, particles, K + 1, counts, b.cycle_slots, b.row_flags, b.status,
                             s);
           detail::prepare_draft_inputs(b, rows, s);
+          if (with_verify)
+            detail::prepare_verify_inputs(b, rows, s);
         }
       });
       Result result;
@@ -637,14 +644,14 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("commit_speculative with the collect folded in leaves what commit_speculative then "
-          "collect_freed_slots leave") {
+TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in one launch, commit with the "
+          "collect folded in, and the separate launches leave the same state and outputs") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   Stream stream;
   const int trials = test::sanitizer_scaled(20, 5, 3);
   for (int trial = 0; trial < trials; ++trial) {
-    // Up to 1300 rows: more than one CTA of the fused launch (1024 rows each) in some trials.
+    // Up to 1300 rows: past one CTA (1024 rows) in some trials, where the one-launch path falls back.
     const int rows =
         trial % 4 == 0 ? static_cast<int>(rng.integer(1025, 1300)) : static_cast<int>(rng.integer(1, 200));
     const int K = static_cast<int>(rng.integer(1, 6));
@@ -654,38 +661,65 @@ TEST_CASE("commit_speculative with the collect folded in leaves what commit_spec
     CAPTURE(rows);
     CAPTURE(K);
     CAPTURE(pool_size);
-    HostSlots initial = reference::random_slot_state(rng.engine(), rows, 1, max_seq_len, pool_size);
+    EngineConfig config;
+    config.kind = CycleKind::kSpeculative;
+    config.particles = 1;
+    config.draft_steps = K;
+    config.slot_pool_size = pool_size;
+    config.adaptive.enabled = true;
+    config.adaptive.mid_steps = static_cast<int>(rng.integer(1, K));
+    config.adaptive.min_steps = 1;
+    config.adaptive.pressure_cap = static_cast<int>(rng.integer(1, K));
+    config.adaptive.pressure_free_fraction = static_cast<float>(rng.uniform());
+    validate_engine_config(config);
+    const HostSlots initial = reference::random_slot_state(rng.engine(), rows, 1, max_seq_len, pool_size);
     std::vector<int32_t> steps(rows), accepted(rows), next(rows), drafts(static_cast<size_t>(rows) * (K + 1));
-    std::vector<uint32_t> flags(rows);
+    std::vector<int32_t> pinned(rows, 0);
+    std::vector<uint32_t> flags(rows), counters(rows);
+    std::vector<float> ema(rows);
     for (int r = 0; r < rows; ++r) {
       steps[r] = static_cast<int32_t>(rng.integer(1, K));
       accepted[r] = static_cast<int32_t>(rng.integer(0, steps[r]));
       next[r] = static_cast<int32_t>(rng.integer(0, 99));
       flags[r] = rng.uniform() < 0.1 ? kFlagNanLogit : kFlagNone;
+      counters[r] = static_cast<uint32_t>(rng.bits());
+      ema[r] = static_cast<float>(rng.uniform());
+      if (rng.uniform() < 0.2)
+        pinned[r] = static_cast<int32_t>(rng.integer(1, K));
     }
     for (int32_t& d : drafts)
       d = static_cast<int32_t>(rng.integer(0, 99));
     const int words = (pool_size + 31) / 32, summary_words = (words + 31) / 32;
+    const detail::OutputLayout layout = detail::output_layout(rows, rows, K);
     struct Result {
       HostSlots state;
-      std::vector<int32_t> cycle, committed, first_eos;
-      std::vector<uint8_t> finished;
+      std::vector<int32_t> ints;
+      std::vector<uint8_t> bytes, out;
+      std::vector<uint32_t> counters;
+      std::vector<float> ema;
     };
-    auto run = [&](bool fused, bool captured) {
+    enum class Mode { kSeparate, kCommitCollect, kOneLaunch };
+    auto run = [&](Mode mode, bool captured) {
       DeviceSlots device(initial.pool_size, rows, max_seq_len);
       device.upload(initial, stream);
       DeviceBuffer<uint32_t> d_freed(words), d_summary(summary_words), d_ticket(1), d_status(1);
       for (auto* zero : {&d_freed, &d_summary, &d_ticket, &d_status})
         zero->fill_bytes(0, stream);
       DeviceBuffer<int32_t> d_steps = to_device(steps, stream), d_accepted = to_device(accepted, stream),
-                            d_next = to_device(next, stream), d_drafts = to_device(drafts, stream);
-      DeviceBuffer<uint32_t> d_flags = to_device(flags, stream);
-      DeviceBuffer<int32_t> d_slots(static_cast<size_t>(rows) * (K + 1)), d_cycle(d_slots.size()),
-          d_committed(rows), d_first_eos(rows);
-      DeviceBuffer<uint8_t> d_finished(rows);
-      for (auto* poison : {&d_cycle, &d_committed, &d_first_eos})
-        poison->fill_bytes(0x7f, stream);
-      d_finished.fill_bytes(0, stream);
+                            d_next = to_device(next, stream), d_drafts = to_device(drafts, stream),
+                            d_pinned = to_device(pinned, stream);
+      DeviceBuffer<uint32_t> d_flags = to_device(flags, stream), d_counters = to_device(counters, stream);
+      DeviceBuffer<float> d_ema = to_device(ema, stream);
+      // Outputs of the stages, poisoned: [cycle tokens | committed | first_eos | cycle K | ancestor | free]
+      const size_t cycle_size = static_cast<size_t>(rows) * (K + 1);
+      DeviceBuffer<int32_t> d_slots(cycle_size), d_ints(cycle_size + 4 * static_cast<size_t>(rows) + 1);
+      d_ints.fill_bytes(0x7f, stream);
+      DeviceBuffer<uint8_t> d_bytes(2 * static_cast<size_t>(rows) + 1), d_out(layout.bytes);
+      d_bytes.fill_bytes(0, stream);
+      d_out.fill_bytes(0x7f, stream);
+      DeviceBuffer<double> d_ess(rows);
+      d_ess.fill_bytes(0, stream);
+      int32_t* ints = d_ints.data();
       detail::CycleBuffers b;
       b.pool = device.pool();
       b.pool.freed = d_freed.data();
@@ -695,50 +729,70 @@ TEST_CASE("commit_speculative with the collect folded in leaves what commit_spec
       b.draft_steps = K;
       b.max_rows = rows;
       b.eos_id = 7;
+      b.policy = detail::draft_steps_policy(config);
       b.request_draft_steps = d_steps.data();
+      b.pinned_draft_steps = d_pinned.data();
+      b.acceptance_ema = d_ema.data();
+      b.draw_counters = d_counters.data();
       b.accepted = d_accepted.data();
       b.next_tokens = d_next.data();
       b.draft_tokens = d_drafts.data();
       b.row_flags = d_flags.data();
       b.status = d_status.data();
       b.cycle_slots = d_slots.data();
-      b.cycle_tokens = d_cycle.data();
-      b.committed = d_committed.data();
-      b.first_eos = d_first_eos.data();
-      b.finished = d_finished.data();
+      b.cycle_tokens = ints;
+      b.committed = ints + cycle_size;
+      b.first_eos = ints + cycle_size + rows;
+      b.cycle_draft_steps = ints + cycle_size + 2 * rows;
+      b.ancestor = ints + cycle_size + 3 * rows;
+      b.decision_free_slots = ints + cycle_size + 4 * rows;
+      b.finished = d_bytes.data();
+      b.resampled = d_bytes.data() + rows;
+      b.kv_pressure = d_bytes.data() + 2 * rows;
+      b.ess = d_ess.data();
       b.collect_ticket = d_ticket.data();
-      // alloc first (K_q + 1 slots a row, as the cycle does), then the commit releases the rejected ones.
+      // alloc first (K_q + 1 slots a row, as the cycle does); the commit releases the rejected ones.
       alloc_cycle_slots(b.pool, b.tables, 1, K + 1, RequestSlotCounts{d_steps.data(), 1}, b.cycle_slots,
                         b.row_flags, b.status, stream);
       run_on_stream(captured, stream, [&](cudaStream_t s) {
-        if (fused) {
+        if (mode == Mode::kOneLaunch) {
+          detail::commit_speculative_and_pack_outputs(b, rows, d_out.data(), s);
+          return;
+        }
+        if (mode == Mode::kCommitCollect) {
           detail::commit_speculative(b, rows, s, /*collect_freed=*/true);
         } else {
           detail::commit_speculative(b, rows, s);
           collect_freed_slots(b.pool, s);
         }
+        detail::decide_and_pack_outputs(b, rows, b.accepted, d_out.data(), s);
       });
       Result result;
       result.state = device.download(stream);
-      result.cycle = to_host(d_cycle.data(), d_cycle.size(), stream);
-      result.committed = to_host(d_committed.data(), rows, stream);
-      result.first_eos = to_host(d_first_eos.data(), rows, stream);
-      result.finished = to_host(d_finished.data(), rows, stream);
+      result.ints = to_host(d_ints.data(), d_ints.size(), stream);
+      result.bytes = to_host(d_bytes.data(), d_bytes.size(), stream);
+      result.out = to_host(d_out.data(), d_out.size(), stream);
+      result.counters = to_host(d_counters.data(), rows, stream);
+      result.ema = to_host(d_ema.data(), rows, stream);
       CHECK(to_host(d_ticket.data(), 1, stream)[0] == 0u);
       const auto freed = to_host(d_freed.data(), words, stream);
       CHECK(std::all_of(freed.begin(), freed.end(), [](uint32_t w) { return w == 0; }));
       return result;
     };
-    const Result separate = run(false, false);
-    for (const bool captured : kModes) {
-      CAPTURE(captured);
-      const Result fused = run(true, captured);
-      REQUIRE_SAME(separate.state, fused.state, /*exact_order=*/true);
-      CHECK(fused.cycle == separate.cycle);
-      CHECK(fused.committed == separate.committed);
-      CHECK(fused.first_eos == separate.first_eos);
-      CHECK(fused.finished == separate.finished);
-      REQUIRE_INVARIANTS(fused.state);
+    const Result separate = run(Mode::kSeparate, false);
+    for (const Mode mode : {Mode::kCommitCollect, Mode::kOneLaunch}) {
+      for (const bool captured : kModes) {
+        CAPTURE(static_cast<int>(mode));
+        CAPTURE(captured);
+        const Result fused = run(mode, captured);
+        REQUIRE_SAME(separate.state, fused.state, /*exact_order=*/true);
+        CHECK(fused.ints == separate.ints);
+        CHECK(fused.bytes == separate.bytes);
+        CHECK(fused.out == separate.out);
+        CHECK(fused.counters == separate.counters);
+        CHECK(std::memcmp(fused.ema.data(), separate.ema.data(), rows * sizeof(float)) == 0);
+        REQUIRE_INVARIANTS(fused.state);
+      }
     }
   }
 }

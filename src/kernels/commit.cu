@@ -3,6 +3,7 @@
 #include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
+#include "kernels/output_packing_device.cuh"
 #include "kernels/row_launch.cuh"
 #include "kernels/slots_device.cuh"
 #include "kernels/weights_device.cuh"
@@ -182,7 +183,39 @@ __global__ void __launch_bounds__(kCollectThreads)
   device::collect_freed_after_launch<kCollectThreads>(b.pool, collect_ticket);
 }
 
+/// The end of a speculative cycle in one CTA (rows <= kCollectThreads): thread r commits row r, the CTA
+/// pushes the freed slots, then decides and packs as decide_and_pack_outputs does (thread q: request q, row
+/// q). The barriers between the phases make each phase's global writes visible to the next.
+__global__ void __launch_bounds__(kCollectThreads)
+    CommitCollectPackKernel(SpeculativeCommitView b, int rows, OutputsView outputs, uint8_t* out,
+                            OutputLayout layout, FoldedDecision decision) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  commit_speculative_row(b, rows);
+  __syncthreads(); // every row's releases are marked
+  if (b.pool.freed != nullptr)
+    device::collect_freed_block<kCollectThreads>(b.pool);
+  __syncthreads(); // free_count is final: the decision's pressure reads it
+  pack_row(outputs, static_cast<int>(threadIdx.x), rows, out, layout, decision);
+}
+
 } // namespace
+
+void commit_speculative_and_pack_outputs(const CycleBuffers& b, int requests, uint8_t* out,
+                                         cudaStream_t stream) {
+  constexpr const char* kWhere = "commit_speculative_and_pack_outputs";
+  require(requests >= 1 && requests * b.particles <= b.max_rows, kWhere, "requests", requests,
+          "must be in [1, max_rows / particles]");
+  const int rows = requests * b.particles;
+  if (rows > kCollectThreads) { // more rows than one CTA: the two launches
+    commit_speculative(b, rows, stream, /*collect_freed=*/true);
+    decide_and_pack_outputs(b, requests, b.accepted, out, stream);
+    return;
+  }
+  const OutputLayout layout = output_layout(rows, requests, b.draft_steps);
+  const FoldedDecision decision{true, decide_view(b, /*advance_draw_counters=*/true), b.accepted};
+  launch_pdl(CommitCollectPackKernel, dim3(1), dim3(kCollectThreads), 0, stream, speculative_commit_view(b),
+             rows, outputs_view(b), out, layout, decision);
+}
 
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream, bool collect_freed) {
   if (collect_freed) {
