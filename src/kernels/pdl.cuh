@@ -1,4 +1,5 @@
-// Programmatic dependent launch (PDL) for kernel chains: the cycle's stage kernels and the Llama forward.
+// Programmatic dependent launch (PDL) for kernel chains: the cycle's stage kernels, the sampler's pass and the
+// Llama forward.
 // A kernel launched through launch_pdl() carries cudaLaunchAttributeProgrammaticStreamSerialization, so it
 // can be launched (its CTAs made resident) while its predecessor in the stream finishes; it must wait in
 // pdl_wait() (cudaGridDependencySynchronize: the predecessor grid has completed and its writes are visible)
