@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kRowThreads) CommitSpeculativeKernel(Speculati
 /// With collect_freed_slots folded in: kCollectThreads rows a CTA (one CTA up to that many rows), and the
 /// launch's last CTA pushes the freed slots (slots_device.cuh), with as many threads as the standalone
 /// collect.
-constexpr int kCollectThreads = 1024;
+constexpr int kCollectThreads = device::kCollectThreads;
 __global__ void __launch_bounds__(kCollectThreads)
     CommitSpeculativeCollectKernel(SpeculativeCommitView b, int rows, uint32_t* collect_ticket) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)

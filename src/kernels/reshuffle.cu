@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
 
 /// With collect_freed_slots folded in: a warp per row, kCollectThreads a CTA, and the launch's last CTA
 /// pushes the freed slots (slots_device.cuh), with as many threads as the standalone collect.
-constexpr int kCollectThreads = 1024;
+constexpr int kCollectThreads = device::kCollectThreads;
 constexpr int kRowsPerCollectCta = kCollectThreads / 32;
 __global__ void __launch_bounds__(kCollectThreads)
     ReshuffleCollectKernel(SlotPoolView pool, RowTablesView tables, const int32_t* ancestor,

@@ -111,7 +111,7 @@ void require_request_rows(const SlotPoolView& pool, const RowTablesView& tables,
           "must be a multiple of particles_per_request");
 }
 
-constexpr int kCollectThreads = 1024;
+constexpr int kCollectThreads = device::kCollectThreads;
 
 // One CTA: collect_freed_block (slots_device.cuh).
 __global__ void __launch_bounds__(kCollectThreads) CollectFreedSlotsKernel(SlotPoolView pool) {

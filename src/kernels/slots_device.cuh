@@ -84,6 +84,9 @@ __device__ __forceinline__ void copy_row_refcounted(const SlotPoolView& pool, co
   copy_row_refcounted(pool, tables, source, dst, cooperative_groups::this_thread_block());
 }
 
+/// Threads of a CTA that collects (collect_freed_slots' one CTA, and the launches that fold the collect in).
+inline constexpr int kCollectThreads = 1024;
+
 /// The collect stage (collect_freed_slots) run by a whole CTA of THREADS threads, the only one touching the
 /// pool: every slot marked in pool.freed goes onto the free stack in ascending id order and the marks are
 /// cleared. Without pool.freed_summary it reads every bitmap word (passes of THREADS x 4 words, each thread
