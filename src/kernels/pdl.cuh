@@ -1,13 +1,13 @@
-// Programmatic dependent launch (PDL) for kernel chains: the cycle's stage kernels, the sampler's pass and the
-// Llama forward.
-// A kernel launched through launch_pdl() carries cudaLaunchAttributeProgrammaticStreamSerialization, so it
-// can be launched (its CTAs made resident) while its predecessor in the stream finishes; it must wait in
-// pdl_wait() (cudaGridDependencySynchronize: the predecessor grid has completed and its writes are visible)
-// before it touches memory the predecessor reads or writes. A kernel calls pdl_trigger() only after its own
-// pdl_wait(), so at most two kernels of a chain are resident at a time. Captured graphs keep the programmatic
-// edges (the launch latency between two dependent nodes is hidden). SMCGRAPH_DISABLE_PDL=1 launches plainly
-// (pdl_wait() is then a no-op). A kernel that may be launched through launch_pdl() must call pdl_wait()
-// before its first global-memory access; pdl_enter() does both at the top of a small stage kernel.
+// Programmatic dependent launch (PDL) for kernel chains: the cycle's stage kernels, the sampler's pass and
+// the Llama forward. A kernel launched through launch_pdl() carries
+// cudaLaunchAttributeProgrammaticStreamSerialization, so it can be launched (its CTAs made resident) while
+// its predecessor in the stream finishes; it must wait in pdl_wait() (cudaGridDependencySynchronize: the
+// predecessor grid has completed and its writes are visible) before it touches memory the predecessor reads
+// or writes. A kernel calls pdl_trigger() only after its own pdl_wait(), so at most two kernels of a chain
+// are resident at a time. Captured graphs keep the programmatic edges (the launch latency between two
+// dependent nodes is hidden). SMCGRAPH_DISABLE_PDL=1 launches plainly (pdl_wait() is then a no-op). A kernel
+// that may be launched through launch_pdl() must call pdl_wait() before its first global-memory access;
+// pdl_enter() does both at the top of a small stage kernel.
 #pragma once
 
 #include <cstdlib>
