@@ -143,18 +143,16 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     }
 #endif
     // One launch: the cycle's fault bits cleared, K_q + 1 slots for each row (positions L .. L + K_q, its
-    // request's draft length), the forward inputs, and the conditions from max K_q. Without a draft (K = 0)
-    // no sampler writes the draft block before the verify, so the same launch writes its token column too.
+    // request's draft length), the forward inputs, and the conditions from max K_q.
     alloc_and_prepare_draft_inputs(b, rows, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, stream,
-                                   conditions, /*with_verify_inputs=*/K == 0);
+                                   conditions);
   }
   // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out slots,
   // and the target logits (row r's column j at r * (K + 1) + j in each); then the recipe's stages.
   auto verify_and_rest = [&](int width, cudaStream_t verify_stream) {
     {
       Stage stage(s, verify_name);
-      if (K > 0) // K = 0: written by the alloc launch
-        prepare_verify_inputs(b, rows, verify_stream);
+      prepare_verify_inputs(b, rows, verify_stream);
       ForwardArgs verify{rows,
                          width,
                          b.draft_tokens,

@@ -148,13 +148,11 @@ void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
                           const DraftLoopConditions& conditions = {});
 /// The top of a cycle in one launch (one CTA): the status word cleared, alloc_cycle_slots(b.pool, the
 /// bucket's tables, b.particles, slots_per_row, counts, b.cycle_slots, b.row_flags, b.status) and then
-/// prepare_draft_inputs(b, rows, stream, conditions) on the tables alloc wrote; with `with_verify_inputs`
-/// also prepare_verify_inputs(b, rows, stream) (for a cycle with no draft step between them: K = 0). The
-/// recipes use it; the stages keep their own entry points and host references.
+/// prepare_draft_inputs(b, rows, stream, conditions) on the tables alloc wrote. The recipes use it; the
+/// stages keep their own entry points and host references.
 void alloc_and_prepare_draft_inputs(const CycleBuffers& b, int rows, int slots_per_row,
                                     const RequestSlotCounts& counts, cudaStream_t stream,
-                                    const DraftLoopConditions& conditions = {},
-                                    bool with_verify_inputs = false);
+                                    const DraftLoopConditions& conditions = {});
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream);
 /// Writes this cycle's tokens into the token table and cycle_tokens, L += K + 1, and turns rows with a
 /// fault flag non-live (their request fails). `weights` (optional): the weights stage folded into the same

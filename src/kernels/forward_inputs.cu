@@ -129,8 +129,11 @@ VerifyInputsView verify_inputs_view(const CycleBuffers& b) {
   // clang-format on
 }
 
-/// Row r's verify token column 0 (x_{L-1}) and its undrafted columns zeroed.
-__device__ void prepare_verify_row(const VerifyInputsView& b, int r) {
+__global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
+  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
   const bool live = b.tables.live[r] != 0;
   const int L = b.tables.seq_len[r];
   const int steps = row_draft_steps(b, r);
@@ -143,21 +146,13 @@ __device__ void prepare_verify_row(const VerifyInputsView& b, int r) {
     block[1 + k] = 0;
 }
 
-__global__ void PrepareVerifyInputsKernel(VerifyInputsView b, int rows) {
-  pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r < rows)
-    prepare_verify_row(b, r);
-}
-
 /// The top of a cycle in one CTA: the cycle's status word cleared, alloc (alloc_device.cuh), then every
 /// row's forward inputs and the conditions, from the tables alloc just wrote (its closing barrier makes them
-/// visible to the whole CTA), and with `with_verify` the verify's token columns too.
+/// visible to the whole CTA).
 __global__ void __launch_bounds__(device::kAllocThreads)
     AllocAndPrepareDraftInputsKernel(DraftInputsView b, SlotPoolView pool, int particles, int slots_per_row,
                                      RequestSlotCounts counts, int32_t* out_slots, uint32_t* row_flags,
-                                     uint32_t* status, int rows, DraftLoopConditions conditions,
-                                     VerifyInputsView verify, bool with_verify) {
+                                     uint32_t* status, int rows, DraftLoopConditions conditions) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   if (threadIdx.x == 0)
     *status = 0u; // before alloc's first barrier, so every later OR into it lands on the cleared word
@@ -167,11 +162,8 @@ __global__ void __launch_bounds__(device::kAllocThreads)
                                                          out_slots, row_flags, status);
   if (conditions.count > 0)
     set_draft_loop<device::kAllocThreads>(b, rows, conditions);
-  for (int r = threadIdx.x; r < rows; r += device::kAllocThreads) {
+  for (int r = threadIdx.x; r < rows; r += device::kAllocThreads)
     prepare_draft_row(b, r);
-    if (with_verify)
-      prepare_verify_row(verify, r);
-  }
 }
 
 } // namespace
@@ -187,7 +179,7 @@ void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
 
 void alloc_and_prepare_draft_inputs(const CycleBuffers& b, int rows, int slots_per_row,
                                     const RequestSlotCounts& counts, cudaStream_t stream,
-                                    const DraftLoopConditions& conditions, bool with_verify_inputs) {
+                                    const DraftLoopConditions& conditions) {
   constexpr const char* kWhere = "alloc_and_prepare_draft_inputs";
   require(rows >= 1 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [1, max_rows]");
   require(rows % b.particles == 0, kWhere, "rows", rows, "must be a multiple of particles");
@@ -197,7 +189,7 @@ void alloc_and_prepare_draft_inputs(const CycleBuffers& b, int rows, int slots_p
           conditions.count, "must be in [0, kMaxDraftSteps]");
   launch_pdl(AllocAndPrepareDraftInputsKernel, dim3(1), dim3(device::kAllocThreads), 0, stream,
              draft_inputs_view(b), b.pool, b.particles, slots_per_row, counts, b.cycle_slots, b.row_flags,
-             b.status, rows, conditions, verify_inputs_view(b), with_verify_inputs);
+             b.status, rows, conditions);
 }
 
 void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream) {
