@@ -47,6 +47,7 @@
 
 #include "kernels/pdl.cuh"
 #include "kernels/random.cuh"
+#include "kernels/ticket.cuh"
 #include "smcgraph/sample.hpp"
 
 namespace smcgraph::detail {
@@ -638,7 +639,6 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ PassState warp_states[kSubTiles]; // a one-tile job's sub-tile states
-  __shared__ bool is_last;
 
   const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) +
                              place.row * args.logits.row_stride +
@@ -656,18 +656,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   if (args.splits > 1) {
     if (warp_leader)
       subtiles[place.split * kSubTiles + warp] = state;
-    __syncthreads(); // the CTA's 8 writes happen before thread 0's fence (fences are cumulative)
-    if (threadIdx.x == 0) {
-      __threadfence(); // publish the partials before taking a ticket
-      const uint32_t ticket = atomicAdd(&args.tickets[place.job_index], 1u);
-      is_last = ticket == static_cast<uint32_t>(args.splits - 1);
-      if (is_last)
-        args.tickets[place.job_index] = 0; // ready for the next launch / graph replay
-    }
-    __syncthreads();
-    if (!is_last)
+    // The job's last CTA merges (the partials are read with __ldcg below).
+    if (!device::last_to_arrive(&args.tickets[place.job_index], static_cast<uint32_t>(args.splits)))
       return;
-    __threadfence(); // acquire the other CTAs' partials
   } else {
     if (warp_leader)
       warp_states[warp] = state;

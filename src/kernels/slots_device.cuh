@@ -8,6 +8,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/ticket.cuh"
 #include "smcgraph/slots.hpp"
 
 namespace smcgraph {
@@ -167,26 +168,12 @@ template <int THREADS> __device__ __forceinline__ void collect_freed_block(const
 }
 
 /// The end of a launch whose CTAs release slots, folding collect_freed_slots into it: every thread of every
-/// CTA calls this last (no early return before it). The last CTA to arrive (a ticket counter, which it
-/// resets to 0 so graph replays need no memset) runs collect_freed_block after the fence that makes the
-/// other CTAs' marks visible. A no-op when pool.freed is null.
+/// CTA calls this last (no early return before it). The launch's last CTA (ticket.cuh) runs
+/// collect_freed_block. A no-op when pool.freed is null.
 template <int THREADS>
 __device__ __forceinline__ void collect_freed_after_launch(const SlotPoolView& pool, uint32_t* ticket) {
-  if (pool.freed == nullptr)
-    return;
-  __shared__ bool last;
-  __syncthreads(); // this CTA's releases happen before thread 0's fence (fences are cumulative)
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(ticket, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
-    if (last)
-      *ticket = 0u;
-  }
-  __syncthreads();
-  if (!last)
-    return;
-  __threadfence(); // acquire the other CTAs' marks
-  collect_freed_block<THREADS>(pool);
+  if (pool.freed != nullptr && last_to_arrive(ticket, gridDim.x * gridDim.y * gridDim.z))
+    collect_freed_block<THREADS>(pool);
 }
 
 } // namespace device
