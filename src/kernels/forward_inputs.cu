@@ -168,12 +168,21 @@ __global__ void __launch_bounds__(device::kAllocThreads)
 
 } // namespace
 
+namespace {
+
+/// The checks both draft-inputs launchers share.
+void require_draft_inputs(const char* where, const CycleBuffers& b, int rows,
+                          const DraftLoopConditions& conditions) {
+  require(rows >= 1 && rows <= b.max_rows, where, "rows", rows, "must be in [1, max_rows]");
+  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, where, "conditions.count",
+          conditions.count, "must be in [0, kMaxDraftSteps]");
+}
+
+} // namespace
+
 void prepare_draft_inputs(const CycleBuffers& b, int rows, cudaStream_t stream,
                           const DraftLoopConditions& conditions) {
-  constexpr const char* kWhere = "prepare_draft_inputs";
-  require(rows >= 1 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [1, max_rows]");
-  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
-          conditions.count, "must be in [0, kMaxDraftSteps]");
+  require_draft_inputs("prepare_draft_inputs", b, rows, conditions);
   launch_per_row(PrepareDraftInputsKernel, rows, stream, draft_inputs_view(b), rows, conditions);
 }
 
@@ -181,12 +190,10 @@ void alloc_and_prepare_draft_inputs(const CycleBuffers& b, int rows, int slots_p
                                     const RequestSlotCounts& counts, cudaStream_t stream,
                                     const DraftLoopConditions& conditions) {
   constexpr const char* kWhere = "alloc_and_prepare_draft_inputs";
-  require(rows >= 1 && rows <= b.max_rows, kWhere, "rows", rows, "must be in [1, max_rows]");
+  require_draft_inputs(kWhere, b, rows, conditions);
   require(rows % b.particles == 0, kWhere, "rows", rows, "must be a multiple of particles");
   require(slots_per_row >= 1 && slots_per_row <= b.tables.max_seq_len, kWhere, "slots_per_row", slots_per_row,
           "must be in [1, tables.max_seq_len]");
-  require(conditions.count >= 0 && conditions.count <= kMaxDraftSteps, kWhere, "conditions.count",
-          conditions.count, "must be in [0, kMaxDraftSteps]");
   launch_pdl(AllocAndPrepareDraftInputsKernel, dim3(1), dim3(device::kAllocThreads), 0, stream,
              draft_inputs_view(b), b.pool, b.particles, slots_per_row, counts, b.cycle_slots, b.row_flags,
              b.status, rows, conditions);

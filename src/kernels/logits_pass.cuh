@@ -634,15 +634,12 @@ struct JobPlace {
 /// two-level race and writes the outputs.
 template <DType DTYPE, PassMode MODE>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
-                        const TileVectors<DTYPE>& tile, uint32_t param_flags) {
-  using Scalar = typename DTypeTraits<DTYPE>::Scalar;
+                        const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
+                        uint32_t param_flags) {
   using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ PassState warp_states[kSubTiles]; // a one-tile job's sub-tile states
 
-  const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) +
-                             place.row * args.logits.row_stride +
-                             place.position * args.logits.position_stride;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
 
@@ -810,13 +807,13 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy>(args, job, place, tile, param_flags);
+    run_job<DTYPE, PassMode::kGreedy>(args, job, place, row_logits, tile, param_flags);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore>(args, job, place, tile, 0u);
+    run_job<DTYPE, PassMode::kScore>(args, job, place, row_logits, tile, 0u);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace>(args, job, place, tile, 0u);
+    run_job<DTYPE, PassMode::kRace>(args, job, place, row_logits, tile, 0u);
   } else {
-    run_job<DTYPE, PassMode::kRacePower>(args, job, place, tile, 0u);
+    run_job<DTYPE, PassMode::kRacePower>(args, job, place, row_logits, tile, 0u);
   }
 }
 
