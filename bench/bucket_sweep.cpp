@@ -590,6 +590,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   if (kind == CycleKind::kSpeculative && o.adaptive) {
     config.adaptive.enabled = true;
     config.adaptive.mid_steps = std::max(1, (steps + 1) / 2);
+    config.adaptive.min_steps = std::min(o.min_steps, config.adaptive.mid_steps);
     config.adaptive.draft_cost = o.draft_cost;
     if (o.draft_cost < 0.0f) { // the cost-aware rule with this pair's measured cost ratio
       const ModelTiming alone =
@@ -603,6 +604,8 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
         "masked: compare tokens/s and graph time\n",
         config.adaptive.draft_cost > 0.0f ? "cost-aware rule" : "the seed's thresholds",
         config.adaptive.draft_cost);
+    std::printf("adaptive K in {%d, %d, %d}%s\n", config.adaptive.min_steps, config.adaptive.mid_steps, steps,
+                config.adaptive.min_steps == 0 ? " (0: no draft; the draft shares the target's KV)" : "");
   }
 
   const auto construct_start = std::chrono::steady_clock::now();
@@ -962,6 +965,13 @@ int run(const Options& o, const char* argv0) {
         options.logits_dtype = dtype;
         llama_target = std::make_unique<LlamaModel>(llama_weights, options);
         options.layers = draft_layers;
+        // A layer-prefix draft shares the target's KV (the same bits either way; half the KV memory), which
+        // adaptive K = 0 (--min-steps 0) needs.
+        bool prefix = !draft_layers.empty() && draft_layers.size() <= llama_target->layers().size();
+        for (size_t i = 0; prefix && i < draft_layers.size(); ++i)
+          prefix = draft_layers[i] == llama_target->layers()[i];
+        if (prefix)
+          options.kv_owner = llama_target.get();
         llama_draft = std::make_unique<LlamaModel>(llama_weights, options);
         models = ModelPair{llama_draft.get(), llama_target.get(), true};
         models.draft_weight_bytes = llama_draft->weight_bytes_per_forward();

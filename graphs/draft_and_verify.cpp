@@ -125,20 +125,30 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   const size_t element_bytes = dtype_bytes(dtype);
   const size_t step_logits_bytes = static_cast<size_t>(s.rows) * V * element_bytes; // one [rows, V] block
 
-  // Captured with conditional nodes: draft step s runs only when some live row has K_q > s.
-  const bool conditional = s.draft_loop.conditional && K > 1 && mode == Enqueue::kCapture;
+  // Captured with conditional nodes: draft step s runs only when some live row has K_q > s, and, where a
+  // request may draft nothing (adaptive min_steps = 0), the draft head only when some live row drafts.
+  const bool captured_conditional = s.draft_loop.conditional && K >= 1 && mode == Enqueue::kCapture;
+  const bool conditional = captured_conditional && K > 1;
+  const bool conditional_head =
+      captured_conditional && s.config.adaptive.enabled && s.config.adaptive.min_steps == 0;
   DraftLoopConditions conditions;
   {
     Stage stage(s, alloc_name);
 #if CUDART_VERSION >= 12080
-    if (conditional) {
+    if (conditional || conditional_head) {
       const CaptureSite site = capture_site(stream);
-      conditions.count = K - 1;
-      for (int step = 1; step < K; ++step) { // reset to 1 (run the step) at every launch
+      auto create = [&] { // reset to 1 (run the branch) at every launch
         cudaGraphConditionalHandle handle = 0;
         SMCGRAPH_CUDA_CHECK(
             cudaGraphConditionalHandleCreate(&handle, site.graph, 1u, cudaGraphCondAssignDefault));
-        conditions.handles[step - 1] = static_cast<unsigned long long>(handle);
+        return static_cast<unsigned long long>(handle);
+      };
+      if (conditional_head)
+        conditions.head = create();
+      if (conditional) {
+        conditions.count = K - 1;
+        for (int step = 1; step < K; ++step)
+          conditions.handles[step - 1] = create();
       }
     }
 #endif
@@ -202,6 +212,26 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
             block_stride},
            s.workspace, step_stream);
   };
+#if CUDART_VERSION >= 12080
+  // Conditional bodies are captured one after another on one stream (each node is the last node of the body
+  // it sits in); `current` is the stream the next work goes to: the cycle's, or the open body's.
+  BodyCapture body(s.body_stream);
+  std::vector<cudaGraph_t> then_graphs;
+  cudaStream_t current = stream;
+  if (conditional_head) {
+    // The head's IF/ELSE node: then the head and the rest of the draft loop; else (no live row drafts) the
+    // verify of the last committed token alone and the rest of the cycle.
+    const Branches branch = add_if_else(stream, static_cast<cudaGraphConditionalHandle>(conditions.head));
+    body.begin(branch.else_graph);
+    verify_and_rest(1, body.stream());
+    body.end();
+    body.begin(branch.then_graph);
+    then_graphs.push_back(branch.then_graph);
+    current = body.stream();
+  }
+#else
+  const cudaStream_t current = stream;
+#endif
   {
     Stage stage(s, draft_name);
     // The head's logits: of its last column only, straight where the sampler (and the speculative verifier,
@@ -219,7 +249,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                      b.tables.live,
                      head_logits};
     head.last_token_logits = last_only;
-    s.draft->forward(head, stream);
+    s.draft->forward(head, current);
     // d_1 from the head's last column: rows of [V] (last_only) or of [2, V], the second position.
     const LogitsView head_last{head_logits + (last_only ? 0 : static_cast<size_t>(V) * element_bytes),
                                dtype,
@@ -230,23 +260,20 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                                V};
     sample(head_last, draft_params, random, philox_stream(Salt::kDraft, 0),
            {b.draft_tokens + 1, b.draft_logprobs + 1, b.scratch_logz, b.row_flags, b.status, block_stride},
-           s.workspace, stream);
+           s.workspace, current);
     if (speculative && !last_only) // the verifier's residual needs q at every position: keep [K, rows, V]
       SMCGRAPH_CUDA_CHECK(cudaMemcpy2DAsync(s.draft_step_logits.data(), V * element_bytes,
                                             s.draft_logits.data() + V * element_bytes, 2 * V * element_bytes,
-                                            V * element_bytes, rows, cudaMemcpyDeviceToDevice, stream));
+                                            V * element_bytes, rows, cudaMemcpyDeviceToDevice, current));
     if (!conditional)
       for (int step = 1; step < K; ++step)
-        draft_step(step, stream);
+        draft_step(step, current);
   }
 #if CUDART_VERSION >= 12080
   if (conditional) {
     // Step s's IF/ELSE node: then step s (and step s + 1's node, or the full-width verify after the last
-    // step), else the verify over s + 1 columns. Each node is the last node of the body it sits in, so the
-    // bodies are captured one after another on one stream.
-    BodyCapture body(s.body_stream);
-    std::vector<cudaGraph_t> then_graphs;
-    cudaStream_t parent = stream;
+    // step), else the verify over s + 1 columns.
+    cudaStream_t parent = current;
     for (int step = 1; step < K; ++step) {
       const Branches branch =
           add_if_else(parent, static_cast<cudaGraphConditionalHandle>(conditions.handles[step - 1]));
@@ -263,17 +290,20 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       }
       parent = body.stream();
     }
-    verify_and_rest(K + 1, body.stream());
+    current = body.stream();
+  }
+  verify_and_rest(K + 1, current);
+  if (current == body.stream()) {
     body.end();
-    for (cudaGraph_t then_graph : then_graphs) { // each holds the next step's node: a K_max cycle runs all
+    for (cudaGraph_t then_graph : then_graphs) { // each holds the next node: a K_max cycle runs them all
       size_t nodes = 0;
       SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(then_graph, nullptr, &nodes));
       s.captured_branch_nodes += nodes;
     }
-    return;
   }
+#else
+  verify_and_rest(K + 1, current);
 #endif
-  verify_and_rest(K + 1, stream);
 }
 
 } // namespace smcgraph::detail

@@ -171,7 +171,52 @@ TEST_CASE("the device policy is built from the same fields as the reference rule
     CHECK(policy.smoothing == rule.smoothing);
     CHECK(policy.initial_acceptance == rule.initial);
     CHECK(policy.draft_cost == rule.draft_cost);
+    CHECK(policy.idle_recovery == rule.idle_recovery);
   }
+}
+
+TEST_CASE("min_steps = 0: a request that stops drafting recovers its EMA toward 1 and drafts again") {
+  EngineConfig config = adaptive_config();
+  config.adaptive.min_steps = 0;
+  config.adaptive.mid_steps = 1;
+  config.adaptive.draft_cost = 0.93f; // a draft nearly as costly as the target: K = 1 needs a > 0.93
+  config.adaptive.idle_recovery = 0.05f;
+  validate_engine_config(config);
+  const reference::DraftStepsRule rule = reference::draft_steps_rule(config);
+  // At the initial EMA (0.8) no K >= 1 pays: the first cycle drafts nothing.
+  reference::RequestDraftState state = reference::admitted_state(rule, 0);
+  CHECK(state.steps == 0);
+  // K = 0 cycles move the EMA a twentieth of the way to 1 each (rounded float steps), until K = 1 pays.
+  int idle_cycles = 0;
+  float expected = state.ema;
+  while (state.steps == 0 && idle_cycles < 1000) {
+    CHECK(reference::advance(rule, state, true, 0, 9000) == 0);
+    const float gap = 1.0f - expected;
+    const float step = 0.05f * gap;
+    expected = expected + step;
+    CHECK(state.ema == expected);
+    ++idle_cycles;
+  }
+  CHECK(state.steps == 1);
+  CHECK(state.ema > 0.93f);
+  CHECK(idle_cycles > 10);
+  CHECK(idle_cycles < 60);
+  // The probe rejects its draft: the EMA falls with the measured rate and the request stops drafting again.
+  CHECK(reference::advance(rule, state, true, 0, 9000) == 1);
+  CHECK(state.steps == 0);
+  CHECK(state.ema < 0.8f);
+  // A cycle the request did not run (committed nothing) moves nothing.
+  const float before = state.ema;
+  reference::advance(rule, state, false, 0, 9000);
+  CHECK(state.ema == before);
+  // idle_recovery = 0: K = 0 for good.
+  config.adaptive.idle_recovery = 0.0f;
+  const reference::DraftStepsRule stuck = reference::draft_steps_rule(config);
+  reference::RequestDraftState idle = reference::admitted_state(stuck, 0);
+  for (int cycle = 0; cycle < 100; ++cycle)
+    reference::advance(stuck, idle, true, 0, 9000);
+  CHECK(idle.steps == 0);
+  CHECK(idle.ema == 0.8f);
 }
 
 TEST_CASE("the cost-aware rule picks the K with the most expected tokens per unit of cycle time") {
@@ -233,7 +278,10 @@ TEST_CASE("every adaptive field out of range is named with its value") {
   expect_config([](auto& c) { c.adaptive.mid_steps = 9; }, "adaptive.mid_steps = 9");
   expect_config([](auto& c) { c.adaptive.mid_steps = 0; }, "adaptive.mid_steps = 0");
   expect_config([](auto& c) { c.adaptive.min_steps = 5; }, "adaptive.min_steps = 5");
-  expect_config([](auto& c) { c.adaptive.min_steps = 0; }, "adaptive.min_steps = 0");
+  expect_config([](auto& c) { c.adaptive.min_steps = -1; }, "adaptive.min_steps = -1");
+  expect_config([](auto& c) { c.adaptive.min_steps = 0; }); // valid; the Engine checks the draft's KV
+  expect_config([](auto& c) { c.adaptive.idle_recovery = 1.5f; }, "adaptive.idle_recovery = 1.5");
+  expect_config([nan](auto& c) { c.adaptive.idle_recovery = nan; }, "adaptive.idle_recovery = nan");
   expect_config([](auto& c) { c.adaptive.smoothing = 1.5f; }, "adaptive.smoothing = 1.5");
   expect_config([nan](auto& c) { c.adaptive.smoothing = nan; }, "adaptive.smoothing = nan");
   expect_config([](auto& c) { c.adaptive.initial_acceptance = -0.1f; }, "adaptive.initial_acceptance = -0.1");

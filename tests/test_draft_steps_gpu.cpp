@@ -27,7 +27,7 @@ uint32_t float_bits(float value) {
 
 TEST_CASE(
     "decide_draft_steps (alone and fused with the output packing) matches the host reference: EMA bits, "
-    "next K, pressure cap, pins") {
+    "next K (K = 0 included), pressure cap, pins") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   Stream stream;
@@ -40,7 +40,11 @@ TEST_CASE(
     config.slot_pool_size = static_cast<int>(rng.integer(2, 5000));
     config.adaptive.enabled = rng.uniform() < 0.8;
     config.adaptive.mid_steps = static_cast<int>(rng.integer(1, config.draft_steps));
-    config.adaptive.min_steps = static_cast<int>(rng.integer(1, config.adaptive.mid_steps));
+    // min_steps 0 (a request may draft nothing) in a quarter of the trials: such a cycle moves the EMA
+    // toward 1 by idle_recovery.
+    config.adaptive.min_steps =
+        rng.uniform() < 0.25 ? 0 : static_cast<int>(rng.integer(1, config.adaptive.mid_steps));
+    config.adaptive.idle_recovery = static_cast<float>(rng.uniform());
     config.adaptive.pressure_cap = static_cast<int>(rng.integer(1, config.draft_steps));
     config.adaptive.smoothing = static_cast<float>(rng.uniform());
     config.adaptive.low_threshold = static_cast<float>(rng.uniform(0.0, 0.7));
@@ -63,7 +67,7 @@ TEST_CASE(
     for (int q = 0; q < requests; ++q) {
       committed[q] = rng.uniform() < 0.85 ? static_cast<int32_t>(rng.integer(1, K + 1)) : 0;
       pinned[q] = rng.uniform() < 0.2 ? static_cast<int32_t>(rng.integer(1, K)) : 0;
-      steps[q] = static_cast<int32_t>(rng.integer(1, K));
+      steps[q] = static_cast<int32_t>(rng.integer(config.adaptive.min_steps == 0 ? 0 : 1, K));
       accepted[q] = static_cast<int32_t>(rng.integer(0, steps[q]));
       // Values that sit on a threshold are the ones a rounding difference would flip.
       const double pick = rng.uniform();

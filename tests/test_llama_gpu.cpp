@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -687,68 +689,108 @@ void check_greedy(LlamaModel& checker, const std::vector<int32_t>& prompt,
   }
 }
 
-} // namespace
+/// Greedy decoding through `engine` in buckets of 1, 2, 4 and 8 requests (prompts 0, 1-2, 3-6, 7-14), each
+/// request's first `new_tokens` tokens checked against the checker's teacher-forced greedy choice, and the
+/// slot invariants checked after every cycle. `pin(i)` is prompt i's RequestParams::draft_steps; `on_cycle`
+/// sees each cycle's updates. Returns the tokens in prompt order.
+std::vector<std::vector<int32_t>>
+greedy_buckets(smcgraph::Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int new_tokens,
+               LlamaModel& checker, GreedyCheck& check, cudaStream_t checker_stream,
+               const std::function<int(size_t)>& pin,
+               const std::function<void(const std::vector<smcgraph::RequestUpdate>&)>& on_cycle) {
+  std::vector<std::vector<int32_t>> outputs;
+  size_t next_prompt = 0;
+  for (int bucket : {1, 2, 4, 8}) {
+    std::vector<smcgraph::RequestId> ids;
+    std::vector<size_t> prompt_of;
+    for (int i = 0; i < bucket; ++i) {
+      prompt_of.push_back(next_prompt);
+      ids.push_back(engine.admit(prompts[next_prompt],
+                                 {.seed = 1, .max_new_tokens = new_tokens, .draft_steps = pin(next_prompt)}));
+      ++next_prompt;
+    }
+    CHECK(engine.current_bucket() == bucket);
+    std::set<smcgraph::RequestId> open(ids.begin(), ids.end());
+    while (!open.empty()) {
+      engine.step();
+      const std::vector<smcgraph::RequestUpdate> updates = engine.poll();
+      for (const smcgraph::RequestUpdate& update : updates) {
+        REQUIRE_FALSE(update.failed);
+        if (update.finished)
+          open.erase(update.id);
+      }
+      on_cycle(updates);
+      const smcgraph::SlotCheck slots = test::check_invariants(engine);
+      REQUIRE_MESSAGE(slots.ok, slots.problem);
+    }
+    for (int i = 0; i < bucket; ++i) {
+      const smcgraph::RequestResult result = engine.result(ids[i]);
+      REQUIRE(result.tokens.size() >= static_cast<size_t>(new_tokens));
+      const std::vector<int32_t> generated(result.tokens.begin(), result.tokens.begin() + new_tokens);
+      check_greedy(checker, prompts[prompt_of[i]], generated, check, checker_stream);
+      outputs.push_back(generated);
+      engine.release(ids[i]);
+    }
+  }
+  CHECK_MESSAGE(check.problem.empty(), check.problem);
+  CHECK(check.near_ties * 10 <= check.tokens); // the engine's and the checker's forwards batch differently
+  CHECK(test::check_invariants(engine).free == engine.config().slot_pool_size - 1);
+  return outputs;
+}
 
-TEST_CASE(
-    "llama engine: greedy speculative decoding with a layer-subset draft is the target's greedy decoding") {
+/// The greedy engine tests' setup: a tiny 3-layer model, its teacher-forced checker, 15 prompts (buckets of
+/// 1, 2, 4 and 8 requests) and a greedy speculative config with K_max = 4.
+struct GreedySetup {
   test::Rng rng;
-  MESSAGE("seed ", rng.seed());
   const Shape shape{3, 128, 4, 2, 256, 512, true, GgufType::kQ4_1, GgufType::kQ8_0};
-  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
-  LlamaModel checker(tiny->weights, options_of(256, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+  std::unique_ptr<Tiny> tiny;
+  std::unique_ptr<LlamaModel> checker;
   Stream checker_stream;
-  const int kNewTokens = test::sanitizer_scaled(48, 48, 16); // racecheck: fewer tokens, every bucket still
+  const int new_tokens = test::sanitizer_scaled(48, 48, 16); // racecheck: fewer tokens, every bucket still
   std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < 8 + 4 + 2 + 1; ++i)
-    prompts.push_back(test::random_prompt(rng, shape.vocab, 32));
-  std::vector<std::vector<int32_t>> first_run;
-  for (bool graphs : {true, false}) {
-    smcgraph::EngineConfig config = engine_config(smcgraph::CycleKind::kSpeculative, shape.vocab);
+  smcgraph::EngineConfig config;
+
+  GreedySetup() {
+    MESSAGE("seed ", rng.seed());
+    tiny = make_tiny(spec_of(shape, rng.bits()));
+    checker = std::make_unique<LlamaModel>(
+        tiny->weights, options_of(256, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+    for (int i = 0; i < 8 + 4 + 2 + 1; ++i)
+      prompts.push_back(test::random_prompt(rng, shape.vocab, 32));
+    config = engine_config(smcgraph::CycleKind::kSpeculative, shape.vocab);
     config.particles = 1;
     config.draft_steps = 4;
     config.max_requests = 8;
     config.draft_temperature = 0.0f;
     config.target_temperature = 0.0f;
+  }
+  std::vector<std::vector<int32_t>>
+  run(smcgraph::Engine& engine, GreedyCheck& check, const std::function<int(size_t)>& pin,
+      const std::function<void(const std::vector<smcgraph::RequestUpdate>&)>& on_cycle) {
+    return greedy_buckets(engine, prompts, new_tokens, *checker, check, checker_stream, pin, on_cycle);
+  }
+};
+
+} // namespace
+
+TEST_CASE(
+    "llama engine: greedy speculative decoding with a layer-subset draft is the target's greedy decoding") {
+  GreedySetup setup;
+  std::vector<std::vector<int32_t>> first_run;
+  for (bool graphs : {true, false}) {
+    smcgraph::EngineConfig config = setup.config;
     config.use_graphs = graphs;
-    LlamaPair models(*tiny);
+    LlamaPair models(*setup.tiny);
     smcgraph::Engine engine(config, *models.draft, *models.target);
     GreedyCheck check;
-    std::vector<std::vector<int32_t>> outputs;
     long accepted = 0, cycles = 0;
-    size_t next_prompt = 0;
-    for (int bucket : {1, 2, 4, 8}) {
-      std::vector<smcgraph::RequestId> ids;
-      std::vector<size_t> prompt_of;
-      for (int i = 0; i < bucket; ++i) {
-        prompt_of.push_back(next_prompt);
-        ids.push_back(engine.admit(prompts[next_prompt++], {.seed = 1, .max_new_tokens = kNewTokens}));
-      }
-      CHECK(engine.current_bucket() == bucket);
-      std::set<smcgraph::RequestId> open(ids.begin(), ids.end());
-      while (!open.empty()) {
-        engine.step();
-        ++cycles;
-        for (const smcgraph::RequestUpdate& update : engine.poll()) {
-          REQUIRE_FALSE(update.failed);
-          accepted += static_cast<long>(update.tokens[0].size()) - 1;
-          if (update.finished)
-            open.erase(update.id);
-        }
-      }
-      for (int i = 0; i < bucket; ++i) {
-        const smcgraph::RequestResult result = engine.result(ids[i]);
-        REQUIRE(result.tokens.size() >= static_cast<size_t>(kNewTokens));
-        const std::vector<int32_t> generated(result.tokens.begin(), result.tokens.begin() + kNewTokens);
-        check_greedy(checker, prompts[prompt_of[i]], generated, check, checker_stream);
-        outputs.push_back(generated);
-        engine.release(ids[i]);
-      }
-      const smcgraph::SlotCheck slots = test::check_invariants(engine);
-      CHECK_MESSAGE(slots.ok, slots.problem);
-    }
-    CHECK_MESSAGE(check.problem.empty(), check.problem);
-    CHECK(check.near_ties * 10 <= check.tokens); // the engine's and the checker's forwards batch differently
-    CHECK(test::check_invariants(engine).free == config.slot_pool_size - 1);
+    const std::vector<std::vector<int32_t>> outputs = setup.run(
+        engine, check, [](size_t) { return -1; },
+        [&](const std::vector<smcgraph::RequestUpdate>& updates) {
+          ++cycles;
+          for (const smcgraph::RequestUpdate& update : updates)
+            accepted += static_cast<long>(update.tokens[0].size()) - 1;
+        });
     MESSAGE(std::string(graphs ? "graphed" : "eager"), ": ", check.tokens, " tokens, ", check.exact,
             " the teacher-forced argmax, ", check.near_ties,
             " near ties; mean accepted draft tokens per cycle ",
@@ -802,4 +844,130 @@ TEST_CASE("llama engine: SMC cycles with a layer-subset draft keep the slot inva
   const smcgraph::SlotCheck check = test::check_invariants(engine);
   CHECK(check.ok);
   CHECK(check.free == config.slot_pool_size - 1);
+}
+
+TEST_CASE(
+    "llama: a layer-prefix draft shares its target's KV storage; other layer lists and pools are refused") {
+  test::Rng rng;
+  const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  LlamaModel target(tiny->weights,
+                    options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+  LlamaModelOptions shared =
+      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+  shared.kv_owner = &target;
+  LlamaModel draft(tiny->weights, shared);
+  CHECK(draft.kv_data() == target.kv_data());
+  CHECK(draft.kv_follows(target));
+  // The premise of sharing: the draft's forward over tokens the target already processed writes the same KV
+  // bits (a 30-token target forward, then the draft over its last 2 tokens as the engine's head does, and
+  // over its last token alone as a draft step does; 3 rows with their own slot ranges).
+  Stream stream;
+  const int rows = 3, length = 30;
+  LlamaForwardInputs all;
+  all.rows = rows;
+  all.tokens_per_row = length;
+  all.slot_table.assign(static_cast<size_t>(rows) * kEngineMaxSeqLen, 0);
+  for (int r = 0; r < rows; ++r) {
+    for (int p = 0; p < length; ++p) {
+      all.tokens.push_back(static_cast<int32_t>(rng.integer(0, shape.vocab - 1)));
+      all.positions.push_back(p);
+      const int slot = 1 + r * length + p;
+      all.out_slots.push_back(slot);
+      all.slot_table[static_cast<size_t>(r) * kEngineMaxSeqLen + p] = slot;
+    }
+    all.seq_lens.push_back(length);
+    all.live.push_back(1);
+  }
+  DeviceBatch whole(all, shape.vocab, DType::kFloat32, stream);
+  run_forward(target, whole, false, stream);
+  const std::vector<uint16_t> written = download_kv(target, stream);
+  for (const int tail : {2, 1}) {
+    CAPTURE(tail);
+    LlamaForwardInputs last = all;
+    last.tokens_per_row = tail;
+    last.tokens.clear();
+    last.positions.clear();
+    last.out_slots.clear();
+    for (int r = 0; r < rows; ++r)
+      for (int p = length - tail; p < length; ++p) {
+        last.tokens.push_back(all.tokens[static_cast<size_t>(r) * length + p]);
+        last.positions.push_back(p);
+        last.out_slots.push_back(all.out_slots[static_cast<size_t>(r) * length + p]);
+      }
+    DeviceBatch again(last, shape.vocab, DType::kFloat32, stream);
+    run_forward(draft, again, tail == 1, stream);
+    CHECK(download_kv(target, stream) == written);
+  }
+  CHECK_FALSE(target.kv_follows(draft));
+  LlamaModel own(tiny->weights,
+                 options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1}));
+  CHECK_FALSE(own.kv_follows(target));
+  LlamaModelOptions skip = shared;
+  skip.layers = {0, 2};
+  CHECK_THROWS_WITH_AS(LlamaModel(tiny->weights, skip), doctest::Contains("options.layers"), smcgraph::Error);
+  LlamaModelOptions pool = shared;
+  pool.pool_size = kEnginePool / 2;
+  CHECK_THROWS_WITH_AS(LlamaModel(tiny->weights, pool), doctest::Contains("options.kv_owner"),
+                       smcgraph::Error);
+  const std::unique_ptr<Tiny> other = make_tiny(spec_of(shape, rng.bits()));
+  CHECK_THROWS_WITH_AS(LlamaModel(other->weights, shared), doctest::Contains("options.kv_owner"),
+                       smcgraph::Error);
+}
+
+TEST_CASE("llama engine: adaptive K down to 0 (a draft sharing the target's KV) decodes the target's greedy "
+          "tokens") {
+  GreedySetup setup;
+  smcgraph::EngineConfig config = setup.config;
+  config.adaptive.enabled = true;
+  // EMA < 0.95: no draft; [0.95, 0.99): 2; >= 0.99: 4. A new request (EMA 0.8) starts without a draft, and
+  // four idle cycles bring it back to a K = 2 probe.
+  config.adaptive.min_steps = 0;
+  config.adaptive.mid_steps = 2;
+  config.adaptive.low_threshold = 0.95f;
+  config.adaptive.high_threshold = 0.99f;
+  config.adaptive.idle_recovery = 0.25f;
+  {
+    LlamaPair own_kv(*setup.tiny); // a draft with its own KV cannot skip cycles
+    CHECK_THROWS_WITH_AS(smcgraph::Engine(config, *own_kv.draft, *own_kv.target),
+                         doctest::Contains("adaptive.min_steps = 0"), smcgraph::Error);
+  }
+  std::vector<std::vector<int32_t>> first_run;
+  for (bool graphs : {true, false}) {
+    config.use_graphs = graphs;
+    LlamaModel target(setup.tiny->weights,
+                      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+    LlamaModelOptions draft_options =
+        options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+    draft_options.kv_owner = &target;
+    LlamaModel draft(setup.tiny->weights, draft_options);
+    smcgraph::Engine engine(config, draft, target);
+    CHECK(engine.draft_loop().conditional == graphs);
+    GreedyCheck check;
+    std::map<int, long> cycles_at_k; // requests' cycles by their K
+    long all_idle_cycles = 0;        // cycles where no request drafted (the head skipped when graphed)
+    // Every third request pins K = 1, so batches mix rows that draft with rows that do not.
+    const std::vector<std::vector<int32_t>> outputs = setup.run(
+        engine, check, [](size_t prompt) { return prompt % 3 == 2 ? 1 : -1; },
+        [&](const std::vector<smcgraph::RequestUpdate>& updates) {
+          bool any_drafted = false;
+          for (const smcgraph::RequestUpdate& update : updates) {
+            ++cycles_at_k[update.draft_steps];
+            any_drafted = any_drafted || update.draft_steps > 0;
+            CHECK(update.tokens[0].size() <= static_cast<size_t>(update.draft_steps + 1));
+          }
+          all_idle_cycles += !updates.empty() && !any_drafted ? 1 : 0;
+        });
+    CHECK(cycles_at_k[0] > 0);
+    CHECK(cycles_at_k[1] + cycles_at_k[2] + cycles_at_k[4] > 0);
+    CHECK(all_idle_cycles > 0);
+    MESSAGE(std::string(graphs ? "graphed" : "eager"), ": ", check.tokens, " tokens, ", check.exact,
+            " the teacher-forced argmax; request cycles at K = 0 / 1 / 2 / 4: ", cycles_at_k[0], " / ",
+            cycles_at_k[1], " / ", cycles_at_k[2], " / ", cycles_at_k[4], "; cycles with no draft at all ",
+            all_idle_cycles);
+    if (first_run.empty())
+      first_run = outputs;
+    else
+      CHECK(outputs == first_run);
+  }
 }

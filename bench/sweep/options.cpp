@@ -52,6 +52,9 @@ void print_usage() {
       "                        default: measured (a draft forward over the target verify forward, timed "
       "alone\n"
       "                        at the smallest bucket); 0: the seed's thresholds\n"
+      "  --min-steps M         with --adaptive: AdaptiveDraftSteps::min_steps (default 1); 0 (--model "
+      "smollm2,\n"
+      "                        a layer-prefix draft sharing the target's KV) lets a request draft nothing\n"
       "  --cycles C            timed cycles per phase (default 30)\n"
       "  --perturbation P      draft head perturbation of the toy pair (default 0.3)\n"
       "  --csv PATH            CSV output (default results/bucket_sweep.csv); the peer files go beside it\n"
@@ -189,6 +192,15 @@ int parse_options(int argc, char** argv, Options& o) {
       if (o.cycles < 1 || o.cycles > 10000)
         return bad(text);
       explicit_cycles = true;
+    } else if (arg == "--min-steps") {
+      const char* text = value();
+      if (!text)
+        return 2;
+      char* end = nullptr;
+      const long steps = std::strtol(text, &end, 10);
+      if (end == text || *end != '\0' || steps < 0 || steps > 64)
+        return bad(text);
+      o.min_steps = static_cast<int>(steps);
     } else if (arg == "--perturbation" || arg == "--draft-cost") {
       const char* text = value();
       if (!text)

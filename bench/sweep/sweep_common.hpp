@@ -66,6 +66,9 @@ struct Options {
   /// --draft-cost C: AdaptiveDraftSteps::draft_cost of the adaptive engines; < 0 (default): measured (one
   /// draft forward over the target verify forward, timed alone at the smallest bucket); 0: the seed's rule
   float draft_cost = -1.0f;
+  /// --min-steps M: AdaptiveDraftSteps::min_steps of the adaptive engines (default 1); 0 lets a request draft
+  /// nothing in a cycle and needs the real pair (its draft then shares the target's KV)
+  int min_steps = 1;
   std::string python = "python3";
   std::string peer_script, spec_peer_script, plot_script; // empty: found from the cwd or the executable
   std::string peer_methods;  // empty: each peer's default methods; spec_* names go to spec_peer.py

@@ -46,8 +46,13 @@ inline constexpr int kMaxDraftSteps = 64;
 ///   config.kind = smcgraph::CycleKind::kSpeculative; config.draft_steps = 8;   // K_max
 ///   config.adaptive.enabled = true;                                           // K in {1, 4, 8}
 struct AdaptiveDraftSteps {
-  bool enabled = false;            ///< false: every request drafts its pinned K or draft_steps (fixed K)
-  int min_steps = 1;               ///< K while the EMA is below low_threshold, in [1, mid_steps]
+  bool enabled = false; ///< false: every request drafts its pinned K or draft_steps (fixed K)
+  /// K while the EMA is below low_threshold, in [0, mid_steps]. 0 lets a request draft nothing in a cycle
+  /// (the target alone decodes its next token, as with draft_steps = 0); it needs a draft whose KV cache
+  /// follows the target's (Model::kv_follows: a layer-prefix LlamaModel built with
+  /// LlamaModelOptions::kv_owner = the target), so a skipped draft leaves no gap in it. A cycle where no live
+  /// row drafts skips the draft head too (a conditional node when captured).
+  int min_steps = 1;
   int mid_steps = 4;               ///< K while the EMA is in [low_threshold, high_threshold), <= draft_steps
   float smoothing = 0.2f;          ///< EMA weight of the latest cycle, in [0, 1]
   float initial_acceptance = 0.8f; ///< EMA of a new request, in [0, 1]
@@ -62,6 +67,10 @@ struct AdaptiveDraftSteps {
   /// acceptance probability and draft_cost = one draft forward's time over the rest of the cycle (the target
   /// verify and the cycle's own stages); ties take the smaller K and the thresholds are not read. In [0, 64].
   float draft_cost = 0.0f;
+  /// The EMA of a request that drafted nothing this cycle (K = 0) moves this fraction of the way to 1, so a
+  /// request that stopped drafting drafts again once the rule prefers it, and its acceptance is measured
+  /// anew: a probe about every few dozen cycles at the default. In [0, 1]; 0 keeps the EMA (K = 0 for good).
+  float idle_recovery = 0.05f;
 };
 
 struct EngineConfig {

@@ -129,12 +129,21 @@ inline constexpr const char* kSmolLM2FileName = "SmolLM2-135M-Instruct.Q4_1.gguf
 /// the nearest parent that has it; else that relative path. The file may not exist: callers check.
 std::string default_llama_model_path();
 
+class LlamaModel;
+
 struct LlamaModelOptions {
   int pool_size = 1 << 16;           ///< KV slots (>= 2; slot 0 is the padding dummy)
   int max_seq_len = 2048;            ///< row stride of ForwardArgs::slot_table; <= config.context
   int max_tokens_per_forward = 4096; ///< rows x tokens_per_row of the largest forward (sizes the activations)
   DType logits_dtype = DType::kFloat32; ///< kFloat32 or kBFloat16
   std::vector<int> layers;              ///< layers to run, strictly increasing; empty: all (the target)
+  /// Share this model's KV storage: a draft whose layers are the first layers of `kv_owner` (built from the
+  /// same weights, same pool_size) reads and writes kv_owner's KV of those layers instead of owning a copy.
+  /// The same weights on the same tokens give the same K and V bits (the forward is batch-invariant), so
+  /// every position the owner's forward processed is already in the draft's cache: kv_follows(owner) is
+  /// true and the engine may skip the draft for a cycle (AdaptiveDraftSteps::min_steps = 0). The owner must
+  /// outlive this model. nullptr (default): own KV storage.
+  const LlamaModel* kv_owner = nullptr;
 };
 
 /// Throws smcgraph::Error naming the first bad option (checked against the weights' config).
@@ -158,21 +167,27 @@ public:
   const LlamaConfig& config() const;
   const LlamaModelOptions& options() const { return options_; }
   const std::vector<int>& layers() const { return layers_; }
+  /// True when `other` is this model's LlamaModelOptions::kv_owner.
+  bool kv_follows(const Model& other) const override;
   /// Kernel launches per forward (for the floor: launches x node latency).
   int launches_per_forward() const;
   /// Bytes one forward must read at least: the weights of the layers run plus the LM head.
   size_t weight_bytes_per_forward() const;
 
-  /// KV storage [layers().size(), pool_size, 2, kv_heads, head_dim] bf16 (tests read it).
-  const uint16_t* kv_data() const { return kv_.data(); }
-  void clear_kv(cudaStream_t stream) { kv_.fill_bytes(0, stream); }
+  /// KV storage [layers().size(), pool_size, 2, kv_heads, head_dim] bf16 (tests read it): its own, or the
+  /// first layers of kv_owner's.
+  const uint16_t* kv_data() const { return kv_; }
+  /// Zeros kv_data() (with a kv_owner: the owner's KV of this model's layers).
+  void clear_kv(cudaStream_t stream);
 
 private:
   struct Workspace;
   std::shared_ptr<const LlamaWeights> weights_;
   LlamaModelOptions options_;
   std::vector<int> layers_;
-  DeviceBuffer<uint16_t> kv_;
+  DeviceBuffer<uint16_t> own_kv_; ///< empty with a kv_owner
+  uint16_t* kv_ = nullptr;        ///< own_kv_, or kv_owner's
+  size_t kv_elements_ = 0;        ///< elements of kv_data()
   std::unique_ptr<Workspace> workspace_;
 };
 

@@ -58,6 +58,13 @@ public:
   /// Whether forward() honours ForwardArgs::last_token_logits (a model that does saves the LM head of the
   /// other tokens; the engine otherwise copies the column it needs).
   virtual bool last_token_logits_supported() const { return false; }
+  /// Whether every KV entry this model's forward reads is written, with the same values, by `other`'s forward
+  /// over the same tokens (a layer-prefix draft sharing its target's KV storage). The engine may then skip
+  /// this model's forward for a cycle (AdaptiveDraftSteps::min_steps = 0) without leaving a gap in its cache.
+  virtual bool kv_follows(const Model& other) const {
+    (void)other;
+    return false;
+  }
 };
 
 } // namespace smcgraph

@@ -108,7 +108,8 @@ struct StochasticVerifyInputs {
   const float* target_temperature = nullptr; ///< [rows] T_t >= 0
   RowRandom random;
   int draft_steps = 0;
-  /// Optional [rows] draft length of each row, clamped to [1, draft_steps] (null: draft_steps for every row).
+  /// Optional [rows] draft length of each row, clamped to [0, draft_steps] (null: draft_steps for every row;
+  /// 0: the row drafted nothing and only draws its bonus from p at position 0).
   /// Row r verifies its first row_draft_steps[r] tokens only: it accepts at most that many, draws the bonus
   /// from p at position row_draft_steps[r], and reads none of its tokens, log-probs or logits past it.
   const int32_t* row_draft_steps = nullptr;

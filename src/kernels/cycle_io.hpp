@@ -22,7 +22,8 @@ struct DraftStepsPolicy {
   int min_steps = 1, mid_steps = 1, max_steps = 1, pressure_cap = 1;
   int pressure_watermark_slots = 0; ///< KV pressure while free_count < this
   float smoothing = 0.2f, initial_acceptance = 0.8f, high_threshold = 0.8f, low_threshold = 0.5f;
-  float draft_cost = 0.0f; ///< > 0: the cost-aware rule (AdaptiveDraftSteps::draft_cost)
+  float draft_cost = 0.0f;    ///< > 0: the cost-aware rule (AdaptiveDraftSteps::draft_cost)
+  float idle_recovery = 0.0f; ///< the EMA's step toward 1 after a K = 0 cycle (AdaptiveDraftSteps)
 };
 DraftStepsPolicy draft_steps_policy(const EngineConfig& config);
 
@@ -139,6 +140,8 @@ void set_int(int32_t* destination, int value, cudaStream_t stream);
 struct DraftLoopConditions {
   unsigned long long handles[kMaxDraftSteps] = {}; ///< cudaGraphConditionalHandle of step s at s - 1
   int count = 0;                                   ///< 0: no conditional nodes (eager, SMC, K = 1)
+  /// The draft head's node (AdaptiveDraftSteps::min_steps = 0): set to m > 0. 0: none.
+  unsigned long long head = 0;
 };
 /// Forward inputs of the draft head and steps; a row drafts its request's K_q steps (step_live), the later
 /// steps write the dummy slot and the verify positions past K_q repeat position L - 1 + K_q. With

@@ -33,7 +33,7 @@ DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
   const AdaptiveDraftSteps& a = config.adaptive;
   const int watermark_slots = static_cast<int>(
       std::floor(static_cast<double>(a.pressure_free_fraction) * (config.slot_pool_size - 1)));
-  // validate_engine_config has checked 1 <= min_steps <= mid_steps <= draft_steps and the cap's range when
+  // validate_engine_config has checked 0 <= min_steps <= mid_steps <= draft_steps and the cap's range when
   // adaptive; without it the three are never read.
   return {.adaptive = a.enabled,
           .min_steps = a.min_steps,
@@ -45,7 +45,8 @@ DraftStepsPolicy draft_steps_policy(const EngineConfig& config) {
           .initial_acceptance = a.initial_acceptance,
           .high_threshold = a.high_threshold,
           .low_threshold = a.low_threshold,
-          .draft_cost = a.draft_cost};
+          .draft_cost = a.draft_cost,
+          .idle_recovery = a.idle_recovery};
 }
 
 void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* accepted, cudaStream_t stream,

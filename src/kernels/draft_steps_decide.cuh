@@ -39,6 +39,12 @@ __device__ __forceinline__ float next_ema(float ema, int accepted, int proposed,
   return __fadd_rn(__fmul_rn(smoothing, rate), __fmul_rn(__fsub_rn(1.0f, smoothing), ema));
 }
 
+/// The EMA after a cycle in which the request drafted nothing (K = 0): a step of `recovery` toward 1, rounded
+/// operations as in next_ema.
+__device__ __forceinline__ float idle_ema(float ema, float recovery) {
+  return __fadd_rn(ema, __fmul_rn(recovery, __fsub_rn(1.0f, ema)));
+}
+
 /// The cost-aware rule's score of K: expected tokens a cycle commits, 1 + a + ... + a^K, over its time in
 /// units of the rest of the cycle, 1 + K * cost. Double, rounded operations in a fixed order (the host
 /// reference does the same steps).
@@ -87,8 +93,8 @@ __device__ __forceinline__ bool decide_pressure(const DecideView& b, bool write)
 }
 
 /// Request q's decision: cycle_draft_steps[q] = this cycle's K_q, the EMA moved by accepted / K_q if the
-/// request drafted (accepted null: SMC, it does not move), request_draft_steps[q] = the next K (pins kept),
-/// and draw_counters[q] += 1 when the view has them.
+/// request drafted (accepted null: SMC, it does not move) or toward 1 after an adaptive K_q = 0 cycle,
+/// request_draft_steps[q] = the next K (pins kept), and draw_counters[q] += 1 when the view has them.
 __device__ __forceinline__ void decide_request(const DecideView& b, int q, const int32_t* accepted,
                                                bool pressure) {
   if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh), folded into this launch
@@ -99,10 +105,14 @@ __device__ __forceinline__ void decide_request(const DecideView& b, int q, const
   for (int p = 0; p < b.particles; ++p)
     drafted = drafted || b.committed[q * b.particles + p] > 0;
   float ema = b.acceptance_ema[q];
-  // The EMA moves only for a request that drafted this cycle (ran, and K_q > 0: draft_steps = 0 drafts none).
+  // The EMA moves with the acceptance rate for a request that drafted this cycle (ran, and K_q > 0:
+  // draft_steps = 0 drafts none); an adaptive request that ran with K_q = 0 recovers toward 1 instead.
   if (drafted && accepted != nullptr && steps > 0) {
     const int row_accepted = min(max(accepted[q * b.particles], 0), steps);
     ema = next_ema(ema, row_accepted, steps, b.policy.smoothing);
+    b.acceptance_ema[q] = ema;
+  } else if (drafted && b.policy.adaptive && steps == 0) {
+    ema = idle_ema(ema, b.policy.idle_recovery);
     b.acceptance_ema[q] = ema;
   }
   const int pinned = b.pinned_draft_steps[q];

@@ -41,14 +41,14 @@ DraftInputsView draft_inputs_view(const CycleBuffers& b) {
   // clang-format on
 }
 
-/// K_q of row r's request, within [1, K].
+/// K_q of row r's request, within [0, K].
 template <class View> __device__ __forceinline__ int row_draft_steps(const View& b, int r) {
   return request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps);
 }
 
 /// The captured cycle's conditions (cycle_io.hpp, DraftLoopConditions): a CTA of THREADS threads reduces
-/// m = max K_q over the live rows of the bucket and sets condition s to s < m. Every thread of the CTA takes
-/// part (no early return before it).
+/// m = max K_q over the live rows of the bucket and sets condition s to s < m (the head's to m > 0). Every
+/// thread of the CTA takes part (no early return before it).
 template <int THREADS>
 __device__ void set_draft_loop(const DraftInputsView& b, int rows, const DraftLoopConditions& conditions) {
 #if CUDART_VERSION >= 12080
@@ -59,10 +59,14 @@ __device__ void set_draft_loop(const DraftInputsView& b, int rows, const DraftLo
     if (b.tables.live[r])
       longest = max(longest, row_draft_steps(b, r));
   longest = BlockReduce(storage).Reduce(longest, cuda::maximum<>{});
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
+    if (conditions.head != 0) // the draft head drafts d_1: needed when some live row drafts at all
+      cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.head),
+                              longest > 0 ? 1u : 0u);
     for (int s = 1; s <= conditions.count; ++s) // step s (after the head) drafts d_{s+1}: needed when K > s
       cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(conditions.handles[s - 1]),
                               s < longest ? 1u : 0u);
+  }
 #else
   (void)b;
   (void)rows;
@@ -108,7 +112,7 @@ __device__ void prepare_draft_row(const DraftInputsView& b, int r) {
 __global__ void __launch_bounds__(kRowThreads)
     PrepareDraftInputsKernel(DraftInputsView b, int rows, DraftLoopConditions conditions) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  if (conditions.count > 0 && blockIdx.x == 0)
+  if ((conditions.count > 0 || conditions.head != 0) && blockIdx.x == 0)
     set_draft_loop<kRowThreads>(b, rows, conditions);
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r < rows)
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(device::kAllocThreads)
   tables.rows = rows;
   device::alloc_cycle_slots_block<device::kAllocThreads>(pool, tables, particles, slots_per_row, counts,
                                                          out_slots, row_flags, status);
-  if (conditions.count > 0)
+  if ((conditions.count > 0 || conditions.head != 0))
     set_draft_loop<device::kAllocThreads>(b, rows, conditions);
   for (int r = threadIdx.x; r < rows; r += device::kAllocThreads)
     prepare_draft_row(b, r);

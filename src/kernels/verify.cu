@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
   const StochasticVerifyInputs& in = args.in;
   const int row = blockIdx.x;
   const int draft_steps =
-      in.row_draft_steps == nullptr ? in.draft_steps : min(max(in.row_draft_steps[row], 1), in.draft_steps);
+      in.row_draft_steps == nullptr ? in.draft_steps : min(max(in.row_draft_steps[row], 0), in.draft_steps);
   const int vocab = args.vocab;
   const int particles = in.random.particles_per_request;
   const int request = row / particles;

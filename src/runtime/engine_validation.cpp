@@ -43,8 +43,9 @@ void validate_adaptive(const EngineConfig& c) {
           "needs draft_steps >= 1 (draft_steps = 0 decodes with the target alone)");
   require(a.mid_steps >= 1 && a.mid_steps <= c.draft_steps, kConfig, "adaptive.mid_steps", a.mid_steps,
           "must be in [1, draft_steps]");
-  require(a.min_steps >= 1 && a.min_steps <= a.mid_steps, kConfig, "adaptive.min_steps", a.min_steps,
-          "must be in [1, adaptive.mid_steps]");
+  require(a.min_steps >= 0 && a.min_steps <= a.mid_steps, kConfig, "adaptive.min_steps", a.min_steps,
+          "must be in [0, adaptive.mid_steps]");
+  require(unit(a.idle_recovery), kConfig, "adaptive.idle_recovery", a.idle_recovery, "must be in [0, 1]");
   require(unit(a.low_threshold), kConfig, "adaptive.low_threshold", a.low_threshold, "must be in [0, 1]");
   require(unit(a.high_threshold) && a.high_threshold >= a.low_threshold, kConfig, "adaptive.high_threshold",
           a.high_threshold, "must be in [adaptive.low_threshold, 1]");

@@ -70,8 +70,9 @@ void check_accepted_config(const smcgraph::EngineConfig& c) {
   expect(unit(a.smoothing) && unit(a.initial_acceptance), "EMA smoothing and start in [0, 1]");
   if (a.enabled) {
     expect(c.kind == CycleKind::kSpeculative, "adaptive K: the speculative cycle only");
-    expect(a.min_steps >= 1 && a.min_steps <= a.mid_steps && a.mid_steps <= c.draft_steps,
-           "1 <= min_steps <= mid_steps <= draft_steps");
+    expect(a.min_steps >= 0 && a.min_steps <= a.mid_steps && a.mid_steps >= 1 && a.mid_steps <= c.draft_steps,
+           "0 <= min_steps <= mid_steps, 1 <= mid_steps <= draft_steps");
+    expect(unit(a.idle_recovery), "idle_recovery in [0, 1]");
     expect(unit(a.low_threshold) && unit(a.high_threshold) && a.low_threshold <= a.high_threshold,
            "0 <= low_threshold <= high_threshold <= 1");
     expect(a.pressure_cap >= 1 && a.pressure_cap <= c.draft_steps, "pressure_cap in [1, draft_steps]");

@@ -20,6 +20,7 @@ DraftStepsRule draft_steps_rule(const EngineConfig& config) {
   rule.high = a.high_threshold;
   rule.low = a.low_threshold;
   rule.draft_cost = a.draft_cost;
+  rule.idle_recovery = a.idle_recovery;
   return rule;
 }
 
@@ -36,6 +37,12 @@ float ema_after(float ema, int accepted, int proposed, float smoothing) {
   const float keep = 1.0f - smoothing;
   const float kept = keep * ema;
   return recent + kept;
+}
+
+float ema_after_idle(float ema, float recovery) {
+  const float gap = 1.0f - ema;
+  const float step = recovery * gap;
+  return ema + step;
 }
 
 bool kv_pressure(const DraftStepsRule& rule, int free_slots) {
@@ -82,8 +89,11 @@ int choose_steps(const DraftStepsRule& rule, float ema, bool pressure, int pinne
 int advance(const DraftStepsRule& rule, RequestDraftState& state, bool drafted, int accepted,
             int free_slots) {
   const int used = state.steps;
-  if (drafted && used > 0) // draft_steps = 0 proposes nothing: the EMA stays
+  if (drafted && used > 0)
     state.ema = ema_after(state.ema, std::clamp(accepted, 0, used), used, rule.smoothing);
+  else if (drafted && used == 0 && rule.adaptive) // an adaptive K = 0 cycle: a step toward 1
+    state.ema = ema_after_idle(state.ema, rule.idle_recovery);
+  // (draft_steps = 0, not adaptive, proposes nothing: the EMA stays)
   state.steps = choose_steps(rule, state.ema, kv_pressure(rule, free_slots), state.pinned);
   return used;
 }

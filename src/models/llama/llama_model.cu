@@ -106,7 +106,22 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   layers_ = options_.layers.empty() ? llama_layer_range(0, c.layers) : options_.layers;
   const size_t T = options_.max_tokens_per_forward;
   const size_t qd = size_t(c.heads) * c.head_dim, kvd = size_t(c.kv_heads) * c.head_dim;
-  kv_ = DeviceBuffer<uint16_t>(layers_.size() * options_.pool_size * 2 * kvd);
+  kv_elements_ = layers_.size() * options_.pool_size * 2 * kvd;
+  if (const LlamaModel* owner = options_.kv_owner) {
+    constexpr const char* kWhere = "LlamaModel";
+    require(owner->weights_ == weights_, kWhere, "options.kv_owner", "other weights",
+            "must be built from the same LlamaWeights");
+    require(owner->options_.pool_size == options_.pool_size, kWhere, "options.kv_owner",
+            owner->options_.pool_size, "must have the same pool_size");
+    const std::vector<int>& owned = owner->layers_;
+    require(owned.size() >= layers_.size() && std::equal(layers_.begin(), layers_.end(), owned.begin()),
+            kWhere, "options.layers", layers_.size(),
+            "must be the first layers of options.kv_owner's (its KV is shared layer by layer)");
+    kv_ = owner->kv_;
+  } else {
+    own_kv_ = DeviceBuffer<uint16_t>(kv_elements_);
+    kv_ = own_kv_.data();
+  }
   workspace_ = std::make_unique<Workspace>();
   Workspace& w = *workspace_;
   w.x = DeviceBuffer<float>(T * c.hidden);
@@ -119,7 +134,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   llama::prepare_attention(c.head_dim);
   // Zero everything once: padding rows of the activations are read (and ignored) by the GEMMs.
   Stream stream;
-  kv_.fill_bytes(0, stream);
+  if (!options_.kv_owner) // a shared KV is the owner's, zeroed by it
+    own_kv_.fill_bytes(0, stream);
   w.x.fill_bytes(0, stream);
   w.q.fill_bytes(0, stream);
   w.o.fill_bytes(0, stream);
@@ -128,6 +144,14 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
 }
 
 LlamaModel::~LlamaModel() = default;
+
+void LlamaModel::clear_kv(cudaStream_t stream) {
+  SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(kv_, 0, kv_elements_ * sizeof(uint16_t), stream));
+}
+
+bool LlamaModel::kv_follows(const Model& other) const {
+  return options_.kv_owner != nullptr && static_cast<const Model*>(options_.kv_owner) == &other;
+}
 
 int LlamaModel::vocab() const {
   return weights_->config().vocab;
@@ -188,7 +212,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   g.eps = c.rms_eps;
   for (size_t local = 0; local < layers_.size(); ++local) {
     const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
-    uint16_t* kv = kv_.data() + local * size_t(options_.pool_size) * 2 * kvd;
+    uint16_t* kv = kv_ + local * size_t(options_.pool_size) * 2 * kvd;
 
     llama::GemmArgs qkv = g;
     qkv.n = qd + 2 * kvd;
