@@ -942,7 +942,8 @@ TEST_CASE("llama engine: adaptive K down to 0 (a draft sharing the target's KV) 
     draft_options.kv_owner = &target;
     LlamaModel draft(setup.tiny->weights, draft_options);
     smcgraph::Engine engine(config, draft, target);
-    CHECK(engine.draft_loop().conditional == graphs);
+    // (compute-sanitizer runs keep conditional nodes off: test_util.hpp)
+    CHECK(engine.draft_loop().conditional == (graphs && !test::sanitizer_blocks_conditional_nodes()));
     GreedyCheck check;
     std::map<int, long> cycles_at_k; // requests' cycles by their K
     long all_idle_cycles = 0;        // cycles where no request drafted (the head skipped when graphed)
