@@ -71,6 +71,7 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
+#include "smcgraph/ngram_draft.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/tokenizer.hpp"
 #include "smcgraph/toy_model.hpp"
@@ -940,7 +941,8 @@ int run(const Options& o, const char* argv0) {
         ids.insert(ids.begin(), tokenizer.bos_id());
       g_real_prompts.push_back(std::move(ids));
     }
-    draft_layers = parse_llama_layers(o.draft_layers);
+    if (o.draft_layers != "ngram") // "ngram": the n-gram draft (NgramDraft), no layers
+      draft_layers = parse_llama_layers(o.draft_layers);
     std::printf(
         "model: SmolLM2-135M-Instruct (%s), %d layers; draft: layers %s (%zu); timing prompts: the last %d "
         "tokens of %zu chat prompts\n",
@@ -954,6 +956,7 @@ int run(const Options& o, const char* argv0) {
         break;
       // The pair of this (V, dtype): the real models (weights shared, loaded once) or the toy pair.
       std::unique_ptr<LlamaModel> llama_target, llama_draft;
+      std::unique_ptr<NgramDraft> ngram_draft;
       ToyModelPair toy_models;
       ModelPair models;
       if (real) {
@@ -967,18 +970,26 @@ int run(const Options& o, const char* argv0) {
         options.layers = draft_layers;
         // A layer-prefix draft shares the target's KV (the same bits either way; half the KV memory), which
         // adaptive K = 0 (--min-steps 0) needs.
-        bool prefix = !draft_layers.empty() && draft_layers.size() <= llama_target->layers().size();
-        for (size_t i = 0; prefix && i < draft_layers.size(); ++i)
-          prefix = draft_layers[i] == llama_target->layers()[i];
-        if (prefix)
+        if (!draft_layers.empty() && llama_layers_prefix(draft_layers, llama_target->layers()))
           options.kv_owner = llama_target.get();
-        llama_draft = std::make_unique<LlamaModel>(llama_weights, options);
-        models = ModelPair{llama_draft.get(), llama_target.get(), true};
-        models.draft_weight_bytes = llama_draft->weight_bytes_per_forward();
-        models.target_weight_bytes = llama_target->weight_bytes_per_forward();
         const LlamaConfig& c = llama_target->config();
         const size_t kv_token_layer = size_t{2} * c.kv_heads * c.head_dim * sizeof(uint16_t);
-        models.draft_kv_bytes_per_token = kv_token_layer * llama_draft->layers().size();
+        if (draft_layers.empty()) { // the n-gram draft: no weights, a token id per position
+          NgramDraftOptions ngram;
+          ngram.vocab = llama_target->vocab();
+          ngram.pool_size = constants.pool_size;
+          ngram.max_seq_len = constants.max_seq_len;
+          ngram.logits_dtype = dtype;
+          ngram_draft = std::make_unique<NgramDraft>(ngram);
+          models = ModelPair{ngram_draft.get(), llama_target.get(), true};
+          models.draft_kv_bytes_per_token = sizeof(int32_t);
+        } else {
+          llama_draft = std::make_unique<LlamaModel>(llama_weights, options);
+          models = ModelPair{llama_draft.get(), llama_target.get(), true};
+          models.draft_weight_bytes = llama_draft->weight_bytes_per_forward();
+          models.draft_kv_bytes_per_token = kv_token_layer * llama_draft->layers().size();
+        }
+        models.target_weight_bytes = llama_target->weight_bytes_per_forward();
         models.target_kv_bytes_per_token = kv_token_layer * llama_target->layers().size();
         if (o.peers && real_greedy.empty()) {
           progress.update(done, "greedy validation tokens for the peers");

@@ -11,7 +11,9 @@
 // --kind greedy (default): speculative decoding with a greedy target, exactly the target's greedy text;
 // --kind spec: rejection-based speculative decoding at the given target temperature; --kind smc: SMC
 // speculative decoding, the particle drawn by weight is printed. --draft-layers picks the draft's layers
-// (default 0-27: all but the last two); --steps 0 (greedy / spec) decodes with the target alone, no draft.
+// (default 0-27: all but the last two; a prefix of the layers shares the target's KV), or `ngram` for the
+// n-gram draft (NgramDraft: prompt lookup, no weights); --steps 0 (greedy / spec) decodes with the target
+// alone, no draft. --min-steps 0 (with --adaptive and a layer-prefix draft) lets a cycle draft nothing.
 // --raw sends the prompt without the chat template.
 //
 // Exit status: 0 ok, 1 a CUDA / model / engine error, 2 a bad flag, 77 no CUDA device.
@@ -21,6 +23,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +31,7 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
+#include "smcgraph/ngram_draft.hpp"
 #include "smcgraph/llama_model.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
@@ -50,6 +54,7 @@ struct Options {
   std::string draft_layers = "0-27";
   bool raw = false;
   bool adaptive = false; // --adaptive: per-request K chosen on the device (speculative kinds)
+  int min_steps = 1;     // --min-steps: AdaptiveDraftSteps::min_steps
 };
 
 Options parse(int argc, char** argv) {
@@ -79,6 +84,8 @@ Options parse(int argc, char** argv) {
       o.seed = parse_integer<uint64_t>(flag, flags.value(), 0, std::numeric_limits<uint64_t>::max());
     else if (flag == "--draft-layers")
       o.draft_layers = flags.value();
+    else if (flag == "--min-steps")
+      o.min_steps = parse_integer(flag, flags.value(), 0, smcgraph::kMaxDraftSteps);
     else if (flag == "--adaptive") {
       flags.no_value();
       o.adaptive = true;
@@ -127,8 +134,22 @@ int run(const Options& o) {
   model_options.max_tokens_per_forward = std::max(particles * (o.steps + 1), 128);
   model_options.logits_dtype = smcgraph::DType::kFloat32;
   smcgraph::LlamaModel target(weights, model_options);
-  model_options.layers = smcgraph::parse_llama_layers(o.draft_layers);
-  smcgraph::LlamaModel draft(weights, model_options);
+  // The draft: the n-gram draft, or a layer subset (a prefix of the layers shares the target's KV).
+  const bool ngram = o.draft_layers == "ngram";
+  std::unique_ptr<smcgraph::Model> draft;
+  if (ngram) {
+    smcgraph::NgramDraftOptions ngram_options;
+    ngram_options.vocab = target.vocab();
+    ngram_options.pool_size = model_options.pool_size;
+    ngram_options.max_seq_len = max_seq_len;
+    ngram_options.logits_dtype = model_options.logits_dtype;
+    draft = std::make_unique<smcgraph::NgramDraft>(ngram_options);
+  } else {
+    model_options.layers = smcgraph::parse_llama_layers(o.draft_layers);
+    if (smcgraph::llama_layers_prefix(model_options.layers, target.layers()))
+      model_options.kv_owner = &target;
+    draft = std::make_unique<smcgraph::LlamaModel>(weights, model_options);
+  }
 
   smcgraph::EngineConfig config;
   config.kind = smc ? smcgraph::CycleKind::kSmc : smcgraph::CycleKind::kSpeculative;
@@ -140,8 +161,10 @@ int run(const Options& o) {
   config.slot_pool_size = model_options.pool_size;
   config.eos_id = tokenizer.eos_id();
   config.adaptive.enabled = o.adaptive;
-  if (config.adaptive.enabled)
-    config.adaptive.mid_steps = std::max(1, (o.steps + 1) / 2); // {1, ceil(K/2), K}
+  if (config.adaptive.enabled) {
+    config.adaptive.mid_steps = std::max(1, (o.steps + 1) / 2); // {min, ceil(K/2), K}
+    config.adaptive.min_steps = std::min(o.min_steps, config.adaptive.mid_steps);
+  }
   if (o.kind == "greedy") {
     config.draft_temperature = 0.0f;
     config.target_temperature = 0.0f;
@@ -151,7 +174,7 @@ int run(const Options& o) {
   } else {
     config.target_temperature = o.temperature >= 0 ? o.temperature : 1.0f;
   }
-  smcgraph::Engine engine(config, o.steps == 0 ? target : draft, target); // K = 0 never runs the draft
+  smcgraph::Engine engine(config, o.steps == 0 ? target : *draft, target); // K = 0 never runs the draft
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
   const auto start = std::chrono::steady_clock::now();
@@ -183,7 +206,7 @@ int run(const Options& o) {
   std::printf("%s\n", tokenizer.decode_lossy(tokens, /*skip_special=*/true).c_str());
   std::fprintf(stderr,
                "\n[%s: %zu prompt tokens, %zu new tokens%s in %d cycles (%.2f tokens/cycle), %.3f s = %.1f "
-               "tokens/s incl. admission; model load + engine capture %.2f s; draft layers %s of %d]\n",
+               "tokens/s incl. admission; model load + engine capture %.2f s; draft %s of %d layers]\n",
                o.kind.c_str(), prompt.size(), tokens.size(), ended_with_eos ? " (EOS)" : "", cycles,
                cycles ? static_cast<double>(tokens.size()) / cycles : 0.0, seconds, tokens.size() / seconds,
                load_s, o.draft_layers.c_str(), target.config().layers);

@@ -118,6 +118,10 @@ std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file);
 /// [first, last) as a layer list.
 std::vector<int> llama_layer_range(int first, int last);
 
+/// Whether `layers` are the first layers of `of` (in order; a draft with such layers may share the KV of a
+/// model that runs `of`: LlamaModelOptions::kv_owner).
+bool llama_layers_prefix(const std::vector<int>& layers, const std::vector<int>& of);
+
 /// A layer list from text: inclusive ranges and single layers, "0-27" or "0-11,18-29". Throws smcgraph::Error
 /// naming the text for anything else (the model checks the indices against its config).
 std::vector<int> parse_llama_layers(const std::string& text);

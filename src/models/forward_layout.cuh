@@ -25,4 +25,18 @@ inline void require_row_strides(const ForwardArgs& args, const char* where) {
           args.io_row_stride, "must be 0 (dense) or >= tokens_per_row");
 }
 
+/// The checks every model's forward() makes on its arguments: rows >= 0, tokens_per_row >= 1, the row strides
+/// and, when there is a row, every pointer. Returns false for rows == 0 (nothing to do).
+inline bool require_forward_args(const ForwardArgs& args, const char* where) {
+  require(args.rows >= 0, where, "args.rows", args.rows, "must be >= 0");
+  require(args.tokens_per_row >= 1, where, "args.tokens_per_row", args.tokens_per_row, "must be >= 1");
+  require_row_strides(args, where);
+  if (args.rows == 0)
+    return false;
+  require(args.tokens && args.positions && args.slot_table && args.seq_lens && args.out_slots && args.live &&
+              args.logits,
+          where, "a pointer of args", "null", "every ForwardArgs pointer must be a device pointer");
+  return true;
+}
+
 } // namespace smcgraph::detail

@@ -113,9 +113,7 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
             "must be built from the same LlamaWeights");
     require(owner->options_.pool_size == options_.pool_size, kWhere, "options.kv_owner",
             owner->options_.pool_size, "must have the same pool_size");
-    const std::vector<int>& owned = owner->layers_;
-    require(owned.size() >= layers_.size() && std::equal(layers_.begin(), layers_.end(), owned.begin()),
-            kWhere, "options.layers", layers_.size(),
+    require(llama_layers_prefix(layers_, owner->layers_), kWhere, "options.layers", layers_.size(),
             "must be the first layers of options.kv_owner's (its KV is shared layer by layer)");
     kv_ = owner->kv_;
   } else {
@@ -144,6 +142,10 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
 }
 
 LlamaModel::~LlamaModel() = default;
+
+bool llama_layers_prefix(const std::vector<int>& layers, const std::vector<int>& of) {
+  return layers.size() <= of.size() && std::equal(layers.begin(), layers.end(), of.begin());
+}
 
 void LlamaModel::clear_kv(cudaStream_t stream) {
   SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(kv_, 0, kv_elements_ * sizeof(uint16_t), stream));
@@ -175,17 +177,11 @@ size_t LlamaModel::weight_bytes_per_forward() const {
 
 void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   constexpr const char* kWhere = "LlamaModel::forward";
-  require(args.rows >= 0, kWhere, "args.rows", args.rows, "must be >= 0");
-  require(args.tokens_per_row >= 1, kWhere, "args.tokens_per_row", args.tokens_per_row, "must be >= 1");
-  const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
+  const int64_t tokens = static_cast<int64_t>(std::max(args.rows, 0)) * std::max(args.tokens_per_row, 0);
   require(tokens <= options_.max_tokens_per_forward, kWhere, "rows * tokens_per_row", tokens,
           "exceeds LlamaModelOptions::max_tokens_per_forward");
-  detail::require_row_strides(args, kWhere);
-  if (args.rows == 0)
+  if (!detail::require_forward_args(args, kWhere))
     return;
-  require(args.tokens && args.positions && args.slot_table && args.seq_lens && args.out_slots && args.live &&
-              args.logits,
-          kWhere, "a pointer of args", "null", "every ForwardArgs pointer must be a device pointer");
   const LlamaConfig& c = config();
   Workspace& w = *workspace_;
   const int T = static_cast<int>(tokens);
