@@ -11,8 +11,10 @@
 // whose longest live row drafts m tokens so evaluates min(max(m, 1), K - 1) conditional nodes and no node
 // follows them: nothing breaks the programmatic-dependent-launch chain of the verify and the rest of the
 // cycle but the one conditional node whose else-branch (or last then-branch) holds them. The price is K
-// copies of the verify forward and of the recipe's stages in the graph (one per width). Nothing here
-// allocates, synchronizes or reads a host value that changes between replays.
+// copies of the verify forward and of the recipe's stages in the graph (one per width). Where a request may
+// draft nothing (adaptive min_steps = 0, a draft whose KV follows the target's), the draft head sits in one
+// more IF/ELSE node, set to m > 0: its else-branch verifies the last committed token alone and runs the rest.
+// Nothing here allocates, synchronizes or reads a host value that changes between replays.
 #include "runtime/engine_state.hpp"
 
 #include <vector>
