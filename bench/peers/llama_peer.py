@@ -10,6 +10,9 @@ Methods (CSV column `method`):
                       whose modules ARE the target's for the draft layers (llama_torch.layer_subset_hf_model: shared
                       parameters, attention layer_idx renumbered for the draft's own cache), K candidate tokens per
                       round (num_assistant_tokens = K, schedule constant, no confidence threshold)
+  hf_prompt_lookup    transformers prompt-lookup decoding (batch 1, greedy): K candidate tokens per round from the
+                      n-gram match in the context (prompt_lookup_num_tokens = K), the peer of smcgraph's n-gram
+                      draft (bucket_sweep --draft-layers ngram)
   torch_spec_eager    greedy speculative decoding in plain PyTorch (llama_torch.LlamaTorch fast forward over the same
                       bf16 weights, static KV cache indexed by (row, position)), the cycle of graphs/spec_cycle.cpp:
                       draft head over [x_{L-2}, x_{L-1}] + K - 1 one-token draft steps (argmax), target verify over
@@ -96,8 +99,8 @@ import time
 import llama_torch  # beside this script: the GGUF loading and the PyTorch forward, shared with tests/hf_compare.py
 from toy_torch import CSV_COLUMNS, GraphedCycle, median_cycle_us, median_forwards_us
 
-ALL_METHODS = ["hf_generate_greedy", "hf_assisted", "torch_spec_eager", "torch_spec_graph", "torch_smc_eager",
-               "torch_smc_graph"]
+ALL_METHODS = ["hf_generate_greedy", "hf_assisted", "hf_prompt_lookup", "torch_spec_eager", "torch_spec_graph",
+               "torch_smc_eager", "torch_smc_graph"]
 GRAPH_METHODS = {"torch_spec_graph", "torch_smc_graph"}
 LLAMA_CSV_COLUMNS = CSV_COLUMNS + ["tokens_per_cycle"]
 GUMBEL_REACH = 50.0  # Gumbel noise reorders logits only within this many temperatures of each other (P ~ e^-50)
@@ -506,7 +509,7 @@ def main():
             mask[r, width - len(p) :] = 1
         return ids.to(device), mask.to(device)
 
-    def hf_generate(request_prompts, new_tokens, assistant_steps=0):
+    def hf_generate(request_prompts, new_tokens, assistant_steps=0, prompt_lookup=0):
         """New tokens per request (lists) and the target's forward count of one generate call."""
         ids, mask = hf_batch(request_prompts)
         calls = [0]
@@ -516,6 +519,8 @@ def main():
             if assistant_steps:
                 draft16.generation_config.num_assistant_tokens = assistant_steps
                 kwargs["assistant_model"] = draft16
+            if prompt_lookup:
+                kwargs["prompt_lookup_num_tokens"] = prompt_lookup
             with torch.no_grad():
                 out = hf16.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                                     **kwargs)
@@ -637,6 +642,12 @@ def main():
                     got = [hf_generate([p], new_tokens_val, steps)[0][0] for p in greedy_prompts]
                     ok = report("hf_assisted K=%d" % steps, greedy_ref, got) and ok
                 valid["hf_assisted"] = ok
+            if "hf_prompt_lookup" in methods:
+                ok = True
+                for steps in spec_steps:
+                    got = [hf_generate([p], new_tokens_val, prompt_lookup=steps)[0][0] for p in greedy_prompts]
+                    ok = report("hf_prompt_lookup K=%d" % steps, greedy_ref, got) and ok
+                valid["hf_prompt_lookup"] = ok
             spec_methods = [m for m in methods if m.startswith("torch_spec")]
             if spec_methods:
                 steps = spec_steps[0]
@@ -746,16 +757,18 @@ def main():
                     all_ok = False
                     print("  requests %3d: %s: %s" % (requests, type(error).__name__, error))
                 sys.stdout.flush()
-        if "hf_assisted" in methods:
+        for method, what in (("hf_assisted", "assistant_steps"), ("hf_prompt_lookup", "prompt_lookup")):
+            if method not in methods:
+                continue
             assisted_tokens = args.new_tokens or int(spec_manifest["new_tokens"])
-            print("\nhf_assisted (bf16, batch 1, prompt 0, %d new tokens; median of %d calls)" % (assisted_tokens,
-                                                                                                  args.repeats))
+            print("\n%s (bf16, batch 1, prompt 0, %d new tokens; median of %d calls)" % (method, assisted_tokens,
+                                                                                        args.repeats))
             for steps in spec_steps:
                 try:
-                    us, (got, calls) = time_call(lambda: hf_generate(request_prompts(1), assisted_tokens, steps),
-                                                 args.repeats)
+                    us, (got, calls) = time_call(
+                        lambda: hf_generate(request_prompts(1), assisted_tokens, **{what: steps}), args.repeats)
                     tps = assisted_tokens / (us * 1e-6)
-                    row("hf_assisted", 1, 1, steps, us / calls, tps, nan, nan, assisted_tokens / calls,
+                    row(method, 1, 1, steps, us / calls, tps, nan, nan, assisted_tokens / calls,
                         len(got[0]) == assisted_tokens)
                     print("  K %d: %10.0f us per call, %d target forwards, %.2f tokens per forward, %8.0f tokens/s"
                           % (steps, us, calls, assisted_tokens / calls, tps))

@@ -439,7 +439,7 @@ bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
     if (cells.size() < header.size())
       continue;
     // The method names say the kind: hf_generate_greedy is plain greedy decoding, *smc* the SMC cycle, the
-    // rest (hf_assisted, torch_spec_*) greedy speculative decoding.
+    // rest (hf_assisted, hf_prompt_lookup, torch_spec_*) greedy speculative decoding.
     const std::string& method = cells[c_method];
     const std::string kind = method.find("smc") != std::string::npos ? "smc"
                              : method.rfind("hf_generate", 0) == 0   ? "greedy"
