@@ -601,7 +601,7 @@ def main():
     smc_draft_t = float(smc_validation["draft_temperature"])
     spec_manifest = dict(DEFAULTS["spec"], **manifest.get("spec", {}))
     generate_manifest = dict(DEFAULTS["generate"], **manifest.get("generate", {}))
-    spec_steps = [int(k) for k in spec_manifest["steps"]]
+    spec_steps = [int(k) for k in spec_manifest["steps"] if int(k) > 0]  # K = 0 (no draft): hf_generate_greedy
 
     valid = {}  # method -> bool
     all_ok = True
@@ -649,7 +649,7 @@ def main():
                     ok = report("hf_prompt_lookup K=%d" % steps, greedy_ref, got) and ok
                 valid["hf_prompt_lookup"] = ok
             spec_methods = [m for m in methods if m.startswith("torch_spec")]
-            if spec_methods:
+            if spec_methods and spec_steps:
                 steps = spec_steps[0]
 
                 def spec_tokens(exact, method=None):
