@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(device::kAllocThreads)
   tables.rows = rows;
   device::alloc_cycle_slots_block<device::kAllocThreads>(pool, tables, particles, slots_per_row, counts,
                                                          out_slots, row_flags, status);
-  if ((conditions.count > 0 || conditions.head != 0))
+  if (conditions.count > 0 || conditions.head != 0)
     set_draft_loop<device::kAllocThreads>(b, rows, conditions);
   for (int r = threadIdx.x; r < rows; r += device::kAllocThreads)
     prepare_draft_row(b, r);
