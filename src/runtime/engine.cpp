@@ -294,10 +294,10 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
   detail::admit_alloc(b, row, P, stream);
   // Prefill in chunks (KV for positions < P) each model the cycle runs, once: the draft unless it never runs
-  // (draft_steps = 0) or is the target itself (its KV is the target's), then the target, whose logits of the
-  // last position stay in prefill_logits.
+  // (draft_steps = 0), is the target itself, or its KV follows the target's (Model::kv_follows: the target's
+  // prefill writes it), then the target, whose logits of the last position stay in prefill_logits.
   const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
-  const bool prefill_draft = s.draft_steps > 0 && s.draft != s.target;
+  const bool prefill_draft = s.draft_steps > 0 && s.draft != s.target && !s.draft->kv_follows(*s.target);
   int last_chunk_length = 0;
   for (int begin = 0; begin < P; begin += s.prefill_chunk) {
     const int length = std::min(s.prefill_chunk, P - begin);
