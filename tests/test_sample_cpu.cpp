@@ -233,7 +233,8 @@ TEST_CASE("reference sampler: Gumbel-max over Philox draws follows softmax(alpha
     l = static_cast<float>(rng.normal(0.0, 1.0));
   logits[2] = kNegativeInfinity; // masked: never sampled (a draw of it fails the fit)
   const smcgraph::reference::TileLayout one_sub_tile{vocab, 1, 1, 1};
-  const auto fit = reference_fit(logits, one_sub_tile, 0.8f, 1.5f, rng.bits(), 200000);
+  const auto fit = smcgraph::test::confirmed_fit<smcgraph::test::ChiSquare>(
+      [&] { return reference_fit(logits, one_sub_tile, 0.8f, 1.5f, rng.bits(), 200000); });
   INFO("chi2 " << fit.statistic << " bins " << fit.bins);
   CHECK(fit.bins == vocab - 1);
   CHECK(fit.p_value > 1e-4);
@@ -273,7 +274,8 @@ TEST_CASE("reference sampler: the two-level race follows softmax(alpha l / T) wh
       if (mass == Layout::kMostSubTilesMasked)
         logits[lone] = 0.5f;
       for (const auto& [temperature, alpha] : {std::pair{1.0f, 1.0f}, std::pair{0.7f, 2.0f}}) {
-        const auto fit = reference_fit(logits, layout, temperature, alpha, rng.bits(), 100000);
+        const auto fit = smcgraph::test::confirmed_fit<smcgraph::test::ChiSquare>(
+            [&] { return reference_fit(logits, layout, temperature, alpha, rng.bits(), 100000); });
         INFO("tile " << layout.tile_length << " mass " << static_cast<int>(mass) << " T " << temperature
                      << " alpha " << alpha << " chi2 " << fit.statistic << " bins " << fit.bins);
         CHECK(fit.bins > 2);

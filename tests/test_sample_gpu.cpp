@@ -325,19 +325,6 @@ test::ChiSquare fit_draws(test::Rng& rng, DType dtype, const std::vector<float>&
   return test::chi_square_fit(counts, weights);
 }
 
-/// fit_draws, confirmed: a fit at p <= 1e-4 is repeated once on fresh draws (new seeds) and the second one is
-/// returned. A correct sampler fails one chi-square at p > 1e-4 once in 10^4 fits, and the suite makes about
-/// 60 a run; two in a row happen once in 10^8, while a biased sampler fails both.
-test::ChiSquare fit_draws_confirmed(test::Rng& rng, DType dtype, const std::vector<float>& row,
-                                    float temperature, float alpha, int rows, int launches) {
-  const test::ChiSquare first = fit_draws(rng, dtype, row, temperature, alpha, rows, launches);
-  if (first.p_value > 1e-4)
-    return first;
-  MESSAGE("chi2 " << first.statistic << " over " << first.bins << " bins, p = " << first.p_value
-                  << ": drawn again to confirm");
-  return fit_draws(rng, dtype, row, temperature, alpha, rows, launches);
-}
-
 /// One setting of the chi-square layout tests: dtype, where the mass sits (the test's own enum), T, alpha
 /// and V (0: the test's default).
 template <class Layout> struct LayoutSetting {
@@ -369,7 +356,8 @@ TEST_CASE("sample() draws follow softmax(alpha l / T): chi-square over 10^6 draw
         std::vector<float> row(vocab);
         for (float& l : row)
           l = static_cast<float>(rng.normal(0.0, 1.0));
-        const auto fit = fit_draws_confirmed(rng, DType::kFloat32, row, temperature, alpha, rows, launches);
+        const auto fit = test::confirmed_fit<test::ChiSquare>(
+            [&] { return fit_draws(rng, DType::kFloat32, row, temperature, alpha, rows, launches); });
         INFO("V " << vocab << " T " << temperature << " alpha " << alpha << " chi2 " << fit.statistic
                   << " bins " << fit.bins);
         CHECK(fit.p_value > 1e-4);
@@ -415,8 +403,9 @@ TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one tile,
     }
     if (setting.layout == Layout::kMostTilesMasked)
       row[5 * tile + 77] = 2.0f;
-    const auto fit =
-        fit_draws_confirmed(rng, setting.dtype, row, setting.temperature, setting.alpha, rows, launches);
+    const auto fit = test::confirmed_fit<test::ChiSquare>([&] {
+      return fit_draws(rng, setting.dtype, row, setting.temperature, setting.alpha, rows, launches);
+    });
     INFO(names[static_cast<int>(setting.layout)] << ", " << smcgraph::dtype_name(setting.dtype) << ", T "
                                                  << setting.temperature << " alpha " << setting.alpha
                                                  << ": chi2 " << fit.statistic << " bins " << fit.bins);
@@ -476,8 +465,9 @@ TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one sub-t
       REQUIRE(lone >= 0);
       row[lone] = 2.0f;
     }
-    const auto fit =
-        fit_draws_confirmed(rng, setting.dtype, row, setting.temperature, setting.alpha, rows, launches);
+    const auto fit = test::confirmed_fit<test::ChiSquare>([&] {
+      return fit_draws(rng, setting.dtype, row, setting.temperature, setting.alpha, rows, launches);
+    });
     INFO(names[static_cast<int>(setting.layout)]
          << ", " << smcgraph::dtype_name(setting.dtype) << ", V " << vocab << ", T " << setting.temperature
          << " alpha " << setting.alpha << ": chi2 " << fit.statistic << " bins " << fit.bins);

@@ -216,40 +216,50 @@ TEST_CASE("stochastic reference: emitted tokens follow p, also with q = 0 and p 
   MESSAGE("seed " << rng.seed());
   const int vocab = 8, draft_steps = 2, rows = 40000;
   for (int variant = 0; variant < 3; ++variant) {
-    SharedProblem problem;
-    problem.rows = rows;
-    problem.draft_steps = draft_steps;
-    problem.vocab = vocab;
-    problem.target_t = 1.0f;
-    problem.draft_t = 0.7f;
-    for (int j = 0; j < draft_steps + 1; ++j)
-      for (int v = 0; v < vocab; ++v)
-        problem.target_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
-    for (int j = 0; j < draft_steps; ++j)
-      for (int v = 0; v < vocab; ++v)
-        problem.draft_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
-    if (variant == 1) // the draft masks tokens the target likes: only the residual can emit them
-      for (int j = 0; j < draft_steps; ++j)
-        problem.draft_logits[j * vocab + 0] = problem.draft_logits[j * vocab + 3] = -kInf;
-    if (variant == 2) // the target masks tokens the draft proposes: always rejected, never emitted
-      for (int j = 0; j <= draft_steps; ++j)
-        problem.target_logits[j * vocab + 1] = problem.target_logits[j * vocab + 5] = -kInf;
-    problem.draw_tokens(rng.engine());
-    problem.seeds.assign(rows, rng.bits());
-    problem.counters.resize(rows);
-    std::iota(problem.counters.begin(), problem.counters.end(), 0u);
-    const auto verdict = reference::verify_stochastic(problem.view());
-    std::vector<long> first(vocab, 0), second(vocab, 0);
-    for (int row = 0; row < rows; ++row) {
-      REQUIRE(verdict.row_flags[row] == 0u);
-      const int k = verdict.accepted[row];
-      first[k == 0 ? verdict.next_tokens[row] : problem.tokens[row * draft_steps]]++;
-      if (k >= 1)
-        second[k == 1 ? verdict.next_tokens[row] : problem.tokens[row * draft_steps + 1]]++;
-    }
     INFO("variant " << variant);
-    CHECK(goodness_of_fit(first, softmax(&problem.target_logits[0], vocab, 1.0)) > 1e-4);
-    CHECK(goodness_of_fit(second, softmax(&problem.target_logits[vocab], vocab, 1.0)) > 1e-4);
+    // The p-values of both positions for one fresh problem; the smaller one is confirmed on a second problem
+    // when it is <= 1e-4 (test::confirmed_fit).
+    struct Fits {
+      double first, second, p_value;
+    };
+    const Fits fits = test::confirmed_fit<Fits>([&] {
+      SharedProblem problem;
+      problem.rows = rows;
+      problem.draft_steps = draft_steps;
+      problem.vocab = vocab;
+      problem.target_t = 1.0f;
+      problem.draft_t = 0.7f;
+      for (int j = 0; j < draft_steps + 1; ++j)
+        for (int v = 0; v < vocab; ++v)
+          problem.target_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
+      for (int j = 0; j < draft_steps; ++j)
+        for (int v = 0; v < vocab; ++v)
+          problem.draft_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
+      if (variant == 1) // the draft masks tokens the target likes: only the residual can emit them
+        for (int j = 0; j < draft_steps; ++j)
+          problem.draft_logits[j * vocab + 0] = problem.draft_logits[j * vocab + 3] = -kInf;
+      if (variant == 2) // the target masks tokens the draft proposes: always rejected, never emitted
+        for (int j = 0; j <= draft_steps; ++j)
+          problem.target_logits[j * vocab + 1] = problem.target_logits[j * vocab + 5] = -kInf;
+      problem.draw_tokens(rng.engine());
+      problem.seeds.assign(rows, rng.bits());
+      problem.counters.resize(rows);
+      std::iota(problem.counters.begin(), problem.counters.end(), 0u);
+      const auto verdict = reference::verify_stochastic(problem.view());
+      std::vector<long> first(vocab, 0), second(vocab, 0);
+      for (int row = 0; row < rows; ++row) {
+        REQUIRE(verdict.row_flags[row] == 0u);
+        const int k = verdict.accepted[row];
+        first[k == 0 ? verdict.next_tokens[row] : problem.tokens[row * draft_steps]]++;
+        if (k >= 1)
+          second[k == 1 ? verdict.next_tokens[row] : problem.tokens[row * draft_steps + 1]]++;
+      }
+      const double p_first = goodness_of_fit(first, softmax(&problem.target_logits[0], vocab, 1.0));
+      const double p_second = goodness_of_fit(second, softmax(&problem.target_logits[vocab], vocab, 1.0));
+      return Fits{p_first, p_second, std::min(p_first, p_second)};
+    });
+    CHECK(fits.first > 1e-4);
+    CHECK(fits.second > 1e-4);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -171,6 +172,18 @@ inline int sanitizer_scaled(int full, int reduced, int racecheck) {
 /// tool. Tests that switch SMCGRAPH_DISABLE_CONDITIONAL themselves keep it at 1 there.
 inline bool sanitizer_blocks_conditional_nodes() {
   return under_sanitizer();
+}
+
+/// A chi-square check that tolerates its own false alarms: `fit()` draws a fresh, independent sample and fits
+/// it (its result has a `p_value`); a p-value at or below `alpha` is tested once more on a new sample, and
+/// the second fit is returned. A correct sampler fails one fit in 1 / alpha, two in a row once in 1 /
+/// alpha^2, while a biased one fails both.
+template <class Fit> Fit confirmed_fit(const std::function<Fit()>& fit, double alpha = 1e-4) {
+  const Fit first = fit();
+  if (first.p_value > alpha)
+    return first;
+  std::fprintf(stderr, "chi-square p = %g <= %g: drawn again to confirm\n", first.p_value, alpha);
+  return fit();
 }
 
 /// Relative closeness with an absolute floor: |a - b| <= tol * max(1, |b|).
