@@ -371,8 +371,8 @@ bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
     const EngineConfig defaults;
     j << "{\n  \"format\": \"smcgraph-llama-peer-1\",\n  \"device\": " << json_string(env.device) << ",\n";
     j << "  \"model\": " << json_string(std::filesystem::absolute(model_path).string()) << ",\n";
-    // With the n-gram draft (--draft-layers ngram) the peer of smcgraph's draft is hf_prompt_lookup; the peer's
-    // layer-draft methods (hf_assisted, torch_spec_*) then run the default layer subset.
+    // With the n-gram draft (--draft-layers ngram) the peer of smcgraph's draft is hf_prompt_lookup; the
+    // peer's layer-draft methods (hf_assisted, torch_spec_*) then run the default layer subset.
     const std::string layers = o.draft_layers == "ngram" ? Options{}.draft_layers : o.draft_layers;
     j << "  \"draft_layers\": [" << join_ints(parse_llama_layers(layers), ", ") << "],\n";
     j << "  \"logits_dtype\": \"bf16\",\n  \"eos_id\": -1,\n";
