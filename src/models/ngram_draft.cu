@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include <cuda_bf16.h>
+
 #include "kernels/pdl.cuh"
 #include "models/forward_layout.cuh"
 #include "smcgraph/error.hpp"
@@ -95,13 +97,10 @@ __global__ void __launch_bounds__(kProposeThreads) NgramProposeKernel(const Ngra
     for (int v = threadIdx.x; v < p.vocab; v += blockDim.x)
       out[v] = v == proposal ? p.confidence : 0.0f;
   } else {
-    const uint16_t confidence_bits = [](float x) { // round to nearest even (finite, positive)
-      const uint32_t bits = __float_as_uint(x);
-      return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    }(p.confidence);
-    uint16_t* out = static_cast<uint16_t*>(p.logits) + row * p.vocab;
+    const __nv_bfloat16 confidence = __float2bfloat16_rn(p.confidence), zero = __float2bfloat16_rn(0.0f);
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.logits) + row * p.vocab;
     for (int v = threadIdx.x; v < p.vocab; v += blockDim.x)
-      out[v] = v == proposal ? confidence_bits : uint16_t{0};
+      out[v] = v == proposal ? confidence : zero;
   }
 }
 
