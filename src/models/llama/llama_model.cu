@@ -177,11 +177,11 @@ size_t LlamaModel::weight_bytes_per_forward() const {
 
 void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   constexpr const char* kWhere = "LlamaModel::forward";
-  const int64_t tokens = static_cast<int64_t>(std::max(args.rows, 0)) * std::max(args.tokens_per_row, 0);
-  require(tokens <= options_.max_tokens_per_forward, kWhere, "rows * tokens_per_row", tokens,
-          "exceeds LlamaModelOptions::max_tokens_per_forward");
   if (!detail::require_forward_args(args, kWhere))
     return;
+  const int64_t tokens = static_cast<int64_t>(args.rows) * args.tokens_per_row;
+  require(tokens <= options_.max_tokens_per_forward, kWhere, "rows * tokens_per_row", tokens,
+          "exceeds LlamaModelOptions::max_tokens_per_forward");
   const LlamaConfig& c = config();
   Workspace& w = *workspace_;
   const int T = static_cast<int>(tokens);
