@@ -7,6 +7,7 @@
 #include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
+#include "kernels/draft_steps_device.cuh"
 #include "kernels/verify_device.cuh"
 
 #include <climits>
@@ -291,8 +292,9 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
 
   const StochasticVerifyInputs& in = args.in;
   const int row = blockIdx.x;
-  const int draft_steps =
-      in.row_draft_steps == nullptr ? in.draft_steps : min(max(in.row_draft_steps[row], 0), in.draft_steps);
+  const int draft_steps = in.row_draft_steps == nullptr
+                              ? in.draft_steps
+                              : detail::request_draft_steps_of(in.row_draft_steps, row, in.draft_steps);
   const int vocab = args.vocab;
   const int particles = in.random.particles_per_request;
   const int request = row / particles;
