@@ -36,15 +36,14 @@ __device__ __forceinline__ void alloc_cycle_slots_block(const SlotPoolView& pool
                                                         int particles, int slots_per_row,
                                                         const RequestSlotCounts& counts, int32_t* out_slots,
                                                         uint32_t* row_flags, uint32_t* status) {
-  constexpr int kAllocThreads = THREADS;
-  using BlockScan = cub::BlockScan<int, kAllocThreads>;
-  using BlockReduce = cub::BlockReduce<int, kAllocThreads>;
+  using BlockScan = cub::BlockScan<int, THREADS>;
+  using BlockReduce = cub::BlockReduce<int, THREADS>;
   __shared__ union {
     typename BlockScan::TempStorage scan;
     typename BlockReduce::TempStorage reduce;
   } storage;
-  __shared__ int tile_first_pop[kAllocThreads]; // pop index of the request's first slot
-  __shared__ uint32_t tile_refusal[kAllocThreads];
+  __shared__ int tile_first_pop[THREADS]; // pop index of the request's first slot
+  __shared__ uint32_t tile_refusal[THREADS];
   __shared__ int free_at_start;
 
   if (threadIdx.x == 0)
@@ -56,7 +55,7 @@ __device__ __forceinline__ void alloc_cycle_slots_block(const SlotPoolView& pool
   int needed_before_tile = 0; // needs of all earlier requests, granted or not: keeps the order strict
   int granted_total = 0;
 
-  for (int tile = 0; tile < requests; tile += kAllocThreads) {
+  for (int tile = 0; tile < requests; tile += THREADS) {
     const int request = tile + static_cast<int>(threadIdx.x);
     int need = 0;
     uint32_t refusal = kFlagNone;
@@ -88,8 +87,8 @@ __device__ __forceinline__ void alloc_cycle_slots_block(const SlotPoolView& pool
     granted_total += BlockReduce(storage.reduce).Sum(refusal == kFlagNone ? need : 0); // valid in thread 0
     needed_before_tile += tile_need;
 
-    const int tile_requests = min(kAllocThreads, requests - tile);
-    for (int i = threadIdx.x; i < tile_requests * particles; i += kAllocThreads) {
+    const int tile_requests = min(THREADS, requests - tile);
+    for (int i = threadIdx.x; i < tile_requests * particles; i += THREADS) {
       const int local_request = i / particles;
       const int row = (tile + local_request) * particles + i % particles;
       int32_t* row_out = out_slots + static_cast<int64_t>(row) * slots_per_row;
