@@ -131,8 +131,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
   // request may draft nothing (adaptive min_steps = 0), the draft head only when some live row drafts.
   const bool captured_conditional = s.draft_loop.conditional && K >= 1 && mode == Enqueue::kCapture;
   const bool conditional = captured_conditional && K > 1;
-  const bool conditional_head =
-      captured_conditional && s.config.adaptive.enabled && s.config.adaptive.min_steps == 0;
+  const bool conditional_head = captured_conditional && may_skip_draft(s.config);
   DraftLoopConditions conditions;
   {
     Stage stage(s, alloc_name);

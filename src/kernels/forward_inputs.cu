@@ -74,6 +74,11 @@ __device__ void set_draft_loop(const DraftInputsView& b, int rows, const DraftLo
 #endif
 }
 
+/// Whether the launch sets conditional-node handles (the draft head's or the steps').
+__device__ __forceinline__ bool sets_conditions(const DraftLoopConditions& conditions) {
+  return conditions.count > 0 || conditions.head != 0;
+}
+
 /// Row r's forward inputs (the draft head's, the steps' and the verify's), from the tables after alloc.
 __device__ void prepare_draft_row(const DraftInputsView& b, int r) {
   const int max_len = b.tables.max_seq_len;
@@ -112,7 +117,7 @@ __device__ void prepare_draft_row(const DraftInputsView& b, int r) {
 __global__ void __launch_bounds__(kRowThreads)
     PrepareDraftInputsKernel(DraftInputsView b, int rows, DraftLoopConditions conditions) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  if ((conditions.count > 0 || conditions.head != 0) && blockIdx.x == 0)
+  if (sets_conditions(conditions) && blockIdx.x == 0)
     set_draft_loop<kRowThreads>(b, rows, conditions);
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r < rows)
@@ -164,7 +169,7 @@ __global__ void __launch_bounds__(device::kAllocThreads)
   tables.rows = rows;
   device::alloc_cycle_slots_block<device::kAllocThreads>(pool, tables, particles, slots_per_row, counts,
                                                          out_slots, row_flags, status);
-  if (conditions.count > 0 || conditions.head != 0)
+  if (sets_conditions(conditions))
     set_draft_loop<device::kAllocThreads>(b, rows, conditions);
   for (int r = threadIdx.x; r < rows; r += device::kAllocThreads)
     prepare_draft_row(b, r);

@@ -37,8 +37,8 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
     return {false, std::string("SMC cycle: every request drafts draft_steps; ") + masked};
   if (config.draft_steps == 0)
     return {false, "draft_steps = 0: no draft, the target alone decodes one token per row and cycle"};
-  const bool may_skip_draft = config.adaptive.enabled && config.adaptive.min_steps == 0;
-  if (config.draft_steps == 1 && !may_skip_draft)
+  const bool skip_head = detail::may_skip_draft(config);
+  if (config.draft_steps == 1 && !skip_head)
     return {false, "draft_steps = 1: no draft step after the head"};
   if (!config.use_graphs)
     return {false, std::string("eager: ") + masked};
@@ -54,10 +54,9 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
   }
   return {true,
           std::string("conditional nodes: ") +
-              (may_skip_draft
-                   ? "an IF/ELSE node around the draft head (else: the verify of one column and the "
-                     "rest of the cycle), then "
-                   : "") +
+              (skip_head ? "an IF/ELSE node around the draft head (else: the verify of one column and the "
+                           "rest of the cycle), then "
+                         : "") +
               "an IF/ELSE node per draft step (else: the verify over the columns drafted so far and the rest "
               "of the cycle); a cycle runs max K over its live rows and verifies max K + 1 columns"};
 #else
@@ -95,8 +94,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
           "must equal config.max_seq_len");
   require(draft.logits_dtype() == target.logits_dtype(), "Engine", "draft.logits_dtype()",
           dtype_name(draft.logits_dtype()), "must equal target.logits_dtype()");
-  require(!(config.adaptive.enabled && config.adaptive.min_steps == 0) || draft.kv_follows(target), "Engine",
-          "adaptive.min_steps", config.adaptive.min_steps,
+  require(!detail::may_skip_draft(config) || draft.kv_follows(target), "Engine", "adaptive.min_steps",
+          config.adaptive.min_steps,
           "0 needs a draft whose KV cache follows the target's (Model::kv_follows; a layer-prefix LlamaModel "
           "with LlamaModelOptions::kv_owner = the target): a skipped draft would leave a gap in its own");
   s.draft = &draft;

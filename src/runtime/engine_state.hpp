@@ -140,6 +140,12 @@ struct Engine::State {
 };
 
 namespace detail {
+
+/// Whether a request of this engine may draft nothing in a cycle (adaptive K down to 0): its draft's KV
+/// must then follow the target's, and the captured cycle puts the draft head in a conditional node.
+inline bool may_skip_draft(const EngineConfig& config) {
+  return config.adaptive.enabled && config.adaptive.min_steps == 0;
+}
 /// Names the stage being enqueued (a failed capture reports it) and marks it in NVTX timelines.
 /// In Engine::profile_step() it also times the stage alone on the GPU (stage_profiler.hpp).
 class Stage {
