@@ -61,7 +61,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       in.random = random;
       in.draft_steps = K;
       in.row_draft_steps = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
-      verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, st);
+      verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, s.workspace, st);
     }
     if (K > 0) {
       Stage stage(s, "spec.pack");

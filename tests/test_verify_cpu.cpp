@@ -508,7 +508,8 @@ TEST_CASE("verify_stochastic names the bad parameter and its value") {
   good.random = {kSeeds, kCounters, 1};
   good.draft_steps = 8;
   auto run = [](smcgraph::StochasticVerifyInputs in, smcgraph::VerifyOutputs out = good_verdict()) {
-    return error_of([&] { smcgraph::verify_stochastic(in, out, nullptr); });
+    smcgraph::SampleWorkspace none; // vocab 1000: one CTA a row, which uses no workspace
+    return error_of([&] { smcgraph::verify_stochastic(in, out, none, nullptr); });
   };
   const std::string where = "smcgraph::verify_stochastic: ";
   auto in = good;
@@ -558,6 +559,15 @@ TEST_CASE("verify_stochastic names the bad parameter and its value") {
   auto out = good_verdict();
   out.next_tokens = nullptr;
   CHECK(run(good, out) == where + "out.next_tokens = null: must be a device pointer");
+  // A row longer than one tile (4096 bf16) is split over CTAs, which meet in the workspace: it must be there.
+  in = good;
+  in.target_logits.vocab = in.draft_logits.vocab = 5000;
+  in.target_logits.position_stride = in.draft_logits.position_stride = 5000;
+  in.target_logits.row_stride = 9 * 5000;
+  in.draft_logits.row_stride = 8 * 5000;
+  CHECK(run(in) ==
+        where + "workspace.max_jobs = 0: must be >= rows (a row of this vocabulary is split over several "
+                "CTAs)");
 }
 
 TEST_CASE("pack_launch_shape validates before asking the device") {

@@ -239,6 +239,8 @@ struct DeviceProblem {
   DeviceBuffer<float> target_logprobs, draft_logprobs, target_t, draft_t;
   DeviceBuffer<uint64_t> seeds;
   DeviceBuffer<uint32_t> counters;
+  /// The split-vocabulary merge's scratch (vocab > 1024); a token one for rows that are one CTA.
+  smcgraph::SampleWorkspace workspace;
   DeviceProblem(const Problem& p, cudaStream_t stream)
       : problem(p), tokens(test::to_device(p.tokens, stream)),
         target_logprobs(test::to_device(p.target_logprobs, stream)),
@@ -247,6 +249,8 @@ struct DeviceProblem {
         seeds(test::to_device(p.seeds, stream)), counters(test::to_device(p.counters, stream)) {
     target_logits = test::to_device(test::encode_logits(p.dtype, p.target_logits).bytes, stream);
     draft_logits = test::to_device(test::encode_logits(p.dtype, p.draft_logits).bytes, stream);
+    workspace = p.vocab > 1024 ? smcgraph::SampleWorkspace(p.rows, p.vocab, stream)
+                               : smcgraph::SampleWorkspace(1, 1, stream);
   }
   void launch(const smcgraph::VerifyOutputs& out, cudaStream_t stream) {
     const Problem& p = problem;
@@ -265,7 +269,7 @@ struct DeviceProblem {
     in.target_temperature = target_t.data();
     in.random = {seeds.data(), counters.data(), p.particles};
     in.draft_steps = p.draft_steps;
-    smcgraph::verify_stochastic(in, out, stream);
+    smcgraph::verify_stochastic(in, out, workspace, stream);
   }
 };
 
@@ -342,7 +346,8 @@ TEST_CASE("verify_stochastic matches the reference token for token") {
   const Config configs[] = {
       {DType::kFloat32, 50, 1},     {DType::kBFloat16, 50, 33},  {DType::kFloat16, 1001, 4},
       {DType::kFloat32, 1001, 33},  {DType::kBFloat16, 5000, 1}, {DType::kFloat16, 5000, 4},
-      {DType::kBFloat16, 40000, 4}, {DType::kFloat32, 40001, 1}, {DType::kFloat16, 50, 4}};
+      {DType::kBFloat16, 40000, 4}, {DType::kFloat32, 40001, 1}, {DType::kFloat16, 50, 4},
+      {DType::kBFloat16, 128256, 2}}; // above 1024 a row is split over CTAs (32 tiles at the last)
   int near_ties = 0, rows_checked = 0;
   for (const Config& config : configs) {
     INFO(smcgraph::dtype_name(config.dtype)
@@ -554,7 +559,7 @@ TEST_CASE("captured verify_stochastic draws fresh, host-reproducible numbers on 
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   smcgraph::Stream stream;
-  Problem p = random_problem(rng, DType::kBFloat16, 64, 4, 3000);
+  Problem p = random_problem(rng, DType::kBFloat16, 64, 4, 30000); // 8 tiles a row: the tickets replay too
   p.particles = 2;
   p.seeds.resize(32);
   p.counters.resize(32);

@@ -115,9 +115,15 @@ struct StochasticVerifyInputs {
   const int32_t* row_draft_steps = nullptr;
 };
 
-/// Exact speculative sampling, one CTA per row (a warp ballot scan of the coins, then one pass over the
-/// drawn position). rows = target_logits.rows, vocab = target_logits.vocab.
-void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream);
+/// Exact speculative sampling (a warp ballot scan of the coins, then one pass over the drawn position).
+/// rows = target_logits.rows, vocab = target_logits.vocab. A row longer than one tile (4096 bf16 / fp16 or
+/// 2048 fp32 logits) is split over CTAs, a tile each, whose best candidates meet in `workspace` (sized
+/// SampleWorkspace(>= rows, >= vocab); the engine shares its sampler's); a row of one tile is one CTA and
+/// leaves the workspace alone. The drawn token does not depend on the split: each element's score and noise
+/// are its own, and the race is a total order (larger score, ties to the smaller id). Never allocates or
+/// synchronizes: capturable.
+void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out,
+                       SampleWorkspace& workspace, cudaStream_t stream);
 
 /// A payload `[rows, positions, width]` to pack (KV slices, hidden states): element (i, j, e) at
 /// data + i * row_stride + j * width + e (positions dense within a row; row_stride in elements).

@@ -73,6 +73,15 @@ struct PassState {
   uint32_t flags;  ///< RowFlag bits
 };
 
+/// The workspace's scratch, for the launchers only (not part of SampleWorkspace's public interface): the
+/// sampler's pass keeps a PassState per sub-tile there, the stochastic verifier (verify.cu) a result per
+/// tile.
+struct SampleWorkspaceAccess {
+  static void* partials(const SampleWorkspace& w) { return w.partials_; }
+  static uint32_t* tickets(const SampleWorkspace& w) { return w.tickets_; }
+  static int max_partials(const SampleWorkspace& w) { return w.max_partials_; }
+};
+
 __device__ __forceinline__ PassState empty_state() {
   return PassState{-INFINITY, 0.0f, 0.0f, -1, 0u};
 }

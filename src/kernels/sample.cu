@@ -98,13 +98,6 @@ SampleWorkspace& SampleWorkspace::operator=(SampleWorkspace&& other) noexcept {
 
 namespace detail {
 
-/// The workspace's scratch, for the launcher only (not part of SampleWorkspace's public interface).
-struct SampleWorkspaceAccess {
-  static void* partials(const SampleWorkspace& w) { return w.partials_; }
-  static uint32_t* tickets(const SampleWorkspace& w) { return w.tickets_; }
-  static int max_partials(const SampleWorkspace& w) { return w.max_partials_; }
-};
-
 void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& workspace, cudaStream_t stream) {
   const LogitsView& logits = args.logits;
   const DType dtype = logits.dtype;

@@ -4,6 +4,15 @@
 // so lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
 // from one position of the row (the residual max(0, p - q) at the first rejection, or p at position
 // draft_steps) by Gumbel-max in log space, in one pass over that position's logits.
+//
+// The stochastic verifier splits the vocabulary: a row is `splits` CTAs (kSplitThreads threads, a tile of
+// kSplitThreads * kUnrollVectors 16-byte vectors each), and every CTA runs the row's coins itself (a few
+// loads and Philox words) and then races its own tile. The best (score, id) of each tile goes to the
+// workspace; the row's last CTA (a ticket it resets: kernels/ticket.cuh) takes the best of them. Each
+// element's score (log-weight + its own Gumbel noise, the Philox word of its vocab id) depends on that
+// element alone and the race keeps the larger score, ties to the smaller id, which is a total order: the
+// winner is the same bits however the row is cut into tiles, one CTA or many, in any batch. A row of one
+// tile is one CTA (32 threads up to 1024 logits, kSplitThreads above) and uses no workspace.
 #include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
@@ -188,25 +197,27 @@ template <DType DTYPE, int THREADS> struct RowPass {
     return result;
   }
 
-  /// One pass over the drawn position: the best Gumbel score over the row, reduced over the CTA (valid in
-  /// thread 0). `saw_bad_logit` (every thread) reports a NaN or +inf logit among those read.
+  /// One pass over the drawn position's 16-byte vectors [vector_begin, vector_end) (the CTA's tile, or the
+  /// whole row): the best Gumbel score among them, reduced over the CTA (valid in thread 0). `saw_bad_logit`
+  /// (every thread) reports a NaN or +inf logit among those read.
   template <Draw DRAW>
   static __device__ Candidate draw(const Scalar* target_row, const Scalar* draft_row,
-                                   const DrawContext& context, TempStorage& temp, bool& saw_bad_logit) {
+                                   const DrawContext& context, int vector_begin, int vector_end,
+                                   TempStorage& temp, bool& saw_bad_logit) {
     constexpr bool kReadsDraft = DRAW == Draw::kResidual;
     constexpr bool kNoise = DRAW != Draw::kArgmax;
     const bool target_aligned = aligned(target_row);
     const bool draft_aligned = kReadsDraft && aligned(draft_row);
     Candidate best{-INFINITY, INT_MAX};
     bool bad = false;
-    const int vectors = (context.vocab + kPerVector - 1) / kPerVector;
-    for (int base = 0; base < vectors; base += kUnroll * THREADS) {
+    for (int base = vector_begin; base < vector_end; base += kUnroll * THREADS) {
       uint4 raw_target[kUnroll], raw_draft[kUnroll];
       int firsts[kUnroll], counts[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) { // all loads first: several in flight per thread
-        firsts[u] = (base + u * THREADS + static_cast<int>(threadIdx.x)) * kPerVector;
-        counts[u] = max(0, min(kPerVector, context.vocab - firsts[u]));
+        const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
+        firsts[u] = vector * kPerVector;
+        counts[u] = vector < vector_end ? max(0, min(kPerVector, context.vocab - firsts[u])) : 0;
         if (counts[u] > 0) {
           raw_target[u] = detail::load_vector<DTYPE>(target_row, firsts[u], counts[u], target_aligned);
           if constexpr (kReadsDraft)
@@ -273,13 +284,27 @@ template <DType DTYPE, int THREADS> struct RowPass {
   }
 };
 
+/// A tile's result in the workspace (the row's last CTA reads them back with __ldcg).
+struct TilePartial {
+  float score;
+  int index;    ///< INT_MAX when the tile has no candidate
+  uint32_t bad; ///< a NaN or +inf logit among those the tile read
+};
+
 struct StochasticArgs {
   StochasticVerifyInputs in;
   VerifyOutputs out;
   int vocab;
+  int splits;            ///< CTAs per row (tiles of the drawn position)
+  int tile_vectors;      ///< 16-byte vectors per tile (the whole row when splits = 1)
+  TilePartial* partials; ///< [rows * splits] when splits > 1
+  uint32_t* tickets;     ///< [rows] when splits > 1
 };
 
-/// One CTA per row: the coins by warp ballots (windows spread over the warps), then one draw.
+/// grid.x = rows * splits: CTA b verifies row b / splits and races tile b % splits of its drawn position.
+/// Every CTA of a row runs the coins (warp ballots, windows spread over the warps) and takes the same
+/// decisions; the verdicts that need no draw are written by the row's first CTA, and the drawn token by the
+/// last to finish its tile.
 template <DType DTYPE, int THREADS>
 __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const StochasticArgs args) {
   detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
@@ -291,7 +316,9 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
   __shared__ float broadcast;
 
   const StochasticVerifyInputs& in = args.in;
-  const int row = blockIdx.x;
+  const int row = static_cast<int>(blockIdx.x) / args.splits;
+  const int split = static_cast<int>(blockIdx.x) % args.splits;
+  const bool row_writer = split == 0 && threadIdx.x == 0; // verdicts decided before the draw
   const int draft_steps = in.row_draft_steps == nullptr
                               ? in.draft_steps
                               : detail::request_draft_steps_of(in.row_draft_steps, row, in.draft_steps);
@@ -305,8 +332,8 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
   context.vocab = vocab;
   const float target_t = in.target_temperature[row];
   const float draft_t = in.draft_temperature[row];
-  if (!(target_t >= 0.0f) || isinf(target_t) || !(draft_t >= 0.0f) || isinf(draft_t)) { // CTA-uniform
-    if (threadIdx.x == 0)
+  if (!(target_t >= 0.0f) || isinf(target_t) || !(draft_t >= 0.0f) || isinf(draft_t)) { // row-uniform
+    if (row_writer)
       device::write_verdict(args.out, row, 0, draft_steps, kInvalidToken, kFlagBadParameter);
     return;
   }
@@ -348,57 +375,105 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
   const uint32_t first = row_first_rejection;
   const int accepted = first == device::kNoRejection ? draft_steps : static_cast<int>(first >> 8);
   uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
+  if (flags & kFlagNanLogit) { // row-uniform: no draw
+    if (row_writer)
+      device::write_verdict(args.out, row, accepted, draft_steps, kInvalidToken, flags);
+    return;
+  }
 
+  // Which law the next token follows, and its context (row-uniform from here on).
+  const LogitsView& target = in.target_logits;
+  const LogitsView& draft = in.draft_logits;
+  const Scalar* target_row =
+      static_cast<const Scalar*>(target.data) + row * target.row_stride + accepted * target.position_stride;
+  const Scalar* draft_row = nullptr;
+  context.stream_word = philox_stream(Salt::kResidual, static_cast<uint32_t>(accepted));
+  context.inverse_target_t = target_t > 0.0f ? 1.0f / target_t : 0.0f;
+  Draw law;
+  if (target_t == 0.0f) {
+    law = Draw::kArgmax;
+  } else if (accepted == draft_steps) {
+    law = Draw::kTarget;
+  } else if (draft_t == 0.0f) {
+    law = Draw::kTargetExcept;
+    context.excluded = tokens[accepted]; // an out-of-range id excludes nothing
+  } else {
+    law = Draw::kResidual;
+    draft_row =
+        static_cast<const Scalar*>(draft.data) + row * draft.row_stride + accepted * draft.position_stride;
+    context.inverse_draft_t = 1.0f / draft_t;
+    const int32_t token = tokens[accepted];
+    float target_lse = NAN, draft_lse = NAN;
+    if (!out_of_range(token, vocab)) { // lse = l[d] / T - log p(d), from what the score pass computed
+      target_lse =
+          Pass::Traits::to_float(target_row[token]) * context.inverse_target_t - target_logprobs[accepted];
+      draft_lse =
+          Pass::Traits::to_float(draft_row[token]) * context.inverse_draft_t - draft_logprobs[accepted];
+    }
+    // Not recoverable (p(d) = 0, an id out of range): every CTA of the row reads the whole row once more and
+    // computes the same bits (same code, same order).
+    if (!isfinite(target_lse))
+      target_lse = Pass::log_sum_exp(target_row, context.inverse_target_t, vocab, temp, &broadcast);
+    if (!isfinite(draft_lse))
+      draft_lse = Pass::log_sum_exp(draft_row, context.inverse_draft_t, vocab, temp, &broadcast);
+    context.target_lse = target_lse;
+    context.draft_lse = draft_lse;
+  }
+  const auto race = [&](Draw how, int vector_begin, int vector_end, bool& saw_bad_logit) {
+    switch (how) {
+    case Draw::kArgmax:
+      return Pass::template draw<Draw::kArgmax>(target_row, nullptr, context, vector_begin, vector_end, temp,
+                                                saw_bad_logit);
+    case Draw::kTarget:
+      return Pass::template draw<Draw::kTarget>(target_row, nullptr, context, vector_begin, vector_end, temp,
+                                                saw_bad_logit);
+    case Draw::kTargetExcept:
+      return Pass::template draw<Draw::kTargetExcept>(target_row, nullptr, context, vector_begin, vector_end,
+                                                      temp, saw_bad_logit);
+    default:
+      return Pass::template draw<Draw::kResidual>(target_row, draft_row, context, vector_begin, vector_end,
+                                                  temp, saw_bad_logit);
+    }
+  };
+  constexpr int kPerVector = Pass::kPerVector;
+  const int vectors = (vocab + kPerVector - 1) / kPerVector;
+  const int tile_begin = split * args.tile_vectors;
+  bool saw_bad_logit = false;
+  Candidate best = race(law, tile_begin, min(vectors, tile_begin + args.tile_vectors), saw_bad_logit);
+
+  if (args.splits > 1) { // the row's tiles meet in its last CTA
+    if (threadIdx.x == 0)
+      args.partials[blockIdx.x] = TilePartial{best.score, best.index, saw_bad_logit ? 1u : 0u};
+    if (!device::last_to_arrive(&args.tickets[row], static_cast<uint32_t>(args.splits)))
+      return;
+    const TilePartial* tiles = args.partials + static_cast<int64_t>(row) * args.splits;
+    Candidate mine{-INFINITY, INT_MAX};
+    bool bad = false;
+    const BetterCandidate better;
+    for (int t = threadIdx.x; t < args.splits; t += THREADS) {
+      const Candidate other{__ldcg(&tiles[t].score), __ldcg(&tiles[t].index)};
+      mine = better(mine, other);
+      bad |= __ldcg(&tiles[t].bad) != 0u;
+    }
+    saw_bad_logit = __syncthreads_or(bad) != 0;
+    best = Pass::CandidateReduce(temp.candidate).Reduce(mine, better);
+  }
+  if (law == Draw::kResidual) {
+    if (threadIdx.x == 0)
+      drawn_index = best.index;
+    __syncthreads();
+    // p ~= q to float precision leaves no residual mass although a coin rejected: draw from p instead (this
+    // CTA alone, over the whole row: rare).
+    if (drawn_index == INT_MAX && !saw_bad_logit)
+      best = race(Draw::kTarget, 0, vectors, saw_bad_logit);
+  }
   int32_t next_token = kInvalidToken;
-  if (!(flags & kFlagNanLogit)) { // CTA-uniform from here on
-    const LogitsView& target = in.target_logits;
-    const LogitsView& draft = in.draft_logits;
-    const Scalar* target_row =
-        static_cast<const Scalar*>(target.data) + row * target.row_stride + accepted * target.position_stride;
-    context.stream_word = philox_stream(Salt::kResidual, static_cast<uint32_t>(accepted));
-    context.inverse_target_t = target_t > 0.0f ? 1.0f / target_t : 0.0f;
-    bool saw_bad_logit = false;
-    Candidate best;
-    if (target_t == 0.0f) {
-      best = Pass::template draw<Draw::kArgmax>(target_row, nullptr, context, temp, saw_bad_logit);
-    } else if (accepted == draft_steps) {
-      best = Pass::template draw<Draw::kTarget>(target_row, nullptr, context, temp, saw_bad_logit);
-    } else if (draft_t == 0.0f) {
-      context.excluded = tokens[accepted]; // an out-of-range id excludes nothing
-      best = Pass::template draw<Draw::kTargetExcept>(target_row, nullptr, context, temp, saw_bad_logit);
-    } else {
-      const Scalar* draft_row =
-          static_cast<const Scalar*>(draft.data) + row * draft.row_stride + accepted * draft.position_stride;
-      context.inverse_draft_t = 1.0f / draft_t;
-      const int32_t token = tokens[accepted];
-      float target_lse = NAN, draft_lse = NAN;
-      if (!out_of_range(token, vocab)) { // lse = l[d] / T - log p(d), from what the score pass computed
-        target_lse =
-            Pass::Traits::to_float(target_row[token]) * context.inverse_target_t - target_logprobs[accepted];
-        draft_lse =
-            Pass::Traits::to_float(draft_row[token]) * context.inverse_draft_t - draft_logprobs[accepted];
-      }
-      if (!isfinite(target_lse))
-        target_lse = Pass::log_sum_exp(target_row, context.inverse_target_t, vocab, temp, &broadcast);
-      if (!isfinite(draft_lse))
-        draft_lse = Pass::log_sum_exp(draft_row, context.inverse_draft_t, vocab, temp, &broadcast);
-      context.target_lse = target_lse;
-      context.draft_lse = draft_lse;
-      best = Pass::template draw<Draw::kResidual>(target_row, draft_row, context, temp, saw_bad_logit);
-      if (threadIdx.x == 0)
-        drawn_index = best.index;
-      __syncthreads();
-      // p ~= q to float precision leaves no residual mass although a coin rejected: draw from p instead.
-      if (drawn_index == INT_MAX && !saw_bad_logit)
-        best = Pass::template draw<Draw::kTarget>(target_row, nullptr, context, temp, saw_bad_logit);
-    }
-    if (saw_bad_logit) {
-      flags |= kFlagNanLogit;
-    } else if (best.index == INT_MAX) {
-      flags |= kFlagAllMasked; // (thread 0's view; only thread 0 writes)
-    } else {
-      next_token = best.index;
-    }
+  if (saw_bad_logit) {
+    flags |= kFlagNanLogit;
+  } else if (best.index == INT_MAX) {
+    flags |= kFlagAllMasked; // (thread 0's view; only thread 0 writes)
+  } else {
+    next_token = best.index;
   }
   if (threadIdx.x == 0)
     device::write_verdict(args.out, row, accepted, draft_steps, next_token, flags);
@@ -408,19 +483,26 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
 // Launchers
 // ---------------------------------------------------------------------------------------------------------
 
+/// Threads of a split-vocabulary CTA; its tile is kSplitThreads * kUnrollVectors 16-byte vectors (4096 bf16 /
+/// fp16, 2048 fp32 logits), so a 128256-logit bf16 row spreads over 32 CTAs.
+constexpr int kSplitThreads = 128;
+constexpr int kSplitTileVectors = kSplitThreads * detail::kUnrollVectors;
+/// Rows of at most this many logits are one CTA of 32 threads (the statistics tests' ~10^6 tiny rows).
+constexpr int kSmallVocab = 1024;
+
 template <int THREADS> void launch_stochastic(DType dtype, const StochasticArgs& args, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(args.in.target_logits.rows));
+  const dim3 grid(static_cast<unsigned>(args.in.target_logits.rows * args.splits));
   switch (dtype) {
   case DType::kFloat32:
-    detail::launch_pdl(StochasticVerifyKernel<DType::kFloat32, THREADS>, dim3(grid), dim3(THREADS), 0, stream,
+    detail::launch_pdl(StochasticVerifyKernel<DType::kFloat32, THREADS>, grid, dim3(THREADS), 0, stream,
                        args);
     break;
   case DType::kBFloat16:
-    detail::launch_pdl(StochasticVerifyKernel<DType::kBFloat16, THREADS>, dim3(grid), dim3(THREADS), 0,
-                       stream, args);
+    detail::launch_pdl(StochasticVerifyKernel<DType::kBFloat16, THREADS>, grid, dim3(THREADS), 0, stream,
+                       args);
     break;
   case DType::kFloat16:
-    detail::launch_pdl(StochasticVerifyKernel<DType::kFloat16, THREADS>, dim3(grid), dim3(THREADS), 0, stream,
+    detail::launch_pdl(StochasticVerifyKernel<DType::kFloat16, THREADS>, grid, dim3(THREADS), 0, stream,
                        args);
     break;
   }
@@ -477,7 +559,8 @@ void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cu
                      GreedyArgs{inputs, out});
 }
 
-void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream) {
+void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out,
+                       SampleWorkspace& workspace, cudaStream_t stream) {
   constexpr const char* kWhere = "smcgraph::verify_stochastic";
   const int draft_steps = inputs.draft_steps;
   require(draft_steps >= 1 && draft_steps <= kMaxVerifyDraftSteps, kWhere, "draft_steps", draft_steps,
@@ -507,17 +590,34 @@ void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs
   detail::require_random(inputs.random, kWhere);
   out.validate(kWhere);
 
-  const NvtxRange range("verify_stochastic");
-  const StochasticArgs args{inputs, out, vocab};
-  // Threads by vocabulary: every thread gets >= a few 16-byte vectors (small V serves the statistics tests
-  // with ~10^6 tiny rows; large V wants many loads in flight per SM).
-  if (vocab > 16384) {
-    launch_stochastic<512>(inputs.target_logits.dtype, args, stream);
-  } else if (vocab > 1024) {
-    launch_stochastic<128>(inputs.target_logits.dtype, args, stream);
+  StochasticArgs args{inputs, out, vocab, 1, 0, nullptr, nullptr};
+  const int per_vector = detail::kVectorBytes / dtype_bytes(inputs.target_logits.dtype);
+  const int vectors = (vocab + per_vector - 1) / per_vector;
+  if (vocab > kSmallVocab) {
+    args.splits = (vectors + kSplitTileVectors - 1) / kSplitTileVectors;
+    args.tile_vectors = kSplitTileVectors;
   } else {
-    launch_stochastic<32>(inputs.target_logits.dtype, args, stream);
+    args.tile_vectors = vectors;
   }
+  if (args.splits > 1) {
+    using Access = detail::SampleWorkspaceAccess;
+    require(workspace.max_jobs() >= rows, kWhere, "workspace.max_jobs", workspace.max_jobs(),
+            "must be >= rows (a row of this vocabulary is split over several CTAs)");
+    const int64_t partial_bytes =
+        static_cast<int64_t>(rows) * args.splits * static_cast<int64_t>(sizeof(TilePartial));
+    require(partial_bytes <= static_cast<int64_t>(Access::max_partials(workspace)) *
+                                 static_cast<int64_t>(sizeof(detail::PassState)),
+            kWhere, "workspace.max_vocab", workspace.max_vocab(),
+            "too small for rows x tiles of this vocabulary");
+    args.partials = static_cast<TilePartial*>(Access::partials(workspace));
+    args.tickets = Access::tickets(workspace);
+  }
+
+  const NvtxRange range("verify_stochastic");
+  if (vocab > kSmallVocab)
+    launch_stochastic<kSplitThreads>(inputs.target_logits.dtype, args, stream);
+  else
+    launch_stochastic<32>(inputs.target_logits.dtype, args, stream);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
