@@ -182,6 +182,25 @@ std::string device_name() {
   return properties.name;
 }
 
+int l2_cache_bytes() {
+  int device = 0, l2_bytes = 0;
+  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+  SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  return l2_bytes;
+}
+
+int64_t l2_rotation_bytes() {
+  const int l2_bytes = l2_cache_bytes();
+  return 3 * static_cast<int64_t>(l2_bytes > 0 ? l2_bytes : 50 << 20);
+}
+
+bool have_cuda_device(const char* bench) {
+  if (cuda_device_count() > 0)
+    return true;
+  std::fprintf(stderr, "%s: no CUDA device\n", bench);
+  return false;
+}
+
 Csv::Csv(const std::string& path) : path_(path) {
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) {

@@ -53,6 +53,16 @@ double node_floor_us(cudaStream_t stream);
 /// The current device's name ("NVIDIA H200").
 std::string device_name();
 
+/// The current device's L2 size in bytes (0 when it does not say).
+int l2_cache_bytes();
+
+/// Bytes a bench rotates its input buffers over, so that a buffer is read again only after more than the L2
+/// holds (it measures HBM, not L2): 3x the current device's L2 (150 MB when the device does not say).
+int64_t l2_rotation_bytes();
+
+/// True when a CUDA device is visible; otherwise prints "<bench>: no CUDA device" to stderr.
+bool have_cuda_device(const char* bench);
+
 /// A CSV file: the constructor creates the parent directories and truncates the file; the first row()
 /// written is the header. Cells holding ',' '"' or a newline are quoted. Every row is flushed.
 class Csv {

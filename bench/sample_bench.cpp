@@ -481,15 +481,11 @@ int parse_options(int argc, char** argv, Options& options) {
 }
 
 int run(const Options& options, const char* argv0) {
-  if (smcgraph::cuda_device_count() == 0) {
-    std::fprintf(stderr, "sample_bench: no CUDA device\n");
+  if (!smcgraph::bench::have_cuda_device("sample_bench"))
     return 2;
-  }
   smcgraph::Stream stream;
-  int device = 0, l2_bytes = 0;
-  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
-  SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
-  const int64_t rotation_bytes = 3 * static_cast<int64_t>(l2_bytes > 0 ? l2_bytes : 50 << 20);
+  const int l2_bytes = smcgraph::bench::l2_cache_bytes();
+  const int64_t rotation_bytes = smcgraph::bench::l2_rotation_bytes();
 
   const double copy_gbs = smcgraph::bench::measure_copy_bandwidth_gbs(stream);
   double node_us = NAN; // the launch floor is informative; a bench without it still measures bandwidth

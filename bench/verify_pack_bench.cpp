@@ -235,15 +235,11 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (smcgraph::cuda_device_count() == 0) {
-      std::fprintf(stderr, "verify_pack_bench: no CUDA device\n");
+    if (!smcgraph::bench::have_cuda_device("verify_pack_bench"))
       return 2;
-    }
     smcgraph::Stream stream;
-    int device = 0, l2_bytes = 0;
-    SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
-    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
-    const int64_t rotation_bytes = 3 * static_cast<int64_t>(l2_bytes > 0 ? l2_bytes : 50 << 20);
+    const int l2_bytes = smcgraph::bench::l2_cache_bytes();
+    const int64_t rotation_bytes = smcgraph::bench::l2_rotation_bytes();
     const double copy_gbs = smcgraph::bench::measure_copy_bandwidth_gbs(stream);
     const double floor_us = smcgraph::bench::node_floor_us(stream);
     const std::string device_name = smcgraph::bench::device_name();

@@ -214,9 +214,13 @@ double goodness_of_fit(const std::vector<long>& counts, const std::vector<double
 TEST_CASE("stochastic reference: emitted tokens follow p, also with q = 0 and p = 0 entries") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
-  const int vocab = 8, draft_steps = 2, rows = 40000;
-  for (int variant = 0; variant < 3; ++variant) {
+  const int draft_steps = 2, rows = 40000;
+  for (int variant = 0; variant < 4; ++variant) {
     INFO("variant " << variant);
+    // Variant 3: a row of 2500 fp32 logits is 2 tiles of 4 sub-tiles (verify.hpp), so both levels of the
+    // draw decide; wider logits keep the expected counts of the likely tokens large.
+    const int vocab = variant == 3 ? 2500 : 8;
+    const double spread = variant == 3 ? 3.0 : 1.5;
     // The p-values of both positions for one fresh problem; the smaller one is confirmed on a second problem
     // when it is <= 1e-4 (test::confirmed_fit).
     struct Fits {
@@ -231,10 +235,10 @@ TEST_CASE("stochastic reference: emitted tokens follow p, also with q = 0 and p 
       problem.draft_t = 0.7f;
       for (int j = 0; j < draft_steps + 1; ++j)
         for (int v = 0; v < vocab; ++v)
-          problem.target_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
+          problem.target_logits.push_back(static_cast<float>(rng.normal(0.0, spread)));
       for (int j = 0; j < draft_steps; ++j)
         for (int v = 0; v < vocab; ++v)
-          problem.draft_logits.push_back(static_cast<float>(rng.normal(0.0, 1.5)));
+          problem.draft_logits.push_back(static_cast<float>(rng.normal(0.0, spread)));
       if (variant == 1) // the draft masks tokens the target likes: only the residual can emit them
         for (int j = 0; j < draft_steps; ++j)
           problem.draft_logits[j * vocab + 0] = problem.draft_logits[j * vocab + 3] = -kInf;

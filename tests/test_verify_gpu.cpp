@@ -227,6 +227,7 @@ struct Problem {
     p.rows = rows;
     p.draft_steps = draft_steps;
     p.vocab = vocab;
+    p.dtype = dtype;
     return p;
   }
 };
@@ -439,18 +440,20 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
   // 2^20 draws per case; 2^17 under a sanitizer and 2^14 under racecheck, with the same test (bins of
   // expected count < 5 merged, so the chi-square approximation holds at every count).
   const int rows = test::sanitizer_scaled(1 << 20, 1 << 17, 1 << 14), draft_steps = 2;
-  for (int variant = 0; variant < 7; ++variant) {
+  for (int variant = 0; variant < 9; ++variant) {
     Problem p;
-    p.dtype = variant == 6 ? DType::kBFloat16 : DType::kFloat32;
+    p.dtype = variant >= 6 ? DType::kBFloat16 : DType::kFloat32;
     p.rows = rows;
     p.draft_steps = draft_steps;
-    p.vocab = variant % 2 == 0 ? 8 : 50;
+    // Variants 7 and 8: 5000 bf16 logits are 2 tiles of 4 sub-tiles (verify.hpp), so both levels decide.
+    p.vocab = variant >= 7 ? 5000 : variant % 2 == 0 ? 8 : 50;
     p.particles = variant == 1 ? 4 : 1; // rows r and r + 1 of one request: distinct particles
     float target_t = 1.0f, draft_t = 0.7f;
+    const double spread = variant >= 7 ? 3.0 : 1.5;
     for (int i = 0; i < (draft_steps + 1) * p.vocab; ++i)
-      p.target_logits.push_back(test::round_to(p.dtype, static_cast<float>(rng.normal(0.0, 1.5))));
+      p.target_logits.push_back(test::round_to(p.dtype, static_cast<float>(rng.normal(0.0, spread))));
     for (int i = 0; i < draft_steps * p.vocab; ++i)
-      p.draft_logits.push_back(test::round_to(p.dtype, static_cast<float>(rng.normal(0.0, 1.5))));
+      p.draft_logits.push_back(test::round_to(p.dtype, static_cast<float>(rng.normal(0.0, spread))));
     std::string name;
     switch (variant) {
     case 0:
@@ -490,6 +493,25 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
       name = "bf16 V 8, T_t 0.6";
       target_t = 0.6f;
       break;
+    case 7:
+      name = "bf16 V 5000: mass over every sub-tile";
+      break;
+    case 8: { // only sub-tiles 1 and 6 (one in each tile) hold finite logits: the others never win level 1
+      name = "bf16 V 5000: 6 of 8 sub-tiles entirely -inf";
+      const int threads = smcgraph::verify_threads(p.vocab);
+      const int tile = smcgraph::verify_tile_length(p.vocab, p.dtype);
+      for (int v = 0; v < p.vocab; ++v) {
+        const int sub_tile = (v / tile) * (threads / 32) + ((v % tile) / 8 % threads) / 32;
+        if (sub_tile == 1 || sub_tile == 6)
+          continue;
+        for (int j = 0; j <= draft_steps; ++j) {
+          p.target_logits[j * p.vocab + v] = -kInf;
+          if (j < draft_steps)
+            p.draft_logits[j * p.vocab + v] = -kInf;
+        }
+      }
+      break;
+    }
     }
     INFO(name);
     p.target_t.assign(rows, target_t);

@@ -8,9 +8,10 @@
 //                    correction, or the bonus target[draft_steps] when everything matched).
 // verify_stochastic  exact speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept d_j with
 //                    probability min(1, p(d_j) / q(d_j)) by a keyed Philox coin; at the first rejection
-//                    sample max(0, p - q) normalised by Gumbel-max in log space, in one pass over that
-//                    position's target and draft logits (the residual is never materialised); on full
-//                    acceptance sample the bonus from p at position draft_steps.
+//                    sample max(0, p - q) normalised by a two-level Gumbel-max in log space, in one pass
+//                    over that position's target and draft logits plus a re-read of one sub-tile (the
+//                    residual is never materialised); on full acceptance sample the bonus from p at
+//                    position draft_steps.
 // verify_and_pack    greedy verification + exclusive offsets of the packed counts + the packed payload in ONE
 //                    launch: a static grid of (row tile x split) CTAs, decoupled look-back across tiles,
 //                    16-byte copies spread over the whole GPU, no host sync, any number of rows.
@@ -115,15 +116,31 @@ struct StochasticVerifyInputs {
   const int32_t* row_draft_steps = nullptr;
 };
 
-/// Exact speculative sampling (a warp ballot scan of the coins, then one pass over the drawn position).
-/// rows = target_logits.rows, vocab = target_logits.vocab. A row longer than one tile (4096 bf16 / fp16 or
-/// 2048 fp32 logits) is split over CTAs, a tile each, whose best candidates meet in `workspace` (sized
-/// SampleWorkspace(>= rows, >= vocab); the engine shares its sampler's); a row of one tile is one CTA and
-/// leaves the workspace alone. The drawn token does not depend on the split: each element's score and noise
-/// are its own, and the race is a total order (larger score, ties to the smaller id). Never allocates or
-/// synchronizes: capturable.
+/// Exact speculative sampling (a warp ballot scan of the coins, then one draw from the drawn position).
+/// rows = target_logits.rows, vocab = target_logits.vocab.
+///
+/// The draw. At T_t = 0 the target's argmax (ties to the smallest id). Otherwise an exact two-level
+/// Gumbel-max over the log-weights w_v of the law (log p_v, or log(p_v - q_v) for the residual): the row is
+/// cut into tiles of verify_tile_length(vocab, dtype) logits, one CTA of verify_threads(vocab) threads each,
+/// and each tile into sub-tiles, the elements one warp of the CTA reads (warp w of tile t reads the tile's
+/// 16-byte vectors k * threads + 32 w + lane; sub-tile s = t * threads / 32 + w over the row). Level 1 picks
+/// s by Gumbel-max over log Z_s (Z_s = the sum of e^{w_v} over s) with the Philox word of element
+/// kTileDrawElement + s; level 2 picks v inside s alone by Gumbel-max over w_v with the word of element v.
+/// P(s) = Z_s / Z and P(v | s) = e^{w_v} / Z_s, from independent words, so P(v) = e^{w_v} / Z: exactly the
+/// law of one Gumbel-max over the row, with per-element noise for one sub-tile only. A rejection whose
+/// residual has no mass left (p ~= q to float precision) draws from p the same way. A row of several tiles
+/// meets in its last CTA (a ticket) through `workspace` (sized SampleWorkspace(>= rows, >= vocab); the engine
+/// shares its sampler's); a row of one tile is one CTA and leaves the workspace alone. The host reference
+/// (tests/reference/verify_ref.hpp) draws the same words. Never allocates or synchronizes: capturable.
 void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs& out,
                        SampleWorkspace& workspace, cudaStream_t stream);
+
+/// Threads of verify_stochastic()'s CTAs for rows of `vocab` logits: 32 up to 1024 logits, 128 above.
+int verify_threads(int vocab);
+
+/// Logits per tile (per CTA) of verify_stochastic()'s draw: 4096 bf16 / fp16 or 2048 fp32 above 1024 logits
+/// (128 threads x 4 vectors of 16 bytes), the whole row (rounded up to 32 threads x 4 vectors) below.
+int verify_tile_length(int vocab, DType dtype);
 
 /// A payload `[rows, positions, width]` to pack (KV slices, hidden states): element (i, j, e) at
 /// data + i * row_stride + j * width + e (positions dense within a row; row_stride in elements).

@@ -5,20 +5,22 @@
 // from one position of the row (the residual max(0, p - q) at the first rejection, or p at position
 // draft_steps) by Gumbel-max in log space, in one pass over that position's logits.
 //
-// The stochastic verifier splits the vocabulary: a row is `splits` CTAs (kSplitThreads threads, a tile of
-// kSplitThreads * kUnrollVectors 16-byte vectors each), and every CTA runs the row's coins itself (a few
-// loads and Philox words) and then races its own tile. The best (score, id) of each tile goes to the
-// workspace; the row's last CTA (a ticket it resets: kernels/ticket.cuh) takes the best of them. Each
-// element's score (log-weight + its own Gumbel noise, the Philox word of its vocab id) depends on that
-// element alone and the race keeps the larger score, ties to the smaller id, which is a total order: the
-// winner is the same bits however the row is cut into tiles, one CTA or many, in any batch. A row of one
-// tile is one CTA (32 threads up to 1024 logits, kSplitThreads above) and uses no workspace.
+// The stochastic verifier splits the vocabulary: a row is `splits` CTAs (a tile of verify_tile_length()
+// logits each), and every CTA runs the row's coins itself (a few loads and Philox words) and then folds its
+// tile. At T_t = 0 the draw is the argmax: each tile's best (larger logit, ties to the smaller id: a total
+// order, so the winner does not depend on the cut) goes to the workspace and the row's last CTA (a ticket it
+// resets: kernels/ticket.cuh) takes the best of them. Otherwise it is the two-level Gumbel-max of verify.hpp:
+// each warp's sub-tile log-sum-exp of the law's weights goes to the workspace (shared memory for a one-tile
+// row), and the last CTA picks the sub-tile (one Philox word each), re-reads it from L2 and races its
+// elements with their own Gumbel noise. Per-element noise is drawn for one sub-tile only, so the first pass
+// is bound by bytes (and, for the residual, by its exponentials), not by Philox.
 #include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/logits_pass.cuh"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/verify_device.cuh"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -197,27 +199,136 @@ template <DType DTYPE, int THREADS> struct RowPass {
     return result;
   }
 
-  /// One pass over the drawn position's 16-byte vectors [vector_begin, vector_end) (the CTA's tile, or the
-  /// whole row): the best Gumbel score among them, reduced over the CTA (valid in thread 0). `saw_bad_logit`
+  /// The log-weight of element v under DRAW, before noise: -inf where it can never be drawn (masked, no
+  /// residual mass, the excluded id). x is the target logit, y the draft logit (kResidual only).
+  template <Draw DRAW>
+  static __device__ __forceinline__ float log_weight(float x, float y, int v, const DrawContext& context) {
+    if constexpr (DRAW == Draw::kArgmax) {
+      return x;
+    } else if constexpr (DRAW == Draw::kTarget) {
+      return x * context.inverse_target_t;
+    } else if constexpr (DRAW == Draw::kTargetExcept) {
+      return v == context.excluded ? -INFINITY : x * context.inverse_target_t;
+    } else {
+      const float log_p = x * context.inverse_target_t - context.target_lse;
+      const float log_q = y * context.inverse_draft_t - context.draft_lse;
+      // log(p - q) = log p + log(1 - q / p) where p > q; no residual mass (or NaN) otherwise. q = 0
+      // (log_q = -inf) gives log p exactly; p = 0 never passes.
+      return log_p > log_q ? log_p + log1mexp(log_q - log_p) : -INFINITY;
+    }
+  }
+
+  /// Loads vector `vector` of a row (count logits, -inf past the vocabulary) as floats.
+  static __device__ __forceinline__ int load(const Scalar* row, bool row_aligned, int vector, int vocab,
+                                             float (&out)[kPerVector]) {
+    const int first = vector * kPerVector;
+    const int count = max(0, min(kPerVector, vocab - first));
+    if (count > 0)
+      detail::unpack<DTYPE>(detail::load_vector<DTYPE>(row, first, count, row_aligned), out);
+    return count;
+  }
+
+  /// Offers the `count` elements of one vector (ids first ..) to a race: log-weight + the Gumbel noise of
+  /// their vocab ids (none for kArgmax), skipping the noise of elements that cannot win.
+  template <Draw DRAW>
+  static __device__ __forceinline__ void
+  race_vector(const float (&target_logit)[kPerVector], const float (&draft_logit)[kPerVector], int first,
+              int count, const DrawContext& context, Candidate& best, bool& bad) {
+    uint4 words = make_uint4(0, 0, 0, 0);
+    int words_group = -1;
+#pragma unroll
+    for (int i = 0; i < kPerVector; ++i) {
+      if (i >= count)
+        break;
+      const int v = first + i;
+      bad |= bad_value(target_logit[i]);
+      if constexpr (DRAW == Draw::kResidual)
+        bad |= bad_value(draft_logit[i]);
+      float score = log_weight<DRAW>(target_logit[i], draft_logit[i], v, context);
+      if (!(score > -INFINITY))
+        continue; // masked, NaN, or no residual mass: never drawn
+      if constexpr (DRAW != Draw::kArgmax) {
+        if (score + kMaxGumbel <= best.score)
+          continue; // cannot win: skip the noise
+        const int group = v >> 2;
+        if (group != words_group) {
+          words = device::philox_group(context.seed, static_cast<uint32_t>(group), context.draw_counter,
+                                       context.particle, context.stream_word);
+          words_group = group;
+        }
+        const uint32_t word = (i & 3) == 0   ? words.x
+                              : (i & 3) == 1 ? words.y
+                              : (i & 3) == 2 ? words.z
+                                             : words.w;
+        score += -logf(-logf(device::uniform_open01(word)));
+      }
+      if (score > best.score)
+        best = Candidate{score, v}; // ids grow within a thread: ties keep the first
+    }
+  }
+
+  /// One race over the drawn position's 16-byte vectors [vector_begin, vector_end) (the greedy draw's tile,
+  /// or the whole row): the best score among them, reduced over the CTA (valid in thread 0). `saw_bad_logit`
   /// (every thread) reports a NaN or +inf logit among those read.
   template <Draw DRAW>
   static __device__ Candidate draw(const Scalar* target_row, const Scalar* draft_row,
                                    const DrawContext& context, int vector_begin, int vector_end,
                                    TempStorage& temp, bool& saw_bad_logit) {
     constexpr bool kReadsDraft = DRAW == Draw::kResidual;
-    constexpr bool kNoise = DRAW != Draw::kArgmax;
     const bool target_aligned = aligned(target_row);
     const bool draft_aligned = kReadsDraft && aligned(draft_row);
     Candidate best{-INFINITY, INT_MAX};
     bool bad = false;
     for (int base = vector_begin; base < vector_end; base += kUnroll * THREADS) {
       uint4 raw_target[kUnroll], raw_draft[kUnroll];
+      int counts[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) { // all loads first: several in flight per thread
+        const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
+        const int first = vector * kPerVector;
+        counts[u] = vector < vector_end ? max(0, min(kPerVector, context.vocab - first)) : 0;
+        if (counts[u] > 0) {
+          raw_target[u] = detail::load_vector<DTYPE>(target_row, first, counts[u], target_aligned);
+          if constexpr (kReadsDraft)
+            raw_draft[u] = detail::load_vector<DTYPE>(draft_row, first, counts[u], draft_aligned);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (counts[u] <= 0)
+          continue;
+        float target_logit[kPerVector], draft_logit[kPerVector];
+        detail::unpack<DTYPE>(raw_target[u], target_logit); // elements past the vocabulary read as -inf
+        if constexpr (kReadsDraft)
+          detail::unpack<DTYPE>(raw_draft[u], draft_logit);
+        const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
+        race_vector<DRAW>(target_logit, draft_logit, vector * kPerVector, counts[u], context, best, bad);
+      }
+    }
+    saw_bad_logit = __syncthreads_or(bad) != 0;
+    best = CandidateReduce(temp.candidate).Reduce(best, BetterCandidate{});
+    __syncthreads(); // temp is reused
+    return best;
+  }
+
+  /// The first level's fold of one tile: this thread's log-sum-exp of the DRAW weights over its vectors
+  /// (vector = tile_begin + k * THREADS + threadIdx.x, all loads of a batch issued first), and for kResidual
+  /// also of p's (the fallback when no residual mass is left). The residual's weights p - q and p's are
+  /// probabilities (<= 1), summed as they are (max 0). `bad`: a NaN or +inf logit was read.
+  template <Draw DRAW>
+  static __device__ void fold(const Scalar* target_row, const Scalar* draft_row, const DrawContext& context,
+                              int tile_begin, int tile_end, LogSumExp& law, LogSumExp& p, bool& bad) {
+    constexpr bool kReadsDraft = DRAW == Draw::kResidual;
+    const bool target_aligned = aligned(target_row);
+    const bool draft_aligned = kReadsDraft && aligned(draft_row);
+    for (int base = tile_begin; base < tile_end; base += kUnroll * THREADS) {
+      uint4 raw_target[kUnroll], raw_draft[kUnroll];
       int firsts[kUnroll], counts[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) { // all loads first: several in flight per thread
         const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
         firsts[u] = vector * kPerVector;
-        counts[u] = vector < vector_end ? max(0, min(kPerVector, context.vocab - firsts[u])) : 0;
+        counts[u] = vector < tile_end ? max(0, min(kPerVector, context.vocab - firsts[u])) : 0;
         if (counts[u] > 0) {
           raw_target[u] = detail::load_vector<DTYPE>(target_row, firsts[u], counts[u], target_aligned);
           if constexpr (kReadsDraft)
@@ -232,73 +343,63 @@ template <DType DTYPE, int THREADS> struct RowPass {
         detail::unpack<DTYPE>(raw_target[u], target_logit); // elements past the vocabulary read as -inf
         if constexpr (kReadsDraft)
           detail::unpack<DTYPE>(raw_draft[u], draft_logit);
-        uint4 words = make_uint4(0, 0, 0, 0);
-        int words_group = -1;
 #pragma unroll
         for (int i = 0; i < kPerVector; ++i) {
-          const int v = firsts[u] + i;
           const float x = target_logit[i];
           bad |= bad_value(x);
-          float score;
-          if constexpr (DRAW == Draw::kArgmax) {
-            score = x;
-          } else if constexpr (DRAW == Draw::kTarget) {
-            score = x * context.inverse_target_t;
-          } else if constexpr (DRAW == Draw::kTargetExcept) {
-            score = v == context.excluded ? -INFINITY : x * context.inverse_target_t;
-          } else {
-            const float y = draft_logit[i];
-            bad |= bad_value(y);
+          if constexpr (DRAW == Draw::kResidual) {
+            bad |= bad_value(draft_logit[i]);
             const float log_p = x * context.inverse_target_t - context.target_lse;
-            const float log_q = y * context.inverse_draft_t - context.draft_lse;
-            // log(p - q) = log p + log(1 - q / p) where p > q; no residual mass (or NaN) otherwise. q = 0
-            // (log_q = -inf) gives log p exactly; p = 0 never passes.
-            score = log_p > log_q ? log_p + log1mexp(log_q - log_p) : -INFINITY;
-          }
-          if (!(score > -INFINITY))
-            continue; // masked, NaN, or no residual mass: never drawn
-          if constexpr (kNoise) {
-            if (score + kMaxGumbel <= best.score)
-              continue; // cannot win: skip the noise
-            const int group = v >> 2;
-            if (group != words_group) {
-              words = device::philox_group(context.seed, static_cast<uint32_t>(group), context.draw_counter,
-                                           context.particle, context.stream_word);
-              words_group = group;
+            const float log_q = draft_logit[i] * context.inverse_draft_t - context.draft_lse;
+            const float p_v = __expf(log_p);
+            if (log_p > log_q) { // p - q = p (1 - q / p), without the cancellation of p - q
+              law.max = 0.0f;
+              law.sum += p_v * -expm1f(log_q - log_p);
             }
-            const uint32_t word = (i & 3) == 0   ? words.x
-                                  : (i & 3) == 1 ? words.y
-                                  : (i & 3) == 2 ? words.z
-                                                 : words.w;
-            score += -logf(-logf(device::uniform_open01(word)));
+            if (p_v > 0.0f) {
+              p.max = 0.0f;
+              p.sum += p_v;
+            }
+          } else {
+            const float w = log_weight<DRAW>(x, 0.0f, firsts[u] + i, context);
+            if (w > law.max) {
+              law.sum = law.max == -INFINITY ? 1.0f : law.sum * __expf(law.max - w) + 1.0f;
+              law.max = w;
+            } else if (w > -INFINITY) {
+              law.sum += __expf(w - law.max);
+            }
           }
-          if (score > best.score)
-            best = Candidate{score, v}; // ids grow within a thread: ties keep the first
         }
       }
     }
-    saw_bad_logit = __syncthreads_or(bad) != 0;
-    best = CandidateReduce(temp.candidate).Reduce(best, BetterCandidate{});
-    __syncthreads(); // temp is reused
-    return best;
   }
 };
 
 /// A tile's result in the workspace (the row's last CTA reads them back with __ldcg).
+/// A greedy draw's tile result in the workspace (the row's last CTA reads them back with __ldcg).
 struct TilePartial {
   float score;
   int index;    ///< INT_MAX when the tile has no candidate
   uint32_t bad; ///< a NaN or +inf logit among those the tile read
 };
 
+/// A sampled draw's sub-tile (the elements one warp folds) after the first level: the log-sum-exp of the
+/// law's weights and, for the residual, of p's.
+struct SubTileState {
+  LogSumExp law, p;
+  uint32_t bad;
+};
+
 struct StochasticArgs {
   StochasticVerifyInputs in;
   VerifyOutputs out;
   int vocab;
-  int splits;            ///< CTAs per row (tiles of the drawn position)
-  int tile_vectors;      ///< 16-byte vectors per tile (the whole row when splits = 1)
-  TilePartial* partials; ///< [rows * splits] when splits > 1
-  uint32_t* tickets;     ///< [rows] when splits > 1
+  int splits;       ///< CTAs per row (tiles of the drawn position)
+  int tile_vectors; ///< 16-byte vectors per tile (the whole row when splits = 1)
+  /// When splits > 1: splits * warps SubTileStates per row, the row's sub-tile states (sampled) or, from the
+  /// region's start, one TilePartial per tile (greedy: T_t = 0); one stride, as a launch mixes both laws.
+  void* partials;
+  uint32_t* tickets; ///< [rows] when splits > 1
 };
 
 /// grid.x = rows * splits: CTA b verifies row b / splits and races tile b % splits of its drawn position.
@@ -419,53 +520,140 @@ __global__ void __launch_bounds__(THREADS) StochasticVerifyKernel(const Stochast
     context.target_lse = target_lse;
     context.draft_lse = draft_lse;
   }
-  const auto race = [&](Draw how, int vector_begin, int vector_end, bool& saw_bad_logit) {
-    switch (how) {
-    case Draw::kArgmax:
-      return Pass::template draw<Draw::kArgmax>(target_row, nullptr, context, vector_begin, vector_end, temp,
-                                                saw_bad_logit);
-    case Draw::kTarget:
-      return Pass::template draw<Draw::kTarget>(target_row, nullptr, context, vector_begin, vector_end, temp,
-                                                saw_bad_logit);
-    case Draw::kTargetExcept:
-      return Pass::template draw<Draw::kTargetExcept>(target_row, nullptr, context, vector_begin, vector_end,
-                                                      temp, saw_bad_logit);
-    default:
-      return Pass::template draw<Draw::kResidual>(target_row, draft_row, context, vector_begin, vector_end,
-                                                  temp, saw_bad_logit);
-    }
-  };
   constexpr int kPerVector = Pass::kPerVector;
+  constexpr int kWarps = THREADS / 32;
   const int vectors = (vocab + kPerVector - 1) / kPerVector;
   const int tile_begin = split * args.tile_vectors;
+  const int tile_end = min(vectors, tile_begin + args.tile_vectors);
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const BetterCandidate better;
   bool saw_bad_logit = false;
-  Candidate best = race(law, tile_begin, min(vectors, tile_begin + args.tile_vectors), saw_bad_logit);
+  Candidate best{-INFINITY, INT_MAX};
 
-  if (args.splits > 1) { // the row's tiles meet in its last CTA
-    if (threadIdx.x == 0)
-      args.partials[blockIdx.x] = TilePartial{best.score, best.index, saw_bad_logit ? 1u : 0u};
-    if (!device::last_to_arrive(&args.tickets[row], static_cast<uint32_t>(args.splits)))
-      return;
-    const TilePartial* tiles = args.partials + static_cast<int64_t>(row) * args.splits;
-    Candidate mine{-INFINITY, INT_MAX};
-    bool bad = false;
-    const BetterCandidate better;
-    for (int t = threadIdx.x; t < args.splits; t += THREADS) {
-      const Candidate other{__ldcg(&tiles[t].score), __ldcg(&tiles[t].index)};
-      mine = better(mine, other);
-      bad |= __ldcg(&tiles[t].bad) != 0u;
+  if (law == Draw::kArgmax) { // no noise: one level, each tile's best meets in the last CTA
+    best = Pass::template draw<Draw::kArgmax>(target_row, nullptr, context, tile_begin, tile_end, temp,
+                                              saw_bad_logit);
+    if (args.splits > 1) {
+      // A row's workspace region is the same size whatever its law (a launch mixes greedy and sampled rows).
+      TilePartial* tiles = reinterpret_cast<TilePartial*>(static_cast<SubTileState*>(args.partials) +
+                                                          static_cast<int64_t>(row) * args.splits * kWarps);
+      if (threadIdx.x == 0)
+        tiles[split] = TilePartial{best.score, best.index, saw_bad_logit ? 1u : 0u};
+      if (!device::last_to_arrive(&args.tickets[row], static_cast<uint32_t>(args.splits)))
+        return;
+      Candidate mine{-INFINITY, INT_MAX};
+      bool bad = false;
+      for (int t = threadIdx.x; t < args.splits; t += THREADS) {
+        mine = better(mine, Candidate{__ldcg(&tiles[t].score), __ldcg(&tiles[t].index)});
+        bad |= __ldcg(&tiles[t].bad) != 0u;
+      }
+      saw_bad_logit = __syncthreads_or(bad) != 0;
+      best = Pass::CandidateReduce(temp.candidate).Reduce(mine, better);
     }
-    saw_bad_logit = __syncthreads_or(bad) != 0;
-    best = Pass::CandidateReduce(temp.candidate).Reduce(mine, better);
-  }
-  if (law == Draw::kResidual) {
+  } else { // two levels (header comment)
+    // Level 1: every warp's sub-tile state, to the workspace (several tiles) or shared memory (one).
+    __shared__ SubTileState local_states[kWarps];
+    LogSumExp law_state{-INFINITY, 0.0f}, p_state{-INFINITY, 0.0f};
+    bool bad = false;
+    if (law == Draw::kTarget)
+      Pass::template fold<Draw::kTarget>(target_row, nullptr, context, tile_begin, tile_end, law_state,
+                                         p_state, bad);
+    else if (law == Draw::kTargetExcept)
+      Pass::template fold<Draw::kTargetExcept>(target_row, nullptr, context, tile_begin, tile_end, law_state,
+                                               p_state, bad);
+    else
+      Pass::template fold<Draw::kResidual>(target_row, draft_row, context, tile_begin, tile_end, law_state,
+                                           p_state, bad);
+    const MergeLogSumExp merge;
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset /= 2) { // a fixed butterfly: the sub-tile's state
+      law_state = merge(law_state, LogSumExp{__shfl_xor_sync(0xffffffffu, law_state.max, offset),
+                                             __shfl_xor_sync(0xffffffffu, law_state.sum, offset)});
+      p_state = merge(p_state, LogSumExp{__shfl_xor_sync(0xffffffffu, p_state.max, offset),
+                                         __shfl_xor_sync(0xffffffffu, p_state.sum, offset)});
+    }
+    bad = __any_sync(0xffffffffu, bad);
+    SubTileState* states = args.splits > 1 ? static_cast<SubTileState*>(args.partials) +
+                                                 static_cast<int64_t>(row) * args.splits * kWarps
+                                           : local_states;
+    if (threadIdx.x % 32 == 0)
+      states[split * kWarps + warp] = SubTileState{law_state, p_state, bad ? 1u : 0u};
+    if (args.splits > 1) {
+      if (!device::last_to_arrive(&args.tickets[row], static_cast<uint32_t>(args.splits)))
+        return;
+    } else {
+      __syncthreads();
+    }
+    // The row's last CTA: the sub-tile by Gumbel-max over log Z_s (the tile draw of s, kTileDrawElement +
+    // s); p's states when the residual has no mass left anywhere (p ~= q to float precision).
+    const int sub_tiles = args.splits * kWarps;
+    auto state_of = [&](int t) {
+      if (args.splits == 1)
+        return states[t];
+      SubTileState state;
+      state.law = LogSumExp{__ldcg(&states[t].law.max), __ldcg(&states[t].law.sum)};
+      state.p = LogSumExp{__ldcg(&states[t].p.max), __ldcg(&states[t].p.sum)};
+      state.bad = __ldcg(&states[t].bad);
+      return state;
+    };
+    bool any_bad = false, any_mass = false;
+    for (int t = threadIdx.x; t < sub_tiles; t += THREADS) {
+      const SubTileState state = state_of(t);
+      any_bad |= state.bad != 0u;
+      any_mass |= state.law.max > -INFINITY && state.law.sum > 0.0f;
+    }
+    saw_bad_logit = __syncthreads_or(any_bad) != 0;
+    const bool use_p = law == Draw::kResidual && __syncthreads_or(any_mass) == 0;
+    Candidate sub{-INFINITY, INT_MAX};
+    if (!saw_bad_logit) {
+      for (int t = threadIdx.x; t < sub_tiles; t += THREADS) { // ascending: ties keep the first
+        const SubTileState state = state_of(t);
+        const LogSumExp z = use_p ? state.p : state.law;
+        if (!(z.max > -INFINITY && z.sum > 0.0f))
+          continue; // no mass: never chosen
+        const uint32_t word =
+            device::philox_tile_word(context.seed, static_cast<uint32_t>(t), context.draw_counter,
+                                     context.particle, context.stream_word);
+        sub = better(sub, Candidate{z.max + logf(z.sum) - logf(-logf(device::uniform_open01(word))), t});
+      }
+    }
+    sub = Pass::CandidateReduce(temp.candidate).Reduce(sub, better);
     if (threadIdx.x == 0)
-      drawn_index = best.index;
+      drawn_index = sub.index;
     __syncthreads();
-    // p ~= q to float precision leaves no residual mass although a coin rejected: draw from p instead (this
-    // CTA alone, over the whole row: rare).
-    if (drawn_index == INT_MAX && !saw_bad_logit)
-      best = race(Draw::kTarget, 0, vectors, saw_bad_logit);
+    const int chosen = drawn_index;
+    if (chosen != INT_MAX) {
+      // Level 2: Gumbel-max over the chosen sub-tile's elements alone (the word of each vocab id), re-read
+      // from L2: vectors tile_begin' + k * THREADS + w * 32 + lane of tile chosen / kWarps, w = chosen %
+      // kWarps.
+      const int sub_tile_begin = (chosen / kWarps) * args.tile_vectors;
+      const int sub_tile_end = min(vectors, sub_tile_begin + args.tile_vectors);
+      const int sub_warp = chosen % kWarps;
+      const int slots = 32 * ((args.tile_vectors + THREADS - 1) / THREADS);
+      const bool target_aligned = Pass::aligned(target_row);
+      const bool draft_aligned = law == Draw::kResidual && !use_p && Pass::aligned(draft_row);
+      bool race_bad = false;
+      for (int j = threadIdx.x; j < slots; j += THREADS) { // ascending vectors within a thread
+        const int vector = sub_tile_begin + (j / 32) * THREADS + sub_warp * 32 + j % 32;
+        if (vector >= sub_tile_end)
+          break;
+        float target_logit[kPerVector], draft_logit[kPerVector];
+        const int count = Pass::load(target_row, target_aligned, vector, vocab, target_logit);
+        if (use_p || law == Draw::kTarget) {
+          Pass::template race_vector<Draw::kTarget>(target_logit, draft_logit, vector * kPerVector, count,
+                                                    context, best, race_bad);
+        } else if (law == Draw::kTargetExcept) {
+          Pass::template race_vector<Draw::kTargetExcept>(target_logit, draft_logit, vector * kPerVector,
+                                                          count, context, best, race_bad);
+        } else {
+          Pass::load(draft_row, draft_aligned, vector, vocab, draft_logit);
+          Pass::template race_vector<Draw::kResidual>(target_logit, draft_logit, vector * kPerVector, count,
+                                                      context, best, race_bad);
+        }
+      }
+      __syncthreads(); // temp.candidate is reused
+      best = Pass::CandidateReduce(temp.candidate).Reduce(best, better);
+    }
   }
   int32_t next_token = kInvalidToken;
   if (saw_bad_logit) {
@@ -549,6 +737,18 @@ void VerifyOutputs::validate(const char* where) const {
   require(next_tokens != nullptr, where, "out.next_tokens", "null", "must be a device pointer");
 }
 
+int verify_threads(int vocab) {
+  return vocab > kSmallVocab ? kSplitThreads : 32;
+}
+
+int verify_tile_length(int vocab, DType dtype) {
+  const int per_vector = detail::kVectorBytes / dtype_bytes(dtype);
+  const int pass = verify_threads(vocab) * detail::kUnrollVectors * per_vector; // one load batch of a CTA
+  if (vocab > kSmallVocab)
+    return pass;
+  return (vocab + pass - 1) / pass * pass; // the whole row, one CTA
+}
+
 void verify_greedy(const TokenVerifyInputs& inputs, const VerifyOutputs& out, cudaStream_t stream) {
   constexpr const char* kWhere = "smcgraph::verify_greedy";
   inputs.validate(kWhere);
@@ -591,33 +791,31 @@ void verify_stochastic(const StochasticVerifyInputs& inputs, const VerifyOutputs
   out.validate(kWhere);
 
   StochasticArgs args{inputs, out, vocab, 1, 0, nullptr, nullptr};
-  const int per_vector = detail::kVectorBytes / dtype_bytes(inputs.target_logits.dtype);
+  const DType dtype = inputs.target_logits.dtype;
+  const int per_vector = detail::kVectorBytes / dtype_bytes(dtype);
   const int vectors = (vocab + per_vector - 1) / per_vector;
-  if (vocab > kSmallVocab) {
-    args.splits = (vectors + kSplitTileVectors - 1) / kSplitTileVectors;
-    args.tile_vectors = kSplitTileVectors;
-  } else {
-    args.tile_vectors = vectors;
-  }
+  args.tile_vectors = std::min(vectors, verify_tile_length(vocab, dtype) / per_vector);
+  args.splits = (vectors + args.tile_vectors - 1) / args.tile_vectors;
   if (args.splits > 1) {
     using Access = detail::SampleWorkspaceAccess;
     require(workspace.max_jobs() >= rows, kWhere, "workspace.max_jobs", workspace.max_jobs(),
             "must be >= rows (a row of this vocabulary is split over several CTAs)");
-    const int64_t partial_bytes =
-        static_cast<int64_t>(rows) * args.splits * static_cast<int64_t>(sizeof(TilePartial));
+    const int64_t per_tile =
+        std::max<int64_t>(sizeof(TilePartial), (kSplitThreads / 32) * sizeof(SubTileState));
+    const int64_t partial_bytes = static_cast<int64_t>(rows) * args.splits * per_tile;
     require(partial_bytes <= static_cast<int64_t>(Access::max_partials(workspace)) *
                                  static_cast<int64_t>(sizeof(detail::PassState)),
             kWhere, "workspace.max_vocab", workspace.max_vocab(),
             "too small for rows x tiles of this vocabulary");
-    args.partials = static_cast<TilePartial*>(Access::partials(workspace));
+    args.partials = Access::partials(workspace);
     args.tickets = Access::tickets(workspace);
   }
 
   const NvtxRange range("verify_stochastic");
-  if (vocab > kSmallVocab)
-    launch_stochastic<kSplitThreads>(inputs.target_logits.dtype, args, stream);
+  if (verify_threads(vocab) == kSplitThreads)
+    launch_stochastic<kSplitThreads>(dtype, args, stream);
   else
-    launch_stochastic<32>(inputs.target_logits.dtype, args, stream);
+    launch_stochastic<32>(dtype, args, stream);
   SMCGRAPH_CHECK_LAUNCH();
 }
 

@@ -5,9 +5,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "smcgraph/philox.hpp"
 #include "smcgraph/types.hpp"
+#include "smcgraph/verify.hpp"
 
 namespace smcgraph::reference {
 namespace {
@@ -83,36 +85,86 @@ struct DrawInputs {
   uint32_t draw_counter, particle, stream_word;
 };
 
-Race draw(Draw mode, const DrawInputs& in) {
+/// The log-weight of v under `mode` before noise (-inf: never drawn).
+double log_weight(Draw mode, const DrawInputs& in, int v) {
+  const float x = in.target_row[v];
+  switch (mode) {
+  case Draw::kArgmax:
+    return x;
+  case Draw::kTarget:
+    return x * in.inverse_target_t;
+  case Draw::kTargetExcept:
+    return v == in.excluded ? -kInf : x * in.inverse_target_t;
+  case Draw::kResidual: {
+    const double log_p = x * in.inverse_target_t - in.target_lse;
+    const double log_q = in.draft_row[v] * in.inverse_draft_t - in.draft_lse;
+    return log_p > log_q ? log_p + log1mexp(log_q - log_p) : -kInf;
+  }
+  }
+  return -kInf;
+}
+
+double gumbel(const DrawInputs& in, uint64_t element) {
+  const double u =
+      uniform_open01(philox_word(in.seed, element, in.draw_counter, in.particle, in.stream_word));
+  return -std::log(-std::log(u));
+}
+
+/// The draw's sub-tile of vocab id v (verify.hpp): tile v / L, warp ((v % L) / vector % threads) / 32.
+int sub_tile_of(int v, int vocab, DType dtype) {
+  const int threads = verify_threads(vocab), tile = verify_tile_length(vocab, dtype);
+  const int per_vector = 16 / dtype_bytes(dtype);
+  return (v / tile) * (threads / 32) + ((v % tile) / per_vector % threads) / 32;
+}
+
+/// A draw as the device does it: the argmax for kArgmax; otherwise the two-level Gumbel-max (a sub-tile by
+/// log Z_s + Gumbel of element kTileDrawElement + s, then v inside it by weight + Gumbel of element v), from
+/// p when a residual has no mass left. `level_gap`: the sub-tile race's best minus its runner-up.
+Race draw(Draw mode, const DrawInputs& in, DType dtype, double* level_gap) {
+  *level_gap = kInf;
   Race race;
+  if (mode == Draw::kArgmax) {
+    for (int v = 0; v < in.vocab; ++v) {
+      const double score = log_weight(mode, in, v);
+      if (score > -kInf)
+        race.offer(score, v);
+    }
+    return race;
+  }
+  const int tile = verify_tile_length(in.vocab, dtype);
+  const int sub_tiles = (in.vocab + tile - 1) / tile * (verify_threads(in.vocab) / 32);
+  auto sub_tile_race = [&](Draw how) {
+    std::vector<double> max(sub_tiles, -kInf), sum(sub_tiles, 0.0);
+    for (int v = 0; v < in.vocab; ++v) {
+      const int s = sub_tile_of(v, in.vocab, dtype);
+      max[s] = std::max(max[s], log_weight(how, in, v));
+    }
+    for (int v = 0; v < in.vocab; ++v) {
+      const int s = sub_tile_of(v, in.vocab, dtype);
+      const double w = log_weight(how, in, v);
+      if (w > -kInf)
+        sum[s] += std::exp(w - max[s]);
+    }
+    Race level;
+    for (int s = 0; s < sub_tiles; ++s)
+      if (max[s] > -kInf)
+        level.offer(max[s] + std::log(sum[s]) + gumbel(in, kTileDrawElement + static_cast<uint64_t>(s)), s);
+    return level;
+  };
+  Race level = sub_tile_race(mode);
+  if (level.best_index < 0 && mode == Draw::kResidual) {
+    mode = Draw::kTarget; // no residual mass: p
+    level = sub_tile_race(mode);
+  }
+  if (level.best_index < 0)
+    return race;
+  *level_gap = level.second_index < 0 ? kInf : level.best - level.second;
   for (int v = 0; v < in.vocab; ++v) {
-    const float x = in.target_row[v];
-    double score;
-    switch (mode) {
-    case Draw::kArgmax:
-      score = x;
-      break;
-    case Draw::kTarget:
-      score = x * in.inverse_target_t;
-      break;
-    case Draw::kTargetExcept:
-      score = v == in.excluded ? -kInf : x * in.inverse_target_t;
-      break;
-    case Draw::kResidual: {
-      const double log_p = x * in.inverse_target_t - in.target_lse;
-      const double log_q = in.draft_row[v] * in.inverse_draft_t - in.draft_lse;
-      score = log_p > log_q ? log_p + log1mexp(log_q - log_p) : -kInf;
-      break;
-    }
-    }
-    if (!(score > -kInf))
+    if (sub_tile_of(v, in.vocab, dtype) != level.best_index)
       continue;
-    if (mode != Draw::kArgmax) {
-      const double u = uniform_open01(
-          philox_word(in.seed, static_cast<uint64_t>(v), in.draw_counter, in.particle, in.stream_word));
-      score += -std::log(-std::log(u));
-    }
-    race.offer(score, v);
+    const double score = log_weight(mode, in, v);
+    if (score > -kInf)
+      race.offer(score + gumbel(in, static_cast<uint64_t>(v)), v);
   }
   return race;
 }
@@ -223,20 +275,19 @@ StochasticVerdict verify_stochastic(const StochasticProblem& p) {
       in.stream_word = philox_stream(Salt::kResidual, static_cast<uint32_t>(accepted));
       bool bad = any_bad(in.target_row, p.vocab);
       Race race;
+      double level_gap = kInf;
       if (target_t == 0.0f) {
-        race = draw(Draw::kArgmax, in);
+        race = draw(Draw::kArgmax, in, p.dtype, &level_gap);
       } else if (accepted == p.draft_steps) {
-        race = draw(Draw::kTarget, in);
+        race = draw(Draw::kTarget, in, p.dtype, &level_gap);
       } else if (draft_t == 0.0f) {
         in.excluded = tokens[accepted];
-        race = draw(Draw::kTargetExcept, in);
+        race = draw(Draw::kTargetExcept, in, p.dtype, &level_gap);
       } else {
         bad = bad || any_bad(in.draft_row, p.vocab);
         in.target_lse = log_sum_exp(in.target_row, p.vocab, in.inverse_target_t);
         in.draft_lse = log_sum_exp(in.draft_row, p.vocab, in.inverse_draft_t);
-        race = draw(Draw::kResidual, in);
-        if (race.best_index < 0)
-          race = draw(Draw::kTarget, in); // no residual mass: p
+        race = draw(Draw::kResidual, in, p.dtype, &level_gap); // from p when no residual mass is left
       }
       if (bad) {
         flags |= kFlagNanLogit;
@@ -244,7 +295,7 @@ StochasticVerdict verify_stochastic(const StochasticProblem& p) {
         flags |= kFlagAllMasked;
       } else {
         next = race.best_index;
-        verdict.draw_gap[row] = race.second_index < 0 ? kInf : race.best - race.second;
+        verdict.draw_gap[row] = std::min(level_gap, race.second_index < 0 ? kInf : race.best - race.second);
         verdict.runner_up[row] = race.second_index;
       }
     }

@@ -8,6 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "smcgraph/types.hpp"
+
 namespace smcgraph::reference {
 
 /// Per-row results of a verification, as the device writes them (row_flags as OR-ed into zeroed flags).
@@ -43,18 +45,23 @@ struct StochasticProblem {
   const uint32_t* draw_counters = nullptr;
   int particles_per_request = 1;
   int rows = 0, draft_steps = 0, vocab = 0;
+  /// The logits' dtype on the device: it decides the draw's tiles and sub-tiles (verify_tile_length()).
+  DType dtype = DType::kFloat32;
 };
 
 struct StochasticVerdict : Verdict {
   std::vector<double>
-      coin_margin;              ///< per row: min |log u - log(p/q)| over coins a uniform decided (inf: none)
-  std::vector<double> draw_gap; ///< per row: score of the drawn token minus the runner-up's (inf: none)
-  std::vector<int32_t> runner_up; ///< per row: the runner-up of the draw (-1: none)
+      coin_margin; ///< per row: min |log u - log(p/q)| over coins a uniform decided (inf: none)
+  /// per row: the smaller gap of the draw's two levels, best minus runner-up (sub-tile keys log Z_s + Gumbel,
+  /// then element scores inside the chosen sub-tile); inf: no runner-up at either level
+  std::vector<double> draw_gap;
+  std::vector<int32_t> runner_up; ///< per row: the runner-up inside the chosen sub-tile (-1: none)
   /// True when float rounding on the device could flip this row's outcome.
   bool near_tie(int row, double coin_tolerance = 1e-5, double gap_tolerance = 1e-3) const;
 };
 
-/// Exact speculative sampling as the device does it: the same coins and Gumbel noise, exact log-sum-exps.
+/// Exact speculative sampling as the device does it: the same coins, the same two-level Gumbel-max over the
+/// same sub-tiles with the same Philox words (verify.hpp), exact log-sum-exps.
 StochasticVerdict verify_stochastic(const StochasticProblem& problem);
 
 /// The pack: offsets (exclusive prefix of k_i + include_next, k_i clamped to [0, draft_steps]), total, the
