@@ -3,7 +3,7 @@
 // Both scan a row's draft positions with warp ballots (ceil(draft_steps / 32) of them whatever the outcome,
 // so lanes never diverge on where the first rejection is). The stochastic verifier then draws the next token
 // from one position of the row (the residual max(0, p - q) at the first rejection, or p at position
-// draft_steps) by Gumbel-max in log space, in one pass over that position's logits.
+// draft_steps) by Gumbel-max in log space, as follows.
 //
 // The stochastic verifier splits the vocabulary: a row is `splits` CTAs (a tile of verify_tile_length()
 // logits each), and every CTA runs the row's coins itself (a few loads and Philox words) and then folds its
@@ -402,7 +402,8 @@ struct StochasticArgs {
   uint32_t* tickets; ///< [rows] when splits > 1
 };
 
-/// grid.x = rows * splits: CTA b verifies row b / splits and races tile b % splits of its drawn position.
+/// grid.x = rows * splits: CTA b verifies row b / splits and folds (sampled) or races (greedy) tile
+/// b % splits of its drawn position.
 /// Every CTA of a row runs the coins (warp ballots, windows spread over the warps) and takes the same
 /// decisions; the verdicts that need no draw are written by the row's first CTA, and the drawn token by the
 /// last to finish its tile.
