@@ -240,7 +240,7 @@ struct DeviceProblem {
   DeviceBuffer<float> target_logprobs, draft_logprobs, target_t, draft_t;
   DeviceBuffer<uint64_t> seeds;
   DeviceBuffer<uint32_t> counters;
-  /// The split-vocabulary merge's scratch (vocab > 1024); a token one for rows that are one CTA.
+  /// Where a row's tiles meet (rows longer than one tile, verify_tile_length()); a token one otherwise.
   smcgraph::SampleWorkspace workspace;
   DeviceProblem(const Problem& p, cudaStream_t stream)
       : problem(p), tokens(test::to_device(p.tokens, stream)),
@@ -348,7 +348,7 @@ TEST_CASE("verify_stochastic matches the reference token for token") {
       {DType::kFloat32, 50, 1},     {DType::kBFloat16, 50, 33},  {DType::kFloat16, 1001, 4},
       {DType::kFloat32, 1001, 33},  {DType::kBFloat16, 5000, 1}, {DType::kFloat16, 5000, 4},
       {DType::kBFloat16, 40000, 4}, {DType::kFloat32, 40001, 1}, {DType::kFloat16, 50, 4},
-      {DType::kBFloat16, 128256, 2}}; // above 1024 a row is split over CTAs (32 tiles at the last)
+      {DType::kBFloat16, 128256, 2}}; // rows longer than a tile (4096 bf16) are split: 32 tiles here
   int near_ties = 0, rows_checked = 0;
   for (const Config& config : configs) {
     INFO(smcgraph::dtype_name(config.dtype)
