@@ -498,10 +498,9 @@ TEST_CASE("verify_stochastic is exact: emitted tokens follow p (10^6 draws per c
       break;
     case 8: { // only sub-tiles 1 and 6 (one in each tile) hold finite logits: the others never win level 1
       name = "bf16 V 5000: 6 of 8 sub-tiles entirely -inf";
-      const int threads = smcgraph::verify_threads(p.vocab);
-      const int tile = smcgraph::verify_tile_length(p.vocab, p.dtype);
+      const reference::TileLayout layout = reference::verify_draw_layout(p.vocab, p.dtype);
       for (int v = 0; v < p.vocab; ++v) {
-        const int sub_tile = (v / tile) * (threads / 32) + ((v % tile) / 8 % threads) / 32;
+        const int sub_tile = layout.sub_tile(v);
         if (sub_tile == 1 || sub_tile == 6)
           continue;
         for (int j = 0; j <= draft_steps; ++j) {

@@ -76,13 +76,6 @@ bool SampleResult::near_tie() const {
 
 namespace {
 
-/// Gumbel noise -log(-log u) of the Philox word of `element` (a vocab id, or kTileDrawElement + tile).
-double gumbel(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
-              uint32_t stream_word) {
-  const double u = uniform_open01(philox_word(seed, element, draw_counter, particle, stream_word));
-  return -std::log(-std::log(u));
-}
-
 /// Keeps the best and second best score of a race (ties keep the first, i.e. the smaller index).
 struct Race {
   double best = -kInf, second = -kInf;
@@ -99,6 +92,12 @@ struct Race {
 };
 
 } // namespace
+
+double gumbel_noise(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
+                    uint32_t stream_word) {
+  const double u = uniform_open01(philox_word(seed, element, draw_counter, particle, stream_word));
+  return -std::log(-std::log(u));
+}
 
 SampleResult sample(const float* logits, int vocab, const TileLayout& layout, float temperature, float alpha,
                     uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word) {
@@ -157,8 +156,8 @@ SampleResult sample(const float* logits, int vocab, const TileLayout& layout, fl
     if (sub_max[s] == -kInf)
       continue;
     const double log_z = sub_max[s] * power_scale + std::log(sub_sum[s]);
-    sub_race.offer(log_z + gumbel(seed, kTileDrawElement + static_cast<uint64_t>(s), draw_counter, particle,
-                                  stream_word),
+    sub_race.offer(log_z + gumbel_noise(seed, kTileDrawElement + static_cast<uint64_t>(s), draw_counter,
+                                        particle, stream_word),
                    s);
   }
   // Level 2: the token by Gumbel-max over alpha l / T inside the winning sub-tile only (by ascending id).
@@ -167,7 +166,7 @@ SampleResult sample(const float* logits, int vocab, const TileLayout& layout, fl
     if (sub_tile_of[v] != sub_race.index || logits[v] == -std::numeric_limits<float>::infinity())
       continue;
     race.offer(power_scale * logits[v] +
-                   gumbel(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word),
+                   gumbel_noise(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word),
                v);
   }
   double m = 0.0;

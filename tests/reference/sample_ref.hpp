@@ -45,6 +45,12 @@ struct SampleResult {
   bool near_tie() const;
 };
 
+/// Gumbel noise -log(-log u), in double, of the Philox word of `element` (a vocab id, or kTileDrawElement + a
+/// sub-tile) under (seed, draw_counter, particle, stream_word): the noise of the sampler's and the stochastic
+/// verifier's races.
+double gumbel_noise(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
+                    uint32_t stream_word);
+
 /// Samples from softmax(alpha * logits / T) exactly as the device does, in double: the two-level Gumbel-max
 /// over the sub-tiles of `layout`, sub-tile s (the row-wide index, TileLayout::sub_tile) scored
 /// log Z_s + Gumbel from the Philox word of element kTileDrawElement + s, then the tokens of the winning

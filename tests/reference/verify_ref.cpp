@@ -105,16 +105,7 @@ double log_weight(Draw mode, const DrawInputs& in, int v) {
 }
 
 double gumbel(const DrawInputs& in, uint64_t element) {
-  const double u =
-      uniform_open01(philox_word(in.seed, element, in.draw_counter, in.particle, in.stream_word));
-  return -std::log(-std::log(u));
-}
-
-/// The draw's sub-tile of vocab id v (verify.hpp): tile v / L, warp ((v % L) / vector % threads) / 32.
-int sub_tile_of(int v, int vocab, DType dtype) {
-  const int threads = verify_threads(vocab), tile = verify_tile_length(vocab, dtype);
-  const int per_vector = 16 / dtype_bytes(dtype);
-  return (v / tile) * (threads / 32) + ((v % tile) / per_vector % threads) / 32;
+  return gumbel_noise(in.seed, element, in.draw_counter, in.particle, in.stream_word);
 }
 
 /// A draw as the device does it: the argmax for kArgmax; otherwise the two-level Gumbel-max (a sub-tile by
@@ -131,16 +122,17 @@ Race draw(Draw mode, const DrawInputs& in, DType dtype, double* level_gap) {
     }
     return race;
   }
-  const int tile = verify_tile_length(in.vocab, dtype);
-  const int sub_tiles = (in.vocab + tile - 1) / tile * (verify_threads(in.vocab) / 32);
+  const TileLayout layout = verify_draw_layout(in.vocab, dtype);
+  const int sub_tiles =
+      (in.vocab + layout.tile_length - 1) / layout.tile_length * layout.sub_tiles_per_tile();
   auto sub_tile_race = [&](Draw how) {
     std::vector<double> max(sub_tiles, -kInf), sum(sub_tiles, 0.0);
     for (int v = 0; v < in.vocab; ++v) {
-      const int s = sub_tile_of(v, in.vocab, dtype);
+      const int s = layout.sub_tile(v);
       max[s] = std::max(max[s], log_weight(how, in, v));
     }
     for (int v = 0; v < in.vocab; ++v) {
-      const int s = sub_tile_of(v, in.vocab, dtype);
+      const int s = layout.sub_tile(v);
       const double w = log_weight(how, in, v);
       if (w > -kInf)
         sum[s] += std::exp(w - max[s]);
@@ -160,7 +152,7 @@ Race draw(Draw mode, const DrawInputs& in, DType dtype, double* level_gap) {
     return race;
   *level_gap = level.second_index < 0 ? kInf : level.best - level.second;
   for (int v = 0; v < in.vocab; ++v) {
-    if (sub_tile_of(v, in.vocab, dtype) != level.best_index)
+    if (layout.sub_tile(v) != level.best_index)
       continue;
     const double score = log_weight(mode, in, v);
     if (score > -kInf)
@@ -177,6 +169,10 @@ bool any_bad(const float* row, int vocab) {
 }
 
 } // namespace
+
+TileLayout verify_draw_layout(int vocab, DType dtype) {
+  return TileLayout{verify_tile_length(vocab, dtype), 16 / dtype_bytes(dtype), verify_threads(vocab), 32};
+}
 
 Verdict verify_greedy(const int32_t* draft, int64_t draft_row_stride, const int32_t* target,
                       int64_t target_row_stride, int rows, int draft_steps, int vocab) {

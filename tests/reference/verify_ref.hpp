@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "reference/sample_ref.hpp"
 #include "smcgraph/types.hpp"
 
 namespace smcgraph::reference {
@@ -59,6 +60,10 @@ struct StochasticVerdict : Verdict {
   /// True when float rounding on the device could flip this row's outcome.
   bool near_tie(int row, double coin_tolerance = 1e-5, double gap_tolerance = 1e-3) const;
 };
+
+/// How verify_stochastic() cuts a row for its two-level draw (verify.hpp): tiles of verify_tile_length()
+/// logits, read as 16-byte vectors by verify_threads() threads, a sub-tile per warp.
+TileLayout verify_draw_layout(int vocab, DType dtype);
 
 /// Exact speculative sampling as the device does it: the same coins, the same two-level Gumbel-max over the
 /// same sub-tiles with the same Philox words (verify.hpp), exact log-sum-exps.
