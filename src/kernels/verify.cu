@@ -228,6 +228,27 @@ template <DType DTYPE, int THREADS> struct RowPass {
     return count;
   }
 
+  /// Issues one batch of a thread's loads, all before any is used (several in flight per thread): vectors
+  /// base + u * THREADS + threadIdx.x (u < kUnroll, below `end`) of the target row and, for READS_DRAFT, of
+  /// the draft row; firsts[u] is the vector's first vocab id, counts[u] its logits (0: nothing loaded).
+  template <bool READS_DRAFT>
+  static __device__ __forceinline__ void
+  load_batch(const Scalar* target_row, bool target_aligned, const Scalar* draft_row, bool draft_aligned,
+             int base, int end, int vocab, uint4 (&raw_target)[kUnroll], uint4 (&raw_draft)[kUnroll],
+             int (&firsts)[kUnroll], int (&counts)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
+      firsts[u] = vector * kPerVector;
+      counts[u] = vector < end ? max(0, min(kPerVector, vocab - firsts[u])) : 0;
+      if (counts[u] > 0) {
+        raw_target[u] = detail::load_vector<DTYPE>(target_row, firsts[u], counts[u], target_aligned);
+        if constexpr (READS_DRAFT)
+          raw_draft[u] = detail::load_vector<DTYPE>(draft_row, firsts[u], counts[u], draft_aligned);
+      }
+    }
+  }
+
   /// Offers the `count` elements of one vector (ids first ..) to a race: log-weight + the Gumbel noise of
   /// their vocab ids (none for kArgmax), skipping the noise of elements that cannot win.
   template <Draw DRAW>
@@ -281,18 +302,9 @@ template <DType DTYPE, int THREADS> struct RowPass {
     bool bad = false;
     for (int base = vector_begin; base < vector_end; base += kUnroll * THREADS) {
       uint4 raw_target[kUnroll], raw_draft[kUnroll];
-      int counts[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) { // all loads first: several in flight per thread
-        const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
-        const int first = vector * kPerVector;
-        counts[u] = vector < vector_end ? max(0, min(kPerVector, context.vocab - first)) : 0;
-        if (counts[u] > 0) {
-          raw_target[u] = detail::load_vector<DTYPE>(target_row, first, counts[u], target_aligned);
-          if constexpr (kReadsDraft)
-            raw_draft[u] = detail::load_vector<DTYPE>(draft_row, first, counts[u], draft_aligned);
-        }
-      }
+      int firsts[kUnroll], counts[kUnroll];
+      load_batch<kReadsDraft>(target_row, target_aligned, draft_row, draft_aligned, base, vector_end,
+                              context.vocab, raw_target, raw_draft, firsts, counts);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (counts[u] <= 0)
@@ -324,17 +336,8 @@ template <DType DTYPE, int THREADS> struct RowPass {
     for (int base = tile_begin; base < tile_end; base += kUnroll * THREADS) {
       uint4 raw_target[kUnroll], raw_draft[kUnroll];
       int firsts[kUnroll], counts[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) { // all loads first: several in flight per thread
-        const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
-        firsts[u] = vector * kPerVector;
-        counts[u] = vector < tile_end ? max(0, min(kPerVector, context.vocab - firsts[u])) : 0;
-        if (counts[u] > 0) {
-          raw_target[u] = detail::load_vector<DTYPE>(target_row, firsts[u], counts[u], target_aligned);
-          if constexpr (kReadsDraft)
-            raw_draft[u] = detail::load_vector<DTYPE>(draft_row, firsts[u], counts[u], draft_aligned);
-        }
-      }
+      load_batch<kReadsDraft>(target_row, target_aligned, draft_row, draft_aligned, base, tile_end,
+                              context.vocab, raw_target, raw_draft, firsts, counts);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (counts[u] <= 0)
