@@ -237,7 +237,10 @@ int main() {
       const char* name;
       std::function<void(cudaStream_t)> work;
     };
-    const int grid_all = sms * std::max(1, std::min(per_sm, 1));
+    // The grid barrier needs every block resident: one block per SM, and at least one must fit.
+    smcgraph::require(per_sm >= 1, "stage_chain_bench", "persistent blocks per SM", per_sm,
+                      "must be >= 1 (the grid barrier needs every block resident)");
+    const int grid_all = sms;
     float* p0 = b0.data();
     float* p1 = b1.data();
     const uint16_t* pw = d_w.data();
