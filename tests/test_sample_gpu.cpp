@@ -853,3 +853,76 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
       }
     }
 }
+
+TEST_CASE("score() at T = 0 is one-hot at the argmax with ties to the smallest id, across tiles") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  // Greedy verification accepts a draft token exactly when its log-prob is 0: a token that only ties the
+  // maximum at a larger id must get -inf, or the engine emits it where greedy decoding emits the smaller id.
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    CAPTURE(dtype);
+    const int vocab = 32001, positions = 4, rows = 3, token_stride = positions - 1;
+    // Per row: two ids sharing the maximum (in one tile, or tiles apart), and a third id below it.
+    const int ties[rows][2] = {{5, 20000}, {30000, 31000}, {7, 8}};
+    std::vector<float> logits(static_cast<size_t>(rows) * positions * vocab);
+    for (float& l : logits)
+      l = static_cast<float>(rng.uniform() * 4.0 - 2.0); // bf16-exact values below: the ties survive encoding
+    std::vector<int32_t> tokens(static_cast<size_t>(rows) * token_stride);
+    for (int r = 0; r < rows; ++r)
+      for (int p = 0; p < positions; ++p) {
+        float* row = logits.data() + (static_cast<size_t>(r) * positions + p) * vocab;
+        row[ties[r][0]] = row[ties[r][1]] = 8.0f;
+        if (p < token_stride) // the larger tied id, the smaller one, and neither
+          tokens[r * token_stride + p] = p == 0 ? ties[r][1] : (p == 1 ? ties[r][0] : ties[r][0] + 1);
+      }
+    const std::vector<float> temperature(rows, 0.0f), alpha(rows, 1.0f);
+    const std::vector<uint64_t> seeds(rows, 1);
+    const std::vector<uint32_t> counters(rows, 0);
+    smcgraph::Stream stream;
+    const auto bytes = test::encode_logits(dtype, logits).bytes;
+    DeviceBuffer<uint8_t> d_logits(bytes.size());
+    d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
+    auto d_temperature = test::to_device(temperature, stream);
+    auto d_alpha = test::to_device(alpha, stream);
+    auto d_seeds = test::to_device(seeds, stream);
+    auto d_counters = test::to_device(counters, stream);
+    auto d_tokens = test::to_device(tokens, stream);
+    DeviceBuffer<float> token_logprobs(tokens.size()), bonus_logprobs(rows), logz(rows);
+    DeviceBuffer<int32_t> bonus(rows);
+    DeviceBuffer<uint32_t> flags(rows), status(1);
+    smcgraph::SampleWorkspace workspace(rows * positions, vocab);
+    for (bool captured : {false, true}) {
+      CAPTURE(captured);
+      token_logprobs.fill_bytes(0xff, stream); // NaN: every entry must be written
+      bonus.fill_bytes(0xff, stream);
+      flags.fill_bytes(0, stream);
+      status.fill_bytes(0, stream);
+      test::run_on_stream(captured, stream, [&](cudaStream_t s) {
+        smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, int64_t{positions} * vocab, vocab},
+                        d_tokens.data(), token_stride, {d_temperature.data(), d_alpha.data()},
+                        {d_seeds.data(), d_counters.data(), 1},
+                        smcgraph::philox_stream(smcgraph::Salt::kBonus, 0),
+                        {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(),
+                         flags.data(), status.data()},
+                        workspace, s);
+      });
+      const auto h_logprobs = test::to_host(token_logprobs.data(), tokens.size(), stream);
+      const auto h_bonus = test::to_host(bonus.data(), rows, stream);
+      const auto h_flags = test::to_host(flags.data(), rows, stream);
+      for (int r = 0; r < rows; ++r) {
+        CAPTURE(r);
+        CHECK(h_flags[r] == 0);
+        CHECK(h_bonus[r] == ties[r][0]); // the greedy draw: the smaller tied id
+        for (int p = 0; p < token_stride; ++p) {
+          CAPTURE(p);
+          uint32_t f = 0;
+          const double expected =
+              reference::token_logprob(logits.data() + (static_cast<size_t>(r) * positions + p) * vocab,
+                                       vocab, 0.0f, tokens[r * token_stride + p], &f);
+          CHECK(expected == (p == 1 ? 0.0 : -kInf));
+          CHECK(h_logprobs[r * token_stride + p] == static_cast<float>(expected));
+        }
+      }
+    }
+  }
+}

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -69,8 +70,10 @@ void forward_at(const reference::ToyModelReference& target, std::vector<float>& 
 }
 
 /// Greedy target-only decoding on the host with the bit-exact toy reference, one token per forward.
+/// `top_gaps`, when given, gets each generated token's logit minus the runner-up's.
 std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target,
-                                      const std::vector<int32_t>& prompt, int new_tokens) {
+                                      const std::vector<int32_t>& prompt, int new_tokens,
+                                      std::vector<float>* top_gaps = nullptr) {
   const ToyModelConfig& config = target.config();
   std::vector<float> kv(static_cast<size_t>(config.pool_size) * config.hidden, 0.0f);
   std::vector<float> logits(config.vocab);
@@ -83,6 +86,13 @@ std::vector<int32_t> greedy_reference(const reference::ToyModelReference& target
         static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     sequence.push_back(next);
     generated.push_back(next);
+    if (top_gaps != nullptr) {
+      float runner_up = -INFINITY;
+      for (int v = 0; v < static_cast<int>(logits.size()); ++v)
+        if (v != next)
+          runner_up = std::max(runner_up, logits[v]);
+      top_gaps->push_back(logits[next] - runner_up);
+    }
   }
   return generated;
 }
@@ -117,6 +127,8 @@ std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const st
       std::vector<std::vector<int32_t>> prompts;
       std::vector<RequestId> ids;
       std::vector<std::vector<int32_t>> streamed(bucket);
+      // Each request's cycles as "first token index: K drafted, tokens committed", for a failure's report.
+      std::vector<std::vector<std::string>> cycle_log(bucket);
       for (int i = 0; i < bucket; ++i) {
         prompts.push_back(random_prompt(rng, config.vocab, 32));
         ids.push_back(engine.admit(
@@ -135,6 +147,12 @@ std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const st
           steps_seen.insert(update.draft_steps);
           REQUIRE(std::isfinite(update.acceptance_ema)); // K = 0 proposes nothing: the EMA keeps its value
           accepted_tokens += static_cast<long>(update.tokens[0].size()) - 1;
+          std::ostringstream entry;
+          entry << streamed[index].size() + 1 << ": K " << update.draft_steps << ", next K "
+                << update.next_draft_steps << ", tokens";
+          for (int32_t token : update.tokens[0])
+            entry << ' ' << token;
+          cycle_log[index].push_back(entry.str());
           streamed[index].insert(streamed[index].end(), update.tokens[0].begin(), update.tokens[0].end());
           REQUIRE_FALSE(update.failed);
           if (update.finished)
@@ -146,9 +164,33 @@ std::set<int> check_greedy_equals_target_only(const EngineConfig& base, const st
         REQUIRE(result.tokens.size() >= static_cast<size_t>(new_tokens));
         const std::vector<int32_t> expected = greedy_reference(target_reference, prompts[i], new_tokens);
         const std::vector<int32_t> got(result.tokens.begin(), result.tokens.begin() + new_tokens);
+        // The first position where the two differ (new_tokens when they agree), for a failure's report.
+        const long first_difference =
+            std::mismatch(got.begin(), got.end(), expected.begin()).first - got.begin();
         CAPTURE(bucket);
         CAPTURE(i);
+        CAPTURE(first_difference);
         CHECK(got == expected);
+        if (first_difference < new_tokens) { // where it went wrong: the tokens there and the cycles around
+          const long from = std::max(0L, first_difference - 4),
+                     to = std::min<long>(new_tokens, first_difference + 4);
+          std::ostringstream report;
+          std::vector<float> gaps;
+          greedy_reference(target_reference, prompts[i], new_tokens, &gaps);
+          report << "prompt of " << prompts[i].size() << " tokens; the reference's top-2 logit gap there "
+                 << gaps[first_difference] << "; tokens from " << from << ": got";
+          for (long t = from; t < to; ++t)
+            report << ' ' << got[t];
+          report << "; expected";
+          for (long t = from; t < to; ++t)
+            report << ' ' << expected[t];
+          for (const std::string& entry : cycle_log[i]) {
+            const long position = std::stol(entry); // tokens before the cycle's first (admission's is 0)
+            if (position >= first_difference - 16 && position <= first_difference + 2)
+              report << "\n  cycle at token " << entry;
+          }
+          MESSAGE(report.str());
+        }
         // The streamed updates (first token at admission excluded) agree with the table.
         const size_t overlap = std::min(streamed[i].size(), result.tokens.size() - 1);
         CHECK(streamed[i].size() + 1 >= result.tokens.size());
@@ -219,14 +261,18 @@ TEST_CASE(
   config.adaptive.mid_steps = 3;
   config.adaptive.high_threshold = 0.9f; // K moves between 1, 3 and 6 within a request
   config.adaptive.low_threshold = 0.6f;
-  for (const char* conditional : {"0", "1"}) { // conditional draft steps, then masked fixed-K steps
-    if (std::string(conditional) == "0" && test::sanitizer_blocks_conditional_nodes())
-      continue;
-    ::setenv("SMCGRAPH_DISABLE_CONDITIONAL", conditional, 1);
-    const std::set<int> steps =
-        check_greedy_equals_target_only(config, [](int i) { return i % 5 == 3 ? 1 : (i % 5 == 4 ? 6 : -1); });
-    CHECK(steps.size() >= 3);
+  // One subcase per draft loop (-sc selects one): conditional draft steps, then masked fixed-K steps.
+  const char* disable_conditional = "1";
+  SUBCASE("conditional draft steps") {
+    disable_conditional = "0";
   }
+  SUBCASE("masked fixed-K draft steps") {}
+  if (std::string(disable_conditional) == "0" && test::sanitizer_blocks_conditional_nodes())
+    return;
+  ::setenv("SMCGRAPH_DISABLE_CONDITIONAL", disable_conditional, 1);
+  const std::set<int> steps =
+      check_greedy_equals_target_only(config, [](int i) { return i % 5 == 3 ? 1 : (i % 5 == 4 ? 6 : -1); });
+  CHECK(steps.size() >= 3);
   if (!test::sanitizer_blocks_conditional_nodes())
     ::unsetenv("SMCGRAPH_DISABLE_CONDITIONAL");
 }

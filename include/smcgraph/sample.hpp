@@ -126,7 +126,9 @@ void sample(const LogitsView& logits, const RowParams& params, const RowRandom& 
             const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream);
 
 /// One pass over `[rows, P, V]`: log-probs of the given tokens at positions < P - 1 under softmax(l / T)
-/// and a bonus sample (as sample()) at position P - 1. `tokens` has row stride `token_row_stride`.
+/// and a bonus sample (as sample()) at position P - 1. `tokens` has row stride `token_row_stride`. At T = 0
+/// the law is one-hot at the argmax, ties to the smallest id (the token a greedy draw emits): a token's
+/// log-prob is 0 when it is that argmax and -inf otherwise, even when its logit ties the maximum.
 /// `request_steps` (optional, device memory, [requests], read at run time): row r of request
 /// q = r / random.particles_per_request scores only positions < s_q and samples its bonus at position s_q,
 /// s_q = request_steps[q] clamped to [0, P - 1]; its logits past s_q are never read (they may hold anything)

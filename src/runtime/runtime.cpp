@@ -2,6 +2,8 @@
 
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <mutex>
 
 #include <nvtx3/nvToolsExt.h>
@@ -32,9 +34,41 @@ DeviceMemoryStats device_memory_stats() {
 
 namespace detail {
 
+namespace {
+
+/// SMCGRAPH_POISON_ALLOCATIONS=<byte> (decimal or 0x hex, 0-255): every device allocation is filled with that
+/// byte before it is returned, so a read of memory the library never wrote sees the same garbage whatever the
+/// process ran before (cudaMalloc hands back freed memory with its old contents). -1 when unset.
+int poison_byte() {
+  static const int byte = [] {
+    const char* value = std::getenv("SMCGRAPH_POISON_ALLOCATIONS");
+    if (value == nullptr || *value == '\0')
+      return -1;
+    char* end = nullptr;
+    const long parsed = std::strtol(value, &end, 0);
+    if (*end != '\0' || parsed < 0 || parsed > 255)
+      throw Error("smcgraph: SMCGRAPH_POISON_ALLOCATIONS = \"" + std::string(value) +
+                  "\": must be a byte value, 0-255 (decimal or 0x hex)");
+    return static_cast<int>(parsed);
+  }();
+  return byte;
+}
+
+} // namespace
+
 void* device_allocate(size_t bytes) {
+  const int poison = poison_byte();
   void* d_pointer = nullptr;
   SMCGRAPH_CUDA_CHECK(cudaMalloc(&d_pointer, bytes));
+  if (poison >= 0) {
+    // On the legacy stream, then waited for: the caller's non-blocking streams do not order after it.
+    const cudaError_t filled = cudaMemset(d_pointer, poison, bytes);
+    const cudaError_t done = filled == cudaSuccess ? cudaStreamSynchronize(nullptr) : filled;
+    if (done != cudaSuccess) {
+      cudaFree(d_pointer);
+      SMCGRAPH_CUDA_CHECK(done);
+    }
+  }
   g_device_allocations.fetch_add(1, std::memory_order_relaxed);
   const int64_t now = g_device_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed) +
                       static_cast<int64_t>(bytes);

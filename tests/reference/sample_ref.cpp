@@ -212,10 +212,14 @@ double token_logprob(const float* logits, int vocab, float temperature, int32_t 
   if (*flags)
     return -kInf;
   double m = -kInf;
+  int32_t argmax = -1; // ties to the smallest id
   for (int v = 0; v < vocab; ++v)
-    m = std::max(m, static_cast<double>(logits[v]));
-  if (temperature == 0.0f)
-    return logits[token] == m ? 0.0 : -kInf;
+    if (static_cast<double>(logits[v]) > m) {
+      m = logits[v];
+      argmax = v;
+    }
+  if (temperature == 0.0f) // one-hot at the argmax (a tie at a larger id has p = 0), as a greedy draw emits
+    return token == argmax ? 0.0 : -kInf;
   const double scale = 1.0 / static_cast<double>(temperature);
   const double lse = log_sum_exp(logits, vocab, scale, &m);
   return logits[token] * scale - lse;

@@ -65,7 +65,8 @@ SampleResult sample(const float* logits, int vocab, const TileLayout& layout, fl
 SampleResult sample(const float* logits, int vocab, int tile_length, float temperature, float alpha,
                     uint64_t seed, uint32_t draw_counter, uint32_t particle, uint32_t stream_word);
 
-/// log softmax(logits / T)[token] in double (T = 0: 0 for the argmax, -inf otherwise); flags as the device.
+/// log softmax(logits / T)[token] in double (T = 0: 0 for the argmax, ties to the smallest id, -inf for every
+/// other token, one that ties the maximum included); flags as the device.
 double token_logprob(const float* logits, int vocab, float temperature, int32_t token, uint32_t* flags);
 
 } // namespace smcgraph::reference
