@@ -76,7 +76,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       // them), the draw counters advanced (the cycle's draws are done) and the outputs packed: one launch for
       // buckets of up to 1024 rows (commit.cu, output_packing_device.cuh).
       Stage stage(s, "spec.commit_and_outputs");
-      commit_speculative_and_pack_outputs(b, bucket_requests, s.outputs_device.data(), st);
+      commit_speculative_and_pack_outputs(b, bucket_requests, s.outputs_destination, st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

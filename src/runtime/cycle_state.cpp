@@ -97,14 +97,14 @@ const auto kCycleState = std::make_tuple(
     buffer("next_tokens",        &State::next_tokens,        Extent::kRows,              kZeroed | kSpec,  &B::next_tokens),
     buffer("packed_offsets",     &State::packed_offsets,     Extent::kRows,              kSpec,            &B::packed_offsets),
     buffer("packed_total",       &State::packed_total,       Extent::kOne,               kSpec,            &B::packed_total),
-    // Model outputs (the model's logits dtype), admission scratch and the output block.
+    // Model outputs (the model's logits dtype) and admission scratch (the output block is pinned host memory
+    // the cycle's last launch writes directly: Engine::State::outputs_host).
     buffer("draft_logits",       &State::draft_logits,       Extent::kDraftLogitsBytes,  kZeroed),
     buffer("target_logits",      &State::target_logits,      Extent::kTargetLogitsBytes, kZeroed),
     buffer("prefill_logits",     &State::prefill_logits,     Extent::kPrefillLogitsBytes,kZeroed),
     buffer("positions_iota",     &State::positions_iota,     Extent::kSeq,               kNone),
     buffer("admit_scalars",      &State::admit_scalars,      Extent::kFour,              kNone),
-    buffer("admit_floats",       &State::admit_floats,       Extent::kFour,              kNone),
-    buffer("outputs_device",     &State::outputs_device,     Extent::kOutputBytes,       kZeroed));
+    buffer("admit_floats",       &State::admit_floats,       Extent::kFour,              kNone));
 // clang-format on
 
 bool applies(Kinds kinds, const Engine::State& s) {
@@ -126,7 +126,6 @@ StateDims state_dims(const Engine::State& s) {
   d.pool = static_cast<size_t>(s.config.slot_pool_size);
   d.logits_row_bytes = s.logits_bytes(1, 1);
   d.prefill_chunk = static_cast<size_t>(s.prefill_chunk);
-  d.output_bytes = output_layout(s.rows, s.config.max_requests, s.draft_steps).bytes;
   d.particles = s.config.particles;
   return d;
 }
@@ -169,8 +168,6 @@ size_t extent_count(Extent extent, const StateDims& d) {
     return d.rows * std::max<size_t>(d.draft_steps, 1) * d.logits_row_bytes;
   case Extent::kPrefillLogitsBytes:
     return d.prefill_chunk * d.logits_row_bytes;
-  case Extent::kOutputBytes:
-    return d.output_bytes;
   }
   return 0;
 }

@@ -35,7 +35,6 @@ enum class Extent : int {
   kTargetLogitsBytes,  ///< logits of R x (K + 1) tokens
   kStepLogitsBytes,    ///< logits of R x K tokens (speculative: q at every draft position)
   kPrefillLogitsBytes, ///< logits of one prefill chunk
-  kOutputBytes,        ///< the per-cycle output block (output_layout)
 };
 
 /// Which cycle kinds allocate a buffer.
@@ -57,7 +56,6 @@ template <class T> struct StateBuffer {
 struct StateDims {
   size_t rows = 0, requests = 0, draft_steps = 0, max_seq_len = 0, pool = 0;
   size_t logits_row_bytes = 0, prefill_chunk = 0; ///< bytes of one row of vocab logits; admission chunk
-  size_t output_bytes = 0;
   int particles = 1;
 };
 StateDims state_dims(const Engine::State& s);

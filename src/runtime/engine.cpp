@@ -118,8 +118,21 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   const size_t output_bytes = detail::output_layout(R, Q, K).bytes;
   for (int p = 0; p < 2; ++p) {
     s.outputs_host[p] = PinnedBuffer<uint8_t>(output_bytes);
+    std::memset(s.outputs_host[p].data(), 0, output_bytes); // as the device buffers, zero before any cycle
     s.outputs_ready[p] = std::make_unique<Event>();
+    // Pinned memory is device-mapped wherever addressing is unified (every 64-bit platform CUDA supports).
+    void* mapped = nullptr;
+    const cudaError_t mapping = cudaHostGetDevicePointer(&mapped, s.outputs_host[p].data(), 0);
+    if (mapping != cudaSuccess) {
+      cudaGetLastError();
+      throw Error(
+          std::string("Engine: the pinned output buffer is not device-mapped (cudaHostGetDevicePointer: ") +
+              detail::describe_cuda_error(mapping) + ")",
+          mapping);
+    }
+    s.outputs_mapped[p] = static_cast<uint8_t*>(mapped);
   }
+  s.outputs_destination = s.outputs_mapped[0];
   // The sampler serves K + 1 positions of every row (score) at most.
   s.workspace = SampleWorkspace(R * (K + 1), config.vocab, s.stream);
   total += s.workspace.bytes();
@@ -177,12 +190,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         cudaError_t failure_code = cudaSuccess;
         try {
           s.captured_branch_nodes = 0;
+          s.outputs_destination = s.outputs_mapped[parity]; // the cycle's last launch writes the host block
           detail::enqueue_cycle(s, requests, detail::Enqueue::kCapture, s.stream);
-          s.stage = "smc.copy_outputs";
-          SMCGRAPH_CUDA_CHECK(
-              cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
-                              detail::output_layout(requests * config.particles, requests, K).bytes,
-                              cudaMemcpyDeviceToHost, s.stream));
         } catch (const Error& e) {
           failure = e.what();
           failure_code = e.cuda_error();
@@ -468,13 +477,8 @@ void Engine::step() {
   cycle.slot_ids.assign(s.slot_owner.begin(), s.slot_owner.begin() + cycle.bucket_requests);
   if (s.eager) {
     NvtxRange range("cycle.eager");
+    s.outputs_destination = s.outputs_mapped[parity]; // the cycle's last launch writes the host block
     detail::enqueue_cycle(s, cycle.bucket_requests, detail::Enqueue::kEager, s.stream);
-    detail::Stage stage(s, "cycle.outputs_to_host");
-    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(s.outputs_host[parity].data(), s.outputs_device.data(),
-                                        detail::output_layout(cycle.bucket_requests * s.config.particles,
-                                                              cycle.bucket_requests, s.draft_steps)
-                                            .bytes,
-                                        cudaMemcpyDeviceToHost, s.stream));
   } else {
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
   }

@@ -111,8 +111,11 @@ struct Engine::State {
   PackWorkspace pack_workspace;
   DeviceBuffer<int32_t> positions_iota, admit_scalars; ///< [max_seq_len], [4]
   DeviceBuffer<float> admit_floats;                    ///< [4]
-  DeviceBuffer<uint8_t> outputs_device;
+  /// The output block of the cycles of each parity (output_layout), pinned and device-mapped: the cycle's
+  /// last launch writes it directly (no copy node), and the host reads it once outputs_ready[parity] fired.
   std::array<PinnedBuffer<uint8_t>, 2> outputs_host;
+  std::array<uint8_t*, 2> outputs_mapped{}; ///< outputs_host[p] as the device addresses it
+  uint8_t* outputs_destination = nullptr;   ///< where the cycle being enqueued packs its outputs
   std::array<std::unique_ptr<Event>, 2> outputs_ready;
   SampleWorkspace workspace;
   detail::CycleBuffers buffers;
