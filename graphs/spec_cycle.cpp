@@ -63,20 +63,13 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       in.row_draft_steps = b.request_draft_steps; // N = 1: request q is row q; it verifies its own K_q
       verify_stochastic(in, {b.accepted, b.next_tokens, nullptr, b.row_flags, b.status}, s.workspace, st);
     }
-    if (K > 0) {
-      Stage stage(s, "spec.pack");
-      AcceptedRows accepted{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
-      const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
-      const PackOutputs out{b.packed_logprobs, static_cast<int64_t>(s.rows) * K, b.packed_offsets,
-                            b.packed_total, b.packed_tokens};
-      pack_accepted(accepted, payload, false, out, s.pack_workspace, st);
-    }
     {
-      // The commit, the freed slots pushed, the next K of every request (after the frees: the pressure sees
-      // them), the draw counters advanced (the cycle's draws are done) and the outputs packed: one launch for
-      // buckets of up to 1024 rows (commit.cu, output_packing_device.cuh).
+      // The pack of the accepted tokens and their log-probs, the commit, the freed slots pushed, the next K
+      // of every request (after the frees: the pressure sees them), the draw counters advanced (the cycle's
+      // draws are done) and the outputs packed: one launch for buckets of up to 1024 rows (commit.cu,
+      // pack_device.cuh, output_packing_device.cuh).
       Stage stage(s, "spec.commit_and_outputs");
-      commit_speculative_and_pack_outputs(b, bucket_requests, s.outputs_destination, st);
+      commit_speculative_and_pack_outputs(b, bucket_requests, s.outputs_destination, s.pack_workspace, st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

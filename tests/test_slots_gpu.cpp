@@ -14,6 +14,7 @@
 #include "smcgraph/smc_kernels.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/types.hpp"
+#include "smcgraph/verify.hpp"
 #include "support/test_util.hpp"
 
 using namespace smcgraph;
@@ -639,8 +640,8 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in one launch, commit with the "
-          "collect folded in, and the separate launches leave the same state and outputs") {
+TEST_CASE("the end of a speculative cycle: pack + commit + collect + decide + outputs in one launch, commit "
+          "with the collect folded in, and the separate launches leave the same state and outputs") {
   test::Rng rng;
   MESSAGE("seed " << rng.seed());
   Stream stream;
@@ -684,6 +685,9 @@ TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in o
     }
     for (int32_t& d : drafts)
       d = static_cast<int32_t>(rng.integer(0, 99));
+    std::vector<float> logprobs(static_cast<size_t>(rows) * K); // the packed payload: target log-probs
+    for (float& l : logprobs)
+      l = static_cast<float>(-4.0 * rng.uniform());
     const int words = (pool_size + 31) / 32, summary_words = (words + 31) / 32;
     const detail::OutputLayout layout = detail::output_layout(rows, rows, K);
     struct Result {
@@ -692,6 +696,8 @@ TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in o
       std::vector<uint8_t> bytes, out;
       std::vector<uint32_t> counters;
       std::vector<float> ema;
+      std::vector<int32_t> packed_ints; // [packed tokens (rows * K) | offsets (rows) | total]
+      std::vector<float> packed_logprobs;
     };
     enum class Mode { kSeparate, kCommitCollect, kOneLaunch };
     auto run = [&](Mode mode, bool captured) {
@@ -704,7 +710,14 @@ TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in o
                             d_next = to_device(next, stream), d_drafts = to_device(drafts, stream),
                             d_pinned = to_device(pinned, stream);
       DeviceBuffer<uint32_t> d_flags = to_device(flags, stream), d_counters = to_device(counters, stream);
-      DeviceBuffer<float> d_ema = to_device(ema, stream);
+      DeviceBuffer<float> d_ema = to_device(ema, stream), d_logprobs = to_device(logprobs, stream);
+      // The accepted tokens and log-probs packed, poisoned: [packed tokens | offsets | total]
+      const size_t packed_size = static_cast<size_t>(rows) * K;
+      DeviceBuffer<int32_t> d_packed(packed_size + rows + 1);
+      DeviceBuffer<float> d_packed_logprobs(packed_size);
+      d_packed.fill_bytes(0x7f, stream);
+      d_packed_logprobs.fill_bytes(0xff, stream);
+      PackWorkspace pack_workspace(rows, stream);
       // Outputs of the stages, poisoned: [cycle tokens | committed | first_eos | cycle K | ancestor | free]
       const size_t cycle_size = static_cast<size_t>(rows) * (K + 1);
       DeviceBuffer<int32_t> d_slots(cycle_size), d_ints(cycle_size + 4 * static_cast<size_t>(rows) + 1);
@@ -746,14 +759,25 @@ TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in o
       b.kv_pressure = d_bytes.data() + 2 * rows;
       b.ess = d_ess.data();
       b.collect_ticket = d_ticket.data();
+      b.target_logprobs = d_logprobs.data();
+      b.packed_tokens = d_packed.data();
+      b.packed_offsets = d_packed.data() + packed_size;
+      b.packed_total = d_packed.data() + packed_size + rows;
+      b.packed_logprobs = d_packed_logprobs.data();
       // alloc first (K_q + 1 slots a row, as the cycle does); the commit releases the rejected ones.
       alloc_cycle_slots(b.pool, b.tables, 1, K + 1, RequestSlotCounts{d_steps.data(), 1}, b.cycle_slots,
                         b.row_flags, b.status, stream);
       run_on_stream(captured, stream, [&](cudaStream_t s) {
         if (mode == Mode::kOneLaunch) {
-          detail::commit_speculative_and_pack_outputs(b, rows, d_out.data(), s);
+          detail::commit_speculative_and_pack_outputs(b, rows, d_out.data(), pack_workspace, s);
           return;
         }
+        // The pack as its own launch (pack.cu), as the cycle ran it before it was folded in.
+        const AcceptedRows accepted_rows{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
+        const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
+        const PackOutputs packed{b.packed_logprobs, static_cast<int64_t>(packed_size), b.packed_offsets,
+                                 b.packed_total, b.packed_tokens};
+        pack_accepted(accepted_rows, payload, false, packed, pack_workspace, s);
         if (mode == Mode::kCommitCollect) {
           detail::commit_speculative(b, rows, s, /*collect_freed=*/true);
         } else {
@@ -769,6 +793,8 @@ TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in o
       result.out = to_host(d_out.data(), d_out.size(), stream);
       result.counters = to_host(d_counters.data(), rows, stream);
       result.ema = to_host(d_ema.data(), rows, stream);
+      result.packed_ints = to_host(d_packed.data(), d_packed.size(), stream);
+      result.packed_logprobs = to_host(d_packed_logprobs.data(), d_packed_logprobs.size(), stream);
       CHECK(to_host(d_ticket.data(), 1, stream)[0] == 0u);
       const auto freed = to_host(d_freed.data(), words, stream);
       CHECK(std::all_of(freed.begin(), freed.end(), [](uint32_t w) { return w == 0; }));
@@ -786,6 +812,9 @@ TEST_CASE("the end of a speculative cycle: commit + collect + decide + pack in o
         CHECK(fused.out == separate.out);
         CHECK(fused.counters == separate.counters);
         CHECK(std::memcmp(fused.ema.data(), separate.ema.data(), rows * sizeof(float)) == 0);
+        CHECK(fused.packed_ints == separate.packed_ints);
+        CHECK(std::memcmp(fused.packed_logprobs.data(), separate.packed_logprobs.data(),
+                          fused.packed_logprobs.size() * sizeof(float)) == 0);
         REQUIRE_INVARIANTS(fused.state);
       }
     }

@@ -806,3 +806,62 @@ TEST_CASE(
   CHECK(min_rows > 0);
   CHECK(max_rows > 0);
 }
+
+TEST_CASE(
+    "every cycle packs its accepted draft tokens and their target log-probs (offsets, total), graphed and "
+    "eager") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  for (bool graphs : {true, false}) {
+    CAPTURE(graphs);
+    EngineConfig config = spec_config(8, 4, 512);
+    config.target_temperature = 1.0f; // stochastic verification: accepted counts vary over 0 .. K
+    config.use_graphs = graphs;
+    ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
+    Engine engine(config, *models.draft, *models.target);
+    const int K = config.draft_steps;
+    std::vector<RequestId> ids;
+    for (int i = 0; i < 5; ++i) // 5 live requests: bucket 8, rows 5-7 padding
+      ids.push_back(
+          engine.admit(random_prompt(rng, config.vocab, 24), {.seed = rng.bits(), .max_new_tokens = 200}));
+    long packed_tokens_seen = 0;
+    for (int c = 0; c < test::sanitizer_scaled(20, 4); ++c) {
+      CAPTURE(c);
+      engine.step();
+      const std::vector<RequestUpdate> updates = engine.poll(); // one cycle in flight: the state is its end
+      REQUIRE(engine.polled_all());
+      std::vector<int> accepted(config.max_requests, 0);
+      std::vector<std::vector<int32_t>> drafted(config.max_requests);
+      for (const RequestUpdate& update : updates) {
+        REQUIRE_FALSE(update.failed);
+        const int q = static_cast<int>(update.id - ids.front());
+        accepted[q] = update.accepted;
+        // No EOS: the committed tokens are the accepted draft tokens, then the verifier's token.
+        REQUIRE(update.tokens[0].size() == static_cast<size_t>(update.accepted) + 1);
+        drafted[q].assign(update.tokens[0].begin(), update.tokens[0].begin() + update.accepted);
+      }
+      const auto total = engine.inspect("packed_total").as<int32_t>();
+      const auto offsets = engine.inspect("packed_offsets").as<int32_t>();
+      const auto tokens = engine.inspect("packed_tokens").as<int32_t>();
+      const auto logprobs = engine.inspect("packed_logprobs").as<float>();
+      const auto target_logprobs = engine.inspect("target_logprobs").as<float>();
+      // The live requests hold slots 0 .. 4, so their offsets precede the padding rows' (which pack whatever
+      // count the verifier wrote for them: they commit nothing).
+      int offset = 0;
+      for (int q = 0; q < static_cast<int>(ids.size()); ++q) {
+        CAPTURE(q);
+        CHECK(offsets[q] == offset);
+        for (int j = 0; j < accepted[q]; ++j) {
+          CHECK(tokens[offset + j] == drafted[q][j]);
+          CHECK(std::memcmp(&logprobs[offset + j], &target_logprobs[static_cast<size_t>(q) * K + j], 4) == 0);
+          CHECK(logprobs[offset + j] <= 0.0f);
+        }
+        offset += accepted[q];
+      }
+      CHECK(total[0] >= offset);
+      CHECK(total[0] <= offset + (engine.current_bucket() - static_cast<int>(ids.size())) * K);
+      packed_tokens_seen += offset;
+    }
+    CHECK(packed_tokens_seen > 0);
+  }
+}

@@ -4,6 +4,7 @@
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/output_packing_device.cuh"
+#include "kernels/pack_device.cuh"
 #include "kernels/row_launch.cuh"
 #include "kernels/slots_device.cuh"
 #include "kernels/weights_device.cuh"
@@ -12,6 +13,7 @@
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/types.hpp"
+#include "smcgraph/verify.hpp"
 
 namespace smcgraph::detail {
 namespace {
@@ -183,14 +185,18 @@ __global__ void __launch_bounds__(kCollectThreads)
   device::collect_freed_after_launch<kCollectThreads>(b.pool, collect_ticket);
 }
 
-/// The end of a speculative cycle in one CTA (rows <= kCollectThreads): thread r commits row r, the CTA
-/// pushes the freed slots, then decides and packs as decide_and_pack_outputs does (thread q: request q, row
+/// The end of a speculative cycle in one CTA (rows <= kCollectThreads): thread r commits row r and packs its
+/// accepted tokens and their log-probs (pack_device.cuh; when `pack.accepted` is set), the CTA pushes the
+/// freed slots, then decides and packs the outputs as decide_and_pack_outputs does (thread q: request q, row
 /// q). The barriers between the phases make each phase's global writes visible to the next.
 __global__ void __launch_bounds__(kCollectThreads)
-    CommitCollectPackKernel(SpeculativeCommitView b, int rows, OutputsView outputs, uint8_t* out,
-                            OutputLayout layout, FoldedDecision decision) {
+    CommitCollectPackKernel(SpeculativeCommitView b, int rows, device::AcceptedPack pack, OutputsView outputs,
+                            uint8_t* out, OutputLayout layout, FoldedDecision decision) {
+  __shared__ typename cub::BlockScan<int, kCollectThreads>::TempStorage pack_scan;
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   commit_speculative_row(b, rows);
+  if (pack.accepted != nullptr) // launch-uniform
+    device::pack_accepted_block<kCollectThreads>(pack, rows, pack_scan);
   __syncthreads(); // every row's releases are marked
   if (b.pool.freed != nullptr)
     device::collect_freed_block<kCollectThreads>(b.pool);
@@ -201,20 +207,38 @@ __global__ void __launch_bounds__(kCollectThreads)
 } // namespace
 
 void commit_speculative_and_pack_outputs(const CycleBuffers& b, int requests, uint8_t* out,
-                                         cudaStream_t stream) {
+                                         PackWorkspace& pack_workspace, cudaStream_t stream) {
   constexpr const char* kWhere = "commit_speculative_and_pack_outputs";
   require(requests >= 1 && requests * b.particles <= b.max_rows, kWhere, "requests", requests,
           "must be in [1, max_rows / particles]");
-  const int rows = requests * b.particles;
-  if (rows > kCollectThreads) { // more rows than one CTA: the two launches
+  const int rows = requests * b.particles, K = b.draft_steps;
+  if (rows > kCollectThreads) { // more rows than one CTA: the pack, commit and outputs launches
+    if (K > 0) {
+      const AcceptedRows accepted{b.accepted, rows, K, b.draft_tokens + 1, K + 1, nullptr};
+      const PayloadView payload{b.target_logprobs, DType::kFloat32, 1, K};
+      const PackOutputs packed{b.packed_logprobs, static_cast<int64_t>(b.max_rows) * K, b.packed_offsets,
+                               b.packed_total, b.packed_tokens};
+      pack_accepted(accepted, payload, false, packed, pack_workspace, stream);
+    }
     commit_speculative(b, rows, stream, /*collect_freed=*/true);
     decide_and_pack_outputs(b, requests, b.accepted, out, stream);
     return;
   }
+  device::AcceptedPack pack;
+  if (K > 0) { // without a draft nothing is accepted or packed
+    require(b.packed_tokens != nullptr && b.packed_logprobs != nullptr && b.packed_offsets != nullptr &&
+                b.packed_total != nullptr,
+            kWhere, "b.packed_*", "null", "must be device pointers when draft_steps > 0");
+    // clang-format off
+    pack = {.accepted = b.accepted, .draft_steps = K, .draft_tokens = b.draft_tokens + 1, .draft_row_stride = K + 1,
+            .payload = b.target_logprobs, .payload_row_stride = K, .packed_payload = b.packed_logprobs,
+            .packed_tokens = b.packed_tokens, .offsets = b.packed_offsets, .total = b.packed_total};
+    // clang-format on
+  }
   const OutputLayout layout = output_layout(rows, requests, b.draft_steps);
   const FoldedDecision decision{true, decide_view(b, /*advance_draw_counters=*/true), b.accepted};
   launch_pdl(CommitCollectPackKernel, dim3(1), dim3(kCollectThreads), 0, stream, speculative_commit_view(b),
-             rows, outputs_view(b), out, layout, decision);
+             rows, pack, outputs_view(b), out, layout, decision);
 }
 
 void commit_speculative(const CycleBuffers& b, int rows, cudaStream_t stream, bool collect_freed) {
