@@ -187,10 +187,9 @@ void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t st
 void decide_and_pack_outputs(const CycleBuffers& b, int requests, const int32_t* accepted, uint8_t* out,
                              cudaStream_t stream);
 /// The end of a speculative cycle: with K > 0 the pack of the accepted draft tokens and their target
-/// log-probs (pack_accepted into b.packed_*), then commit_speculative(b, rows, stream,
-/// /*collect_freed=*/true) and decide_and_pack_outputs(b, requests, b.accepted, out, stream); in one
-/// single-CTA launch when the bucket's rows fit one CTA (1024; the pack then by pack_device.cuh), as those
-/// three launches otherwise
+/// log-probs (pack_accepted into b.packed_*), then commit_speculative(b, rows, stream, true) (the collect
+/// folded in) and decide_and_pack_outputs(b, requests, b.accepted, out, stream). One single-CTA launch when
+/// the bucket's rows fit one CTA (1024; the pack then by pack_device.cuh), those three launches otherwise
 /// (`pack_workspace` serves only them).
 void commit_speculative_and_pack_outputs(const CycleBuffers& b, int requests, uint8_t* out,
                                          PackWorkspace& pack_workspace, cudaStream_t stream);

@@ -3,8 +3,8 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
-#include <string>
 #include <mutex>
+#include <string>
 
 #include <nvtx3/nvToolsExt.h>
 
