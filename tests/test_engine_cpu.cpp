@@ -103,6 +103,8 @@ TEST_CASE("every EngineConfig field out of range is named with its value") {
   CHECK(contains(error_of([](auto& c) { c.eos_id = 32000; }), "eos_id = 32000"));
   CHECK(contains(error_of([](auto& c) { c.eos_id = -2; }), "eos_id = -2"));
   CHECK(contains(error_of([](auto& c) { c.kind = static_cast<smcgraph::CycleKind>(9); }), "kind = 9"));
+  CHECK(contains(error_of([](auto& c) { c.draft_loop = static_cast<smcgraph::DraftLoop>(7); }),
+                 "draft_loop = 7: must be kAuto, kConditional or kMasked"));
 }
 
 TEST_CASE("buckets must be sorted, unique, in range and end at max_requests") {

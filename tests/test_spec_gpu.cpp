@@ -691,6 +691,7 @@ TEST_CASE("a captured cycle runs max K over its live rows of draft steps and ver
     for (bool graphs : {true, false}) {
       EngineConfig config = spec_config(8, 6, 512);
       config.use_graphs = graphs;
+      config.draft_loop = DraftLoop::kConditional; // pinned K without adaptive: kAuto would mask
       ToyModelPair models = ToyModel::pair(toy_for(config), 0.3f);
       CountingModel draft(*models.draft, 2, is_draft_step);
       CountingModel target(*models.target, config.draft_steps + 2, is_verify);

@@ -73,6 +73,21 @@ struct AdaptiveDraftSteps {
   float idle_recovery = 0.05f;
 };
 
+/// How a captured speculative cycle runs its draft steps (Engine::draft_loop() says what it chose).
+enum class DraftLoop {
+  /// Conditional nodes when the engine's own rule varies K (adaptive.enabled), masked fixed-K steps
+  /// otherwise:
+  /// with every request at K_max the conditional nodes skip nothing and only cost their evaluation and a
+  /// broken programmatic-dependent-launch chain (toy pair, K = 4, 1 request, H100: 137 us a cycle against
+  /// 119).
+  kAuto,
+  /// IF/ELSE conditional nodes (CUDA 12.8+): a cycle runs max K_q over its live rows of draft steps and
+  /// verifies max K_q + 1 columns. Worth it when K_q varies, e.g. requests pinned below draft_steps.
+  kConditional,
+  /// K_max - 1 draft steps every cycle, masked per row, and K_max + 1 verify columns.
+  kMasked,
+};
+
 struct EngineConfig {
   CycleKind kind = CycleKind::kSmc;
   int vocab = 32000; ///< must equal both models' vocab()
@@ -97,6 +112,8 @@ struct EngineConfig {
   bool spin_wait = true;
   /// Per-request draft length chosen on the device (speculative cycle only; see AdaptiveDraftSteps).
   AdaptiveDraftSteps adaptive;
+  /// The captured speculative cycle's draft loop (SMCGRAPH_DISABLE_CONDITIONAL=1 forces kMasked).
+  DraftLoop draft_loop = DraftLoop::kAuto;
 };
 
 /// Throws smcgraph::Error naming the first bad field and its value.

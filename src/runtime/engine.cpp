@@ -27,7 +27,8 @@ bool env_flag(const char* name) {
   return value != nullptr && std::strcmp(value, "1") == 0;
 }
 
-/// Whether the captured draft steps can sit in conditional nodes: a speculative engine with graphs, K > 1, a
+/// Whether the captured draft steps sit in conditional nodes: a speculative engine with graphs, K > 1 (or a
+/// draft head that may be skipped), EngineConfig::draft_loop kConditional, or kAuto with adaptive K, a
 /// toolkit and driver of CUDA 12.8 or later (IF nodes with an else branch), and no
 /// SMCGRAPH_DISABLE_CONDITIONAL=1. A failed capture turns it off later (Engine::Engine).
 DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
@@ -44,6 +45,12 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
     return {false, std::string("eager: ") + masked};
   if (env_flag("SMCGRAPH_DISABLE_CONDITIONAL"))
     return {false, std::string("SMCGRAPH_DISABLE_CONDITIONAL=1: ") + masked};
+  if (config.draft_loop == DraftLoop::kMasked)
+    return {false, std::string("draft_loop = kMasked: ") + masked};
+  if (config.draft_loop == DraftLoop::kAuto && !config.adaptive.enabled)
+    return {false, std::string("draft_loop = kAuto with fixed K (conditional nodes would skip steps only "
+                               "for requests pinned below draft_steps): ") +
+                       masked};
 #if CUDART_VERSION >= 12080
   int driver = 0;
   if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {

@@ -62,6 +62,9 @@ void validate_adaptive(const EngineConfig& c) {
 void validate_engine_config(const EngineConfig& c) {
   require(c.kind == CycleKind::kSmc || c.kind == CycleKind::kSpeculative, kConfig, "kind",
           static_cast<int>(c.kind), "must be kSmc or kSpeculative");
+  require(c.draft_loop == DraftLoop::kAuto || c.draft_loop == DraftLoop::kConditional ||
+              c.draft_loop == DraftLoop::kMasked,
+          kConfig, "draft_loop", static_cast<int>(c.draft_loop), "must be kAuto, kConditional or kMasked");
   require(c.vocab >= 1, kConfig, "vocab", c.vocab, "must be >= 1");
   require(c.kind == CycleKind::kSmc || c.particles == 1, kConfig, "particles", c.particles,
           "must be 1 for the speculative cycle");
