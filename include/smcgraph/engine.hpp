@@ -76,10 +76,9 @@ struct AdaptiveDraftSteps {
 /// How a captured speculative cycle runs its draft steps (Engine::draft_loop() says what it chose).
 enum class DraftLoop {
   /// Conditional nodes when the engine's own rule varies K (adaptive.enabled), masked fixed-K steps
-  /// otherwise:
-  /// with every request at K_max the conditional nodes skip nothing and only cost their evaluation and a
-  /// broken programmatic-dependent-launch chain (toy pair, K = 4, 1 request, H100: 137 us a cycle against
-  /// 119).
+  /// otherwise: with every request at K_max the conditional nodes skip nothing and only cost their evaluation
+  /// and a broken programmatic-dependent-launch chain (toy pair, K = 4, 1 request, H100: 137 us a cycle
+  /// against 119).
   kAuto,
   /// IF/ELSE conditional nodes (CUDA 12.8+): a cycle runs max K_q over its live rows of draft steps and
   /// verifies max K_q + 1 columns. Worth it when K_q varies, e.g. requests pinned below draft_steps.
@@ -157,9 +156,9 @@ struct DraftLoopInfo {
   /// true: each draft step after the head sits in a CUDA graph IF/ELSE node whose else-branch verifies the
   /// columns drafted so far and runs the rest of the cycle; a kernel sets the conditions from the largest K
   /// among the live rows, so a cycle runs max K steps and verifies max K + 1 columns, not K_max and
-  /// K_max + 1. false: the
-  /// K_max - 1 steps always run and rows past their own K are masked (eager runs, the SMC cycle, or a
-  /// toolkit / driver / model that cannot capture conditional nodes: `note` says which).
+  /// K_max + 1. false: the K_max - 1 steps always run and rows past their own K are masked (eager runs, the
+  /// SMC cycle, EngineConfig::draft_loop, or a toolkit / driver / model that cannot capture conditional
+  /// nodes: `note` says which).
   bool conditional = false;
   std::string note;
 };
