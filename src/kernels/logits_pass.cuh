@@ -739,13 +739,13 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     if (token < 0 || token >= args.logits.vocab) {
       flags |= kFlagTokenOutOfRange;
     } else if (!flags) {
-      const float l = DTypeTraits<DTYPE>::to_float(row_logits[token]);
       if constexpr (MODE == PassMode::kGreedy) {
         // One-hot at the argmax with ties to the smallest id, the token a greedy draw emits: a draft token
         // that only ties the maximum at a larger id has p = 0, so greedy verification rejects it and emits
         // the argmax, exactly as greedy target-only decoding.
         logprob = token == state.max_index ? 0.0f : -INFINITY;
       } else {
+        const float l = DTypeTraits<DTYPE>::to_float(row_logits[token]);
         logprob = kLn2 * ((l - state.max) * job.c - __log2f(state.sum));
       }
     }
