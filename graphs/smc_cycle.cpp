@@ -15,7 +15,8 @@
 
 namespace smcgraph::detail {
 
-void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream) {
+void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                       uint8_t* outputs) {
   const int N = s.config.particles, K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests * N;
   const CycleBuffers& b = s.buffers;
@@ -70,7 +71,7 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
       // The next K of every request (after the frees: the pressure sees them), the draw counters advanced
       // (the cycle's draws are done) and the outputs packed: one launch (output_packing.cu).
       Stage stage(s, "smc.next_k_and_outputs");
-      decide_and_pack_outputs(b, bucket_requests, nullptr, s.outputs_destination, st);
+      decide_and_pack_outputs(b, bucket_requests, nullptr, outputs, st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

@@ -24,7 +24,8 @@
 
 namespace smcgraph::detail {
 
-void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream) {
+void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                        uint8_t* outputs) {
   const int K = s.draft_steps, V = s.vocab;
   const int rows = bucket_requests; // N = 1
   const CycleBuffers& b = s.buffers;
@@ -69,7 +70,7 @@ void enqueue_spec_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cud
       // draws are done) and the outputs packed: one launch for buckets of up to 1024 rows (commit.cu,
       // pack_device.cuh, output_packing_device.cuh).
       Stage stage(s, "spec.commit_and_outputs");
-      commit_speculative_and_pack_outputs(b, bucket_requests, s.outputs_destination, s.pack_workspace, st);
+      commit_speculative_and_pack_outputs(b, bucket_requests, outputs, s.pack_workspace, st);
     }
   };
   enqueue_draft_and_verify(s, bucket_requests, mode, stream, rest);

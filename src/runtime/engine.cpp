@@ -139,7 +139,6 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
     }
     s.outputs_mapped[p] = static_cast<uint8_t*>(mapped);
   }
-  s.outputs_destination = s.outputs_mapped[0];
   // The sampler serves K + 1 positions of every row (score) at most.
   s.workspace = SampleWorkspace(R * (K + 1), config.vocab, s.stream);
   total += s.workspace.bytes();
@@ -175,7 +174,7 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
 
   // Eager warm-up at the largest bucket (nothing is live: every row is padding), then capture largest first.
   try {
-    detail::enqueue_cycle(s, Q, detail::Enqueue::kEager, s.stream);
+    detail::enqueue_cycle(s, Q, detail::Enqueue::kEager, s.stream, s.outputs_mapped[0]);
     s.stream.synchronize();
   } catch (const Error& e) {
     throw Error(std::string("Engine: eager warm-up failed at step ") + s.stage + ": " + e.what(),
@@ -197,8 +196,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         cudaError_t failure_code = cudaSuccess;
         try {
           s.captured_branch_nodes = 0;
-          s.outputs_destination = s.outputs_mapped[parity]; // the cycle's last launch writes the host block
-          detail::enqueue_cycle(s, requests, detail::Enqueue::kCapture, s.stream);
+          // The cycle's last launch writes the parity's pinned host block.
+          detail::enqueue_cycle(s, requests, detail::Enqueue::kCapture, s.stream, s.outputs_mapped[parity]);
         } catch (const Error& e) {
           failure = e.what();
           failure_code = e.cuda_error();
@@ -484,8 +483,8 @@ void Engine::step() {
   cycle.slot_ids.assign(s.slot_owner.begin(), s.slot_owner.begin() + cycle.bucket_requests);
   if (s.eager) {
     NvtxRange range("cycle.eager");
-    s.outputs_destination = s.outputs_mapped[parity]; // the cycle's last launch writes the host block
-    detail::enqueue_cycle(s, cycle.bucket_requests, detail::Enqueue::kEager, s.stream);
+    detail::enqueue_cycle(s, cycle.bucket_requests, detail::Enqueue::kEager, s.stream,
+                          s.outputs_mapped[parity]);
   } else {
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
   }

@@ -115,7 +115,6 @@ struct Engine::State {
   /// last launch writes it directly (no copy node), and the host reads it once outputs_ready[parity] fired.
   std::array<PinnedBuffer<uint8_t>, 2> outputs_host;
   std::array<uint8_t*, 2> outputs_mapped{}; ///< outputs_host[p] as the device addresses it
-  uint8_t* outputs_destination = nullptr;   ///< where the cycle being enqueued packs its outputs
   std::array<std::unique_ptr<Event>, 2> outputs_ready;
   SampleWorkspace workspace;
   detail::CycleBuffers buffers;
@@ -186,18 +185,22 @@ void enqueue_draft_and_verify(Engine::State& state, int bucket_requests, Enqueue
                               const CycleRest& rest);
 
 /// The SMC cycle recipe (graphs/smc_cycle.cpp): every stage of DESIGN.md §2 for `bucket_requests` request
-/// slots, enqueued on `stream` (captured or eager), outputs packed into `outputs` (device).
-void enqueue_smc_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream);
+/// slots, enqueued on `stream` (captured or eager), its last launch packing the outputs into `outputs` (a
+/// device address of a pinned host block: State::outputs_mapped).
+void enqueue_smc_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                       uint8_t* outputs);
 
-/// The speculative cycle recipe (graphs/spec_cycle.cpp).
-void enqueue_spec_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream);
+/// The speculative cycle recipe (graphs/spec_cycle.cpp); `outputs` as for the SMC cycle.
+void enqueue_spec_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                        uint8_t* outputs);
 
 /// The recipe of the engine's cycle kind.
-inline void enqueue_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream) {
+inline void enqueue_cycle(Engine::State& state, int bucket_requests, Enqueue mode, cudaStream_t stream,
+                          uint8_t* outputs) {
   if (state.config.kind == CycleKind::kSpeculative)
-    enqueue_spec_cycle(state, bucket_requests, mode, stream);
+    enqueue_spec_cycle(state, bucket_requests, mode, stream, outputs);
   else
-    enqueue_smc_cycle(state, bucket_requests, mode, stream);
+    enqueue_smc_cycle(state, bucket_requests, mode, stream, outputs);
 }
 
 } // namespace detail
