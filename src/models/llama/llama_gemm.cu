@@ -41,6 +41,22 @@ constexpr int kMaxNormK = 32 * 4 * kNormVec;
 constexpr int kMaxBlockRows = 64;
 /// Forwards of up to this many tokens use narrow 16-row tiles for the layer GEMMs (gemm()).
 constexpr int kNarrowMaxTokens = 384;
+/// Independent tensor-core accumulators per row fragment in a K slice (LlamaGemmKernel's main loop).
+/// SmolLM2's decode forward (H100, graph us at 1 / 8 rows, one call): one accumulator 511 / 521, two 496 /
+/// 500, four 495 / 504.
+constexpr int kPartials = 2;
+static_assert(kPartials == 1 || kPartials == 2 || kPartials == 4, "1, 2 or 4 partial accumulators");
+
+/// Sum of N values as a fixed pairwise tree ((x0 + x1) + (x2 + x3)).
+template <int N> __device__ __forceinline__ float tree_sum(const float (&x)[N]) {
+  if constexpr (N == 1)
+    return x[0];
+  else if constexpr (N == 2)
+    return x[0] + x[1];
+  else
+    return (x[0] + x[1]) + (x[2] + x[3]);
+}
+
 /// Rows a warp normalises at once (a block has at least 16 rows, 4 a warp).
 constexpr int kNormRows = 2;
 static_assert(kMaxNormK == kLlamaMaxHidden,
@@ -154,8 +170,20 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   if constexpr (uses_norm<EPILOGUE>()) {
     const int k4 = K / 4;
     const int64_t x_stride = a.x_row_stride > 0 ? a.x_row_stride : K;
+    const auto zero_row = [&](int m) {
+      uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
+      for (int i = lane; i < k4; i += 32)
+        dst[i] = make_uint2(0u, 0u);
+    };
     // kNormRows rows a warp at a time: their loads are in flight together.
     for (int m_first = warp; m_first < BM; m_first += kNormRows * kWarps) {
+      // Padding rows (past T) are zeros and need no loads or reductions: at a decode's 1-8 tokens most of
+      // the block's 16 rows are padding, and skipping them took 1.2 us off each layer (QKV and gate/up).
+      if (m0 + m_first >= T) { // every row of this pass is padding (its rows go up from m_first)
+        for (int r = 0; r < kNormRows; ++r)
+          zero_row(m_first + r * kWarps);
+        continue;
+      }
       float4 v[kNormRows][kNormVec];
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
@@ -168,13 +196,17 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
         const int m = m_first + r * kWarps, t = m0 + m;
+        if (t >= T) { // warp-uniform: the reduction below is the warp's
+          zero_row(m);
+          continue;
+        }
         float sum_squares = 0.0f;
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i)
           sum_squares += sum_of_squares(v[r][i]);
         sum_squares =
             cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), sum_squares, cg::plus<float>());
-        const float inv_rms = t < T ? rsqrtf(sum_squares / static_cast<float>(K) + a.eps) : 0.0f;
+        const float inv_rms = rsqrtf(sum_squares / static_cast<float>(K) + a.eps);
         uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i) {
@@ -218,12 +250,19 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   for (int slice = first_slice; slice < last_slice; ++slice) {
     const int k_begin = slice * tiles_per_slice * 16;
     const int k_end = min(K, k_begin + tiles_per_slice * 16);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS];
+    // kPartials independent accumulators per row fragment (tile j of the slice goes to partial j %
+    // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
+    // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
+    // invariance).
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS][kPartials];
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
-      wmma::fill_fragment(acc[f], 0.0f);
+#pragma unroll
+      for (int p = 0; p < kPartials; ++p)
+        wmma::fill_fragment(acc[f][p], 0.0f);
     // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
     constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
+    static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
     int kk = k_begin;
     for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[kLoadsInFlight];
@@ -236,25 +275,35 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
         for (int f = 0; f < M_FRAGS; ++f) {
           wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
           wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
-          wmma::mma_sync(acc[f], a_frag, b[u], acc[f]);
+          wmma::mma_sync(acc[f][u % kPartials], a_frag, b[u], acc[f][u % kPartials]);
         }
       }
     }
-    for (; kk < k_end; kk += 16) {
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-      wmma::load_matrix_sync(b, w_col + kk, ldw);
+    // The last tiles (fewer than a load group; the group's first goes to partial 0).
 #pragma unroll
-      for (int f = 0; f < M_FRAGS; ++f) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
-        wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk, lda);
-        wmma::mma_sync(acc[f], a_frag, b, acc[f]);
+    for (int u = 0; u < kLoadsInFlight - 1; ++u) {
+      if (kk + 16 * u < k_end) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+        wmma::load_matrix_sync(b, w_col + kk + 16 * u, ldw);
+#pragma unroll
+        for (int f = 0; f < M_FRAGS; ++f) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
+          wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
+          wmma::mma_sync(acc[f][u % kPartials], a_frag, b, acc[f][u % kPartials]);
+        }
       }
     }
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f) {
 #pragma unroll
-      for (int i = 0; i < acc[f].num_elements; ++i)
-        total[f].x[i] = slice == first_slice ? acc[f].x[i] : total[f].x[i] + acc[f].x[i];
+      for (int i = 0; i < acc[f][0].num_elements; ++i) {
+        float partial[kPartials];
+#pragma unroll
+        for (int p = 0; p < kPartials; ++p)
+          partial[p] = acc[f][p].x[i];
+        const float slice_sum = tree_sum(partial);
+        total[f].x[i] = slice == first_slice ? slice_sum : total[f].x[i] + slice_sum;
+      }
     }
   }
   // Narrow: slice w lands in stage[w]; wide: the finished columns of warp w land in stage[0].
@@ -264,16 +313,15 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     wmma::store_matrix_sync(stage + static_cast<size_t>(stage_index) * BM * BN + f * 16 * BN + wn * 16,
                             total[f], BN, wmma::mem_row_major);
   __syncthreads();
-  if constexpr (K_SPLIT > 1) {
-    for (int e = threadIdx.x; e < BM * BN; e += kThreads) {
-      float sum = stage[e];
+  // An element of the finished tile: the K slices' sums added in slice order (((s0 + s1) + s2) + s3), read
+  // where the epilogue needs them (no second pass and barrier over the tile).
+  const auto tile_value = [&](int e) {
+    float sum = stage[e];
 #pragma unroll
-      for (int s = 1; s < K_SPLIT; ++s)
-        sum += stage[s * BM * BN + e];
-      stage[e] = sum;
-    }
-    __syncthreads();
-  }
+    for (int s = 1; s < K_SPLIT; ++s)
+      sum += stage[s * BM * BN + e];
+    return sum;
+  };
 
   // Epilogue over the finished [BM, BN] tile (unrolled only where the prefetched residual sits in registers).
 #pragma unroll(kPrefetchResidual ? kEpiloguePerThread : 1)
@@ -282,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     const int m = e / BN, n = e % BN, t = m0 + m, col = n0 + n;
     if (t >= T)
       continue;
-    const float value = stage[e];
+    const float value = tile_value(e);
     if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd)) {
       float* residual = a.residual + static_cast<size_t>(t) * N + col;
       if constexpr (kPrefetchResidual)
@@ -304,7 +352,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       const int within = col % (2 * kSwiGluGroup);
       if (within >= kSwiGluGroup)
         continue; // the up half: its gate partner writes the output
-      const float up = stage[e + kSwiGluGroup];
+      const float up = tile_value(e + kSwiGluGroup);
       const int j = (col / (2 * kSwiGluGroup)) * kSwiGluGroup + within;
       const float silu = value / (1.0f + expf(-value));
       a.out_bf16[static_cast<size_t>(t) * (N / 2) + j] = float_to_bf16_bits(silu * up);
@@ -314,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       if (!is_v) {
         const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
         // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
-        const float partner = stage[e ^ 1];
+        const float partner = tile_value(e ^ 1);
         float s, c;
         if constexpr (kRopeTable) {
           const float2 sc = rope_table[m * (BN / 2) + n / 2];
