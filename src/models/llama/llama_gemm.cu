@@ -172,14 +172,17 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     const int64_t x_stride = a.x_row_stride > 0 ? a.x_row_stride : K;
     const auto zero_row = [&](int m) {
       uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
-      for (int i = lane; i < k4; i += 32)
-        dst[i] = make_uint2(0u, 0u);
+#pragma unroll
+      for (int i = 0; i < kNormVec; ++i)
+        if (lane + 32 * i < k4)
+          dst[lane + 32 * i] = make_uint2(0u, 0u);
     };
     // kNormRows rows a warp at a time: their loads are in flight together.
     for (int m_first = warp; m_first < BM; m_first += kNormRows * kWarps) {
       // Padding rows (past T) are zeros and need no loads or reductions: at a decode's 1-8 tokens most of
       // the block's 16 rows are padding, and skipping them took 1.2 us off each layer (QKV and gate/up).
       if (m0 + m_first >= T) { // every row of this pass is padding (its rows go up from m_first)
+#pragma unroll
         for (int r = 0; r < kNormRows; ++r)
           zero_row(m_first + r * kWarps);
         continue;
@@ -196,17 +199,13 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
         const int m = m_first + r * kWarps, t = m0 + m;
-        if (t >= T) { // warp-uniform: the reduction below is the warp's
-          zero_row(m);
-          continue;
-        }
         float sum_squares = 0.0f;
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i)
           sum_squares += sum_of_squares(v[r][i]);
         sum_squares =
             cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), sum_squares, cg::plus<float>());
-        const float inv_rms = rsqrtf(sum_squares / static_cast<float>(K) + a.eps);
+        const float inv_rms = t < T ? rsqrtf(sum_squares / static_cast<float>(K) + a.eps) : 0.0f;
         uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i) {
