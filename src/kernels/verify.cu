@@ -378,7 +378,6 @@ template <DType DTYPE, int THREADS> struct RowPass {
   }
 };
 
-/// A tile's result in the workspace (the row's last CTA reads them back with __ldcg).
 /// A greedy draw's tile result in the workspace (the row's last CTA reads them back with __ldcg).
 struct TilePartial {
   float score;
