@@ -42,8 +42,8 @@ constexpr int kMaxBlockRows = 64;
 /// Forwards of up to this many tokens use narrow 16-row tiles for the layer GEMMs (gemm()).
 constexpr int kNarrowMaxTokens = 384;
 /// Independent tensor-core accumulators per row fragment in a K slice (LlamaGemmKernel's main loop).
-/// SmolLM2's decode forward (H100, graph us at 1 / 8 rows, one call): one accumulator 511 / 521, two 496 /
-/// 500, four 495 / 504.
+/// SmolLM2's decode forward alone (H100, us at 1 / 8 rows, two rounds in one call): one accumulator 499-500 /
+/// 509-512, two 488-496 / 499-500, four 493-498 / 504-505.
 constexpr int kPartials = 2;
 static_assert(kPartials == 1 || kPartials == 2 || kPartials == 4, "1, 2 or 4 partial accumulators");
 
