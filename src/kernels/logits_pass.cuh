@@ -48,6 +48,7 @@
 #include "kernels/pdl.cuh"
 #include "kernels/random.cuh"
 #include "kernels/ticket.cuh"
+#include "kernels/tree_sum.cuh"
 #include "smcgraph/sample.hpp"
 
 namespace smcgraph::detail {
@@ -166,21 +167,6 @@ struct JobContext {
   uint32_t stream_word;
 };
 
-/// Sum of N values as a fixed pairwise tree (short dependency chains, same order everywhere).
-template <int N> __device__ __forceinline__ float tree_sum(const float (&x)[N]) {
-  float partial[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    partial[i] = x[i];
-#pragma unroll
-  for (int width = N / 2; width >= 1; width /= 2) {
-#pragma unroll
-    for (int i = 0; i < width; ++i)
-      partial[i] = partial[i] + partial[i + width];
-  }
-  return partial[0];
-}
-
 /// Folds up to N consecutive logits starting at vocab id `first` into `state` (the first read: max and
 /// sums only, one exponential per element, two in kRacePower). `count` < N only at the end of a row;
 /// missing elements count as -inf.
@@ -224,9 +210,9 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
       if constexpr (MODE == PassMode::kRacePower)
         e_power[i] = fast_exp2(job.alpha * scaled);
     }
-    state.sum += tree_sum<N>(e);
+    state.sum += device::tree_sum<N>(e);
     if constexpr (MODE == PassMode::kRacePower)
-      state.sum_power += tree_sum<N>(e_power);
+      state.sum_power += device::tree_sum<N>(e_power);
   }
 }
 

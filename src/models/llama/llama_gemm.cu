@@ -17,6 +17,7 @@
 #include <mma.h>
 
 #include "kernels/launch_checks.hpp"
+#include "kernels/tree_sum.cuh"
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
@@ -46,16 +47,6 @@ constexpr int kNarrowMaxTokens = 384;
 /// 509-512, two 488-496 / 499-500, four 493-498 / 504-505.
 constexpr int kPartials = 2;
 static_assert(kPartials == 1 || kPartials == 2 || kPartials == 4, "1, 2 or 4 partial accumulators");
-
-/// Sum of N values as a fixed pairwise tree ((x0 + x1) + (x2 + x3)).
-template <int N> __device__ __forceinline__ float tree_sum(const float (&x)[N]) {
-  if constexpr (N == 1)
-    return x[0];
-  else if constexpr (N == 2)
-    return x[0] + x[1];
-  else
-    return (x[0] + x[1]) + (x[2] + x[3]);
-}
 
 /// Rows a warp normalises at once (a block has at least 16 rows, 4 a warp).
 constexpr int kNormRows = 2;
@@ -300,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
 #pragma unroll
         for (int p = 0; p < kPartials; ++p)
           partial[p] = acc[f][p].x[i];
-        const float slice_sum = tree_sum(partial);
+        const float slice_sum = device::tree_sum(partial);
         total[f].x[i] = slice == first_slice ? slice_sum : total[f].x[i] + slice_sum;
       }
     }
