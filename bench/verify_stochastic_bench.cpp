@@ -27,6 +27,7 @@
 
 // The bench links no test library: it compiles the host reference in to validate before timing.
 #include "../tests/reference/verify_ref.cpp"
+#include "reference/sample_ref.hpp"
 
 namespace {
 
@@ -75,13 +76,11 @@ Problem make_problem(const Config& config, std::mt19937_64& engine) {
         if (j < kDraftSteps)
           p.draft[(static_cast<size_t>(r) * kDraftSteps + j) * V + v] = round_bf16(x + noise(engine));
       }
-  const auto log_softmax_at = [&](const float* row, double inverse_t, int v) {
-    double m = -INFINITY, sum = 0.0;
-    for (int i = 0; i < V; ++i)
-      m = std::max(m, row[i] * inverse_t);
-    for (int i = 0; i < V; ++i)
-      sum += std::exp(row[i] * inverse_t - m);
-    return row[v] * inverse_t - m - std::log(sum);
+  // log softmax(l / T) of a token, and at T = 0 the one-hot law at the argmax (ties to the smallest id) that
+  // the sampler's score() gives: the reference's, so inputs and the device agree on both laws.
+  const auto logprob = [&](const float* row, float temperature, int v) {
+    uint32_t flags = 0;
+    return static_cast<float>(smcgraph::reference::token_logprob(row, V, temperature, v, &flags));
   };
   p.tokens.resize(static_cast<size_t>(R) * kDraftSteps);
   p.target_logprobs.resize(p.tokens.size());
@@ -102,13 +101,8 @@ Problem make_problem(const Config& config, std::mt19937_64& engine) {
       }
       const size_t i = static_cast<size_t>(r) * kDraftSteps + j;
       p.tokens[i] = best;
-      p.draft_logprobs[i] = static_cast<float>(log_softmax_at(q, 1.0 / config.draft_t, best));
-      if (config.target_t > 0.0f) {
-        p.target_logprobs[i] = static_cast<float>(log_softmax_at(t, 1.0 / config.target_t, best));
-      } else { // T_t = 0: p is one-hot at the target's argmax
-        const float top = *std::max_element(t, t + V);
-        p.target_logprobs[i] = t[best] == top ? 0.0f : -INFINITY;
-      }
+      p.draft_logprobs[i] = logprob(q, config.draft_t, best);
+      p.target_logprobs[i] = logprob(t, config.target_t, best);
     }
   p.target_t.assign(R, config.target_t);
   p.draft_t.assign(R, config.draft_t);
