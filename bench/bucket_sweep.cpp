@@ -14,8 +14,9 @@
 //
 // Per bucket, in this order (every phase starts from freshly admitted 32-token prompts, so every phase times
 // rows of the same lengths, and the PyTorch peer starts from the same point):
-//   1. model forwards alone: draft head (rows x 2 tokens), draft step (rows x 1), target verify (rows x K+1),
-//      each captured in a graph and replayed; model time per cycle = head + (K - 1) steps + verify;
+//   1. model forwards alone: draft head (rows x 2 tokens, or 1: draft_head_tokens), draft step (rows x 1),
+//      target verify (rows x K+1), each captured in a graph and replayed; model time per cycle = head + (K -
+//      1) steps + verify;
 //   2. graph: 3 warm-up cycles, validated (no failed request, N particles x K + 1 in-vocabulary tokens, or
 //      1 .. K + 1 for spec, slot invariants), then `cycles` replays with an event after each step(): median
 //      GPU time per cycle;
@@ -344,8 +345,9 @@ public:
     ModelTiming timing;
     // As the cycle runs it: the head's logits of its last column only where the draft supports that.
     // K = 0 (no draft): the verify forward of one token alone.
-    timing.head_us =
-        steps > 0 ? time_forward(draft, rows, 2, stream, draft.last_token_logits_supported()) : 0.0;
+    timing.head_us = steps > 0 ? time_forward(draft, rows, draft_head_tokens(draft, target), stream,
+                                              draft.last_token_logits_supported())
+                               : 0.0;
     timing.step_us = steps > 1 ? time_forward(draft, rows, 1, stream) : 0.0;
     timing.verify_us = time_forward(target, rows, steps + 1, stream);
     timing.cycle_us = timing.head_us + std::max(steps - 1, 0) * timing.step_us + timing.verify_us;

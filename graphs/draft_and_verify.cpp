@@ -1,9 +1,9 @@
 // The phase both cycle recipes share (graphs/smc_cycle.cpp, graphs/spec_cycle.cpp): slot allocation for
-// K + 1 positions, the draft head (2 tokens) and its sample d_1, K - 1 draft steps each with its sample, and
-// the target verify forward over K + 1 tokens, followed by the recipe's own stages (its `rest`). The
-// speculative cycle also keeps the draft's logits at every position (its verifier's residual needs q). With
-// K = 0 (speculative only) there is no draft phase: one slot, the verify forward of the last committed token
-// alone, the rest.
+// K + 1 positions, the draft head (2 tokens a row, or 1 where the draft's KV follows the target's) and its
+// sample d_1, K - 1 draft steps each with its sample, and the target verify forward over K + 1 tokens,
+// followed by the recipe's own stages (its `rest`). The speculative cycle also keeps the draft's logits at
+// every position (its verifier's residual needs q). With K = 0 (speculative only) there is no draft phase:
+// one slot, the verify forward of the last committed token alone, the rest.
 //
 // Captured with conditional nodes (a speculative engine, K > 1), draft step s sits in the then-branch of an
 // IF/ELSE node whose else-branch verifies s + 1 columns and runs the rest of the cycle; step s's then-branch
@@ -240,15 +240,21 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     const bool last_only = s.draft->last_token_logits_supported();
     uint8_t* const head_logits =
         speculative && last_only ? s.draft_step_logits.data() : s.draft_logits.data();
+    // Its tokens: [x_{L-2}, x_{L-1}], or x_{L-1} alone (the second column of the head's inputs) where the
+    // draft's KV of x_{L-2} is written already (draft_head_tokens): half the head's rows then (a 1-request
+    // SMC cycle's head at N = 8: 8 rows instead of 16).
+    const int skipped = 2 - draft_head_tokens(*s.draft, *s.target);
     ForwardArgs head{rows,
-                     2,
-                     b.head_tokens,
-                     b.head_positions,
+                     2 - skipped,
+                     b.head_tokens + skipped,
+                     b.head_positions + skipped,
                      b.tables.slot_table,
                      b.head_seq_lens,
-                     b.head_out_slots,
+                     b.head_out_slots + skipped,
                      b.tables.live,
-                     head_logits};
+                     head_logits + (last_only ? 0 : skipped * static_cast<size_t>(V) * element_bytes)};
+    head.token_row_stride = 2;
+    head.io_row_stride = 2;
     head.last_token_logits = last_only;
     s.draft->forward(head, current);
     // d_1 from the head's last column: rows of [V] (last_only) or of [2, V], the second position.

@@ -644,6 +644,17 @@ smcgraph::EngineConfig engine_config(smcgraph::CycleKind kind, int vocab) {
   return c;
 }
 
+/// An SMC engine of 4 particles on the tiny models, sampling (draft T 0.9, target T 1).
+smcgraph::EngineConfig smc_config(int vocab, int draft_steps, int max_requests) {
+  smcgraph::EngineConfig c = engine_config(smcgraph::CycleKind::kSmc, vocab);
+  c.particles = 4;
+  c.draft_steps = draft_steps;
+  c.max_requests = max_requests;
+  c.draft_temperature = 0.9f;
+  c.target_temperature = 1.0f;
+  return c;
+}
+
 /// Whether each generated token is the target's greedy choice given the prompt and the tokens before it:
 /// one teacher-forced forward of the whole sequence on a separate target model. A token other than the
 /// argmax is excused when within the logit tolerance of it (the engine's forwards batch differently).
@@ -808,12 +819,7 @@ TEST_CASE("llama engine: SMC cycles with a layer-subset draft keep the slot inva
   MESSAGE("seed ", rng.seed());
   const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
   const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
-  smcgraph::EngineConfig config = engine_config(smcgraph::CycleKind::kSmc, shape.vocab);
-  config.particles = 4;
-  config.draft_steps = 4;
-  config.max_requests = 4;
-  config.draft_temperature = 0.9f;
-  config.target_temperature = 1.0f;
+  const smcgraph::EngineConfig config = smc_config(shape.vocab, 4, 4);
   LlamaPair models(*tiny);
   smcgraph::Engine engine(config, *models.draft, *models.target);
   std::vector<smcgraph::RequestId> ids;
@@ -914,6 +920,71 @@ TEST_CASE(
   const std::unique_ptr<Tiny> other = make_tiny(spec_of(shape, rng.bits()));
   CHECK_THROWS_WITH_AS(LlamaModel(other->weights, shared), doctest::Contains("options.kv_owner"),
                        smcgraph::Error);
+}
+
+TEST_CASE(
+    "llama engine: a draft sharing the target's KV (its head forwards x_{L-1} alone) gives the SMC results "
+    "of the same draft with its own KV (its head recomputes x_{L-2})") {
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  const smcgraph::EngineConfig config = smc_config(shape.vocab, 3, 3);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<uint64_t> seeds;
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(test::random_prompt(rng, shape.vocab, 12 + 5 * i));
+    seeds.push_back(rng.bits());
+  }
+  struct Run {
+    std::vector<std::vector<std::vector<int32_t>>> cycle_tokens; // per cycle, per request: the particles'
+    std::vector<smcgraph::RequestResult> results;
+  };
+  const auto run = [&](bool shared_kv, bool graphs) {
+    LlamaModel target(tiny->weights,
+                      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+    LlamaModelOptions draft_options =
+        options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+    if (shared_kv)
+      draft_options.kv_owner = &target;
+    LlamaModel draft(tiny->weights, draft_options);
+    CHECK(smcgraph::draft_head_tokens(draft, target) == (shared_kv ? 1 : 2));
+    smcgraph::EngineConfig c = config;
+    c.use_graphs = graphs;
+    smcgraph::Engine engine(c, draft, target);
+    std::vector<smcgraph::RequestId> ids;
+    for (size_t i = 0; i < prompts.size(); ++i)
+      ids.push_back(engine.admit(prompts[i], {.seed = seeds[i]}));
+    Run out;
+    for (int cycle = 0; cycle < 12; ++cycle) {
+      std::vector<smcgraph::RequestUpdate> updates = test::cycle(engine);
+      REQUIRE(updates.size() == ids.size());
+      std::vector<std::vector<int32_t>> tokens;
+      for (smcgraph::RequestUpdate& update : updates) {
+        CHECK_FALSE(update.failed);
+        for (std::vector<int32_t>& particle : update.tokens)
+          tokens.push_back(std::move(particle));
+      }
+      out.cycle_tokens.push_back(std::move(tokens));
+    }
+    for (smcgraph::RequestId id : ids)
+      out.results.push_back(engine.result(id));
+    const smcgraph::SlotCheck check = test::check_invariants(engine);
+    CHECK_MESSAGE(check.ok, check.problem);
+    return out;
+  };
+  const Run own = run(false, true);
+  for (bool graphs : {true, false}) {
+    CAPTURE(graphs);
+    const Run shared = run(true, graphs);
+    CHECK(shared.cycle_tokens == own.cycle_tokens);
+    REQUIRE(shared.results.size() == own.results.size());
+    for (size_t i = 0; i < own.results.size(); ++i) {
+      CHECK(shared.results[i].particles == own.results[i].particles);
+      CHECK(shared.results[i].log_weights == own.results[i].log_weights); // the same bits
+      CHECK(shared.results[i].log_evidence == own.results[i].log_evidence);
+    }
+  }
 }
 
 TEST_CASE("llama engine: adaptive K down to 0 (a draft sharing the target's KV) decodes the target's greedy "

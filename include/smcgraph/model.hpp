@@ -67,4 +67,12 @@ public:
   }
 };
 
+/// Tokens a row the engine's draft head forwards: 2 ([x_{L-2}, x_{L-1}]: the draft's KV of x_{L-2} is missing
+/// when the previous cycle's last draft token was accepted), or 1 (x_{L-1} alone) where that KV is written
+/// already, with the same values, by the target's verify or prefill: a draft that is the target itself or
+/// whose KV follows the target's (Model::kv_follows).
+inline int draft_head_tokens(const Model& draft, const Model& target) {
+  return &draft == &target || draft.kv_follows(target) ? 1 : 2;
+}
+
 } // namespace smcgraph
