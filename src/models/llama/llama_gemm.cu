@@ -5,7 +5,8 @@
 // a column and its RoPE / SwiGLU partner meet.
 //
 // Two shapes: narrow (up to kNarrowMaxTokens tokens: decode, verify blocks, small prefills): 16 columns and
-// 16 rows per block and the 4 warps split K, so even a 576-wide projection spreads over 36+ blocks; wide
+// 16 rows per block and the 4 warps split K, so even a 576-wide projection spreads over 36+ blocks (the
+// gate/up projection of more than 16 tokens takes 32 columns a block: two column fragments a warp); wide
 // (more tokens, and the LM head): 64 columns per block, one warp per 16 columns, up to 64 rows per block.
 #include <algorithm>
 #include <cmath>
@@ -53,22 +54,32 @@ constexpr int kNormRows = 2;
 static_assert(kMaxNormK == kLlamaMaxHidden,
               "the RMSNorm prologue must hold a row of the largest hidden size");
 
+/// Narrow gate/up projections of at least this many tokens give each warp two column fragments (32 columns a
+/// block): every block normalises and stages the same activation rows from L2, so half as many blocks read
+/// half as much of them in all. H100, SmolLM2, graph us per cycle (A/B in one call, two rounds): no draft at
+/// 64 requests 1,028.6 -> 972.0-972.4, speculative K = 1 at 64 2,602.0-2,606.2 -> 2,488.1-2,490.9, SMC N 8 K
+/// 4 at 1 / 8 requests 2,755.7-2,756.8 / 8,040.7-8,041.1 -> 2,706.3-2,706.7 / 7,545.3-7,554.0. (Alone in
+/// llama_gemm_bench, whose launches do not overlap through PDL, it does not gain: 7.76 -> 8.65 us at 40
+/// tokens, cold.) Up to 16 tokens the single-fragment blocks stay (decode: more blocks stream the weights).
+constexpr int kPairedColumnsMinTokens = 17;
+
 /// Shared memory of a variant: the A rows, the fp32 tile (one per K slice in the narrow shape) and, when
-/// `stage_w`, the block's 16 weight rows (narrow shape only).
-size_t smem_bytes(int m_frags, bool wide, int k, bool stage_w) {
-  const int n_warps = wide ? 4 : 1;
+/// `stage_w`, the block's weight rows (16 a column fragment; narrow shape only).
+size_t smem_bytes(int m_frags, bool wide, int k, bool stage_w, int n_frags = 1) {
+  const int n_warps = wide ? 4 : 1, block_columns = 16 * n_warps * n_frags;
   return static_cast<size_t>(16 * m_frags) * (k + kRowPad) * sizeof(uint16_t) +
-         static_cast<size_t>(kWarps / n_warps) * (16 * m_frags) * (16 * n_warps) * sizeof(float) +
-         (stage_w ? static_cast<size_t>(16) * (k + kRowPad) * sizeof(uint16_t) : 0);
+         static_cast<size_t>(kWarps / n_warps) * (16 * m_frags) * block_columns * sizeof(float) +
+         (stage_w ? static_cast<size_t>(block_columns) * (k + kRowPad) * sizeof(uint16_t) : 0);
 }
 
 template <int EPILOGUE> constexpr bool uses_norm() {
   return EPILOGUE != static_cast<int>(GemmEpilogue::kResidualAdd);
 }
 
-template <int EPILOGUE, int M_FRAGS, int N_WARPS>
+template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS>
 __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bool stage_w) {
-  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS, K_SPLIT = kWarps / N_WARPS;
+  static_assert(N_FRAGS == 1 || N_WARPS == 1, "several column fragments a warp in the narrow shape only");
+  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS, K_SPLIT = kWarps / N_WARPS;
   extern __shared__ __align__(128) unsigned char smem[];
   const int K = a.k, N = a.n, T = a.tokens;
   const int lda = K + kRowPad;
@@ -78,12 +89,12 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  // The weights do not depend on the previous kernel: start copying this block's 16 rows of W (narrow shape)
+  // The weights do not depend on the previous kernel: start copying this block's BN rows of W (narrow shape)
   // into shared memory before waiting for it (PDL), so their latency hides under its tail and the prologue.
   if (N_WARPS == 1 && stage_w) {
     const int vectors_per_row = K / 8;
     const uint16_t* w_rows = a.weight + static_cast<size_t>(n0) * K;
-    for (int v = threadIdx.x; v < 16 * vectors_per_row; v += kThreads) {
+    for (int v = threadIdx.x; v < BN * vectors_per_row; v += kThreads) {
       const int row = v / vectors_per_row, column = (v % vectors_per_row) * 8;
       __pipeline_memcpy_async(w_tile + static_cast<size_t>(row) * lda + column,
                               w_rows + static_cast<size_t>(row) * K + column, 16);
@@ -115,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   // Narrow QKV: the RoPE rotation (sin, cos) of each row and column pair of the block's tile, computed before
   // waiting (positions and frequencies are forward inputs): the epilogue then only looks them up. The same
   // float angle goes through the same sincosf as in the wide shape, so both give the same bits.
-  constexpr bool kRopeTable = kQkv && M_FRAGS == 1 && N_WARPS == 1;
+  constexpr bool kRopeTable = kQkv && M_FRAGS == 1 && N_WARPS == 1 && N_FRAGS == 1;
   __shared__ float2 rope_table[kRopeTable ? BM * BN / 2 : 1];
   if constexpr (kRopeTable) {
     static_assert(BM * BN / 2 <= kThreads, "one rotation a thread");
@@ -225,11 +236,11 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   // zero and the slices are added in order (((s0 + s1) + s2) + s3), in both shapes: a row's result then
   // depends on its own inputs only, not on T or the variant (batch invariance: a token's logits are the same
   // in a 1-token decode and in a K + 1-token verify, so greedy speculative decoding reproduces greedy
-  // decoding). Narrow: warp w computes slice w of columns n0 .. n0 + 15. Wide: warp w computes every slice of
-  // columns n0 + 16 w .. n0 + 16 w + 15.
+  // decoding). Narrow: warp w computes slice w of columns n0 .. n0 + BN - 1 (one or two column fragments,
+  // each summed exactly as alone). Wide: warp w computes every slice of columns n0 + 16 w .. n0 + 16 w + 15.
   const int k_tiles = K / 16;
   const int tiles_per_slice = (k_tiles + kWarps - 1) / kWarps;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> total[M_FRAGS];
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> total[M_FRAGS][N_FRAGS];
   const int wn = N_WARPS == 1 ? 0 : warp;
   const bool w_in_smem = N_WARPS == 1 && stage_w;
   const __nv_bfloat16* w_col =
@@ -244,28 +255,34 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
     // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
     // invariance).
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS][kPartials];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS][N_FRAGS][kPartials];
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
-      for (int p = 0; p < kPartials; ++p)
-        wmma::fill_fragment(acc[f][p], 0.0f);
+      for (int c = 0; c < N_FRAGS; ++c)
+#pragma unroll
+        for (int p = 0; p < kPartials; ++p)
+          wmma::fill_fragment(acc[f][c][p], 0.0f);
     // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
     constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
     static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
     int kk = k_begin;
     for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[kLoadsInFlight];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[N_FRAGS][kLoadsInFlight];
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u)
-        wmma::load_matrix_sync(b[u], w_col + kk + 16 * u, ldw);
+#pragma unroll
+        for (int c = 0; c < N_FRAGS; ++c)
+          wmma::load_matrix_sync(b[c][u], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u) {
 #pragma unroll
         for (int f = 0; f < M_FRAGS; ++f) {
           wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
           wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
-          wmma::mma_sync(acc[f][u % kPartials], a_frag, b[u], acc[f][u % kPartials]);
+#pragma unroll
+          for (int c = 0; c < N_FRAGS; ++c)
+            wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c][u], acc[f][c][u % kPartials]);
         }
       }
     }
@@ -273,26 +290,33 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight - 1; ++u) {
       if (kk + 16 * u < k_end) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-        wmma::load_matrix_sync(b, w_col + kk + 16 * u, ldw);
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[N_FRAGS];
+#pragma unroll
+        for (int c = 0; c < N_FRAGS; ++c)
+          wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
 #pragma unroll
         for (int f = 0; f < M_FRAGS; ++f) {
           wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
           wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
-          wmma::mma_sync(acc[f][u % kPartials], a_frag, b, acc[f][u % kPartials]);
+#pragma unroll
+          for (int c = 0; c < N_FRAGS; ++c)
+            wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c], acc[f][c][u % kPartials]);
         }
       }
     }
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f) {
 #pragma unroll
-      for (int i = 0; i < acc[f][0].num_elements; ++i) {
-        float partial[kPartials];
+      for (int c = 0; c < N_FRAGS; ++c) {
 #pragma unroll
-        for (int p = 0; p < kPartials; ++p)
-          partial[p] = acc[f][p].x[i];
-        const float slice_sum = device::tree_sum(partial);
-        total[f].x[i] = slice == first_slice ? slice_sum : total[f].x[i] + slice_sum;
+        for (int i = 0; i < acc[f][c][0].num_elements; ++i) {
+          float partial[kPartials];
+#pragma unroll
+          for (int p = 0; p < kPartials; ++p)
+            partial[p] = acc[f][c][p].x[i];
+          const float slice_sum = device::tree_sum(partial);
+          total[f][c].x[i] = slice == first_slice ? slice_sum : total[f][c].x[i] + slice_sum;
+        }
       }
     }
   }
@@ -300,8 +324,11 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   const int stage_index = N_WARPS == 1 ? warp : 0;
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f)
-    wmma::store_matrix_sync(stage + static_cast<size_t>(stage_index) * BM * BN + f * 16 * BN + wn * 16,
-                            total[f], BN, wmma::mem_row_major);
+#pragma unroll
+    for (int c = 0; c < N_FRAGS; ++c)
+      wmma::store_matrix_sync(stage + static_cast<size_t>(stage_index) * BM * BN + f * 16 * BN +
+                                  (wn * N_FRAGS + c) * 16,
+                              total[f][c], BN, wmma::mem_row_major);
   __syncthreads();
   // An element of the finished tile: the K slices' sums added in slice order (((s0 + s1) + s2) + s3), read
   // where the epilogue needs them (no second pass and barrier over the tile).
@@ -392,20 +419,25 @@ int max_optin_smem() {
   return current_device_info().shared_memory_optin_bytes - kStaticSmemBytes;
 }
 
-template <int EPILOGUE, int M_FRAGS, int N_WARPS>
+template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS = 1>
 void launch_variant(const GemmArgs& a, cudaStream_t stream) {
-  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS;
+  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS;
   const bool wide = N_WARPS == 4;
   const bool stage_w =
-      !wide && smem_bytes(M_FRAGS, false, a.k, true) <= static_cast<size_t>(max_optin_smem());
+      !wide && smem_bytes(M_FRAGS, false, a.k, true, N_FRAGS) <= static_cast<size_t>(max_optin_smem());
   const dim3 grid(static_cast<unsigned>(a.n / BN), static_cast<unsigned>(detail::ceil_div(a.tokens, BM)));
-  launch_pdl(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS>, grid, dim3(kThreads),
-             smem_bytes(M_FRAGS, wide, a.k, stage_w), stream, a, stage_w);
+  launch_pdl(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS, N_FRAGS>, grid, dim3(kThreads),
+             smem_bytes(M_FRAGS, wide, a.k, stage_w, N_FRAGS), stream, a, stage_w);
 }
 
-/// Narrow tiles (one row fragment, one column warp); wide ones (four column warps) with `m_frags` row
-/// fragments.
-template <int EPILOGUE> void launch_epilogue(int m_frags, bool wide, const GemmArgs& a, cudaStream_t stream) {
+/// Narrow tiles (one row fragment, one column warp with one column fragment, or two for `paired`); wide ones
+/// (four column warps) with `m_frags` row fragments.
+template <int EPILOGUE>
+void launch_epilogue(int m_frags, bool wide, bool paired, const GemmArgs& a, cudaStream_t stream) {
+  if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
+    if (!wide && paired)
+      return launch_variant<EPILOGUE, 1, 1, 2>(a, stream);
+  }
   if (!wide)
     return launch_variant<EPILOGUE, 1, 1>(a, stream);
   switch (m_frags) {
@@ -428,10 +460,12 @@ template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
 }
 
 template <int EPILOGUE> void set_smem_limits(int max_k) {
-  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1>, smem_bytes(1, false, max_k, true));
-  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 4>, smem_bytes(1, true, max_k, false));
-  set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 4>, smem_bytes(2, true, max_k, false));
-  set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 4>, smem_bytes(4, true, max_k, false));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1, 1>, smem_bytes(1, false, max_k, true));
+  if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu))
+    set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1, 2>, smem_bytes(1, false, max_k, true, 2));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 4, 1>, smem_bytes(1, true, max_k, false));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 4, 1>, smem_bytes(2, true, max_k, false));
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 4, 1>, smem_bytes(4, true, max_k, false));
 }
 
 } // namespace
@@ -497,15 +531,17 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
     m_frags /= 2;
   require(smem_bytes(m_frags, wide, a.k, false) <= static_cast<size_t>(max_optin_smem()), kWhere, "k", a.k,
           "needs more shared memory than the device offers");
+  // Paired column fragments (gate/up only, kPairedColumnsMinTokens): the same sums in the same order.
+  const bool paired = !wide && a.tokens >= kPairedColumnsMinTokens && a.n % 32 == 0;
   switch (epilogue) {
   case GemmEpilogue::kQkvRope:
-    return launch_epilogue<0>(m_frags, wide, a, stream);
+    return launch_epilogue<0>(m_frags, wide, false, a, stream);
   case GemmEpilogue::kResidualAdd:
-    return launch_epilogue<1>(m_frags, wide, a, stream);
+    return launch_epilogue<1>(m_frags, wide, false, a, stream);
   case GemmEpilogue::kSwiGlu:
-    return launch_epilogue<2>(m_frags, wide, a, stream);
+    return launch_epilogue<2>(m_frags, wide, paired, a, stream);
   case GemmEpilogue::kLogits:
-    return launch_epilogue<3>(m_frags, wide, a, stream);
+    return launch_epilogue<3>(m_frags, wide, false, a, stream);
   }
 }
 
