@@ -252,7 +252,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                      b.head_seq_lens,
                      b.head_out_slots + skipped,
                      b.tables.live,
-                     head_logits + (last_only ? 0 : skipped * static_cast<size_t>(V) * element_bytes)};
+                     head_logits}; // [rows, V] when skipped (draft_head_tokens needs last_only)
     head.token_row_stride = 2;
     head.io_row_stride = 2;
     head.last_token_logits = last_only;

@@ -70,9 +70,13 @@ public:
 /// Tokens a row the engine's draft head forwards: 2 ([x_{L-2}, x_{L-1}]: the draft's KV of x_{L-2} is missing
 /// when the previous cycle's last draft token was accepted), or 1 (x_{L-1} alone) where that KV is written
 /// already, with the same values, by the target's verify or prefill: a draft that is the target itself or
-/// whose KV follows the target's (Model::kv_follows).
+/// whose KV follows the target's (Model::kv_follows), and that gives the head its last token's logits alone
+/// (Model::last_token_logits_supported; the one-token head reads the second column of its [rows, 2] inputs,
+/// and a [rows, 2, V] logits block offset the same way would let a model's writes past tokens_per_row run
+/// past its end).
 inline int draft_head_tokens(const Model& draft, const Model& target) {
-  return &draft == &target || draft.kv_follows(target) ? 1 : 2;
+  const bool kv_written = &draft == &target || draft.kv_follows(target);
+  return kv_written && draft.last_token_logits_supported() ? 1 : 2;
 }
 
 } // namespace smcgraph
