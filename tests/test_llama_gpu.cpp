@@ -381,12 +381,12 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
 }
 
 TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits in any block and batch") {
-  // The GEMM picks its tiles by the forward's token count (narrow 16-row tiles for few tokens, with two column
-  // fragments a warp for gate/up from 17 tokens, wide 64 x 64 tiles for many; llama_gemm.cu) and attention
-  // splits positions by a token's own length only, so a token's logits must not depend on how many tokens
-  // share its forward: a 40-token block of 16 rows (640 tokens: wide tiles), the same tokens in blocks of 8
-  // (128 tokens: narrow, gate/up paired) and one at a time (16 tokens: narrow, one column fragment) give the
-  // same bits. Greedy speculative decoding reproducing greedy decoding rests on this.
+  // The GEMM picks its tiles by the forward's token count (narrow 16-row tiles for few tokens, with two
+  // column fragments a warp for gate/up from 17 tokens, wide 64 x 64 tiles for many; llama_gemm.cu) and
+  // attention splits positions by a token's own length only, so a token's logits must not depend on how many
+  // tokens share its forward: a 40-token block of 16 rows (640 tokens: wide tiles), the same tokens in blocks
+  // of 8 (128 tokens: narrow, gate/up paired) and one at a time (16 tokens: narrow, one column fragment) give
+  // the same bits. Greedy speculative decoding reproducing greedy decoding rests on this.
   const Shape shape{2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
   constexpr int kRows = 16, kLength = 40, kPool = 1024, kMaxSeqLen = 64;
