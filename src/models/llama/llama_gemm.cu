@@ -267,41 +267,40 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
     static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
     int kk = k_begin;
-    for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[N_FRAGS][kLoadsInFlight];
+    // Tile u of the load group at kk: its W fragments (one a column fragment), then every row fragment's MMAs
+    // with them into partial u % kPartials.
+    using WTile = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>[N_FRAGS];
+    const auto load_w = [&](WTile& b, int u) {
 #pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u)
+      for (int c = 0; c < N_FRAGS; ++c)
+        wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
+    };
+    const auto mma_tile = [&](const WTile& b, int u) {
+#pragma unroll
+      for (int f = 0; f < M_FRAGS; ++f) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
+        wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
 #pragma unroll
         for (int c = 0; c < N_FRAGS; ++c)
-          wmma::load_matrix_sync(b[c][u], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) {
-#pragma unroll
-        for (int f = 0; f < M_FRAGS; ++f) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
-          wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
-#pragma unroll
-          for (int c = 0; c < N_FRAGS; ++c)
-            wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c][u], acc[f][c][u % kPartials]);
-        }
+          wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c], acc[f][c][u % kPartials]);
       }
+    };
+    for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
+      WTile b[kLoadsInFlight];
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u)
+        load_w(b[u], u);
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u)
+        mma_tile(b[u], u);
     }
     // The last tiles (fewer than a load group; the group's first goes to partial 0).
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight - 1; ++u) {
       if (kk + 16 * u < k_end) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b[N_FRAGS];
-#pragma unroll
-        for (int c = 0; c < N_FRAGS; ++c)
-          wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
-#pragma unroll
-        for (int f = 0; f < M_FRAGS; ++f) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
-          wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
-#pragma unroll
-          for (int c = 0; c < N_FRAGS; ++c)
-            wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c], acc[f][c][u % kPartials]);
-        }
+        WTile b;
+        load_w(b, u);
+        mma_tile(b, u);
       }
     }
 #pragma unroll
