@@ -419,6 +419,63 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
+TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bits") {
+  // The attention launch takes a block per query for small launches and a block per (row, KV head, group of
+  // up to 16 queries) for large ones (llama_attention.cu); SMCGRAPH_ATTENTION_GROUPING forces either. Both
+  // run each query's arithmetic in the same order, so two models forced each way, fed the same forwards
+  // (prefills of 1-9 chunks of positions: one chunk a warp, where the grouped block loads the positions once,
+  // and more, where each query loads its own; verify blocks; decodes; padding rows; graphs), give the same
+  // logits bits. Shapes: 3 query heads a KV head (head_dim 32), 2 (head_dim 32), and 2 with head_dim 128.
+  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+  constexpr int kRows = 6, kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 2048;
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    CAPTURE(shape.heads);
+    TinySetup setup(shape);
+    const auto model_with = [&](const char* grouping) {
+      REQUIRE(setenv("SMCGRAPH_ATTENTION_GROUPING", grouping, 1) == 0);
+      auto model = std::make_unique<LlamaModel>(setup.tiny->weights,
+                                                options_of(kPool, kMaxSeqLen, kMaxTokens, DType::kFloat32));
+      unsetenv("SMCGRAPH_ATTENTION_GROUPING");
+      return model;
+    };
+    const std::unique_ptr<LlamaModel> per_query = model_with("per_query"), grouped = model_with("grouped");
+    LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 320), shape.vocab, kPool,
+                                                         kMaxSeqLen, 1.0, setup.rng.engine());
+    const auto every_row = [](int) { return true; };
+    const auto even_rows = [](int row) { return row % 2 == 0; };
+    // (tokens a row, which rows: 2 all, 0 the even ones): a 270-token prefill (its last queries see 9 chunks,
+    // so warp 0 takes two), then verify blocks and decodes, some with padding rows.
+    const std::vector<std::pair<int, int>> schedule = {{270, 2}, {1, 2}, {5, 2}, {5, 0},
+                                                       {1, 0},   {9, 2}, {1, 2}};
+    int forward = 0;
+    for (const auto& [per_row, who] : schedule) {
+      CAPTURE(forward);
+      CAPTURE(per_row);
+      const LlamaForwardInputs in = who == 2 ? step_inputs(s, per_row, every_row, setup.rng.engine())
+                                             : step_inputs(s, per_row, even_rows, setup.rng.engine());
+      DeviceBatch batch(in, shape.vocab, DType::kFloat32, setup.stream);
+      const bool captured = forward % 2 == 1;
+      const std::vector<uint8_t> a = run_forward(*per_query, batch, captured, setup.stream);
+      const std::vector<uint8_t> b = run_forward(*grouped, batch, captured, setup.stream);
+      CHECK_MESSAGE(a == b, "forward " << forward << ": grouped attention changed the logits");
+      ++forward;
+    }
+    CHECK(s.done[0] > 8 * 32); // more than 8 chunks of 32 positions: several a warp
+  }
+}
+
+TEST_CASE("llama forward: SMCGRAPH_ATTENTION_GROUPING must name a grouping") {
+  const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  TinySetup setup(shape);
+  REQUIRE(setenv("SMCGRAPH_ATTENTION_GROUPING", "sideways", 1) == 0);
+  CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
+                       doctest::Contains("SMCGRAPH_ATTENTION_GROUPING = 'sideways'"), smcgraph::Error);
+  unsetenv("SMCGRAPH_ATTENTION_GROUPING");
+}
+
 TEST_CASE("llama forward: tokens, positions, out slots and logits with a row stride give the dense forward's "
           "logits") {
   // The engine's draft steps read d_k from column k of its [rows, K + 1] draft block; its verify forward over

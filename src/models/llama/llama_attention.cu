@@ -11,6 +11,21 @@
 // reductions, and a lane per output dimension sums the weighted values from shared memory in position order.
 // The warps merge their (max, sum, accumulator) in warp order in shared memory: no partials in global memory,
 // no atomics. Nothing depends on the batch, so a token's output is the same in any batch.
+//
+// Launches of more than a wave of those blocks (64-row decodes, 320-token verify blocks) take grouped blocks
+// instead: one per (row, KV head, group of up to 16 of the queries that read that KV head), which load each
+// position's key and value once for the group, where the per-query blocks load them once a query head and
+// token. Each query runs the same arithmetic in the same order in both kernels (chunk_scores,
+// chunk_values, merge_warps), so both give the same bits. Heads of exactly 64 or 128 dimensions take
+// instances with the head size a compile-time constant (EXACT).
+//
+// H100, SmolLM2, graph us per cycle (A/B in one call, two rounds), before -> EXACT per-query blocks only ->
+// with grouped blocks too: no draft at 1 / 8 / 64 requests 475.7-477.0 / 496.0-497.6 / 973.7-979.3 ->
+// 456.0-457.1 / 474.2-474.4 / 924.9-927.1 -> 453.1-456.8 / 474.3-474.8 / 912.8-920.5; speculative K = 1 at 64
+// 2,480.9-2,492.6 -> 2,381.3-2,384.4 -> 2,365.5-2,367.2; SMC N 8 K 4 at 1 / 8 requests 2,703.2-2,705.8 /
+// 7,580.4-7,581.7 -> 2,596.7-2,602.2 / 7,229.7-7,232.4 -> 2,598.6-2,600.3 / 6,664.9-6,672.1. The gain of
+// EXACT: the per-dimension guards (`d < head_dim`) had kept every shared-memory load of the value loop behind
+// a branch, so each position cost a load latency; without them the loads issue ahead of the FMA chain.
 #include <algorithm>
 #include <cmath>
 
@@ -26,6 +41,7 @@
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/llama_model.hpp"
+#include "smcgraph/runtime.hpp"
 
 namespace smcgraph::llama {
 namespace {
@@ -59,15 +75,105 @@ __device__ __forceinline__ int clamp_slot(int slot, int pool_size) {
 }
 
 /// Dynamic shared memory of a block: each warp's value rows (a chunk of head_dim-wide bf16 rows).
-size_t attention_smem_bytes(int head_dim) {
+__host__ __device__ constexpr size_t attention_smem_bytes(int head_dim) {
   return static_cast<size_t>(kWarps) * kAttentionChunk * head_dim * sizeof(uint16_t);
+}
+
+/// Position `slot`'s key (to registers) and value (cp.async into this lane's row of the warp's value rows,
+/// `v_row`) for KV head `kv_head`: every load in flight at once.
+template <int MAX_HEAD_DIM>
+__device__ __forceinline__ void load_key_value(const AttentionArgs& a, int slot, int kv_head, int hd,
+                                               uint16_t* v_row, uint4 (&key)[MAX_HEAD_DIM / 8]) {
+  const int kv_dim = a.kv_heads * hd;
+  const uint16_t* k_row = a.kv + static_cast<size_t>(slot) * 2 * kv_dim + kv_head * hd;
+  for (int v = 0; v < hd / 8; ++v)
+    __pipeline_memcpy_async(v_row + v * 8, k_row + kv_dim + v * 8, 16);
+#pragma unroll
+  for (int v = 0; v < MAX_HEAD_DIM / 8; ++v)
+    if (v < hd / 8)
+      key[v] = reinterpret_cast<const uint4*>(k_row)[v];
+}
+
+/// One query's pass over one chunk of (up to) 32 positions, by the calling warp: lane i holds position
+/// begin + i's key (`key`, registers) and finds its value row at v_rows + i * hd (shared memory, complete
+/// before the values are read: the caller's pipeline wait comes between chunk_scores and chunk_values). The
+/// scores, their max and sum (warp reductions) and the online-softmax rescaling of (m, l, acc) are the same
+/// operations in the same order in every kernel that calls these two: a query's output does not depend on
+/// which kernel, block or batch computed it.
+template <int MAX_HEAD_DIM>
+__device__ __forceinline__ float chunk_scores(const float* q_row, const uint4 (&key)[MAX_HEAD_DIM / 8],
+                                              bool valid, int hd, float scale, float* p_row, float& m,
+                                              float& l) {
+  constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8;
+  const int lane = threadIdx.x % 32;
+  float score = -INFINITY;
+  if (valid) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kMaxVectorsPerHead; ++v) {
+      if (v < hd / 8) {
+        const float* qv = q_row + v * 8;
+        dot = fmaf(qv[0], bf16_low(key[v].x), dot);
+        dot = fmaf(qv[1], bf16_high(key[v].x), dot);
+        dot = fmaf(qv[2], bf16_low(key[v].y), dot);
+        dot = fmaf(qv[3], bf16_high(key[v].y), dot);
+        dot = fmaf(qv[4], bf16_low(key[v].z), dot);
+        dot = fmaf(qv[5], bf16_high(key[v].z), dot);
+        dot = fmaf(qv[6], bf16_low(key[v].w), dot);
+        dot = fmaf(qv[7], bf16_high(key[v].w), dot);
+      }
+    }
+    score = dot * scale;
+  }
+  // The chunk's max (finite: lane 0's position is always valid) folded into the running one.
+  const float m_new = fmaxf(m, cg::reduce(warp_tile(), score, FloatMax{}));
+  const float correction = expf(m - m_new); // 0 on the first chunk (m = -inf)
+  const float p = valid ? expf(score - m_new) : 0.0f;
+  l = l * correction + cg::reduce(warp_tile(), p, cg::plus<float>());
+  m = m_new;
+  p_row[lane] = p;
+  return correction;
+}
+
+/// acc[d] = acc[d] * correction + the sum over the chunk's `count` positions, in position order, of p * V[d]
+/// (lane i holds d = i, i + 32, ...).
+template <int MAX_HEAD_DIM>
+__device__ __forceinline__ void chunk_values(const float* p_row, const uint16_t* v_rows, int count, int hd,
+                                             float correction, float (&acc)[MAX_HEAD_DIM / 32]) {
+  constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kMaxDimsPerLane; ++c)
+    acc[c] *= correction;
+  for (int i = 0; i < count; ++i) {
+    const float weight = p_row[i];
+#pragma unroll
+    for (int c = 0; c < kMaxDimsPerLane; ++c)
+      if (c * 32 + lane < hd)
+        acc[c] = fmaf(weight, __uint_as_float(static_cast<uint32_t>(v_rows[i * hd + c * 32 + lane]) << 16),
+                      acc[c]);
+  }
+}
+
+/// A query's output from its warps' partials (m, l, acc) in warp order (warps without a chunk weigh
+/// nothing): dimension d, over the first `used` warps' entries at ml[w * ml_stride] and acc[w * acc_stride];
+/// m_all is the largest of their m.
+__device__ __forceinline__ uint16_t merge_warps(const float* ml, int ml_stride, const float* acc,
+                                                int acc_stride, int used, float m_all) {
+  float l_all = 0.0f, sum = 0.0f;
+  for (int w = 0; w < used; ++w) {
+    const float weight = expf(ml[w * ml_stride] - m_all);
+    l_all = fmaf(ml[w * ml_stride + 1], weight, l_all);
+    sum = fmaf(acc[w * acc_stride], weight, sum);
+  }
+  return float_to_bf16_bits(sum / l_all);
 }
 
 // One block per (row, token, query head). Its warps take the token's chunks c = warp, warp + kWarps, ... and
 // fold them in that order with an online softmax; the block then merges its warps' (m, l, acc) in warp order
 // in shared memory. The chunk-to-warp map and both orders depend on the token's own length only, so its
 // output is the same in any batch (batch invariance: a decode token equals the same token in a verify block).
-template <int MAX_HEAD_DIM>
+template <int MAX_HEAD_DIM, bool EXACT>
 __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const AttentionArgs a) {
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
   static_assert(MAX_HEAD_DIM % 32 == 0 && MAX_HEAD_DIM <= kLlamaMaxHeadDim, "a lane holds whole dimensions");
@@ -80,7 +186,9 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   __shared__ float warp_acc[kWarps][MAX_HEAD_DIM];
   __shared__ float warp_ml[kWarps][2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int hd = a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
+  // EXACT: head_dim is MAX_HEAD_DIM, a constant, so the per-dimension guards fold away and the loops over a
+  // chunk's positions issue their shared-memory loads ahead of the FMA chain (no branch between them).
+  const int hd = EXACT ? MAX_HEAD_DIM : a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
   const int kv_head = head / (a.heads / a.kv_heads);
   uint16_t* v_shared =
       reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
@@ -107,15 +215,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   const int early_position = warp * kAttentionChunk + lane;
   const bool early =
       live && warp < chunks && early_position < length && early_position < first_block_position;
-  if (early) {
-    const uint16_t* k_row = a.kv + static_cast<size_t>(next_slot) * 2 * kv_dim + kv_head * hd;
-    for (int v = 0; v < hd / 8; ++v)
-      __pipeline_memcpy_async(v_shared + lane * hd + v * 8, k_row + kv_dim + v * 8, 16);
-#pragma unroll
-    for (int v = 0; v < kMaxVectorsPerHead; ++v)
-      if (v < hd / 8)
-        key[v] = reinterpret_cast<const uint4*>(k_row)[v];
-  }
+  if (early)
+    load_key_value<MAX_HEAD_DIM>(a, next_slot, kv_head, hd, v_shared + lane * hd, key);
   __pipeline_commit();
   pdl_wait();
   pdl_trigger();
@@ -145,56 +246,16 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
     const int following = begin + kWarps * kAttentionChunk + lane;
     if (following < length) // the warp's next chunk: its slot load overlaps this chunk
       next_slot = clamp_slot(slots[following], a.pool_size);
-    const uint16_t* k_row = a.kv + static_cast<size_t>(slot) * 2 * kv_dim + kv_head * hd;
     const bool load = valid && !(early && chunk == warp); // an early position's rows are in flight already
     if (load)
-      for (int v = 0; v < hd / 8; ++v)
-        __pipeline_memcpy_async(v_shared + lane * hd + v * 8, k_row + kv_dim + v * 8, 16);
+      load_key_value<MAX_HEAD_DIM>(a, slot, kv_head, hd, v_shared + lane * hd, key);
     __pipeline_commit();
-#pragma unroll
-    for (int v = 0; v < kMaxVectorsPerHead; ++v)
-      if (load && v < hd / 8)
-        key[v] = reinterpret_cast<const uint4*>(k_row)[v];
-    float score = -INFINITY;
-    if (valid) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int v = 0; v < kMaxVectorsPerHead; ++v) {
-        if (v < hd / 8) {
-          const float* qv = q_shared + v * 8;
-          dot = fmaf(qv[0], bf16_low(key[v].x), dot);
-          dot = fmaf(qv[1], bf16_high(key[v].x), dot);
-          dot = fmaf(qv[2], bf16_low(key[v].y), dot);
-          dot = fmaf(qv[3], bf16_high(key[v].y), dot);
-          dot = fmaf(qv[4], bf16_low(key[v].z), dot);
-          dot = fmaf(qv[5], bf16_high(key[v].z), dot);
-          dot = fmaf(qv[6], bf16_low(key[v].w), dot);
-          dot = fmaf(qv[7], bf16_high(key[v].w), dot);
-        }
-      }
-      score = dot * a.scale;
-    }
-    // The chunk's max (finite: lane 0's position is always valid) folded into the running one.
-    const float m_new = fmaxf(m, cg::reduce(warp_tile(), score, FloatMax{}));
-    const float correction = expf(m - m_new); // 0 on the first chunk (m = -inf)
-    const float p = valid ? expf(score - m_new) : 0.0f;
-    l = l * correction + cg::reduce(warp_tile(), p, cg::plus<float>());
-    m = m_new;
-    p_shared[warp][lane] = p;
+    const float correction =
+        chunk_scores<MAX_HEAD_DIM>(q_shared, key, valid, hd, a.scale, p_shared[warp], m, l);
     __pipeline_wait_prior(0);
     __syncwarp();
     // acc[d] += sum over the chunk's positions, in position order, of p * V[d]: lane i holds d = i, i + 32..
-#pragma unroll
-    for (int c = 0; c < kMaxDimsPerLane; ++c)
-      acc[c] *= correction;
-    for (int i = 0; i < count; ++i) {
-      const float weight = p_shared[warp][i];
-#pragma unroll
-      for (int c = 0; c < kMaxDimsPerLane; ++c)
-        if (c * 32 + lane < hd)
-          acc[c] = fmaf(
-              weight, __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16), acc[c]);
-    }
+    chunk_values<MAX_HEAD_DIM>(p_shared[warp], v_shared, count, hd, correction, acc);
     __syncwarp(); // the warp's next chunk reuses its p and value rows
   }
   if (chunks == 1) { // one chunk, warp 0's: the output directly (the merge below would give the same bits)
@@ -220,14 +281,224 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   float m_all = -INFINITY;
   for (int w = 0; w < used; ++w)
     m_all = fmaxf(m_all, warp_ml[w][0]);
-  for (int d = threadIdx.x; d < hd; d += kThreads) {
-    float l_all = 0.0f, sum = 0.0f;
-    for (int w = 0; w < used; ++w) {
-      const float weight = expf(warp_ml[w][0] - m_all);
-      l_all = fmaf(warp_ml[w][1], weight, l_all);
-      sum = fmaf(warp_acc[w][d], weight, sum);
+  for (int d = threadIdx.x; d < hd; d += kThreads)
+    out[d] = merge_warps(&warp_ml[0][0], 2, &warp_acc[0][d], MAX_HEAD_DIM, used, m_all);
+}
+
+/// Queries a grouped block takes at most (LlamaGroupedAttentionKernel), and how many of them a warp runs
+/// interleaved.
+constexpr int kGroupMaxQueries = 16;
+constexpr int kQueryBatch = 4;
+/// The per-query kernel's blocks an SM (78 registers a thread in the 64-dimension variant: three 256-thread
+/// blocks), and the waves of them past which the launch takes grouped blocks.
+constexpr int kPerQueryBlocksPerSm = 3;
+constexpr int kGroupedMinWaves = 1;
+
+/// Dynamic shared memory of a grouped block: each warp's value rows, then the queries as floats, each warp's
+/// accumulators per query and each warp's (m, l) per query.
+size_t grouped_smem_bytes(int head_dim, int queries) {
+  return attention_smem_bytes(head_dim) + static_cast<size_t>(queries) * head_dim * sizeof(float) +
+         static_cast<size_t>(kWarps) * queries * head_dim * sizeof(float) +
+         static_cast<size_t>(kWarps) * queries * 2 * sizeof(float);
+}
+
+// One block per (row, group of queries, KV head): the queries q = first .. first + count - 1 of the row's
+// tokens_per_row x heads-per-KV-head queries that read this KV head (query q is token q / group_heads and
+// query head kv_head * group_heads + q % group_heads). The positions the block reads are loaded once for all
+// its queries (where a warp has one chunk: a row of up to 256 positions) instead of once a query: a 5-token
+// verify of SmolLM2 (3 query heads a KV head) reads each key and value once instead of 15 times. Each query
+// runs exactly the per-query kernel's arithmetic in the same order (chunk c on warp c % kWarps, chunk_scores
+// and chunk_values, the warps merged in warp order by merge_warps), so its output is the same bits in either
+// kernel, and both stay batch-invariant.
+template <int MAX_HEAD_DIM, bool EXACT>
+__global__ void __launch_bounds__(kThreads)
+    LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
+  static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
+  constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
+  constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8;
+  const int r = blockIdx.x, kv_head = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // EXACT: head_dim is MAX_HEAD_DIM, a constant, so the per-dimension guards fold away and the loops over a
+  // chunk's positions issue their shared-memory loads ahead of the FMA chain (no branch between them).
+  const int hd = EXACT ? MAX_HEAD_DIM : a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
+  const int group_heads = a.heads / a.kv_heads;
+  const int first = static_cast<int>(blockIdx.y) * group_queries;
+  const int count = min(group_queries, a.tokens_per_row * group_heads - first);
+  extern __shared__ __align__(16) unsigned char attention_smem[];
+  __shared__ float p_shared[kWarps][kQueryBatch][kAttentionChunk];
+  __shared__ int query_length[kGroupMaxQueries];
+  uint16_t* v_shared =
+      reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
+  float* q_shared = reinterpret_cast<float*>(attention_smem + attention_smem_bytes(hd));
+  float* warp_acc = q_shared + static_cast<size_t>(group_queries) * hd;         // [kWarps][queries][hd]
+  float* warp_ml = warp_acc + static_cast<size_t>(kWarps) * group_queries * hd; // [kWarps][queries][2]
+  // Inputs of the forward (read before waiting, as in the per-query kernel): liveness, each query's length
+  // (its token's position), the block's longest, the first chunk's slots and the early positions' K and V.
+  const bool live = a.live[r];
+  if (threadIdx.x < count) { // one position load a query, all in flight together
+    const int t = r * a.tokens_per_row + (first + static_cast<int>(threadIdx.x)) / group_heads;
+    const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
+    query_length[threadIdx.x] = min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
+  }
+  __syncthreads();
+  int block_length = 0;
+  for (int i = 0; i < count; ++i)
+    block_length = max(block_length, query_length[i]);
+  const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
+  const int block_chunks = max(0, (block_length + kAttentionChunk - 1) / kAttentionChunk);
+  // A warp with one chunk (rows of up to kWarps chunks) loads its positions once for every query.
+  const bool cached = warp < block_chunks && warp + kWarps >= block_chunks;
+  int slot = 0;
+  if (live && warp < block_chunks && warp * kAttentionChunk + lane < block_length)
+    slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
+  uint4 key[kMaxVectorsPerHead];
+  const int first_block_position =
+      a.positions[detail::strided_token_index(r * a.tokens_per_row, a.tokens_per_row, a.io_row_stride)];
+  const int my_position = warp * kAttentionChunk + lane;
+  const bool early = live && cached && my_position < block_length && my_position < first_block_position;
+  const auto load_position = [&](int position_slot) {
+    load_key_value<MAX_HEAD_DIM>(a, position_slot, kv_head, hd, v_shared + lane * hd, key);
+  };
+  if (early)
+    load_position(slot);
+  __pipeline_commit();
+  pdl_wait();
+  pdl_trigger();
+  if (!live)
+    return;
+  // The queries (this forward's QKV projection wrote them), and the cached chunk's own positions.
+  for (int e = threadIdx.x; e < count * hd; e += kThreads) {
+    const int i = e / hd, d = e % hd, query = first + i;
+    const int t = r * a.tokens_per_row + query / group_heads,
+              head = kv_head * group_heads + query % group_heads;
+    q_shared[e] =
+        __uint_as_float(static_cast<uint32_t>(a.q[static_cast<size_t>(t) * q_dim + head * hd + d]) << 16);
+  }
+  if (cached && !early && my_position < block_length)
+    load_position(slot);
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+
+  // The queries in batches of kQueryBatch, interleaved: each query's steps are the per-query kernel's, in
+  // its order, but the batch's dot products, reductions and value sums are independent chains that overlap
+  // (one query at a time leaves a warp waiting on each chain's latency), and a value row read from shared
+  // memory serves the whole batch. A batch past the last query repeats that query and discards the copy.
+  for (int b0 = 0; b0 < count; b0 += kQueryBatch) {
+    int query_index[kQueryBatch], length[kQueryBatch], chunks[kQueryBatch];
+    int batch_length = 0;
+#pragma unroll
+    for (int u = 0; u < kQueryBatch; ++u) {
+      query_index[u] = min(b0 + u, count - 1);
+      length[u] = query_length[query_index[u]];
+      chunks[u] = max(0, (length[u] + kAttentionChunk - 1) / kAttentionChunk);
+      batch_length = max(batch_length, length[u]);
     }
-    out[d] = float_to_bf16_bits(sum / l_all);
+    const int batch_chunks = max(0, (batch_length + kAttentionChunk - 1) / kAttentionChunk);
+    float m[kQueryBatch], l[kQueryBatch], acc[kQueryBatch][kMaxDimsPerLane];
+#pragma unroll
+    for (int u = 0; u < kQueryBatch; ++u) {
+      m[u] = -INFINITY;
+      l[u] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxDimsPerLane; ++c)
+        acc[u][c] = 0.0f;
+    }
+    for (int chunk = warp; chunk < batch_chunks; chunk += kWarps) {
+      const int begin = chunk * kAttentionChunk;
+      if (!cached) { // several chunks a warp: the batch loads them itself
+        if (lane < min(kAttentionChunk, batch_length - begin))
+          load_position(clamp_slot(slots[begin + lane], a.pool_size));
+        __pipeline_commit();
+      }
+      float correction[kQueryBatch];
+      int valid_count[kQueryBatch];
+#pragma unroll
+      for (int u = 0; u < kQueryBatch; ++u) {
+        valid_count[u] = min(kAttentionChunk, length[u] - begin); // <= 0 where the query has no such chunk
+        float m_u = m[u], l_u = l[u];
+        correction[u] =
+            chunk_scores<MAX_HEAD_DIM>(q_shared + static_cast<size_t>(query_index[u]) * hd, key,
+                                       lane < valid_count[u], hd, a.scale, p_shared[warp][u], m_u, l_u);
+        if (chunk < chunks[u]) { // a query takes only its own chunks
+          m[u] = m_u;
+          l[u] = l_u;
+        }
+      }
+      if (!cached)
+        __pipeline_wait_prior(0);
+      __syncwarp();
+      // chunk_values for the whole batch: acc *= correction, then the chunk's positions in order.
+#pragma unroll
+      for (int u = 0; u < kQueryBatch; ++u)
+#pragma unroll
+        for (int c = 0; c < kMaxDimsPerLane; ++c)
+          if (chunk < chunks[u])
+            acc[u][c] *= correction[u];
+      const int batch_count = min(kAttentionChunk, batch_length - begin);
+      for (int i = 0; i < batch_count; ++i) {
+#pragma unroll
+        for (int c = 0; c < kMaxDimsPerLane; ++c) {
+          if (c * 32 + lane < hd) {
+            const float value =
+                __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16);
+#pragma unroll
+            for (int u = 0; u < kQueryBatch; ++u)
+              if (i < valid_count[u])
+                acc[u][c] = fmaf(p_shared[warp][u][i], value, acc[u][c]);
+          }
+        }
+      }
+      __syncwarp(); // the next chunk or batch reuses the warp's p (and, uncached, value) rows
+    }
+#pragma unroll
+    for (int u = 0; u < kQueryBatch; ++u) {
+      if (b0 + u >= count) // a repeated query
+        continue;
+      const int i = b0 + u, query = first + i;
+      const int t = r * a.tokens_per_row + query / group_heads,
+                head = kv_head * group_heads + query % group_heads;
+      uint16_t* out = a.out + static_cast<size_t>(t) * q_dim + head * hd;
+      if (chunks[u] == 0) { // a token that sees no position (bad positions): zeros
+        if (warp == 0)
+          for (int d = lane; d < hd; d += 32)
+            out[d] = 0;
+      } else if (chunks[u] == 1) { // warp 0's chunk alone: the output directly, as in the per-query kernel
+        if (warp == 0) {
+#pragma unroll
+          for (int c = 0; c < kMaxDimsPerLane; ++c)
+            if (c * 32 + lane < hd)
+              out[c * 32 + lane] = float_to_bf16_bits(acc[u][c] / l[u]);
+        }
+      } else if (warp < chunks[u]) {
+        float* my_acc = warp_acc + (static_cast<size_t>(warp) * group_queries + i) * hd;
+#pragma unroll
+        for (int c = 0; c < kMaxDimsPerLane; ++c)
+          if (c * 32 + lane < hd)
+            my_acc[c * 32 + lane] = acc[u][c];
+        if (lane == 0) {
+          warp_ml[(warp * group_queries + i) * 2] = m[u];
+          warp_ml[(warp * group_queries + i) * 2 + 1] = l[u];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // The queries of several chunks: their warps' partials merged in warp order.
+  for (int e = threadIdx.x; e < count * hd; e += kThreads) {
+    const int i = e / hd, d = e % hd, query = first + i;
+    const int chunks = max(0, (query_length[i] + kAttentionChunk - 1) / kAttentionChunk);
+    if (chunks <= 1)
+      continue;
+    const int t = r * a.tokens_per_row + query / group_heads,
+              head = kv_head * group_heads + query % group_heads;
+    const int used = min(chunks, kWarps);
+    float m_all = -INFINITY;
+    for (int w = 0; w < used; ++w)
+      m_all = fmaxf(m_all, warp_ml[(w * group_queries + i) * 2]);
+    a.out[static_cast<size_t>(t) * q_dim + head * hd + d] =
+        merge_warps(warp_ml + i * 2, group_queries * 2, warp_acc + static_cast<size_t>(i) * hd + d,
+                    group_queries * hd, used, m_all);
   }
 }
 
@@ -254,20 +525,34 @@ __global__ void LlamaEmbedKernel(int tokens_per_row, int64_t token_row_stride, i
   }
 }
 
+/// Every attention kernel variant, for one call per attribute.
+template <class F> void for_each_attention_kernel(F&& f) {
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, true>), false);
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, false>), false);
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, true>), false);
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, false>), false);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, true>), true);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, false>), true);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true>), true);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false>), true);
+}
+
 } // namespace
 
 void prepare_attention(int head_dim) {
   require(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= kLlamaMaxHeadDim, "llama::prepare_attention",
           "head_dim", head_dim, "must be a multiple of 8 in [8, 128]");
-  for (auto kernel : {reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim>),
-                      reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim>),
-                      reinterpret_cast<const void*>(LlamaEmbedKernel)})
+  SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(LlamaEmbedKernel),
+                                           cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+  for_each_attention_kernel([&](const void* kernel, bool grouped) {
     SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                              cudaSharedmemCarveoutMaxShared));
-  for (auto kernel : {reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim>),
-                      reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim>)})
-    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(attention_smem_bytes(head_dim))));
+    const size_t bytes =
+        grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries) : attention_smem_bytes(head_dim);
+    SMCGRAPH_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  });
 }
 
 void attention(const AttentionArgs& a, cudaStream_t stream) {
@@ -286,10 +571,39 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // no draft at 64 requests 1,098-1,099 -> 1,035-1,038, SMC N 8 K 4 at 1 / 8 requests 2,905 / 9,171-9,180 ->
   // 2,832-2,834 / 8,594-8,601, decode at 1-8 requests unchanged. Capping it at 64 registers (four blocks an
   // SM) made decode 0-11 us a cycle slower and the verify gain smaller.
-  const auto kernel = a.head_dim <= kSmallHeadDim ? LlamaAttentionKernel<kSmallHeadDim>
-                                                  : LlamaAttentionKernel<kLlamaMaxHeadDim>;
-  launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads), dim3(kThreads),
-             attention_smem_bytes(a.head_dim), stream, a);
+  const bool small = a.head_dim <= kSmallHeadDim;
+  // Heads of exactly the variant's size take its EXACT instance (the head size a compile-time constant).
+  const bool exact_small = a.head_dim == kSmallHeadDim, exact_large = a.head_dim == kLlamaMaxHeadDim;
+  // Grouped blocks (a block per row, KV head and up to kGroupMaxQueries of the queries that read it: each
+  // position's K and V loaded once for them all) once the per-query grid is more than kGroupedMinWaves waves
+  // of kPerQueryBlocksPerSm blocks an SM; below that, a block per query spreads one token's work widest. Both
+  // give the same bits.
+  const int group_heads = a.heads / a.kv_heads;
+  const int64_t per_query_blocks = static_cast<int64_t>(a.rows) * a.tokens_per_row * a.heads;
+  const bool grouped = a.grouping == AttentionGrouping::kGrouped ||
+                       (a.grouping == AttentionGrouping::kBySize &&
+                        per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm *
+                                               current_device_info().multiprocessors);
+  if (!grouped) {
+    const auto kernel = small ? (exact_small ? LlamaAttentionKernel<kSmallHeadDim, true>
+                                             : LlamaAttentionKernel<kSmallHeadDim, false>)
+                              : (exact_large ? LlamaAttentionKernel<kLlamaMaxHeadDim, true>
+                                             : LlamaAttentionKernel<kLlamaMaxHeadDim, false>);
+    launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads), dim3(kThreads),
+               attention_smem_bytes(a.head_dim), stream, a);
+    return;
+  }
+  // The row's queries in groups of at most kGroupMaxQueries, as even as they go.
+  const int queries = a.tokens_per_row * group_heads;
+  const int groups = static_cast<int>(detail::ceil_div(queries, kGroupMaxQueries));
+  const int group_queries = static_cast<int>(detail::ceil_div(queries, groups));
+  require(groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row, "gives too many query groups a row");
+  const auto kernel = small ? (exact_small ? LlamaGroupedAttentionKernel<kSmallHeadDim, true>
+                                           : LlamaGroupedAttentionKernel<kSmallHeadDim, false>)
+                            : (exact_large ? LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true>
+                                           : LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false>);
+  launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads), dim3(kThreads),
+             grouped_smem_bytes(a.head_dim, group_queries), stream, a, group_queries);
 }
 
 void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden, int vocab,

@@ -70,6 +70,11 @@ inline constexpr int kGemmLaunches = 1;
 /// chunks are folded in a fixed order that depends on its own length only (batch invariance).
 inline constexpr int kAttentionChunk = 32;
 
+/// Which attention kernel a launch takes (the same bits either way): by the launch's size, a block per
+/// query, or grouped blocks (a block per row, KV head and group of queries). LlamaModel reads it from
+/// SMCGRAPH_ATTENTION_GROUPING (by_size, per_query, grouped), for tests and A/B runs.
+enum class AttentionGrouping : int { kBySize = 0, kPerQuery = 1, kGrouped = 2 };
+
 struct AttentionArgs {
   int rows = 0, tokens_per_row = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int max_seq_len = 0, pool_size = 0;
@@ -81,6 +86,7 @@ struct AttentionArgs {
   const int32_t *slot_table = nullptr, *seq_lens = nullptr, *positions = nullptr;
   const uint8_t* live = nullptr;
   uint16_t* out = nullptr; ///< [T, heads * head_dim] bf16
+  AttentionGrouping grouping = AttentionGrouping::kBySize;
 };
 
 /// The LM head through cuBLASLt (llama_head.cu): an RMSNorm kernel into `normed` ([tokens, k] bf16), then one
@@ -105,7 +111,8 @@ private:
 /// Sets the attention and embedding kernels' shared-memory carveout like the GEMMs' and the attention
 /// kernel's dynamic shared memory for `head_dim` (call once, outside capture).
 void prepare_attention(int head_dim);
-/// One launch, one block per (row, token, query head).
+/// One launch: one block per (row, token, query head), or, for launches of more than a wave of those, one
+/// per (row, group of up to 16 queries, KV head).
 void attention(const AttentionArgs& args, cudaStream_t stream);
 
 /// x[t] = token_embd[token of t] as fp32, token t of row r read at token_ids[r * token_row_stride + column]

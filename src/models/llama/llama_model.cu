@@ -2,6 +2,8 @@
 // llama_kernels.hpp, the activation workspace sized once at construction, nothing allocated per forward.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "models/forward_layout.cuh"
@@ -96,7 +98,26 @@ struct LlamaModel::Workspace {
   DeviceBuffer<float> x;                    // [T, hidden] residual stream
   DeviceBuffer<uint16_t> q, o, act, normed; // [T, q_dim], [T, q_dim], [T, ffn], [T, hidden] (the LM head's A)
   std::unique_ptr<llama::LtHead> head;      // the LM head through cuBLASLt where it serves the call
+  llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
 };
+
+namespace {
+
+/// SMCGRAPH_ATTENTION_GROUPING (unset or empty: by_size; per_query; grouped): which attention kernel the
+/// forwards take, for tests and A/B runs (the same bits either way).
+llama::AttentionGrouping attention_grouping_from_env() {
+  const char* text = std::getenv("SMCGRAPH_ATTENTION_GROUPING");
+  if (text == nullptr || *text == '\0' || std::string(text) == "by_size")
+    return llama::AttentionGrouping::kBySize;
+  if (std::string(text) == "per_query")
+    return llama::AttentionGrouping::kPerQuery;
+  if (std::string(text) == "grouped")
+    return llama::AttentionGrouping::kGrouped;
+  throw Error(std::string("LlamaModel: SMCGRAPH_ATTENTION_GROUPING = '") + text +
+              "' must be by_size, per_query or grouped");
+}
+
+} // namespace
 
 LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaModelOptions& options)
     : weights_(std::move(weights)), options_(options) {
@@ -127,6 +148,7 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.o = DeviceBuffer<uint16_t>(T * qd);
   w.act = DeviceBuffer<uint16_t>(T * c.ffn);
   w.normed = DeviceBuffer<uint16_t>(T * c.hidden);
+  w.attention_grouping = attention_grouping_from_env();
   w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype);
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
   llama::prepare_attention(c.head_dim);
@@ -197,7 +219,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       .io_row_stride = args.io_stride(), .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
       .q = w.q.data(), .kv = nullptr,
       .slot_table = args.slot_table, .seq_lens = args.seq_lens, .positions = args.positions, .live = args.live,
-      .out = w.o.data()}; // .kv: each layer's
+      .out = w.o.data(), .grouping = w.attention_grouping}; // .kv: each layer's
   // clang-format on
 
   llama::GemmArgs g;
