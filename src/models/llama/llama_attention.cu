@@ -289,8 +289,11 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
 /// interleaved.
 constexpr int kGroupMaxQueries = 16;
 constexpr int kQueryBatch = 4;
-/// The per-query kernel's blocks an SM (78 registers a thread in the 64-dimension variant: three 256-thread
-/// blocks), and the waves of them past which the launch takes grouped blocks.
+/// The per-query kernel's blocks an SM (73 registers a thread in SmolLM2's variant, 64 dimensions EXACT:
+/// three 256-thread blocks), and the waves of them past which the launch takes grouped blocks. Grouped blocks
+/// forced on smaller launches are slower (H100, SmolLM2, graph us per cycle: no draft at 1 / 8 requests
+/// 456.9-460.7 / 475.8-476.0 -> 555.3-557.5 / 565.5-566.3, SMC N 8 K 4 at 1 request 2,602.9-2,604.9 ->
+/// 3,303.9-3,331.3): a grouped block runs its queries one batch at a time.
 constexpr int kPerQueryBlocksPerSm = 3;
 constexpr int kGroupedMinWaves = 1;
 
@@ -566,11 +569,11 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   if (a.rows == 0)
     return;
   // Heads of up to 64 dimensions take the variant sized for them: its key and accumulator arrays hold 64
-  // dimensions, so it needs 78 registers a thread instead of 125 and three blocks fit an SM instead of two (a
-  // 40-token verify of SmolLM2 has 360 blocks: one wave instead of two). H100, SmolLM2, graph us per cycle:
-  // no draft at 64 requests 1,098-1,099 -> 1,035-1,038, SMC N 8 K 4 at 1 / 8 requests 2,905 / 9,171-9,180 ->
-  // 2,832-2,834 / 8,594-8,601, decode at 1-8 requests unchanged. Capping it at 64 registers (four blocks an
-  // SM) made decode 0-11 us a cycle slower and the verify gain smaller.
+  // dimensions, so it needed 78 registers a thread instead of 125 and three blocks fit an SM instead of two
+  // (a 40-token verify of SmolLM2 has 360 blocks: one wave instead of two). H100, SmolLM2, graph us per
+  // cycle: no draft at 64 requests 1,098-1,099 -> 1,035-1,038, SMC N 8 K 4 at 1 / 8 requests 2,905 /
+  // 9,171-9,180 -> 2,832-2,834 / 8,594-8,601, decode at 1-8 requests unchanged. Capping it at 64 registers
+  // (four blocks an SM) made decode 0-11 us a cycle slower and the verify gain smaller.
   const bool small = a.head_dim <= kSmallHeadDim;
   // Heads of exactly the variant's size take its EXACT instance (the head size a compile-time constant).
   const bool exact_small = a.head_dim == kSmallHeadDim, exact_large = a.head_dim == kLlamaMaxHeadDim;
