@@ -131,33 +131,64 @@ void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream, const We
 
 namespace {
 
-/// One row of the speculative commit (the thread's row; none past `rows`).
+/// One row of the speculative commit (the thread's row; none past `rows`). Every value is loaded before the
+/// first store (as in pack_row): the compiler keeps a load after a store it cannot tell apart from the
+/// load's buffer, so interleaved, each would wait one memory latency for the store before it.
 __device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows) {
-  const CommitRow row = commit_row(b, rows);
-  if (row.cycle == nullptr) {
-    if (row.r < rows)
-      b.first_eos[row.r] = -1; // nothing of this cycle counts
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows)
+    return;
+  const int stride = b.draft_steps + 1;
+  int32_t* cycle = b.cycle_tokens + r * stride;
+  if (!b.tables.live[r]) { // nothing of this cycle counts
+    for (int k = 0; k < stride; ++k)
+      cycle[k] = kInvalidToken;
+    b.committed[r] = 0;
+    b.first_eos[r] = -1;
     return;
   }
-  const int r = row.r, L = row.L, stride = b.draft_steps + 1;
-  int32_t *cycle = row.cycle, *tokens = row.tokens;
+  const int L = b.tables.seq_len[r];
   const int steps =
       request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps); // slots taken
   const int accepted = min(max(b.accepted[r], 0), steps);
+  const int32_t next_token = b.next_tokens[r];
+  const uint32_t row_flags = b.row_flags[r];
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  // The first accepted draft tokens and the first rejected positions' slots (positions past K_q took none),
+  // loaded with the rest; past kChunk of either, in their loops.
+  constexpr int kChunk = 8;
+  const int rejected = steps - accepted;
+  int32_t drafted[kChunk], rejected_slots[kChunk];
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    if (k < accepted)
+      drafted[k] = b.draft_tokens[r * stride + 1 + k];
+    if (k < rejected)
+      rejected_slots[k] = slots[L + accepted + 1 + k];
+  }
+  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   int eos = -1;
-  for (int k = 0; k <= accepted; ++k) {
-    const int32_t token = k < accepted ? b.draft_tokens[r * stride + 1 + k] : b.next_tokens[r];
+  const auto commit_token = [&](int k, int32_t token) {
     cycle[k] = tokens[L + k] = token;
     if (eos < 0 && token == b.eos_id)
       eos = k;
-  }
+  };
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k)
+    if (k < accepted)
+      commit_token(k, drafted[k]);
+  for (int k = kChunk; k < accepted; ++k)
+    commit_token(k, b.draft_tokens[r * stride + 1 + k]);
+  commit_token(accepted, next_token);
   for (int k = accepted + 1; k < stride; ++k)
     cycle[k] = kInvalidToken;
-  // The slots of rejected positions go back (the KV written there is stale and never read); positions past
-  // K_q took none.
-  for (int position = L + accepted + 1; position <= L + steps; ++position)
-    device::release_slot(b.pool, slots[position]);
+    // The slots of rejected positions go back (the KV written there is stale and never read).
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k)
+    if (k < rejected)
+      device::release_slot(b.pool, rejected_slots[k]);
+  for (int k = kChunk; k < rejected; ++k)
+    device::release_slot(b.pool, slots[L + accepted + 1 + k]);
   b.tables.seq_len[r] = L + accepted + 1;
   b.committed[r] = eos < 0 ? accepted + 1 : eos + 1;
   b.first_eos[r] = eos < 0 ? b.draft_steps : eos;
@@ -165,7 +196,7 @@ __device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows)
     b.finished[r] = 1;
     b.tables.live[r] = 0; // a finished speculative row stops decoding
   }
-  if (b.row_flags[r] & kRowDataFaults)
+  if (row_flags & kRowDataFaults)
     b.tables.live[r] = 0;
 }
 

@@ -97,25 +97,25 @@ __device__ __forceinline__ bool decide_pressure(const DecideView& b, bool write)
 /// request_draft_steps[q] = the next K (pins kept), and draw_counters[q] += 1 when the view has them.
 __device__ __forceinline__ void decide_request(const DecideView& b, int q, const int32_t* accepted,
                                                bool pressure) {
-  if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh), folded into this launch
-    device::advance_draw_counter(b.draw_counters, q);
+  // Every value first, then the stores: a load the compiler must keep after a store (it cannot tell the
+  // buffers apart) would wait for the store's data, one memory latency after another.
   const int steps = request_draft_steps_of(b.request_draft_steps, q, b.policy.max_steps);
-  b.cycle_draft_steps[q] = steps;
   bool drafted = false;
-  for (int p = 0; p < b.particles; ++p)
-    drafted = drafted || b.committed[q * b.particles + p] > 0;
-  float ema = b.acceptance_ema[q];
+  for (int p = 0; p < b.particles; ++p) // every load issued (no short circuit)
+    drafted |= b.committed[q * b.particles + p] > 0;
+  const float ema_before = b.acceptance_ema[q];
+  const int row_accepted = accepted != nullptr ? accepted[q * b.particles] : 0;
+  const int pinned = b.pinned_draft_steps[q];
+  const uint32_t draw_counter = b.draw_counters != nullptr ? b.draw_counters[q] : 0u;
   // The EMA moves with the acceptance rate for a request that drafted this cycle (ran, and K_q > 0:
   // draft_steps = 0 drafts none); an adaptive request that ran with K_q = 0 recovers toward 1 instead.
-  if (drafted && accepted != nullptr && steps > 0) {
-    const int row_accepted = min(max(accepted[q * b.particles], 0), steps);
-    ema = next_ema(ema, row_accepted, steps, b.policy.smoothing);
-    b.acceptance_ema[q] = ema;
-  } else if (drafted && b.policy.adaptive && steps == 0) {
+  const bool acceptance_moves = drafted && accepted != nullptr && steps > 0;
+  const bool recovers = !acceptance_moves && drafted && b.policy.adaptive && steps == 0;
+  float ema = ema_before;
+  if (acceptance_moves)
+    ema = next_ema(ema, min(max(row_accepted, 0), steps), steps, b.policy.smoothing);
+  else if (recovers)
     ema = idle_ema(ema, b.policy.idle_recovery);
-    b.acceptance_ema[q] = ema;
-  }
-  const int pinned = b.pinned_draft_steps[q];
   int next;
   if (pinned > 0)
     next = min(pinned, b.policy.max_steps); // a pin is the caller's choice: no pressure cap
@@ -123,6 +123,11 @@ __device__ __forceinline__ void decide_request(const DecideView& b, int q, const
     next = b.policy.max_steps;
   else
     next = choose_steps(b.policy, ema, pressure);
+  if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh: advance_draw_counter), folded in
+    b.draw_counters[q] = draw_counter + 1u;
+  b.cycle_draft_steps[q] = steps;
+  if (acceptance_moves || recovers)
+    b.acceptance_ema[q] = ema;
   b.request_draft_steps[q] = next;
 }
 

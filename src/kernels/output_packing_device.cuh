@@ -57,30 +57,74 @@ __device__ __forceinline__ void pack_row(const OutputsView& b, int r, int rows, 
     if (r < requests)
       decide_request(decision.view, r, decision.accepted, pressure);
   }
-  if (r < rows) {
-    const int stride = b.draft_steps + 1;
-    int32_t* tokens = reinterpret_cast<int32_t*>(out + layout.tokens) + r * stride;
-    for (int k = 0; k < stride; ++k)
-      tokens[k] = b.cycle_tokens[r * stride + k];
-    reinterpret_cast<int32_t*>(out + layout.first_eos)[r] = b.first_eos[r];
-    reinterpret_cast<int32_t*>(out + layout.ancestor)[r] = b.particles > 1 ? b.ancestor[r] : r;
-    reinterpret_cast<uint32_t*>(out + layout.row_flags)[r] = b.row_flags[r];
-    reinterpret_cast<int32_t*>(out + layout.seq_len)[r] = b.tables.seq_len[r];
-    reinterpret_cast<int32_t*>(out + layout.committed)[r] = b.committed[r];
-    reinterpret_cast<int32_t*>(out + layout.accepted)[r] = b.accepted != nullptr ? b.accepted[r] : 0;
-    out[layout.finished + r] = b.finished[r];
-    out[layout.live + r] = b.tables.live[r];
+  // Every value first, then the stores into `out`: the compiler must assume a byte buffer aliases the
+  // sources, so a load after a store to it would wait for that store's data, one memory latency after
+  // another (about 16 of them in a row for thread 0).
+  const bool row = r < rows, request = r < requests;
+  const int stride = b.draft_steps + 1;
+  constexpr int kTokenChunk = 8; // a row's first cycle tokens, loaded with the rest (the others after)
+  int32_t first_tokens[kTokenChunk];
+#pragma unroll
+  for (int k = 0; k < kTokenChunk; ++k)
+    if (row && k < stride)
+      first_tokens[k] = b.cycle_tokens[r * stride + k];
+  int32_t first_eos = 0, ancestor = 0, seq_len = 0, committed = 0, accepted = 0;
+  uint32_t row_flags = 0;
+  uint8_t finished = 0, live = 0;
+  if (row) {
+    first_eos = b.first_eos[r];
+    ancestor = b.particles > 1 ? b.ancestor[r] : r;
+    row_flags = b.row_flags[r];
+    seq_len = b.tables.seq_len[r];
+    committed = b.committed[r];
+    accepted = b.accepted != nullptr ? b.accepted[r] : 0;
+    finished = b.finished[r];
+    live = b.tables.live[r];
   }
-  if (r < requests) {
-    out[layout.resampled + r] = b.resampled[r];
-    reinterpret_cast<double*>(out + layout.ess)[r] = b.ess[r];
-    reinterpret_cast<int32_t*>(out + layout.cycle_draft_steps)[r] = b.cycle_draft_steps[r];
-    reinterpret_cast<int32_t*>(out + layout.next_draft_steps)[r] = b.request_draft_steps[r];
-    reinterpret_cast<float*>(out + layout.acceptance_ema)[r] = b.acceptance_ema[r];
+  uint8_t resampled = 0;
+  double ess = 0.0;
+  int32_t cycle_draft_steps = 0, next_draft_steps = 0;
+  float acceptance_ema = 0.0f;
+  if (request) {
+    resampled = b.resampled[r];
+    ess = b.ess[r];
+    cycle_draft_steps = b.cycle_draft_steps[r];
+    next_draft_steps = b.request_draft_steps[r];
+    acceptance_ema = b.acceptance_ema[r];
+  }
+  uint32_t status = 0;
+  uint8_t kv_pressure = 0;
+  if (r == 0) {
+    status = *b.status;
+    kv_pressure = *b.kv_pressure;
+  }
+  if (row) {
+    int32_t* tokens = reinterpret_cast<int32_t*>(out + layout.tokens) + r * stride;
+#pragma unroll
+    for (int k = 0; k < kTokenChunk; ++k)
+      if (k < stride)
+        tokens[k] = first_tokens[k];
+    for (int k = kTokenChunk; k < stride; ++k)
+      tokens[k] = b.cycle_tokens[r * stride + k];
+    reinterpret_cast<int32_t*>(out + layout.first_eos)[r] = first_eos;
+    reinterpret_cast<int32_t*>(out + layout.ancestor)[r] = ancestor;
+    reinterpret_cast<uint32_t*>(out + layout.row_flags)[r] = row_flags;
+    reinterpret_cast<int32_t*>(out + layout.seq_len)[r] = seq_len;
+    reinterpret_cast<int32_t*>(out + layout.committed)[r] = committed;
+    reinterpret_cast<int32_t*>(out + layout.accepted)[r] = accepted;
+    out[layout.finished + r] = finished;
+    out[layout.live + r] = live;
+  }
+  if (request) {
+    out[layout.resampled + r] = resampled;
+    reinterpret_cast<double*>(out + layout.ess)[r] = ess;
+    reinterpret_cast<int32_t*>(out + layout.cycle_draft_steps)[r] = cycle_draft_steps;
+    reinterpret_cast<int32_t*>(out + layout.next_draft_steps)[r] = next_draft_steps;
+    reinterpret_cast<float*>(out + layout.acceptance_ema)[r] = acceptance_ema;
   }
   if (r == 0) {
-    *reinterpret_cast<uint32_t*>(out + layout.status) = *b.status;
-    out[layout.kv_pressure] = *b.kv_pressure;
+    *reinterpret_cast<uint32_t*>(out + layout.status) = status;
+    out[layout.kv_pressure] = kv_pressure;
   }
 }
 
