@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // EXACT: head_dim is MAX_HEAD_DIM, a constant, so the per-dimension guards fold away and the loops over a
   // chunk's positions issue their shared-memory loads ahead of the FMA chain (no branch between them).
-  const int hd = EXACT ? MAX_HEAD_DIM : a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
+  const int hd = EXACT ? MAX_HEAD_DIM : a.head_dim, q_dim = a.heads * hd;
   const int kv_head = head / (a.heads / a.kv_heads);
   uint16_t* v_shared =
       reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
@@ -309,10 +309,11 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // tokens_per_row x heads-per-KV-head queries that read this KV head (query q is token q / group_heads and
 // query head kv_head * group_heads + q % group_heads). The positions the block reads are loaded once for all
 // its queries (where a warp has one chunk: a row of up to 256 positions) instead of once a query: a 5-token
-// verify of SmolLM2 (3 query heads a KV head) reads each key and value once instead of 15 times. Each query
-// runs exactly the per-query kernel's arithmetic in the same order (chunk c on warp c % kWarps, chunk_scores
-// and chunk_values, the warps merged in warp order by merge_warps), so its output is the same bits in either
-// kernel, and both stay batch-invariant.
+// verify of SmolLM2 (3 query heads a KV head) reads each key and value once instead of 15 times. A warp runs
+// kQueryBatch queries at once, interleaved. Each query runs exactly the per-query kernel's arithmetic in the
+// same order (chunk c on warp c % kWarps, chunk_scores, chunk_values' rescale and position-order sums, the
+// warps merged in warp order by merge_warps), so its output is the same bits in either kernel (a test checks
+// it), and both stay batch-invariant.
 template <int MAX_HEAD_DIM, bool EXACT>
 __global__ void __launch_bounds__(kThreads)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
@@ -323,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // EXACT: head_dim is MAX_HEAD_DIM, a constant, so the per-dimension guards fold away and the loops over a
   // chunk's positions issue their shared-memory loads ahead of the FMA chain (no branch between them).
-  const int hd = EXACT ? MAX_HEAD_DIM : a.head_dim, q_dim = a.heads * hd, kv_dim = a.kv_heads * hd;
+  const int hd = EXACT ? MAX_HEAD_DIM : a.head_dim, q_dim = a.heads * hd;
   const int group_heads = a.heads / a.kv_heads;
   const int first = static_cast<int>(blockIdx.y) * group_queries;
   const int count = min(group_queries, a.tokens_per_row * group_heads - first);
