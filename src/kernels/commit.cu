@@ -135,19 +135,14 @@ namespace {
 /// first store (as in pack_row): the compiler keeps a load after a store it cannot tell apart from the
 /// load's buffer, so interleaved, each would wait one memory latency for the store before it.
 __device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows)
-    return;
-  const int stride = b.draft_steps + 1;
-  int32_t* cycle = b.cycle_tokens + r * stride;
-  if (!b.tables.live[r]) { // nothing of this cycle counts
-    for (int k = 0; k < stride; ++k)
-      cycle[k] = kInvalidToken;
-    b.committed[r] = 0;
-    b.first_eos[r] = -1;
+  const CommitRow row = commit_row(b, rows);
+  if (row.cycle == nullptr) {
+    if (row.r < rows)
+      b.first_eos[row.r] = -1; // nothing of this cycle counts
     return;
   }
-  const int L = b.tables.seq_len[r];
+  const int r = row.r, L = row.L, stride = b.draft_steps + 1;
+  int32_t *cycle = row.cycle, *tokens = row.tokens;
   const int steps =
       request_draft_steps_of(b.request_draft_steps, r / b.particles, b.draft_steps); // slots taken
   const int accepted = min(max(b.accepted[r], 0), steps);
@@ -166,7 +161,6 @@ __device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows)
     if (k < rejected)
       rejected_slots[k] = slots[L + accepted + 1 + k];
   }
-  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   int eos = -1;
   const auto commit_token = [&](int k, int32_t token) {
     cycle[k] = tokens[L + k] = token;
@@ -180,9 +174,10 @@ __device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows)
   for (int k = kChunk; k < accepted; ++k)
     commit_token(k, b.draft_tokens[r * stride + 1 + k]);
   commit_token(accepted, next_token);
-  for (int k = accepted + 1; k < stride; ++k)
+  for (int k = accepted + 1; k < stride; ++k) {
     cycle[k] = kInvalidToken;
-    // The slots of rejected positions go back (the KV written there is stale and never read).
+  }
+  // The slots of rejected positions go back (the KV written there is stale and never read).
 #pragma unroll
   for (int k = 0; k < kChunk; ++k)
     if (k < rejected)
