@@ -419,6 +419,17 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
+/// SMCGRAPH_ATTENTION_GROUPING set for a scope (unset again on every way out, a throw included), so no later
+/// test in the process inherits it.
+struct ScopedGrouping {
+  explicit ScopedGrouping(const char* value) {
+    REQUIRE(setenv("SMCGRAPH_ATTENTION_GROUPING", value, 1) == 0);
+  }
+  ~ScopedGrouping() { unsetenv("SMCGRAPH_ATTENTION_GROUPING"); }
+  ScopedGrouping(const ScopedGrouping&) = delete;
+  ScopedGrouping& operator=(const ScopedGrouping&) = delete;
+};
+
 TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bits") {
   // The attention launch takes a block per query for small launches and a block per (row, KV head, group of
   // up to 16 queries) for large ones (llama_attention.cu); SMCGRAPH_ATTENTION_GROUPING forces either. Both
@@ -435,11 +446,9 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
     CAPTURE(shape.heads);
     TinySetup setup(shape);
     const auto model_with = [&](const char* grouping) {
-      REQUIRE(setenv("SMCGRAPH_ATTENTION_GROUPING", grouping, 1) == 0);
-      auto model = std::make_unique<LlamaModel>(setup.tiny->weights,
-                                                options_of(kPool, kMaxSeqLen, kMaxTokens, DType::kFloat32));
-      unsetenv("SMCGRAPH_ATTENTION_GROUPING");
-      return model;
+      const ScopedGrouping scoped(grouping); // read by the constructor
+      return std::make_unique<LlamaModel>(setup.tiny->weights,
+                                          options_of(kPool, kMaxSeqLen, kMaxTokens, DType::kFloat32));
     };
     const std::unique_ptr<LlamaModel> per_query = model_with("per_query"), grouped = model_with("grouped");
     LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 320), shape.vocab, kPool,
@@ -470,10 +479,9 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
 TEST_CASE("llama forward: SMCGRAPH_ATTENTION_GROUPING must name a grouping") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
-  REQUIRE(setenv("SMCGRAPH_ATTENTION_GROUPING", "sideways", 1) == 0);
+  const ScopedGrouping scoped("sideways");
   CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
                        doctest::Contains("SMCGRAPH_ATTENTION_GROUPING = 'sideways'"), smcgraph::Error);
-  unsetenv("SMCGRAPH_ATTENTION_GROUPING");
 }
 
 TEST_CASE("llama forward: tokens, positions, out slots and logits with a row stride give the dense forward's "
