@@ -419,69 +419,107 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
-/// SMCGRAPH_ATTENTION_GROUPING set for a scope (unset again on every way out, a throw included), so no later
-/// test in the process inherits it.
-struct ScopedGrouping {
-  explicit ScopedGrouping(const char* value) {
-    REQUIRE(setenv("SMCGRAPH_ATTENTION_GROUPING", value, 1) == 0);
-  }
-  ~ScopedGrouping() { unsetenv("SMCGRAPH_ATTENTION_GROUPING"); }
-  ScopedGrouping(const ScopedGrouping&) = delete;
-  ScopedGrouping& operator=(const ScopedGrouping&) = delete;
+/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_GEMM_TILES) set for a scope (unset again on
+/// every way out, a throw included), so no later test in the process inherits it.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { REQUIRE(setenv(name, value, 1) == 0); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+private:
+  const char* name_;
 };
+
+/// Two models of `shape`, built with the environment variable `name` set to `first` and to `second` (read by
+/// the constructor), fed the same forwards: a 270-token prefill of 6 rows, then verify blocks and decodes,
+/// some with padding rows, every other one captured in a graph. Checks that both give the same logits bits;
+/// returns the positions row 0 has then done.
+int check_same_logits_when_forced(const Shape& shape, const char* name, const char* first,
+                                  const char* second) {
+  constexpr int kRows = 6, kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 2048;
+  TinySetup setup(shape);
+  const auto model_with = [&](const char* value) {
+    const ScopedEnv scoped(name, value);
+    return std::make_unique<LlamaModel>(setup.tiny->weights,
+                                        options_of(kPool, kMaxSeqLen, kMaxTokens, DType::kFloat32));
+  };
+  const std::unique_ptr<LlamaModel> model_a = model_with(first), model_b = model_with(second);
+  LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 320), shape.vocab, kPool,
+                                                       kMaxSeqLen, 1.0, setup.rng.engine());
+  const auto every_row = [](int) { return true; };
+  const auto even_rows = [](int row) { return row % 2 == 0; };
+  // (tokens a row, which rows: 2 all, 0 the even ones).
+  const std::vector<std::pair<int, int>> schedule = {{270, 2}, {1, 2}, {5, 2}, {5, 0},
+                                                     {1, 0},   {9, 2}, {1, 2}};
+  int forward = 0;
+  for (const auto& [per_row, who] : schedule) {
+    CAPTURE(forward);
+    CAPTURE(per_row);
+    const LlamaForwardInputs in = who == 2 ? step_inputs(s, per_row, every_row, setup.rng.engine())
+                                           : step_inputs(s, per_row, even_rows, setup.rng.engine());
+    DeviceBatch batch(in, shape.vocab, DType::kFloat32, setup.stream);
+    const bool captured = forward % 2 == 1;
+    const std::vector<uint8_t> a = run_forward(*model_a, batch, captured, setup.stream);
+    const std::vector<uint8_t> b = run_forward(*model_b, batch, captured, setup.stream);
+    CHECK_MESSAGE(a == b, "forward " << forward << ": " << name << " = " << second << " changed the logits");
+    ++forward;
+  }
+  return s.done[0];
+}
 
 TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bits") {
   // The attention launch takes a block per query for small launches and a block per (row, KV head, group of
   // up to 16 queries) for large ones (llama_attention.cu); SMCGRAPH_ATTENTION_GROUPING forces either. Both
   // run each query's arithmetic in the same order, so two models forced each way, fed the same forwards
   // (prefills of 1-9 chunks of positions: one chunk a warp, where the grouped block loads the positions once,
-  // and more, where each query loads its own; verify blocks; decodes; padding rows; graphs), give the same
-  // logits bits. Shapes: 3 query heads a KV head (head_dim 32), 2 (head_dim 32), and 2 with head_dim 128.
+  // and more, where each query loads its own; the 270-token prefill's last queries see 9 chunks, so warp 0
+  // takes two; verify blocks; decodes; padding rows; graphs), give the same logits bits. Shapes: 3 query
+  // heads a KV head (head_dim 32), 2 (head_dim 32), and 2 with head_dim 128.
   const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
                           {2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
                           {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
-  constexpr int kRows = 6, kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 2048;
   for (const Shape& shape : shapes) {
     CAPTURE(shape.hidden);
     CAPTURE(shape.heads);
-    TinySetup setup(shape);
-    const auto model_with = [&](const char* grouping) {
-      const ScopedGrouping scoped(grouping); // read by the constructor
-      return std::make_unique<LlamaModel>(setup.tiny->weights,
-                                          options_of(kPool, kMaxSeqLen, kMaxTokens, DType::kFloat32));
-    };
-    const std::unique_ptr<LlamaModel> per_query = model_with("per_query"), grouped = model_with("grouped");
-    LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 320), shape.vocab, kPool,
-                                                         kMaxSeqLen, 1.0, setup.rng.engine());
-    const auto every_row = [](int) { return true; };
-    const auto even_rows = [](int row) { return row % 2 == 0; };
-    // (tokens a row, which rows: 2 all, 0 the even ones): a 270-token prefill (its last queries see 9 chunks,
-    // so warp 0 takes two), then verify blocks and decodes, some with padding rows.
-    const std::vector<std::pair<int, int>> schedule = {{270, 2}, {1, 2}, {5, 2}, {5, 0},
-                                                       {1, 0},   {9, 2}, {1, 2}};
-    int forward = 0;
-    for (const auto& [per_row, who] : schedule) {
-      CAPTURE(forward);
-      CAPTURE(per_row);
-      const LlamaForwardInputs in = who == 2 ? step_inputs(s, per_row, every_row, setup.rng.engine())
-                                             : step_inputs(s, per_row, even_rows, setup.rng.engine());
-      DeviceBatch batch(in, shape.vocab, DType::kFloat32, setup.stream);
-      const bool captured = forward % 2 == 1;
-      const std::vector<uint8_t> a = run_forward(*per_query, batch, captured, setup.stream);
-      const std::vector<uint8_t> b = run_forward(*grouped, batch, captured, setup.stream);
-      CHECK_MESSAGE(a == b, "forward " << forward << ": grouped attention changed the logits");
-      ++forward;
-    }
-    CHECK(s.done[0] > 8 * 32); // more than 8 chunks of 32 positions: several a warp
+    const int done =
+        check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_GROUPING", "per_query", "grouped");
+    CHECK(done > 8 * 32); // more than 8 chunks of 32 positions: several a warp
   }
 }
 
 TEST_CASE("llama forward: SMCGRAPH_ATTENTION_GROUPING must name a grouping") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
-  const ScopedGrouping scoped("sideways");
+  const ScopedEnv scoped("SMCGRAPH_ATTENTION_GROUPING", "sideways");
   CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
                        doctest::Contains("SMCGRAPH_ATTENTION_GROUPING = 'sideways'"), smcgraph::Error);
+}
+
+TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tiles' bits") {
+  // The layer GEMMs of 256+ tokens (gate/up: 128+) take K-pipelined tiles (llama_gemm.cu), smaller ones
+  // narrow tiles, and those past 384 tokens without the pipelined tiles wide ones; all sum K in the same
+  // order, so a token's logits are the same bits whichever ran. Two models forced each way
+  // (SMCGRAPH_GEMM_TILES: narrow_wide, pipelined at every size), fed the same forwards (a prefill of 6 x 270
+  // tokens: wide tiles; verify blocks of 30 and 54 tokens: narrow, paired gate/up columns; decodes; padding
+  // rows; graphs), give the same logits bits. Shapes: hidden 192 (K of 3 whole pipeline chunks), 96 (1.5
+  // chunks: 6 K tiles, so the fourth slice is empty; down K 160: a short last slice) and head_dim 128.
+  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {2, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    CAPTURE(shape.ffn);
+    check_same_logits_when_forced(shape, "SMCGRAPH_GEMM_TILES", "narrow_wide", "pipelined");
+  }
+}
+
+TEST_CASE("llama forward: SMCGRAPH_GEMM_TILES must name GEMM tiles") {
+  const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  TinySetup setup(shape);
+  const ScopedEnv scoped("SMCGRAPH_GEMM_TILES", "diagonal");
+  CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
+                       doctest::Contains("SMCGRAPH_GEMM_TILES = 'diagonal'"), smcgraph::Error);
 }
 
 TEST_CASE("llama forward: tokens, positions, out slots and logits with a row stride give the dense forward's "

@@ -4,12 +4,16 @@
 // whole rows anyway), streams its W columns from global memory, and finishes its tile in shared memory, where
 // a column and its RoPE / SwiGLU partner meet.
 //
-// Two shapes: narrow (up to kNarrowMaxTokens tokens: decode, verify blocks, small prefills): 16 columns and
+// Three shapes: narrow (up to kNarrowMaxTokens tokens: decode, verify blocks, small prefills): 16 columns and
 // 16 rows per block and the 4 warps split K, so even a 576-wide projection spreads over 36+ blocks (the
 // gate/up projection of more than 16 tokens takes 32 columns a block: two column fragments a warp); wide
-// (more tokens, and the LM head): 64 columns per block, one warp per 16 columns, up to 64 rows per block.
+// (more tokens, and the LM head): 64 columns per block, one warp per 16 columns, up to 64 rows per block;
+// pipelined (the layer GEMMs from kPipelinedMinTokens tokens, gate/up from kPipelinedMinTokensGateUp): 32-64
+// rows and columns a block, K streamed through shared-memory stages, A from bf16 rows (an RMSNorm kernel
+// first for the norm epilogues). All three sum K in one order, so a token's outputs are the same bits in any.
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
@@ -404,6 +408,287 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   }
 }
 
+/// The pipelined kernel's per-row epilogue inputs (QKV: position, KV slot, live; the RoPE frequencies). They
+/// are not written by the forward's kernels, so, as in LlamaGemmKernel, they are read before the PDL wait.
+struct QkvRows {
+  int position[kMaxBlockRows], slot[kMaxBlockRows];
+  unsigned char live[kMaxBlockRows];
+  float rope_freq[kLlamaMaxHeadDim / 2];
+
+  __device__ __forceinline__ void load(const GemmArgs& a, int m0, int rows) {
+    if (threadIdx.x < rows && m0 + static_cast<int>(threadIdx.x) < a.tokens) {
+      const int t = m0 + threadIdx.x;
+      live[threadIdx.x] = a.live[t / a.tokens_per_row];
+      const int64_t io = detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride);
+      position[threadIdx.x] = a.positions[io];
+      slot[threadIdx.x] = a.out_slots[io];
+    }
+    if (threadIdx.x < a.head_dim / 2)
+      rope_freq[threadIdx.x] = a.inv_freq[threadIdx.x];
+  }
+};
+
+/// The pipelined kernel's epilogue over its finished [BM, BN] tile at (m0, n0) in `tile`: the arithmetic of
+/// LlamaGemmKernel's epilogue (the same bits), which keeps its own copy (sharing this function changed its
+/// generated code and cost a decode forward 7-9 us on an H100). The residual add loads every element of the
+/// thread before its first store: a load after a store the compiler cannot tell apart from it waits for it.
+template <int EPILOGUE, int BM, int BN>
+__device__ __forceinline__ void pipelined_epilogue(const GemmArgs& a, const float* tile, int m0, int n0,
+                                                   const QkvRows& rows) {
+  constexpr int kPerThread = BM * BN / kThreads;
+  static_assert(BM * BN % kThreads == 0, "the epilogue gives every thread the same number of elements");
+  constexpr bool kResidual = EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd);
+  const int T = a.tokens, N = a.n;
+  float residual[kResidual ? kPerThread : 1];
+  if constexpr (kResidual) {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int e = threadIdx.x + i * kThreads, t = m0 + e / BN;
+      residual[i] = t < T ? a.residual[static_cast<size_t>(t) * N + n0 + e % BN] : 0.0f;
+    }
+  }
+#pragma unroll(kResidual ? kPerThread : 1)
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    const int m = e / BN, n = e % BN, t = m0 + m, col = n0 + n;
+    if (t >= T)
+      continue;
+    const float value = tile[e];
+    if constexpr (kResidual) {
+      a.residual[static_cast<size_t>(t) * N + col] = residual[i] + value;
+    } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
+      const int within = col % (2 * kSwiGluGroup);
+      if (within >= kSwiGluGroup)
+        continue; // the up half: its gate partner writes the output
+      const float up = tile[e + kSwiGluGroup];
+      const int j = (col / (2 * kSwiGluGroup)) * kSwiGluGroup + within;
+      const float silu = value / (1.0f + expf(-value));
+      a.out_bf16[static_cast<size_t>(t) * (N / 2) + j] = float_to_bf16_bits(silu * up);
+    } else { // kQkvRope
+      static_assert(EPILOGUE == static_cast<int>(GemmEpilogue::kQkvRope), "QKV, residual add or SwiGLU");
+      const bool is_v = col >= a.q_dim + a.kv_dim;
+      float out = value;
+      if (!is_v) {
+        const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
+        // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
+        const float partner = tile[e ^ 1];
+        float s, c;
+        sincosf(static_cast<float>(rows.position[m]) * rows.rope_freq[d / 2], &s, &c);
+        out = (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
+      }
+      const uint16_t bits = float_to_bf16_bits(out);
+      if (col < a.q_dim) {
+        a.out_bf16[static_cast<size_t>(t) * a.q_dim + col] = bits;
+      } else if (rows.live[m]) {
+        const int slot = rows.slot[m];
+        if (slot > 0 && slot < a.pool_size) {
+          const int kv_col = is_v ? a.kv_dim + (col - a.q_dim - a.kv_dim) : col - a.q_dim;
+          a.kv[static_cast<size_t>(slot) * 2 * a.kv_dim + kv_col] = bits;
+        }
+      }
+    }
+  }
+}
+
+/// The pipelined tiles (GemmTiles::kPipelined): a block computes a [BM, BN] tile (BM, BN in {32, 64}) with
+/// four warps in a 2 x 2 grid, each a [BM / 2, BN / 2] warp tile of m16n8k16 tensor-core steps, over K in
+/// chunks of kPipeBK streamed by cp.async through kPipeStages shared-memory stages (the first chunks' weights
+/// issued before the PDL wait). A comes as bf16 rows: the O / down input, or the rows an RMSNorm kernel wrote
+/// for x into GemmArgs::a_bf16 with the prologue's arithmetic (rms_norm_rows).
+///
+/// The same bits as the narrow and wide tiles: each 16-wide K tile is one m16n8k16 bf16 step per 8 output
+/// columns, the instruction the narrow / wide kernels' wmma 16 x 16 x 16 step issues twice
+/// (HMMA.16816.F32.BF16 on sm_90), and the tiles are summed in their order: K cut into 4 slices of ceil(K /
+/// 16 / 4) tiles, tile j of a slice into partial j % 2, a slice's sum partial 0 + partial 1, and the output
+/// ((s0 + s1) + s2) + s3 (an empty slice adds +0, as the narrow kernel's idle warp does). Here the two
+/// partials and the running total are three accumulator sets, folded at each slice boundary.
+constexpr int kPipeBK = 64;
+constexpr int kPipeStages = 4;
+constexpr int kPipeLd = kPipeBK + 8; // bf16 a staged row: 144 bytes, so ldmatrix's 8 rows hit 8 bank groups
+
+size_t pipe_smem_bytes(int bm, int bn) {
+  return std::max(static_cast<size_t>(kPipeStages) * (bm + bn) * kPipeLd * sizeof(uint16_t),
+                  static_cast<size_t>(bm) * bn * sizeof(float));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+/// d += a b for one m16n8k16 step (bf16 in, fp32 accumulate).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int EPILOGUE, int BM, int BN>
+__global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmArgs a) {
+  static_assert((BM == 32 || BM == 64) && (BN == 32 || BN == 64), "32- or 64-wide tiles");
+  constexpr int MF = BM / 32;              // m16 fragments of a warp tile
+  constexpr int NF = BN / 16;              // n8 fragments of a warp tile
+  constexpr int kRowVectors = kPipeBK / 8; // 16-byte vectors of a staged chunk row
+  extern __shared__ __align__(128) unsigned char smem[];
+  __nv_bfloat16* s_a = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* s_w = s_a + kPipeStages * BM * kPipeLd;
+  const int K = a.k, T = a.tokens;
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp / 2, wn = warp % 2;
+  const int k_tiles = K / 16, chunks = (K + kPipeBK - 1) / kPipeBK;
+  const uint16_t* a_rows = a.a_bf16 + static_cast<size_t>(m0) * K;
+  const uint16_t* w_rows = a.weight + static_cast<size_t>(n0) * K;
+  const int valid_rows = min(BM, T - m0);
+  // Copy slots of this thread, the same in every chunk: column copy_col of rows copy_row + 16 i (16-byte
+  // vectors; a chunk row is kRowVectors of them). Past K (a last, partial chunk) and past T (A's padding
+  // rows) the stage gets zeros.
+  constexpr int kRowsPerPass = kThreads / kRowVectors;
+  static_assert(BM % kRowsPerPass == 0 && BN % kRowsPerPass == 0, "whole copy passes");
+  const int copy_row = threadIdx.x / kRowVectors, copy_col = (threadIdx.x % kRowVectors) * 8;
+  const int copy_dst = copy_row * kPipeLd + copy_col;
+  const uint16_t* w_src = w_rows + static_cast<size_t>(copy_row) * K + copy_col;
+  const uint16_t* a_src = a_rows + static_cast<size_t>(copy_row) * K + copy_col;
+  const auto load_w = [&](int stage, int chunk) {
+    const int k0 = chunk * kPipeBK;
+    const bool in_k = k0 + copy_col < K;
+    __nv_bfloat16* dst = s_w + stage * BN * kPipeLd + copy_dst;
+#pragma unroll
+    for (int i = 0; i < BN / kRowsPerPass; ++i) {
+      if (in_k)
+        __pipeline_memcpy_async(dst + i * kRowsPerPass * kPipeLd,
+                                w_src + static_cast<size_t>(i) * kRowsPerPass * K + k0, 16);
+      else
+        *reinterpret_cast<uint4*>(dst + i * kRowsPerPass * kPipeLd) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  const auto load_a = [&](int stage, int chunk) {
+    const int k0 = chunk * kPipeBK;
+    const bool in_k = k0 + copy_col < K;
+    __nv_bfloat16* dst = s_a + stage * BM * kPipeLd + copy_dst;
+#pragma unroll
+    for (int i = 0; i < BM / kRowsPerPass; ++i) {
+      if (in_k && copy_row + i * kRowsPerPass < valid_rows)
+        __pipeline_memcpy_async(dst + i * kRowsPerPass * kPipeLd,
+                                a_src + static_cast<size_t>(i) * kRowsPerPass * K + k0, 16);
+      else
+        *reinterpret_cast<uint4*>(dst + i * kRowsPerPass * kPipeLd) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  // The weights of the first stages before waiting (one commit group), then the epilogue's row inputs.
+  for (int s = 0; s < kPipeStages - 1 && s < chunks; ++s)
+    load_w(s, s);
+  __pipeline_commit();
+  __shared__ QkvRows rows;
+  if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kQkvRope))
+    rows.load(a, m0, BM);
+  pdl_wait();
+  pdl_trigger();
+  for (int s = 0; s < kPipeStages - 1; ++s) {
+    if (s < chunks)
+      load_a(s, s);
+    __pipeline_commit();
+  }
+
+  float partial0[MF][NF][4], partial1[MF][NF][4], total[MF][NF][4];
+  const auto clear = [](float(&acc)[MF][NF][4]) {
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+      for (int g = 0; g < NF; ++g)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          acc[f][g][i] = 0.0f;
+  };
+  clear(partial0);
+  clear(partial1);
+  clear(total);
+  const int tiles_per_slice = (k_tiles + kWarps - 1) / kWarps;
+  int slice = 0, in_slice = 0;
+  // Lane addresses of ldmatrix: A rows lane % 16 at column (lane / 16) * 8; W rows (lane % 8) + (lane / 16) *
+  // 8 at column ((lane / 8) % 2) * 8, so registers 0-1 / 2-3 are the B operands of two adjacent n8 fragments.
+  const int a_row = wm * (BM / 2) + lane % 16, a_col = (lane / 16) * 8;
+  const int w_row = wn * (BN / 2) + lane % 8 + (lane / 16) * 8, w_col = ((lane / 8) % 2) * 8;
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    __pipeline_wait_prior(kPipeStages - 2);
+    __syncthreads();
+    const int next = chunk + kPipeStages - 1;
+    if (next < chunks) {
+      load_w(next % kPipeStages, next);
+      load_a(next % kPipeStages, next);
+    }
+    __pipeline_commit();
+    const __nv_bfloat16* sa = s_a + (chunk % kPipeStages) * BM * kPipeLd;
+    const __nv_bfloat16* sw = s_w + (chunk % kPipeStages) * BN * kPipeLd;
+#pragma unroll
+    for (int u = 0; u < kPipeBK / 16; ++u) {
+      if (chunk * (kPipeBK / 16) + u >= k_tiles)
+        break;
+      uint32_t a_frag[MF][4], w_frag[NF / 2][4];
+#pragma unroll
+      for (int f = 0; f < MF; ++f)
+        ldmatrix_x4(a_frag[f], sa + (a_row + 16 * f) * kPipeLd + 16 * u + a_col);
+#pragma unroll
+      for (int g = 0; g < NF / 2; ++g)
+        ldmatrix_x4(w_frag[g], sw + (w_row + 16 * g) * kPipeLd + 16 * u + w_col);
+      const auto step = [&](float(&acc)[MF][NF][4]) {
+#pragma unroll
+        for (int f = 0; f < MF; ++f)
+#pragma unroll
+          for (int g = 0; g < NF; ++g)
+            mma_16816(acc[f][g], a_frag[f], w_frag[g / 2][2 * (g % 2)], w_frag[g / 2][2 * (g % 2) + 1]);
+      };
+      if (in_slice % 2 == 0)
+        step(partial0);
+      else
+        step(partial1);
+      if (++in_slice == tiles_per_slice || chunk * (kPipeBK / 16) + u == k_tiles - 1) {
+#pragma unroll
+        for (int f = 0; f < MF; ++f)
+#pragma unroll
+          for (int g = 0; g < NF; ++g)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float pair[2] = {partial0[f][g][i], partial1[f][g][i]};
+              const float slice_sum = device::tree_sum(pair);
+              total[f][g][i] = slice == 0 ? slice_sum : total[f][g][i] + slice_sum;
+            }
+        clear(partial0);
+        clear(partial1);
+        ++slice;
+        in_slice = 0;
+      }
+    }
+  }
+  // Empty slices (K of fewer than 4 slices' tiles) add +0, as the narrow kernel's idle warps do.
+  for (; slice < kWarps; ++slice)
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+      for (int g = 0; g < NF; ++g)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          total[f][g][i] = total[f][g][i] + 0.0f;
+
+  // The finished tile into shared memory (over the stages, now idle), then the epilogue.
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  float* stage = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int f = 0; f < MF; ++f)
+#pragma unroll
+    for (int g = 0; g < NF; ++g) {
+      const int m = wm * (BM / 2) + 16 * f + lane / 4, n = wn * (BN / 2) + 8 * g + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(stage + m * BN + n) = make_float2(total[f][g][0], total[f][g][1]);
+      *reinterpret_cast<float2*>(stage + (m + 8) * BN + n) = make_float2(total[f][g][2], total[f][g][3]);
+    }
+  __syncthreads();
+  pipelined_epilogue<EPILOGUE, BM, BN>(a, stage, m0, n0, rows);
+}
+
 /// Static shared memory of the kernel, rounded up for alignment: the epilogue's per-row inputs, the RoPE
 /// frequencies and the narrow QKV tile's rotations.
 constexpr int kStaticSmemBytes = 2048;
@@ -449,6 +734,36 @@ void launch_epilogue(int m_frags, bool wide, bool paired, const GemmArgs& a, cud
   }
 }
 
+template <int EPILOGUE, int BM, int BN> void launch_pipelined(const GemmArgs& a, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(a.n / BN), static_cast<unsigned>(detail::ceil_div(a.tokens, BM)));
+  launch_pdl(LlamaPipelinedGemmKernel<EPILOGUE, BM, BN>, grid, dim3(kThreads), pipe_smem_bytes(BM, BN),
+             stream, a);
+}
+
+template <int EPILOGUE>
+void launch_pipelined_epilogue(int bm, int bn, const GemmArgs& a, cudaStream_t stream) {
+  if (bm == 64)
+    return bn == 64 ? launch_pipelined<EPILOGUE, 64, 64>(a, stream)
+                    : launch_pipelined<EPILOGUE, 64, 32>(a, stream);
+  return bn == 64 ? launch_pipelined<EPILOGUE, 32, 64>(a, stream)
+                  : launch_pipelined<EPILOGUE, 32, 32>(a, stream);
+}
+
+/// The pipelined tile shape for T tokens and N columns (N a multiple of 32): the largest of 64 x 64, 64 x 32,
+/// 32 x 64 whose grid covers every SM, else 32 x 32 (the most blocks).
+void pipelined_tile(int tokens, int n, int& bm, int& bn) {
+  const int multiprocessors = current_device_info().multiprocessors;
+  for (const auto& [m, c] : {std::pair{64, 64}, std::pair{64, 32}, std::pair{32, 64}}) {
+    if (n % c == 0 && static_cast<int64_t>(n / c) * detail::ceil_div(tokens, m) >= multiprocessors) {
+      bm = m;
+      bn = c;
+      return;
+    }
+  }
+  bm = 32;
+  bn = 32;
+}
+
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
   const size_t limit = std::min(bytes, static_cast<size_t>(max_optin_smem()));
   SMCGRAPH_CUDA_CHECK(
@@ -465,6 +780,12 @@ template <int EPILOGUE> void set_smem_limits(int max_k) {
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 4, 1>, smem_bytes(1, true, max_k, false));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 4, 1>, smem_bytes(2, true, max_k, false));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 4, 1>, smem_bytes(4, true, max_k, false));
+  if constexpr (EPILOGUE != static_cast<int>(GemmEpilogue::kLogits)) {
+    set_smem_limit(LlamaPipelinedGemmKernel<EPILOGUE, 64, 64>, pipe_smem_bytes(64, 64));
+    set_smem_limit(LlamaPipelinedGemmKernel<EPILOGUE, 64, 32>, pipe_smem_bytes(64, 32));
+    set_smem_limit(LlamaPipelinedGemmKernel<EPILOGUE, 32, 64>, pipe_smem_bytes(32, 64));
+    set_smem_limit(LlamaPipelinedGemmKernel<EPILOGUE, 32, 32>, pipe_smem_bytes(32, 32));
+  }
 }
 
 } // namespace
@@ -478,6 +799,17 @@ void prepare_gemm(int max_k) {
   set_smem_limits<1>(max_k);
   set_smem_limits<2>(max_k);
   set_smem_limits<3>(max_k);
+}
+
+bool pipelined_tiles(GemmEpilogue epilogue, const GemmArgs& a) {
+  const bool serves = epilogue != GemmEpilogue::kLogits && a.n % 32 == 0 && a.k % 16 == 0 && a.k >= 16 &&
+                      pipe_smem_bytes(64, 64) <= static_cast<size_t>(max_optin_smem());
+  require(a.tiles != GemmTiles::kPipelined || serves, "llama::gemm", "tiles", "kPipelined",
+          "serves kQkvRope, kResidualAdd and kSwiGlu with n a multiple of 32");
+  if (!serves || a.tiles == GemmTiles::kNarrowWide)
+    return false;
+  return a.tiles == GemmTiles::kPipelined ||
+         a.tokens >= (epilogue == GemmEpilogue::kSwiGlu ? kPipelinedMinTokensGateUp : kPipelinedMinTokens);
 }
 
 void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
@@ -517,6 +849,21 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
             a.logits_cols, "must be in [1, n] with logits set");
   if (epilogue == GemmEpilogue::kSwiGlu)
     require(a.n % (2 * kSwiGluGroup) == 0, kWhere, "n", a.n, "must be a multiple of 16 (gate/up groups)");
+  if (pipelined_tiles(epilogue, a)) {
+    require(a.a_bf16 != nullptr && reinterpret_cast<uintptr_t>(a.a_bf16) % 16 == 0, kWhere, "a_bf16",
+            a.a_bf16 == nullptr ? "null" : "misaligned",
+            "must be 16-byte aligned A rows on pipelined tiles (rms_norm_rows(x) for an RMSNorm epilogue)");
+    int bm = 0, bn = 0;
+    pipelined_tile(a.tokens, a.n, bm, bn);
+    switch (epilogue) {
+    case GemmEpilogue::kQkvRope:
+      return launch_pipelined_epilogue<0>(bm, bn, a, stream);
+    case GemmEpilogue::kResidualAdd:
+      return launch_pipelined_epilogue<1>(bm, bn, a, stream);
+    default:
+      return launch_pipelined_epilogue<2>(bm, bn, a, stream);
+    }
+  }
   // The tiles, by the forward's token count T (bench/llama_gemm_bench and bucket_sweep on an H100, SmolLM2's
   // shapes): up to kNarrowMaxTokens, 16-row narrow tiles, ceil(T / 16) of them down each column block (their
   // weight tiles come from L2 after the first): at T = 40-320 they run the layer GEMMs 1.1-2.2x faster than

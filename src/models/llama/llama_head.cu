@@ -120,6 +120,20 @@ struct LtHead::Impl {
   }
 };
 
+void rms_norm_rows(int rows, int k, const float* x, int64_t x_row_stride, const float* gamma, float eps,
+                   uint16_t* out, cudaStream_t stream) {
+  constexpr const char* kWhere = "llama::rms_norm_rows";
+  require(k >= 4 && k % 4 == 0 && k <= kLlamaMaxHidden, kWhere, "k", k,
+          "must be a multiple of 4 in [4, kLlamaMaxHidden]");
+  require(x_row_stride == 0 || (x_row_stride >= k && x_row_stride % 4 == 0), kWhere, "x_row_stride",
+          x_row_stride, "must be 0 (dense) or a multiple of 4 that is >= k");
+  if (rows <= 0)
+    return;
+  launch_pdl(LlamaHeadNormKernel, dim3(static_cast<unsigned>(detail::ceil_div(rows, kNormThreads / 32))),
+             dim3(kNormThreads), 0, stream, rows, 1, 1, 0, k, x, x_row_stride > 0 ? x_row_stride : k, gamma,
+             eps, out);
+}
+
 LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.vocab = vocab;

@@ -28,6 +28,12 @@ enum class GemmEpilogue : int {
 /// Rows of gate and of up that alternate in the fused gate/up weight (LlamaWeights::kGateUpGroup / 2).
 inline constexpr int kSwiGluGroup = 8;
 
+/// Which GEMM kernel a launch takes (the same bits either way, llama_gemm.cu says why): by the token count,
+/// the narrow / wide tiles whatever the count, or the K-pipelined tiles (kQkvRope, kResidualAdd and kSwiGlu
+/// with N a multiple of 32; pipelined_tiles()). LlamaModel reads it from SMCGRAPH_GEMM_TILES (by_size,
+/// narrow_wide, pipelined), for tests and A/B runs.
+enum class GemmTiles : uint8_t { kBySize = 0, kNarrowWide = 1, kPipelined = 2 };
+
 struct GemmArgs {
   int tokens = 0, n = 0, k = 0; ///< T, N, K (N and K multiples of 16)
   int tokens_per_row = 1;       ///< token t belongs to row t / tokens_per_row
@@ -35,9 +41,11 @@ struct GemmArgs {
   /// (ForwardArgs::io_stride(); forward_layout.cuh).
   int64_t io_row_stride = 0;
   const uint16_t* weight = nullptr; ///< [N, K] bf16, row-major
-  const uint16_t* a_bf16 = nullptr; ///< [T, K] (kResidualAdd)
-  const float* x = nullptr;         ///< [T, K] fp32 residual stream (the RMSNorm prologue)
-  int64_t x_row_stride = 0;         ///< floats between the rows of x; 0 means K (dense)
+  /// [T, K] A rows: kResidualAdd's input; for kQkvRope and kSwiGlu on pipelined tiles, rms_norm_rows' output
+  /// for x (those tiles read it instead of normalising x themselves).
+  const uint16_t* a_bf16 = nullptr;
+  const float* x = nullptr; ///< [T, K] fp32 residual stream (the RMSNorm prologue)
+  int64_t x_row_stride = 0; ///< floats between the rows of x; 0 means K (dense)
   const float* norm_weight = nullptr;
   float eps = 1e-5f;
   float* residual = nullptr; ///< [T, N] (kResidualAdd)
@@ -46,6 +54,8 @@ struct GemmArgs {
   /// this kernel starts only after that; pdl.hpp). The forward sets it: the O and down projections run two
   /// launches after the last write of the residual stream.
   bool residual_ready_before_wait = false;
+  GemmTiles tiles =
+      GemmTiles::kBySize;       // (in the padding after the bool: the kernels' parameters keep their size)
   uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
   void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped
   int logits_cols = 0;
@@ -62,9 +72,25 @@ struct GemmArgs {
 /// Sets the dynamic shared-memory limit of every GEMM variant for K up to `max_k` (call once, outside
 /// capture).
 void prepare_gemm(int max_k);
+/// One launch.
 void gemm(GemmEpilogue epilogue, const GemmArgs& args, cudaStream_t stream);
-/// Kernel launches one gemm() call makes (always 1).
-inline constexpr int kGemmLaunches = 1;
+/// Whether gemm() runs these arguments on the pipelined tiles (GemmArgs::tiles; by size, below). An RMSNorm
+/// epilogue on them then needs a_bf16 = rms_norm_rows(x) (the caller launches that first).
+bool pipelined_tiles(GemmEpilogue epilogue, const GemmArgs& args);
+/// GemmTiles::kBySize: forwards of at least this many tokens take the pipelined tiles (the gate/up projection
+/// from kPipelinedMinTokensGateUp). `llama_gemm_bench` (H100, SmolLM2's shapes, us cold, narrow / pipelined,
+/// plus 1.4-1.5 us for the norm kernel of QKV and gate/up): gate/up 17.6 / 9.0 at 128 tokens and 38.1 / 16.3
+/// at 320; QKV 6.3 / 5.4 at 128 and 11.8 / 8.3 at 320; O 4.5 / 5.3 at 128 and 8.7 / 6.2 at 320; down 11.4
+/// / 11.6 at 128 and 20.6 / 13.6 at 320. In a forward the narrow kernels' weights load under the previous
+/// kernel (PDL) and the norm kernel adds a launch, so 64-token forwards stay narrow (measured: a 64-row
+/// decode of SmolLM2 took 963 us with pipelined gate/up against 917-920).
+inline constexpr int kPipelinedMinTokens = 256;
+inline constexpr int kPipelinedMinTokensGateUp = 128;
+
+/// RMSNorm of `rows` rows of x (x_row_stride floats apart, 0: k) into out [rows, k] bf16: bf16(x *
+/// rsqrt(mean(x^2) + eps) * gamma), the same arithmetic as the GEMMs' RMSNorm prologue (llama_head.cu).
+void rms_norm_rows(int rows, int k, const float* x, int64_t x_row_stride, const float* gamma, float eps,
+                   uint16_t* out, cudaStream_t stream);
 
 /// Positions per attention chunk: one warp pass of the attention kernel (a lane per position). A token's
 /// chunks are folded in a fixed order that depends on its own length only (batch invariance).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -99,22 +100,35 @@ struct LlamaModel::Workspace {
   DeviceBuffer<uint16_t> q, o, act, normed; // [T, q_dim], [T, q_dim], [T, ffn], [T, hidden] (the LM head's A)
   std::unique_ptr<llama::LtHead> head;      // the LM head through cuBLASLt where it serves the call
   llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
+  llama::GemmTiles gemm_tiles = llama::GemmTiles::kBySize;
 };
 
 namespace {
 
-/// SMCGRAPH_ATTENTION_GROUPING (unset or empty: by_size; per_query; grouped): which attention kernel the
-/// forwards take, for tests and A/B runs (the same bits either way).
-llama::AttentionGrouping attention_grouping_from_env() {
-  const char* text = std::getenv("SMCGRAPH_ATTENTION_GROUPING");
-  if (text == nullptr || *text == '\0' || std::string(text) == "by_size")
-    return llama::AttentionGrouping::kBySize;
-  if (std::string(text) == "per_query")
-    return llama::AttentionGrouping::kPerQuery;
-  if (std::string(text) == "grouped")
-    return llama::AttentionGrouping::kGrouped;
-  throw Error(std::string("LlamaModel: SMCGRAPH_ATTENTION_GROUPING = '") + text +
-              "' must be by_size, per_query or grouped");
+/// A kernel choice from an environment variable, for tests and A/B runs (the same bits either way): unset or
+/// empty gives the first of `choices` (by_size); an unknown word throws, naming the variable and the word.
+template <class Choice>
+Choice choice_from_env(const char* name, std::initializer_list<std::pair<const char*, Choice>> choices) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0')
+    return choices.begin()->second;
+  std::string words;
+  for (const auto& [word, choice] : choices) {
+    if (std::string(text) == word)
+      return choice;
+    words += (words.empty() ? "" : ", ") + std::string(word);
+  }
+  throw Error(std::string("LlamaModel: ") + name + " = '" + text + "' must be one of " + words);
+}
+
+/// An RMSNorm epilogue on pipelined tiles reads its A rows normalised: rms_norm_rows(x) into `normed` ([T,
+/// hidden]; the LM head's A rows at the end of the forward), which becomes the GEMM's a_bf16.
+void normalize_for_pipelined_tiles(llama::GemmEpilogue epilogue, llama::GemmArgs& g, uint16_t* normed,
+                                   cudaStream_t stream) {
+  if (!llama::pipelined_tiles(epilogue, g))
+    return;
+  llama::rms_norm_rows(g.tokens, g.k, g.x, g.x_row_stride, g.norm_weight, g.eps, normed, stream);
+  g.a_bf16 = normed;
 }
 
 } // namespace
@@ -148,7 +162,14 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.o = DeviceBuffer<uint16_t>(T * qd);
   w.act = DeviceBuffer<uint16_t>(T * c.ffn);
   w.normed = DeviceBuffer<uint16_t>(T * c.hidden);
-  w.attention_grouping = attention_grouping_from_env();
+  using llama::AttentionGrouping, llama::GemmTiles;
+  w.attention_grouping = choice_from_env<AttentionGrouping>("SMCGRAPH_ATTENTION_GROUPING",
+                                                            {{"by_size", AttentionGrouping::kBySize},
+                                                             {"per_query", AttentionGrouping::kPerQuery},
+                                                             {"grouped", AttentionGrouping::kGrouped}});
+  w.gemm_tiles = choice_from_env<GemmTiles>("SMCGRAPH_GEMM_TILES", {{"by_size", GemmTiles::kBySize},
+                                                                    {"narrow_wide", GemmTiles::kNarrowWide},
+                                                                    {"pipelined", GemmTiles::kPipelined}});
   w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype);
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
   llama::prepare_attention(c.head_dim);
@@ -228,6 +249,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   g.io_row_stride = args.io_stride();
   g.live = args.live;
   g.eps = c.rms_eps;
+  g.tiles = w.gemm_tiles;
   for (size_t local = 0; local < layers_.size(); ++local) {
     const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
     uint16_t* kv = kv_ + local * size_t(options_.pool_size) * 2 * kvd;
@@ -247,6 +269,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     qkv.positions = args.positions;
     qkv.out_slots = args.out_slots;
     qkv.kv = kv;
+    normalize_for_pipelined_tiles(llama::GemmEpilogue::kQkvRope, qkv, w.normed.data(), stream);
     llama::gemm(llama::GemmEpilogue::kQkvRope, qkv, stream);
 
     attention.kv = kv;
@@ -268,6 +291,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     gate_up.x = w.x.data();
     gate_up.norm_weight = layer.ffn_norm;
     gate_up.out_bf16 = w.act.data();
+    normalize_for_pipelined_tiles(llama::GemmEpilogue::kSwiGlu, gate_up, w.normed.data(), stream);
     llama::gemm(llama::GemmEpilogue::kSwiGlu, gate_up, stream);
 
     llama::GemmArgs down = g;
