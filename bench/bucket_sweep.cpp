@@ -615,13 +615,18 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   Engine engine(config, *models.draft, *models.target);
   const double construct_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - construct_start).count();
-  const size_t draft_nodes = forwards.nodes_per_forward(*models.draft, particles, 1, stream);
-  const size_t target_nodes = forwards.nodes_per_forward(*models.target, particles, steps + 1, stream);
-  const int64_t model_nodes = static_cast<int64_t>(draft_nodes) * steps + static_cast<int64_t>(target_nodes);
+  // The forwards' graph nodes for a bucket of `rows` rows (the draft steps and the verify; a forward's node
+  // count may grow with its token count: the Llama GEMMs of many tokens add an RMSNorm kernel each).
+  const auto model_nodes_of = [&](int rows) {
+    const size_t draft_nodes = forwards.nodes_per_forward(*models.draft, rows, 1, stream);
+    const size_t target_nodes = forwards.nodes_per_forward(*models.target, rows, steps + 1, stream);
+    return static_cast<int64_t>(draft_nodes) * steps + static_cast<int64_t>(target_nodes);
+  };
+  const int64_t model_nodes = model_nodes_of(particles);
 
   std::printf(
       "\n%s  V = %d  %s  N = %d  K = %d: engine %.1f MB, constructed (warm-up + capture of %zu buckets x 2 "
-      "output parities) in %.1f ms; %lld model nodes per cycle\n",
+      "output parities) in %.1f ms; %lld model nodes per cycle at 1 request\n",
       kind_name(kind), vocab, dtype_name(dtype), particles, steps, engine.device_bytes() / 1e6,
       engine.buckets().size(), construct_ms, static_cast<long long>(model_nodes));
   print_table_header();
@@ -656,6 +661,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     ids.clear();
     engine.synchronize();
     row.model = forwards.time_cycle_forwards(*models.draft, *models.target, rows, steps, stream);
+    const int64_t bucket_model_nodes = model_nodes_of(rows);
 
     // 2. Graph replay: validated warm-up, then timed cycles (validated too), then the slot invariants.
     ctx.progress->update(*ctx.done, std::string(label) + ": graph replay");
@@ -738,7 +744,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     row.logits_bytes = static_cast<int64_t>(rows) * (2 * steps + 1) * vocab * element_bytes;
     row.state_bytes = static_cast<int64_t>(rows) * ((steps + 1) * kStateBytesPerToken + kStateBytesPerRow);
     row.bytes_floor_us = static_cast<double>(row.logits_bytes + row.state_bytes) / (env.copy_gbs * 1e3);
-    row.nonmodel_nodes = std::max<int64_t>(0, row.graph_nodes - model_nodes);
+    row.nonmodel_nodes = std::max<int64_t>(0, row.graph_nodes - bucket_model_nodes);
     row.node_floor_total_us = static_cast<double>(row.nonmodel_nodes) * env.node_floor_us;
     row.floor_us = row.bytes_floor_us + row.node_floor_total_us;
     row.tokens_per_s = requests * row.tokens_per_cycle / (row.graph.median_us * 1e-6);
