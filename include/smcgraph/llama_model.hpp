@@ -173,7 +173,8 @@ public:
   const std::vector<int>& layers() const { return layers_; }
   /// True when `other` is this model's LlamaModelOptions::kv_owner.
   bool kv_follows(const Model& other) const override;
-  /// Kernel launches per forward (for the floor: launches x node latency).
+  /// Kernel launches per forward of a decode's size (for the floor: launches x node latency). Forwards of
+  /// many tokens add an RMSNorm kernel before each QKV / gate/up GEMM that takes the pipelined tiles.
   int launches_per_forward() const;
   /// Bytes one forward must read at least: the weights of the layers run plus the LM head.
   size_t weight_bytes_per_forward() const;

@@ -54,8 +54,8 @@ struct GemmArgs {
   /// this kernel starts only after that; pdl.hpp). The forward sets it: the O and down projections run two
   /// launches after the last write of the residual stream.
   bool residual_ready_before_wait = false;
-  GemmTiles tiles =
-      GemmTiles::kBySize;       // (in the padding after the bool: the kernels' parameters keep their size)
+  /// The tiling (in the padding after the bool above, so the kernels' parameter block keeps its size).
+  GemmTiles tiles = GemmTiles::kBySize;
   uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
   void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped
   int logits_cols = 0;
