@@ -606,7 +606,8 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
   clear(partial0);
   clear(partial1);
   clear(total);
-  const int tiles_per_slice = (k_tiles + kWarps - 1) / kWarps;
+  constexpr int kSlices = kWarps; // the narrow kernel's K split: one slice a warp
+  const int tiles_per_slice = (k_tiles + kSlices - 1) / kSlices;
   int slice = 0, in_slice = 0;
   // Lane addresses of ldmatrix: A rows lane % 16 at column (lane / 16) * 8; W rows (lane % 8) + (lane / 16) *
   // 8 at column ((lane / 8) % 2) * 8, so registers 0-1 / 2-3 are the B operands of two adjacent n8 fragments.
@@ -664,7 +665,7 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
     }
   }
   // Empty slices (K of fewer than 4 slices' tiles) add +0, as the narrow kernel's idle warps do.
-  for (; slice < kWarps; ++slice)
+  for (; slice < kSlices; ++slice)
 #pragma unroll
     for (int f = 0; f < MF; ++f)
 #pragma unroll
