@@ -123,8 +123,8 @@ __device__ __forceinline__ void decide_request(const DecideView& b, int q, const
     next = b.policy.max_steps;
   else
     next = choose_steps(b.policy, ema, pressure);
-  if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh: advance_draw_counter), folded in
-    b.draw_counters[q] = draw_counter + 1u;
+  if (b.draw_counters != nullptr) // the draw-counter stage (random.cuh), folded into this launch
+    device::advance_draw_counter(b.draw_counters, q, draw_counter);
   b.cycle_draft_steps[q] = steps;
   if (acceptance_moves || recovers)
     b.acceptance_ema[q] = ema;

@@ -40,9 +40,12 @@ __device__ __forceinline__ float uniform_open01(uint32_t word) {
 
 /// The draw-counter stage for request q: its next cycle draws fresh Philox words (advance_draw_counters()
 /// launches it alone; a recipe may fold it into another per-request kernel that runs after the cycle's last
-/// draw).
+/// draw). `loaded` is draw_counters[q] as the caller read it (with its other loads, before its first store).
+__device__ __forceinline__ void advance_draw_counter(uint32_t* draw_counters, int q, uint32_t loaded) {
+  draw_counters[q] = loaded + 1u;
+}
 __device__ __forceinline__ void advance_draw_counter(uint32_t* draw_counters, int q) {
-  draw_counters[q] += 1u;
+  advance_draw_counter(draw_counters, q, draw_counters[q]);
 }
 
 } // namespace smcgraph::device
