@@ -5,6 +5,7 @@
 #include "kernels/draft_steps_device.cuh"
 #include "kernels/output_packing_device.cuh"
 #include "kernels/pack_device.cuh"
+#include "kernels/prefix_load.cuh"
 #include "kernels/row_launch.cuh"
 #include "kernels/slots_device.cuh"
 #include "kernels/weights_device.cuh"
@@ -150,40 +151,21 @@ __device__ void commit_speculative_row(const SpeculativeCommitView& b, int rows)
   const uint32_t row_flags = b.row_flags[r];
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   // The first accepted draft tokens and the first rejected positions' slots (positions past K_q took none),
-  // loaded with the rest; past kChunk of either, in their loops.
-  constexpr int kChunk = 8;
-  const int rejected = steps - accepted;
-  int32_t drafted[kChunk], rejected_slots[kChunk];
-#pragma unroll
-  for (int k = 0; k < kChunk; ++k) {
-    if (k < accepted)
-      drafted[k] = b.draft_tokens[r * stride + 1 + k];
-    if (k < rejected)
-      rejected_slots[k] = slots[L + accepted + 1 + k];
-  }
+  // loaded with the rest.
+  const device::PrefixLoad<8, int32_t> drafted(b.draft_tokens + r * stride + 1, accepted);
+  const device::PrefixLoad<8, int32_t> rejected_slots(slots + L + accepted + 1, steps - accepted);
   int eos = -1;
   const auto commit_token = [&](int k, int32_t token) {
     cycle[k] = tokens[L + k] = token;
     if (eos < 0 && token == b.eos_id)
       eos = k;
   };
-#pragma unroll
-  for (int k = 0; k < kChunk; ++k)
-    if (k < accepted)
-      commit_token(k, drafted[k]);
-  for (int k = kChunk; k < accepted; ++k)
-    commit_token(k, b.draft_tokens[r * stride + 1 + k]);
+  drafted.for_each(commit_token);
   commit_token(accepted, next_token);
-  for (int k = accepted + 1; k < stride; ++k) {
+  for (int k = accepted + 1; k < stride; ++k)
     cycle[k] = kInvalidToken;
-  }
   // The slots of rejected positions go back (the KV written there is stale and never read).
-#pragma unroll
-  for (int k = 0; k < kChunk; ++k)
-    if (k < rejected)
-      device::release_slot(b.pool, rejected_slots[k]);
-  for (int k = kChunk; k < rejected; ++k)
-    device::release_slot(b.pool, slots[L + accepted + 1 + k]);
+  rejected_slots.for_each([&](int, int32_t slot) { device::release_slot(b.pool, slot); });
   b.tables.seq_len[r] = L + accepted + 1;
   b.committed[r] = eos < 0 ? accepted + 1 : eos + 1;
   b.first_eos[r] = eos < 0 ? b.draft_steps : eos;

@@ -8,6 +8,7 @@
 
 #include "kernels/cycle_io.hpp"
 #include "kernels/draft_steps_decide.cuh"
+#include "kernels/prefix_load.cuh"
 
 namespace smcgraph::detail {
 
@@ -62,12 +63,8 @@ __device__ __forceinline__ void pack_row(const OutputsView& b, int r, int rows, 
   // another (about 16 of them in a row for thread 0).
   const bool row = r < rows, request = r < requests;
   const int stride = b.draft_steps + 1;
-  constexpr int kTokenChunk = 8; // a row's first cycle tokens, loaded with the rest (the others after)
-  int32_t first_tokens[kTokenChunk];
-#pragma unroll
-  for (int k = 0; k < kTokenChunk; ++k)
-    if (row && k < stride)
-      first_tokens[k] = b.cycle_tokens[r * stride + k];
+  // The row's cycle tokens (the first 8 with the rest).
+  const device::PrefixLoad<8, int32_t> cycle_tokens(b.cycle_tokens + r * stride, row ? stride : 0);
   int32_t first_eos = 0, ancestor = 0, seq_len = 0, committed = 0, accepted = 0;
   uint32_t row_flags = 0;
   uint8_t finished = 0, live = 0;
@@ -100,12 +97,7 @@ __device__ __forceinline__ void pack_row(const OutputsView& b, int r, int rows, 
   }
   if (row) {
     int32_t* tokens = reinterpret_cast<int32_t*>(out + layout.tokens) + r * stride;
-#pragma unroll
-    for (int k = 0; k < kTokenChunk; ++k)
-      if (k < stride)
-        tokens[k] = first_tokens[k];
-    for (int k = kTokenChunk; k < stride; ++k)
-      tokens[k] = b.cycle_tokens[r * stride + k];
+    cycle_tokens.for_each([&](int k, int32_t token) { tokens[k] = token; });
     reinterpret_cast<int32_t*>(out + layout.first_eos)[r] = first_eos;
     reinterpret_cast<int32_t*>(out + layout.ancestor)[r] = ancestor;
     reinterpret_cast<uint32_t*>(out + layout.row_flags)[r] = row_flags;
