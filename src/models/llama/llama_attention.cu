@@ -74,6 +74,24 @@ __device__ __forceinline__ int clamp_slot(int slot, int pool_size) {
   return (slot >= 0 && slot < pool_size) ? slot : 0;
 }
 
+/// Chunks of kAttentionChunk positions that `length` positions take.
+__device__ __forceinline__ int chunks_of(int length) {
+  return max(0, (length + kAttentionChunk - 1) / kAttentionChunk);
+}
+
+/// Positions token t (of row r) attends to: up to its own, within the row's length and max_seq_len.
+__device__ __forceinline__ int query_length(const AttentionArgs& a, int r, int t) {
+  const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
+  return min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
+}
+
+/// The position of row r's first token in this forward: the positions before it hold keys and values that
+/// earlier forwards wrote (this forward's QKV projection writes the row's own positions only, at freshly
+/// allocated slots), which a kernel may load before its PDL wait.
+__device__ __forceinline__ int first_block_position(const AttentionArgs& a, int r) {
+  return a.positions[detail::strided_token_index(r * a.tokens_per_row, a.tokens_per_row, a.io_row_stride)];
+}
+
 /// Dynamic shared memory of a block: each warp's value rows (a chunk of head_dim-wide bf16 rows).
 __host__ __device__ constexpr size_t attention_smem_bytes(int head_dim) {
   return static_cast<size_t>(kWarps) * kAttentionChunk * head_dim * sizeof(uint16_t);
@@ -198,10 +216,9 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   // before waiting. Q and the KV of the row's own tokens (the QKV projection just wrote them) come after.
   const int t = r * a.tokens_per_row + j;
   const bool live = a.live[r];
-  const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
-  const int length = min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
+  const int length = query_length(a, r, t);
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
-  const int chunks = max(0, (length + kAttentionChunk - 1) / kAttentionChunk);
+  const int chunks = chunks_of(length);
   int next_slot = 0;
   if (live && warp < chunks && warp * kAttentionChunk + lane < length)
     next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
@@ -210,11 +227,9 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   // freshly allocated slots), so they are loaded before waiting too, and a decode token's attention costs
   // one memory latency after the wait (q and the block's own positions), not two.
   uint4 key[kMaxVectorsPerHead];
-  const int first_block_position =
-      a.positions[detail::strided_token_index(r * a.tokens_per_row, a.tokens_per_row, a.io_row_stride)];
+  const int first_position = first_block_position(a, r);
   const int early_position = warp * kAttentionChunk + lane;
-  const bool early =
-      live && warp < chunks && early_position < length && early_position < first_block_position;
+  const bool early = live && warp < chunks && early_position < length && early_position < first_position;
   if (early)
     load_key_value<MAX_HEAD_DIM>(a, next_slot, kv_head, hd, v_shared + lane * hd, key);
   __pipeline_commit();
@@ -330,7 +345,7 @@ __global__ void __launch_bounds__(kThreads)
   const int count = min(group_queries, a.tokens_per_row * group_heads - first);
   extern __shared__ __align__(16) unsigned char attention_smem[];
   __shared__ float p_shared[kWarps][kQueryBatch][kAttentionChunk];
-  __shared__ int query_length[kGroupMaxQueries];
+  __shared__ int lengths[kGroupMaxQueries]; // each query's query_length()
   uint16_t* v_shared =
       reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
   float* q_shared = reinterpret_cast<float*>(attention_smem + attention_smem_bytes(hd));
@@ -341,25 +356,23 @@ __global__ void __launch_bounds__(kThreads)
   const bool live = a.live[r];
   if (threadIdx.x < count) { // one position load a query, all in flight together
     const int t = r * a.tokens_per_row + (first + static_cast<int>(threadIdx.x)) / group_heads;
-    const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
-    query_length[threadIdx.x] = min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
+    lengths[threadIdx.x] = query_length(a, r, t);
   }
   __syncthreads();
   int block_length = 0;
   for (int i = 0; i < count; ++i)
-    block_length = max(block_length, query_length[i]);
+    block_length = max(block_length, lengths[i]);
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
-  const int block_chunks = max(0, (block_length + kAttentionChunk - 1) / kAttentionChunk);
+  const int block_chunks = chunks_of(block_length);
   // A warp with one chunk (rows of up to kWarps chunks) loads its positions once for every query.
   const bool cached = warp < block_chunks && warp + kWarps >= block_chunks;
   int slot = 0;
   if (live && warp < block_chunks && warp * kAttentionChunk + lane < block_length)
     slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
   uint4 key[kMaxVectorsPerHead];
-  const int first_block_position =
-      a.positions[detail::strided_token_index(r * a.tokens_per_row, a.tokens_per_row, a.io_row_stride)];
+  const int first_position = first_block_position(a, r);
   const int my_position = warp * kAttentionChunk + lane;
-  const bool early = live && cached && my_position < block_length && my_position < first_block_position;
+  const bool early = live && cached && my_position < block_length && my_position < first_position;
   const auto load_position = [&](int position_slot) {
     load_key_value<MAX_HEAD_DIM>(a, position_slot, kv_head, hd, v_shared + lane * hd, key);
   };
@@ -394,11 +407,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kQueryBatch; ++u) {
       query_index[u] = min(b0 + u, count - 1);
-      length[u] = query_length[query_index[u]];
-      chunks[u] = max(0, (length[u] + kAttentionChunk - 1) / kAttentionChunk);
+      length[u] = lengths[query_index[u]];
+      chunks[u] = chunks_of(length[u]);
       batch_length = max(batch_length, length[u]);
     }
-    const int batch_chunks = max(0, (batch_length + kAttentionChunk - 1) / kAttentionChunk);
+    const int batch_chunks = chunks_of(batch_length);
     float m[kQueryBatch], l[kQueryBatch], acc[kQueryBatch][kMaxDimsPerLane];
 #pragma unroll
     for (int u = 0; u < kQueryBatch; ++u) {
@@ -491,7 +504,7 @@ __global__ void __launch_bounds__(kThreads)
   // The queries of several chunks: their warps' partials merged in warp order.
   for (int e = threadIdx.x; e < count * hd; e += kThreads) {
     const int i = e / hd, d = e % hd, query = first + i;
-    const int chunks = max(0, (query_length[i] + kAttentionChunk - 1) / kAttentionChunk);
+    const int chunks = chunks_of(lengths[i]);
     if (chunks <= 1)
       continue;
     const int t = r * a.tokens_per_row + query / group_heads,
