@@ -80,6 +80,40 @@ template <int EPILOGUE> constexpr bool uses_norm() {
   return EPILOGUE != static_cast<int>(GemmEpilogue::kResidualAdd);
 }
 
+/// The epilogues' per-element steps, shared by LlamaGemmKernel and LlamaPipelinedGemmKernel (the same bits in
+/// either): the SwiGLU output of gate column `col` and its up partner, RoPE's rotation of a Q/K column with
+/// its pair's other column, and the QKV store (q to out_bf16; k and v to the KV at the row's slot, live rows
+/// only).
+__device__ __forceinline__ void store_swiglu(uint16_t* act, int act_cols, int t, int col, float gate,
+                                             float up) {
+  const int j = (col / (2 * kSwiGluGroup)) * kSwiGluGroup + col % (2 * kSwiGluGroup);
+  const float silu = gate / (1.0f + expf(-gate));
+  act[static_cast<size_t>(t) * act_cols + j] = float_to_bf16_bits(silu * up);
+}
+
+/// Q / K column `col`'s dimension within its head (adjacent pairs (2i, 2i + 1) rotate together: the GGUF row
+/// order of llama Q/K).
+__device__ __forceinline__ int rope_dim(const GemmArgs& a, int col) {
+  return (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
+}
+
+__device__ __forceinline__ float rope_rotate(float value, float partner, int d, float s, float c) {
+  return (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
+}
+
+__device__ __forceinline__ void store_qkv(const GemmArgs& a, int t, int col, uint16_t bits,
+                                          const unsigned char& live, const int& slot) {
+  if (col < a.q_dim) {
+    a.out_bf16[static_cast<size_t>(t) * a.q_dim + col] = bits;
+  } else if (live) {
+    if (slot > 0 && slot < a.pool_size) {
+      const bool is_v = col >= a.q_dim + a.kv_dim;
+      const int kv_col = is_v ? a.kv_dim + (col - a.q_dim - a.kv_dim) : col - a.q_dim;
+      a.kv[static_cast<size_t>(slot) * 2 * a.kv_dim + kv_col] = bits;
+    }
+  }
+}
+
 template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS>
 __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bool stage_w) {
   static_assert(N_FRAGS == 1 || N_WARPS == 1, "several column fragments a warp in the narrow shape only");
@@ -372,16 +406,11 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       const int within = col % (2 * kSwiGluGroup);
       if (within >= kSwiGluGroup)
         continue; // the up half: its gate partner writes the output
-      const float up = tile_value(e + kSwiGluGroup);
-      const int j = (col / (2 * kSwiGluGroup)) * kSwiGluGroup + within;
-      const float silu = value / (1.0f + expf(-value));
-      a.out_bf16[static_cast<size_t>(t) * (N / 2) + j] = float_to_bf16_bits(silu * up);
+      store_swiglu(a.out_bf16, N / 2, t, col, value, tile_value(e + kSwiGluGroup));
     } else { // kQkvRope
-      const bool is_v = col >= a.q_dim + a.kv_dim;
       float out = value;
-      if (!is_v) {
-        const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
-        // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
+      if (!(col >= a.q_dim + a.kv_dim)) { // q and k columns rotate; v does not
+        const int d = rope_dim(a, col);
         const float partner = tile_value(e ^ 1);
         float s, c;
         if constexpr (kRopeTable) {
@@ -392,18 +421,9 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
           const float angle = static_cast<float>(row_position[m]) * rope_freq[d / 2];
           sincosf(angle, &s, &c);
         }
-        out = (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
+        out = rope_rotate(value, partner, d, s, c);
       }
-      const uint16_t bits = float_to_bf16_bits(out);
-      if (col < a.q_dim) {
-        a.out_bf16[static_cast<size_t>(t) * a.q_dim + col] = bits;
-      } else if (row_live[m]) {
-        const int slot = row_slot[m];
-        if (slot > 0 && slot < a.pool_size) {
-          const int kv_col = is_v ? a.kv_dim + (col - a.q_dim - a.kv_dim) : col - a.q_dim;
-          a.kv[static_cast<size_t>(slot) * 2 * a.kv_dim + kv_col] = bits;
-        }
-      }
+      store_qkv(a, t, col, float_to_bf16_bits(out), row_live[m], row_slot[m]);
     }
   }
 }
@@ -460,32 +480,17 @@ __device__ __forceinline__ void pipelined_epilogue(const GemmArgs& a, const floa
       const int within = col % (2 * kSwiGluGroup);
       if (within >= kSwiGluGroup)
         continue; // the up half: its gate partner writes the output
-      const float up = tile[e + kSwiGluGroup];
-      const int j = (col / (2 * kSwiGluGroup)) * kSwiGluGroup + within;
-      const float silu = value / (1.0f + expf(-value));
-      a.out_bf16[static_cast<size_t>(t) * (N / 2) + j] = float_to_bf16_bits(silu * up);
+      store_swiglu(a.out_bf16, N / 2, t, col, value, tile[e + kSwiGluGroup]);
     } else { // kQkvRope
       static_assert(EPILOGUE == static_cast<int>(GemmEpilogue::kQkvRope), "QKV, residual add or SwiGLU");
-      const bool is_v = col >= a.q_dim + a.kv_dim;
       float out = value;
-      if (!is_v) {
-        const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
-        // Adjacent pairs (2i, 2i + 1) rotate together (the GGUF row order of llama Q/K).
-        const float partner = tile[e ^ 1];
+      if (!(col >= a.q_dim + a.kv_dim)) { // q and k columns rotate; v does not
+        const int d = rope_dim(a, col);
         float s, c;
         sincosf(static_cast<float>(rows.position[m]) * rows.rope_freq[d / 2], &s, &c);
-        out = (d % 2 == 0) ? value * c - partner * s : partner * s + value * c;
+        out = rope_rotate(value, tile[e ^ 1], d, s, c);
       }
-      const uint16_t bits = float_to_bf16_bits(out);
-      if (col < a.q_dim) {
-        a.out_bf16[static_cast<size_t>(t) * a.q_dim + col] = bits;
-      } else if (rows.live[m]) {
-        const int slot = rows.slot[m];
-        if (slot > 0 && slot < a.pool_size) {
-          const int kv_col = is_v ? a.kv_dim + (col - a.q_dim - a.kv_dim) : col - a.q_dim;
-          a.kv[static_cast<size_t>(slot) * 2 * a.kv_dim + kv_col] = bits;
-        }
-      }
+      store_qkv(a, t, col, float_to_bf16_bits(out), rows.live[m], rows.slot[m]);
     }
   }
 }
