@@ -202,27 +202,22 @@ int run(const std::vector<int>& token_counts, const std::string& csv_path) {
                          pipe_rel <= 1e-3 && same_bits;
       all_valid = all_valid && valid;
       // Timing: the residual keeps accumulating across replays, which changes no cost.
-      const bench::Timing t_ours = bench::time_graph(
-          [&](cudaStream_t s) { llama::gemm(llama::GemmEpilogue::kResidualAdd, args, s); }, stream);
-      const bench::Timing t_pipe = bench::time_graph(
-          [&](cudaStream_t s) { llama::gemm(llama::GemmEpilogue::kResidualAdd, pipe_args, s); }, stream);
+      // The own GEMM hot (one weight matrix) and cold (one launch per copy of the weights).
+      const auto time_own = [&](const llama::GemmArgs& base, bool cold) {
+        int next = 0;
+        const auto work = [&](cudaStream_t s) {
+          llama::GemmArgs launch = base;
+          if (cold)
+            launch.weight = cold_w[next++ % copies].data();
+          llama::gemm(llama::GemmEpilogue::kResidualAdd, launch, s);
+        };
+        return cold ? bench::time_graph(work, stream, copies) : bench::time_graph(work, stream);
+      };
+      const bench::Timing t_ours = time_own(args, false), t_pipe = time_own(pipe_args, false);
       const bench::Timing t_lt =
           bench::time_graph([&](cudaStream_t s) { lt.run(w.data(), a.data(), theirs.data(), s); }, stream);
-      int next_ours = 0, next_pipe = 0, next_lt = 0;
-      const bench::Timing cold_ours = bench::time_graph(
-          [&](cudaStream_t s) {
-            llama::GemmArgs cold = args;
-            cold.weight = cold_w[next_ours++ % copies].data();
-            llama::gemm(llama::GemmEpilogue::kResidualAdd, cold, s);
-          },
-          stream, copies);
-      const bench::Timing cold_pipe = bench::time_graph(
-          [&](cudaStream_t s) {
-            llama::GemmArgs cold = pipe_args;
-            cold.weight = cold_w[next_pipe++ % copies].data();
-            llama::gemm(llama::GemmEpilogue::kResidualAdd, cold, s);
-          },
-          stream, copies);
+      const bench::Timing cold_ours = time_own(args, true), cold_pipe = time_own(pipe_args, true);
+      int next_lt = 0;
       const bench::Timing cold_lt = bench::time_graph(
           [&](cudaStream_t s) { lt.run(cold_w[next_lt++ % copies].data(), a.data(), theirs.data(), s); },
           stream, copies);
