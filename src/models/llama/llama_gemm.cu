@@ -808,9 +808,7 @@ void prepare_gemm(int max_k) {
 }
 
 bool pipelined_tiles(GemmEpilogue epilogue, const GemmArgs& a) {
-  if (epilogue == GemmEpilogue::kLogits) // the own LM head keeps its wide tiles, whatever `tiles` says
-    return false;
-  const bool serves = a.n % 32 == 0 && a.k % 16 == 0 && a.k >= 16 &&
+  const bool serves = epilogue != GemmEpilogue::kLogits && a.n % 32 == 0 && a.k % 16 == 0 && a.k >= 16 &&
                       pipe_smem_bytes(64, 64) <= static_cast<size_t>(max_optin_smem());
   require(a.tiles != GemmTiles::kPipelined || serves, "llama::gemm", "tiles", "kPipelined",
           "serves kQkvRope, kResidualAdd and kSwiGlu with n a multiple of 32");

@@ -74,9 +74,9 @@ struct GemmArgs {
 void prepare_gemm(int max_k);
 /// One launch.
 void gemm(GemmEpilogue epilogue, const GemmArgs& args, cudaStream_t stream);
-/// Whether gemm() runs these arguments on the pipelined tiles (GemmArgs::tiles; by size, below; never
-/// kLogits, which keeps the narrow / wide tiles). An RMSNorm epilogue on them then needs a_bf16 =
-/// rms_norm_rows(x) (the caller launches that first).
+/// Whether gemm() runs these arguments on the pipelined tiles (GemmArgs::tiles; by size, below; kLogits
+/// never: forcing them there throws). An RMSNorm epilogue on them then needs a_bf16 = rms_norm_rows(x) (the
+/// caller launches that first).
 bool pipelined_tiles(GemmEpilogue epilogue, const GemmArgs& args);
 /// GemmTiles::kBySize: forwards of at least this many tokens take the pipelined tiles (the gate/up projection
 /// from kPipelinedMinTokensGateUp). `llama_gemm_bench` (H100, SmolLM2's shapes, us cold, narrow / pipelined,

@@ -305,7 +305,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   }
 
   llama::GemmArgs head = g;
-  if (args.last_token_logits) { // row r's last token only, its logits at row r of a dense [rows, V]
+  head.tiles = llama::GemmTiles::kBySize; // SMCGRAPH_GEMM_TILES picks the layer GEMMs' tiles, not the head's
+  if (args.last_token_logits) {           // row r's last token only, its logits at row r of a dense [rows, V]
     head.tokens = args.rows;
     head.tokens_per_row = 1;
     head.io_row_stride = 1;
