@@ -4,20 +4,19 @@
 // end of each cycle (the speculative commit, the output packing). Internal: compiled by nvcc only.
 #pragma once
 
+#include <cub/block/block_load.cuh>
+
 namespace smcgraph::device {
 
-/// src[0 .. min(count, N)) in registers; for_each() visits all `count` values in order, the ones past N read
-/// from src then.
+/// src[0 .. min(count, N)) in registers (cub::LoadDirectBlocked, guarded); for_each() visits all `count`
+/// values in order, the ones past N read from src then.
 template <int N, class T> struct PrefixLoad {
   const T* src;
   int count;
   T head[N];
 
   __device__ __forceinline__ PrefixLoad(const T* values, int n) : src(values), count(n) {
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-      if (k < count)
-        head[k] = src[k];
+    cub::LoadDirectBlocked(0, src, head, count); // head[k] = src[k] for k < min(count, N)
   }
 
   /// f(k, value) for k = 0 .. count - 1.
