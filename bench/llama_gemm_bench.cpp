@@ -13,8 +13,13 @@
 // matrix (after the first it sits in L2: the latency of the kernel alone), and "cold", one launch per copy of
 // the weights over copies that together exceed 4x the L2 (every launch reads W from HBM, as each layer of a
 // real forward does). The floor is the bytes a launch must move (W, A, Y read and written) over the copy
-// bandwidth of the same run, plus one graph node; ours/flr compares the cold time with it. Exit status: 0; 1
-// when the two disagree; 2 when it cannot run (no GPU, bad flags).
+// bandwidth of the same run, plus one graph node; ours/flr compares the cold time with it.
+//
+// Then the LM head as the forward runs it (llama::LtHead, head 49152 x 576, fp32 logits from fp32 rows): the
+// small head (one kernel that normalises the rows itself, up to 32 tokens) against the norm kernel plus
+// cuBLASLt's pinned matmul, cold, after checking that they give the same bits (CSV rows with shape
+// "lm_head": smcgraph_* the small head, cublaslt_* the norm and cuBLASLt). Exit status: 0; 1 when any pair
+// disagrees; 2 when it cannot run (no GPU, bad flags).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -122,6 +127,89 @@ std::vector<int> parse_tokens(const std::string& flag, const std::string& text) 
   if (counts.empty())
     throw cli::bad_value(flag, text, "expected comma-separated token counts");
   return counts;
+}
+
+/// The LM head's two paths (LtHead by size: the small head up to its token limit; LtHead with cuBLASLt
+/// only: the norm kernel and the matmul), checked for equal bits, then timed cold. False when they differ.
+bool time_lm_head(const std::vector<int>& token_counts, double copy_gbs, double node_us, size_t cold_bytes,
+                  std::mt19937_64& rng, cudaStream_t stream, bench::Csv& csv) {
+  constexpr int kVocab = 49152, kHidden = 576;
+  const size_t w_count = static_cast<size_t>(kVocab) * kHidden;
+  const int copies = static_cast<int>(std::max<size_t>(2, (cold_bytes + 2 * w_count - 1) / (2 * w_count)));
+  std::vector<DeviceBuffer<uint16_t>> cold_w;
+  cold_w.push_back(random_bf16(w_count, 0.05f, rng, stream));
+  for (int c = 1; c < copies; ++c) {
+    cold_w.emplace_back(w_count);
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(cold_w.back().data(), cold_w[0].data(), 2 * w_count,
+                                        cudaMemcpyDeviceToDevice, stream));
+  }
+  const int max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
+  llama::LtHead by_size(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kBySize);
+  llama::LtHead lt_only(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kCublasLt);
+  if (!lt_only.usable()) {
+    std::printf("lm_head: cuBLASLt offers no pinned algorithm here; not timed\n");
+    return true;
+  }
+  std::printf("\nLM head (llama::LtHead, %d x %d, fp32 logits; us a launch cold, CUDA graph median): small "
+              "head %s\n",
+              kVocab, kHidden, by_size.small_head_serves(1) ? "on" : "OFF (its probe found other bits)");
+  std::printf("%-8s %5s %10s %10s %8s %8s\n", "lm_head", "T", "small_cold", "lt_cold", "lt/small",
+              "floor_us");
+  bool valid = true;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int tokens : token_counts) {
+    if (!by_size.small_head_serves(tokens))
+      continue;
+    std::vector<float> host_x(static_cast<size_t>(tokens) * kHidden), host_gamma(kHidden);
+    for (float& value : host_x)
+      value = normal(rng);
+    for (float& value : host_gamma)
+      value = 1.0f + 0.1f * normal(rng);
+    DeviceBuffer<float> x(host_x.size()), gamma(kHidden), small_logits(static_cast<size_t>(tokens) * kVocab),
+        lt_logits(static_cast<size_t>(tokens) * kVocab);
+    DeviceBuffer<uint16_t> normed(static_cast<size_t>(tokens) * kHidden);
+    x.copy_from_host(host_x.data(), host_x.size(), stream);
+    gamma.copy_from_host(host_gamma.data(), kHidden, stream);
+    llama::GemmArgs args;
+    args.tokens = tokens;
+    args.n = kVocab;
+    args.k = kHidden;
+    args.io_row_stride = 1;
+    args.x = x.data();
+    args.norm_weight = gamma.data();
+    args.logits_cols = kVocab;
+    args.logits_dtype = DType::kFloat32;
+    const auto launch = [&](llama::LtHead& head, float* logits, const uint16_t* weight, cudaStream_t s) {
+      llama::GemmArgs a = args;
+      a.weight = weight;
+      a.logits = logits;
+      require(head.run(a, normed.data(), s), "llama_gemm_bench", "lm_head tokens", tokens, "not served");
+    };
+    launch(by_size, small_logits.data(), cold_w[0].data(), stream);
+    launch(lt_only, lt_logits.data(), cold_w[0].data(), stream);
+    std::vector<float> ours(static_cast<size_t>(tokens) * kVocab), theirs(ours.size());
+    small_logits.copy_to_host(ours.data(), ours.size(), stream);
+    lt_logits.copy_to_host(theirs.data(), theirs.size(), stream);
+    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const bool same = std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(float)) == 0;
+    valid = valid && same;
+    const auto time_cold = [&](llama::LtHead& head, float* logits) {
+      int next = 0;
+      return bench::time_graph(
+          [&](cudaStream_t s) { launch(head, logits, cold_w[next++ % copies].data(), s); }, stream, copies);
+    };
+    const bench::Timing small = time_cold(by_size, small_logits.data());
+    const bench::Timing lt = time_cold(lt_only, lt_logits.data());
+    const double bytes = 2.0 * w_count + 4.0 * tokens * kHidden + 4.0 * tokens * kVocab;
+    const double floor_us = bytes / (copy_gbs * 1e3) + node_us;
+    std::printf("%-8s %5d %10.2f %10.2f %8.2f %8.2f%s\n", "lm_head", tokens, small.median_us, lt.median_us,
+                lt.median_us / small.median_us, floor_us,
+                same ? "" : "  INVALID (the two paths differ in bits)");
+    csv.row({bench::device_name(), "lm_head", std::to_string(kVocab), std::to_string(kHidden),
+             std::to_string(tokens), "", "", "", bench::format(small.median_us, 3), "",
+             bench::format(lt.median_us, 3), bench::format(floor_us, 3), same ? "0" : "nan", "", ""});
+  }
+  return valid;
 }
 
 int run(const std::vector<int>& token_counts, const std::string& csv_path) {
@@ -251,6 +339,7 @@ int run(const std::vector<int>& token_counts, const std::string& csv_path) {
                bench::format(norm_us, 3)});
     }
   }
+  all_valid = time_lm_head(token_counts, copy_gbs, node_us, cold_bytes, rng, stream, csv) && all_valid;
   std::printf("validation: %s; CSV: %s\n", all_valid ? "ok" : "FAILED (smcgraph and cuBLASLt disagree)",
               csv_path.c_str());
   return all_valid ? 0 : 1;

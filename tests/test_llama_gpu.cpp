@@ -435,14 +435,14 @@ private:
 /// the constructor), fed the same forwards: a 270-token prefill of 6 rows, then verify blocks and decodes,
 /// some with padding rows, every other one captured in a graph. Checks that both give the same logits bits;
 /// returns the positions row 0 has then done.
-int check_same_logits_when_forced(const Shape& shape, const char* name, const char* first,
-                                  const char* second) {
+int check_same_logits_when_forced(const Shape& shape, const char* name, const char* first, const char* second,
+                                  DType logits = DType::kFloat32) {
   constexpr int kRows = 6, kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 2048;
   TinySetup setup(shape);
   const auto model_with = [&](const char* value) {
     const ScopedEnv scoped(name, value);
     return std::make_unique<LlamaModel>(setup.tiny->weights,
-                                        options_of(kPool, kMaxSeqLen, kMaxTokens, DType::kFloat32));
+                                        options_of(kPool, kMaxSeqLen, kMaxTokens, logits));
   };
   const std::unique_ptr<LlamaModel> model_a = model_with(first), model_b = model_with(second);
   LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 320), shape.vocab, kPool,
@@ -450,15 +450,15 @@ int check_same_logits_when_forced(const Shape& shape, const char* name, const ch
   const auto every_row = [](int) { return true; };
   const auto even_rows = [](int row) { return row % 2 == 0; };
   // (tokens a row, which rows: 2 all, 0 the even ones).
-  const std::vector<std::pair<int, int>> schedule = {{270, 2}, {1, 2}, {5, 2}, {5, 0},
-                                                     {1, 0},   {9, 2}, {1, 2}};
+  const std::vector<std::pair<int, int>> schedule = {{270, 2}, {1, 2}, {2, 2}, {5, 2},
+                                                     {5, 0},   {1, 0}, {9, 2}, {1, 2}};
   int forward = 0;
   for (const auto& [per_row, who] : schedule) {
     CAPTURE(forward);
     CAPTURE(per_row);
     const LlamaForwardInputs in = who == 2 ? step_inputs(s, per_row, every_row, setup.rng.engine())
                                            : step_inputs(s, per_row, even_rows, setup.rng.engine());
-    DeviceBatch batch(in, shape.vocab, DType::kFloat32, setup.stream);
+    DeviceBatch batch(in, shape.vocab, logits, setup.stream);
     const bool captured = forward % 2 == 1;
     const std::vector<uint8_t> a = run_forward(*model_a, batch, captured, setup.stream);
     const std::vector<uint8_t> b = run_forward(*model_b, batch, captured, setup.stream);
@@ -488,14 +488,6 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
   }
 }
 
-TEST_CASE("llama forward: SMCGRAPH_ATTENTION_GROUPING must name a grouping") {
-  const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
-  TinySetup setup(shape);
-  const ScopedEnv scoped("SMCGRAPH_ATTENTION_GROUPING", "sideways");
-  CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
-                       doctest::Contains("SMCGRAPH_ATTENTION_GROUPING = 'sideways'"), smcgraph::Error);
-}
-
 TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tiles' bits") {
   // The layer GEMMs of 256+ tokens (gate/up: 128+) take K-pipelined tiles (llama_gemm.cu), smaller ones
   // narrow tiles, and those past 384 tokens without the pipelined tiles wide ones; all sum K in the same
@@ -514,12 +506,54 @@ TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tile
   }
 }
 
-TEST_CASE("llama forward: SMCGRAPH_GEMM_TILES must name GEMM tiles") {
+TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
+  // Forwards of up to 32 head rows take the small head (llama_head.cu: one kernel that normalises its rows
+  // and chains one m16n8k16 MMA per 16 of K, the order of the pinned cuBLASLt matmul), larger ones the norm
+  // kernel and cuBLASLt; the model checks the small head's bits against cuBLASLt's at construction and
+  // leaves it off where they differ, so here it must be on. Two models, by size and
+  // SMCGRAPH_LM_HEAD=cublaslt, fed the same forwards (decodes of 6 rows: 8-token variant; 2 tokens a row: 16;
+  // 5: 32; 270 and 9: cuBLASLt in both; padding rows; graphs), give the same logits bits, fp32 and bf16.
+  // Shapes: hidden 192 with a vocabulary of 300 (the last block's rows past it), 96 and 256.
+  if (const char* off = std::getenv("SMCGRAPH_DISABLE_CUBLASLT_HEAD"); off != nullptr && *off == '1') {
+    const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+    TinySetup setup(shape);
+    const LlamaModel model(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32));
+    CHECK(std::string(model.lm_head_kernel(1)) == "own_gemm"); // the small head is part of the cuBLASLt head
+    return;
+  }
+  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {2, 96, 3, 1, 160, 320, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
+      const int logits_dtype = static_cast<int>(logits);
+      CAPTURE(logits_dtype);
+      {
+        TinySetup setup(shape);
+        const LlamaModel model(setup.tiny->weights, options_of(256, 64, 64, logits));
+        for (int tokens : {1, 8, 9, 16, 17, 32})
+          CHECK(std::string(model.lm_head_kernel(tokens)) == "small");
+        CHECK(std::string(model.lm_head_kernel(33)) == "cublaslt");
+        const ScopedEnv scoped("SMCGRAPH_LM_HEAD", "cublaslt");
+        const LlamaModel forced(setup.tiny->weights, options_of(256, 64, 64, logits));
+        CHECK(std::string(forced.lm_head_kernel(1)) == "cublaslt");
+      }
+      check_same_logits_when_forced(shape, "SMCGRAPH_LM_HEAD", "cublaslt", "by_size", logits);
+    }
+  }
+}
+
+TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
-  const ScopedEnv scoped("SMCGRAPH_GEMM_TILES", "diagonal");
-  CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
-                       doctest::Contains("SMCGRAPH_GEMM_TILES = 'diagonal'"), smcgraph::Error);
+  for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_LM_HEAD"}) {
+    CAPTURE(name);
+    const ScopedEnv scoped(name, "sideways");
+    const std::string expected = std::string(name) + " = 'sideways'";
+    CHECK_THROWS_WITH_AS(LlamaModel(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32)),
+                         doctest::Contains(expected.c_str()), smcgraph::Error);
+  }
 }
 
 TEST_CASE("llama forward: tokens, positions, out slots and logits with a row stride give the dense forward's "

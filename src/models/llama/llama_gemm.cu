@@ -26,6 +26,7 @@
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
+#include "models/llama/mma.cuh"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/llama_model.hpp"
@@ -514,21 +515,6 @@ constexpr int kPipeLd = kPipeBK + 8; // bf16 a staged row: 144 bytes, so ldmatri
 size_t pipe_smem_bytes(int bm, int bn) {
   return std::max(static_cast<size_t>(kPipeStages) * (bm + bn) * kPipeLd * sizeof(uint16_t),
                   static_cast<size_t>(bm) * bn * sizeof(float));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-/// d += a b for one m16n8k16 step (bf16 in, fp32 accumulate).
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 template <int EPILOGUE, int BM, int BN>

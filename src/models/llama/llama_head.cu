@@ -4,6 +4,10 @@
 // K + 1-token verify) reproduces greedy decoding (1-token forwards). Own-kernel LM head (llama_gemm.cu,
 // kLogits) against cuBLASLt, weights cold (bench/llama_gemm_bench, H100): 55 / 24 us at 8 tokens, 114 / 29 at
 // 64, 877 / 68 at 512, 4,206 / 307 at 2,560.
+// Forwards of up to kSmallHeadMaxTokens tokens take the small head instead (below): one kernel, the same
+// bits, its weights streaming from before the PDL wait. `llama_gemm_bench` (H100, 49152 x 576, cold, us,
+// small / norm + cuBLASLt): 22.2 / 25.6 at 1 token, 23.5 / 26.4 at 8, 26.5 / 27.1 at 16, 32.3 / 28.4 at 32;
+// in the forward it also saves the norm kernel's node (no draft, 1 request: 458-463 -> 453-456 us a cycle).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -14,11 +18,13 @@
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 
 #include "kernels/launch_checks.hpp"
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
+#include "models/llama/mma.cuh"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/llama_model.hpp"
@@ -38,35 +44,22 @@ void lt_check(cublasStatus_t status, const char* what) {
           "cuBLASLt call failed");
 }
 
-/// Output row i of `normed` is slot i % S of row first_row + i / S: token (first_row + i / S) * P + i % S
-/// when i % S < P, its x row at x + token * x_row_stride, normalised as bf16(x * rsqrt(mean(x^2) + eps) *
-/// gamma); zeros for the slots past P (their logits land in entries nothing reads). Row by row:
-/// batch-invariant.
-__global__ void __launch_bounds__(kNormThreads)
-    LlamaHeadNormKernel(int out_rows, int slots_per_row, int tokens_per_row, int first_row, int k,
-                        const float* x, int64_t x_row_stride, const float* gamma, float eps, uint16_t* out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int k4 = k / 4;
-  // The norm weights before waiting (PDL): the x row is the only load left after it.
+/// The norm weights a lane of a warp applies in norm_row_bf16 (float4 q at lane + 32 q).
+__device__ __forceinline__ void load_norm_weights(int lane, int k, const float* gamma,
+                                                  float4 (&g)[kMaxVectorsPerLane]) {
   const float4* g4 = reinterpret_cast<const float4*>(gamma);
-  float4 g[kMaxVectorsPerLane];
 #pragma unroll
   for (int q = 0; q < kMaxVectorsPerLane; ++q)
-    g[q] = lane + 32 * q < k4 ? g4[lane + 32 * q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  pdl_wait();
-  pdl_trigger();
-  const int i = blockIdx.x * (kNormThreads / 32) + warp;
-  if (i >= out_rows)
-    return;
-  uint2* dst = reinterpret_cast<uint2*>(out + static_cast<int64_t>(i) * k);
-  const int slot = i % slots_per_row;
-  if (slot >= tokens_per_row) {
-    for (int q = lane; q < k4; q += 32)
-      dst[q] = make_uint2(0u, 0u);
-    return;
-  }
-  const int64_t token = static_cast<int64_t>(first_row + i / slots_per_row) * tokens_per_row + slot;
-  const float4* x4 = reinterpret_cast<const float4*>(x + token * x_row_stride);
+    g[q] = lane + 32 * q < k / 4 ? g4[lane + 32 * q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+/// One warp: the RMSNorm of the k floats at x_row into k bf16 at dst, bf16(x * rsqrt(mean(x^2) + eps) *
+/// gamma): each lane sums the squares of its float4s (q = lane + 32 i, in order i), then a warp reduction.
+/// Both LM head paths normalise through it, so their A rows are the same bits.
+__device__ __forceinline__ void norm_row_bf16(int lane, int k, const float* x_row,
+                                              const float4 (&g)[kMaxVectorsPerLane], float eps, uint2* dst) {
+  const int k4 = k / 4;
+  const float4* x4 = reinterpret_cast<const float4*>(x_row);
   float4 v[kMaxVectorsPerLane];
   float sum_squares = 0.0f;
 #pragma unroll
@@ -82,8 +75,200 @@ __global__ void __launch_bounds__(kNormThreads)
       dst[lane + 32 * q] = rms_scaled_bf16x4(v[q], inv_rms, g[q]);
 }
 
+/// Output row i of `normed` is slot i % S of row first_row + i / S: token (first_row + i / S) * P + i % S
+/// when i % S < P, its x row at x + token * x_row_stride, normalised as bf16(x * rsqrt(mean(x^2) + eps) *
+/// gamma); zeros for the slots past P (their logits land in entries nothing reads). Row by row:
+/// batch-invariant.
+__global__ void __launch_bounds__(kNormThreads)
+    LlamaHeadNormKernel(int out_rows, int slots_per_row, int tokens_per_row, int first_row, int k,
+                        const float* x, int64_t x_row_stride, const float* gamma, float eps, uint16_t* out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The norm weights before waiting (PDL): the x row is the only load left after it.
+  float4 g[kMaxVectorsPerLane];
+  load_norm_weights(lane, k, gamma, g);
+  pdl_wait();
+  pdl_trigger();
+  const int i = blockIdx.x * (kNormThreads / 32) + warp;
+  if (i >= out_rows)
+    return;
+  uint2* dst = reinterpret_cast<uint2*>(out + static_cast<int64_t>(i) * k);
+  const int slot = i % slots_per_row;
+  if (slot >= tokens_per_row) {
+    for (int q = lane; q < k / 4; q += 32)
+      dst[q] = make_uint2(0u, 0u);
+    return;
+  }
+  const int64_t token = static_cast<int64_t>(first_row + i / slots_per_row) * tokens_per_row + slot;
+  norm_row_bf16(lane, k, x + token * x_row_stride, g, eps, dst);
+}
+
+/// The small-token LM head (LtHead serves forwards of up to kSmallHeadMaxTokens tokens with it): one kernel
+/// in place of the norm kernel and cuBLASLt's matmul, with the same bits, that streams the head's weights at
+/// close to the copy bandwidth. One block an SM loops over tiles of kSmallHeadRows vocabulary rows (tile
+/// blockIdx.x, + gridDim.x, ...); their weights stream through a ring of kSmallHeadStages shared-memory
+/// stages of kSmallHeadChunk columns (cp.async), the first kSmallHeadStages - 1 issued before the PDL wait,
+/// so they load while the forward's last kernel still runs. After the wait the block normalises the T token
+/// rows once (norm_row_bf16, as the norm kernel does) into shared memory; each warp then multiplies its 16
+/// rows of a tile by up to 8 N_FRAGS tokens with m16n8k16 MMAs, one accumulator an output chained over K in
+/// order: the order in which the pinned cuBLASLt matmul sums (measured bit-identical on H100s; LtHead checks
+/// it at construction and leaves the small head off where it differs). Logits of token t land at (t / P) io V
+/// + (t % P) V, padding tokens' too, as cuBLASLt writes them.
+struct SmallHeadArgs {
+  int tokens = 0, tokens_per_row = 1, k = 0, vocab = 0;
+  int64_t io_row_stride = 1, x_row_stride = 0;
+  const float* x = nullptr;
+  const float* gamma = nullptr;
+  float eps = 0.0f;
+  const uint16_t* weight = nullptr; ///< [round_up(vocab, 64), k]: whole 64-row blocks readable
+  void* logits = nullptr;
+  DType dtype = DType::kFloat32;
+};
+
+constexpr int kSmallHeadWarps = 8;
+constexpr int kSmallHeadThreads = 32 * kSmallHeadWarps;
+constexpr int kSmallHeadRows = 16 * kSmallHeadWarps; // vocabulary rows a tile
+constexpr int kSmallHeadChunk = 64;                  // columns (K) a stage
+constexpr int kSmallHeadStages = 8;
+constexpr int kSmallHeadLd = kSmallHeadChunk + 8; // bf16 a staged row: 144 bytes, 8 rows hit 8 bank groups
+constexpr int kSmallHeadPad = 8;                  // bf16 past each normalised token row (same reason)
+
+size_t small_head_smem_bytes(int k, int n_frags) {
+  return (static_cast<size_t>(kSmallHeadStages) * kSmallHeadRows * kSmallHeadLd +
+          static_cast<size_t>(8 * n_frags) * (k + kSmallHeadPad)) *
+         sizeof(uint16_t);
+}
+
+template <int N_FRAGS>
+__global__ void __launch_bounds__(kSmallHeadThreads, 1) LlamaSmallHeadKernel(const SmallHeadArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __nv_bfloat16* stages = reinterpret_cast<__nv_bfloat16*>(smem); // [stages][kSmallHeadRows][kSmallHeadLd]
+  __nv_bfloat16* sa = stages + kSmallHeadStages * kSmallHeadRows * kSmallHeadLd; // [8 N_FRAGS][k + pad]
+  const int lda = a.k + kSmallHeadPad;
+  const int chunks = (a.k + kSmallHeadChunk - 1) / kSmallHeadChunk; // stages a tile
+  const int tiles = (a.vocab + kSmallHeadRows - 1) / kSmallHeadRows;
+  const int weight_rows = (a.vocab + 63) / 64 * 64;
+  const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int units = my_tiles * chunks; // (tile, chunk) stages this block consumes, in order
+  // Unit u's copy: kSmallHeadRows rows x kSmallHeadChunk columns, 16 bytes a copy, 4 a thread.
+  const auto issue = [&](int u) {
+    if (u < units) {
+      const int tile = blockIdx.x + (u / chunks) * gridDim.x, chunk = u % chunks;
+      __nv_bfloat16* dst = stages + (u % kSmallHeadStages) * kSmallHeadRows * kSmallHeadLd;
+      const int column = chunk * kSmallHeadChunk;
+#pragma unroll
+      for (int i = 0; i < kSmallHeadRows * kSmallHeadChunk / 8 / kSmallHeadThreads; ++i) {
+        const int piece = threadIdx.x + i * kSmallHeadThreads;
+        const int r = piece / (kSmallHeadChunk / 8), c = 8 * (piece % (kSmallHeadChunk / 8));
+        const int row = tile * kSmallHeadRows + r;
+        if (row < weight_rows && column + c < a.k)
+          __pipeline_memcpy_async(dst + r * kSmallHeadLd + c,
+                                  a.weight + static_cast<int64_t>(row) * a.k + column + c, 16);
+      }
+    }
+    __pipeline_commit(); // an empty group past the last unit keeps the wait counts below uniform
+  };
+  for (int u = 0; u < kSmallHeadStages - 1; ++u) // the weights are constant: before the wait
+    issue(u);
+  float4 g[kMaxVectorsPerLane];
+  load_norm_weights(lane, a.k, a.gamma, g);
+  pdl_wait();
+  pdl_trigger();
+  for (int t = warp; t < 8 * N_FRAGS; t += kSmallHeadWarps) {
+    uint2* dst = reinterpret_cast<uint2*>(sa + t * lda);
+    if (t < a.tokens)
+      norm_row_bf16(lane, a.k, a.x + t * a.x_row_stride, g, a.eps, dst);
+    else
+      for (int q = lane; q < a.k / 4; q += 32)
+        dst[q] = make_uint2(0u, 0u);
+  }
+  // Lane addresses: A (weights) rows lane % 16 at column (lane / 16) 8; B (tokens) rows lane % 8 at column
+  // (lane / 8 % 2) 8.
+  const int w_offset = (warp * 16 + lane % 16) * kSmallHeadLd + (lane / 16) * 8;
+  const __nv_bfloat16* a_lane = sa + (lane % 8) * lda + (lane / 8 % 2) * 8;
+  float d[N_FRAGS][4] = {};
+  for (int u = 0; u < units; ++u) {
+    __pipeline_wait_prior(kSmallHeadStages - 2);
+    __syncthreads();                 // unit u visible to all; unit u - 1's stage free again
+    issue(u + kSmallHeadStages - 1); // into the stage unit u - 1 used
+    const int chunk = u % chunks, column = chunk * kSmallHeadChunk;
+    const __nv_bfloat16* w_lane = stages + (u % kSmallHeadStages) * kSmallHeadRows * kSmallHeadLd + w_offset;
+    const int steps = min(kSmallHeadChunk, a.k - column) / 16;
+#pragma unroll
+    for (int s = 0; s < kSmallHeadChunk / 16; ++s) {
+      if (s < steps) {
+        uint32_t wf[4];
+        ldmatrix_x4(wf, w_lane + 16 * s);
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f) {
+          uint32_t b[2];
+          ldmatrix_x2(b, a_lane + f * 8 * lda + column + 16 * s);
+          mma_16816(d[f], wf, b[0], b[1]);
+        }
+      }
+    }
+    if (chunk != chunks - 1)
+      continue;
+    const int row = (blockIdx.x + (u / chunks) * gridDim.x) * kSmallHeadRows + warp * 16 + lane / 4;
+#pragma unroll
+    for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int v = row + (i >= 2 ? 8 : 0), t = 8 * f + 2 * (lane % 4) + (i & 1);
+        if (t < a.tokens && v < a.vocab) {
+          const int64_t index =
+              (static_cast<int64_t>(t / a.tokens_per_row) * a.io_row_stride + t % a.tokens_per_row) *
+                  a.vocab +
+              v;
+          if (a.dtype == DType::kFloat32)
+            static_cast<float*>(a.logits)[index] = d[f][i];
+          else
+            static_cast<uint16_t*>(a.logits)[index] = float_to_bf16_bits(d[f][i]);
+        }
+        d[f][i] = 0.0f;
+      }
+  }
+  __pipeline_wait_prior(0); // no copy outlives the block
+}
+
+template <int N_FRAGS> void launch_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
+  const int tiles = detail::ceil_div(s.vocab, kSmallHeadRows);
+  launch_pdl(LlamaSmallHeadKernel<N_FRAGS>,
+             dim3(static_cast<unsigned>(std::min(tiles, current_device_info().multiprocessors))),
+             dim3(kSmallHeadThreads), small_head_smem_bytes(s.k, N_FRAGS), stream, s);
+}
+
+/// One launch of the small head for s.tokens <= kSmallHeadMaxTokens (the fewest token fragments that hold
+/// them).
+void run_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
+  if (s.tokens <= 8)
+    launch_small_head<1>(s, stream);
+  else if (s.tokens <= 16)
+    launch_small_head<2>(s, stream);
+  else
+    launch_small_head<4>(s, stream);
+}
+static_assert(kSmallHeadMaxTokens == 32, "run_small_head's largest variant holds 4 x 8 tokens");
+
 cudaDataType_t cuda_type(DType dtype) {
   return dtype == DType::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
+}
+
+SmallHeadArgs small_args(const GemmArgs& a) {
+  SmallHeadArgs s;
+  s.tokens = a.tokens;
+  s.tokens_per_row = a.tokens_per_row;
+  s.io_row_stride = a.io_row_stride;
+  s.k = a.k;
+  s.vocab = a.logits_cols;
+  s.x = a.x;
+  s.x_row_stride = a.x_row_stride > 0 ? a.x_row_stride : a.k;
+  s.gamma = a.norm_weight;
+  s.eps = a.eps;
+  s.weight = a.weight;
+  s.logits = a.logits;
+  s.dtype = a.logits_dtype;
+  return s;
 }
 
 } // namespace
@@ -96,6 +281,9 @@ struct LtHead::Impl {
   int vocab = 0, hidden = 0, max_tokens = 0;
   DType dtype = DType::kFloat32;
   bool usable = false;
+  /// run() takes the small head for up to kSmallHeadMaxTokens tokens (HeadKernels::kBySize, the probe at
+  /// construction passed).
+  bool small = false;
 
   Impl() = default;
   Impl(const Impl&) = delete;
@@ -114,6 +302,14 @@ struct LtHead::Impl {
   struct Layouts {
     cublasLtMatrixLayoutOpaque_t a{}, y{};
   };
+  /// The norm kernel and cuBLASLt's matmul (false where the layout does not fit the workspace).
+  bool run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_t stream);
+  void set_small_head_smem_limits() const;
+  /// cuBLASLt's algorithm for the head, pinned (false where it offers none).
+  bool pinned_algorithm(cublasLtMatmulAlgo_t& algo);
+  /// The probe: the small head and cuBLASLt give the same logits bits (synchronizes; allocates its own
+  /// weights for the probe).
+  bool small_head_gives_cublaslt_bits();
   void make_layouts(Layouts& l, int tokens, int64_t ldy) const {
     lt_check(cublasLtMatrixLayoutInit(&l.a, CUDA_R_16BF, hidden, tokens, hidden), "layout A");
     lt_check(cublasLtMatrixLayoutInit(&l.y, cuda_type(dtype), vocab, tokens, ldy), "layout Y");
@@ -134,7 +330,8 @@ void rms_norm_rows(int rows, int k, const float* x, int64_t x_row_stride, const 
              eps, out);
 }
 
-LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl_(std::make_unique<Impl>()) {
+LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKernels kernels)
+    : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.vocab = vocab;
   m.hidden = hidden;
@@ -154,35 +351,8 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
   lt_check(cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof(none)), "TRANSB");
   lt_check(cublasLtMatrixLayoutInit(&m.w, CUDA_R_16BF, hidden, vocab, hidden), "layout W");
   m.workspace = DeviceBuffer<uint8_t>(kWorkspaceBytes);
-  // The algorithm: cuBLASLt's first heuristic for a 64-token head, then split-K and its reduction switched
-  // off, and checked for every token count the model may run (it is used for all of them).
-  cublasLtMatmulPreference_t raw_preference = nullptr;
-  lt_check(cublasLtMatmulPreferenceCreate(&raw_preference), "preference");
-  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)>
-      preference(raw_preference, &cublasLtMatmulPreferenceDestroy); // freed on every path, a throw included
-  lt_check(cublasLtMatmulPreferenceSetAttribute(preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                &kWorkspaceBytes, sizeof(kWorkspaceBytes)),
-           "preference workspace");
-  const int reference_tokens = std::min(64, max_tokens);
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int returned = 0;
-  {
-    Impl::Layouts l;
-    m.make_layouts(l, reference_tokens, vocab);
-    lt_check(cublasLtMatmulAlgoGetHeuristic(m.handle, m.op, &m.w, &l.a, &l.y, &l.y, preference.get(), 1,
-                                            &heuristic, &returned),
-             "heuristic");
-  }
-  if (returned < 1) // cuBLASLt offered no algorithm
+  if (!m.pinned_algorithm(m.algo)) // cuBLASLt offered no algorithm
     return;
-  m.algo = heuristic.algo;
-  const int one = 1;
-  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-  lt_check(cublasLtMatmulAlgoConfigSetAttribute(&m.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)),
-           "split-K 1");
-  lt_check(cublasLtMatmulAlgoConfigSetAttribute(&m.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
-                                                sizeof(no_reduction)),
-           "no reduction scheme");
   for (int tokens : {1, 2, 3, 5, 8, 16, 17, 40, 64, 128, 320, 512, 1024, 2560, max_tokens}) {
     if (tokens > max_tokens)
       continue;
@@ -197,6 +367,123 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype) : impl
     }
   }
   m.usable = true;
+  if (kernels == HeadKernels::kBySize && hidden % 16 == 0 &&
+      small_head_smem_bytes(hidden, 4) <=
+          static_cast<size_t>(current_device_info().shared_memory_optin_bytes))
+    m.small = m.small_head_gives_cublaslt_bits();
+}
+
+void LtHead::Impl::set_small_head_smem_limits() const {
+  const auto set = [&](auto kernel, int n_frags) {
+    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(small_head_smem_bytes(hidden, n_frags))));
+    // The forward's carveout (llama_gemm.cu): no L1 / shared reconfiguration between its kernels.
+    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared));
+  };
+  set(LlamaSmallHeadKernel<1>, 1);
+  set(LlamaSmallHeadKernel<2>, 2);
+  set(LlamaSmallHeadKernel<4>, 4);
+}
+
+bool LtHead::Impl::pinned_algorithm(cublasLtMatmulAlgo_t& algo) {
+  // cuBLASLt's first heuristic for a 64-token head, then split-K and its reduction switched off (the
+  // constructor then checks it for every token count the model may run: it is used for all of them).
+  cublasLtMatmulPreference_t raw_preference = nullptr;
+  lt_check(cublasLtMatmulPreferenceCreate(&raw_preference), "preference");
+  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)>
+      preference(raw_preference, &cublasLtMatmulPreferenceDestroy); // freed on every path, a throw included
+  lt_check(cublasLtMatmulPreferenceSetAttribute(preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                &kWorkspaceBytes, sizeof(kWorkspaceBytes)),
+           "preference workspace");
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int returned = 0;
+  Layouts l;
+  make_layouts(l, std::min(64, max_tokens), vocab);
+  lt_check(cublasLtMatmulAlgoGetHeuristic(handle, op, &w, &l.a, &l.y, &l.y, preference.get(), 1, &heuristic,
+                                          &returned),
+           "heuristic");
+  if (returned < 1)
+    return false;
+  algo = heuristic.algo;
+  const int one = 1;
+  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+  lt_check(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)),
+           "split-K 1");
+  lt_check(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
+                                                sizeof(no_reduction)),
+           "no reduction scheme");
+  return true;
+}
+
+bool LtHead::Impl::small_head_gives_cublaslt_bits() {
+  set_small_head_smem_limits();
+  // The probe makes every difference in summation order visible, also in bf16 logits (with random data bf16
+  // rounding hides most of them: measured on an H100, a cuBLASLt kernel that sums K in another order gave
+  // other fp32 logits for 25% of a 517-row vocabulary but other bf16 logits for 1 of 4,136). Its A rows are
+  // all ones (x = 1, gamma = 1: RMSNorm gives bf16 1.0), and row v of its weights holds small values in [-1,
+  // 1) plus, in each 16-wide K step j but the last of an odd count, one +2^20 (j even) or -2^20 (j odd) at
+  // column 16 j + (v + j) % 16: the running sum swings by 2^20 every step, so where the rounding of each
+  // partial sum falls (ulp(2^20) = 1/8, against logits of about 10 with a bf16 ulp of 1/16) shows in the
+  // result. Every variant (8, 16 and 32 tokens) runs both ways with the pinned algorithm and the model's
+  // logits type; one differing bit leaves the small head off.
+  const int rows = std::min(kSmallHeadMaxTokens, max_tokens);
+  const int weight_rows = (vocab + 63) / 64 * 64, steps = hidden / 16;
+  std::vector<uint16_t> host_w(static_cast<size_t>(weight_rows) * hidden, 0);
+  uint32_t state = 0x9e3779b9u;
+  const auto next = [&] { // xorshift32
+    state ^= state << 13;
+    state ^= state >> 17;
+    state ^= state << 5;
+    return state;
+  };
+  constexpr uint16_t kPlusBig = 0x4980, kMinusBig = 0xc980; // bf16 +-2^20
+  for (int v = 0; v < vocab; ++v)
+    for (int k = 0; k < hidden; ++k) {
+      const int j = k / 16;
+      uint16_t& bits = host_w[static_cast<size_t>(v) * hidden + k];
+      if (k % 16 == (v + j) % 16 && !(j == steps - 1 && steps % 2 == 1))
+        bits = j % 2 == 0 ? kPlusBig : kMinusBig;
+      else // (m - 128) / 128 for m in [0, 256): exact in bf16
+        bits = __bfloat16_as_ushort(
+            __float2bfloat16(static_cast<float>(static_cast<int>(next() >> 24) - 128) / 128.0f));
+    }
+  Stream stream;
+  DeviceBuffer<uint16_t> weight(host_w.size()), normed(static_cast<size_t>(rows) * hidden);
+  weight.copy_from_host(host_w.data(), host_w.size(), stream);
+  const std::vector<float> ones(static_cast<size_t>(rows) * hidden, 1.0f);
+  DeviceBuffer<float> x(ones.size()), gamma(static_cast<size_t>(hidden));
+  x.copy_from_host(ones.data(), ones.size(), stream);
+  gamma.copy_from_host(ones.data(), static_cast<size_t>(hidden), stream);
+  const size_t max_bytes = static_cast<size_t>(rows) * vocab * dtype_bytes(dtype);
+  DeviceBuffer<uint8_t> theirs(max_bytes), ours(max_bytes);
+  std::vector<uint8_t> host_theirs(max_bytes), host_ours(max_bytes);
+  for (int tokens : {5, 12, rows}) {
+    if (tokens > rows)
+      continue;
+    GemmArgs probe;
+    probe.tokens = tokens;
+    probe.k = hidden;
+    probe.io_row_stride = 1;
+    probe.x = x.data();
+    probe.norm_weight = gamma.data();
+    probe.eps = 1e-5f;
+    probe.weight = weight.data();
+    probe.logits_cols = vocab;
+    probe.logits_dtype = dtype;
+    probe.logits = theirs.data();
+    if (!run_cublaslt(probe, normed.data(), stream))
+      return false;
+    probe.logits = ours.data();
+    run_small_head(small_args(probe), stream);
+    const size_t bytes = static_cast<size_t>(tokens) * vocab * dtype_bytes(dtype);
+    theirs.copy_to_host(host_theirs.data(), bytes, stream);
+    ours.copy_to_host(host_ours.data(), bytes, stream);
+    stream.synchronize();
+    if (std::memcmp(host_theirs.data(), host_ours.data(), bytes) != 0)
+      return false;
+  }
+  return true;
 }
 
 LtHead::~LtHead() = default;
@@ -209,6 +496,19 @@ bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
   Impl& m = *impl_;
   if (!m.usable || a.tokens < 1 || a.k != m.hidden || a.logits_cols != m.vocab || a.logits_dtype != m.dtype)
     return false;
+  if (m.small && a.tokens <= kSmallHeadMaxTokens) {
+    run_small_head(small_args(a), stream);
+    return true;
+  }
+  return m.run_cublaslt(a, normed, stream);
+}
+
+bool LtHead::small_head_serves(int tokens) const {
+  return impl_->usable && impl_->small && tokens >= 1 && tokens <= kSmallHeadMaxTokens;
+}
+
+bool LtHead::Impl::run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
+  Impl& m = *this;
   const int P = a.tokens_per_row, rows = a.tokens / P;
   const int64_t io = a.io_row_stride;
   const int64_t x_stride = a.x_row_stride > 0 ? a.x_row_stride : a.k;

@@ -2,8 +2,9 @@
 //   QKV GEMM (RMSNorm prologue; RoPE, q store and KV write epilogue) -> attention (split-KV) -> O GEMM (+=
 //   residual)
 //   -> gate/up GEMM (RMSNorm prologue, SwiGLU epilogue) -> down GEMM (+= residual),
-// then the LM head: cuBLASLt's matmul after an RMSNorm kernel (LtHead), or the own GEMM (RMSNorm prologue,
-// logits epilogue) where cuBLASLt is off or offers no algorithm. Every launcher validates its shape, takes
+// then the LM head (LtHead): up to kSmallHeadMaxTokens tokens one own kernel with cuBLASLt's bits, more
+// tokens cuBLASLt's matmul after an RMSNorm kernel; or the own GEMM (RMSNorm prologue, logits epilogue) where
+// cuBLASLt is off or offers no algorithm. Every launcher validates its shape, takes
 // the stream last, never allocates or synchronizes, and reads every value that changes between replays from
 // device memory.
 #pragma once
@@ -116,18 +117,33 @@ struct AttentionArgs {
   AttentionGrouping grouping = AttentionGrouping::kBySize;
 };
 
+/// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, cublaslt). by_size:
+/// forwards of up to kSmallHeadMaxTokens tokens take the small head (one kernel, the same bits as cuBLASLt's
+/// matmul: llama_head.cu), larger ones the norm kernel and cuBLASLt; cublaslt: the latter at every size.
+enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1 };
+
+/// The most tokens (GEMM rows) a small-head launch takes.
+inline constexpr int kSmallHeadMaxTokens = 32;
+
 /// The LM head through cuBLASLt (llama_head.cu): an RMSNorm kernel into `normed` ([tokens, k] bf16), then one
-/// matmul with an algorithm chosen at construction and pinned for every token count (batch-invariant logits).
-/// run() returns false, doing nothing, where it does not serve the call (no usable algorithm, a logits layout
-/// with more than one token a row and a row stride, another dtype); the caller then runs gemm(kLogits).
-/// SMCGRAPH_DISABLE_CUBLASLT_HEAD=1 turns it off. It writes the logits of every row, padding rows included.
+/// matmul with an algorithm chosen at construction and pinned for every token count (batch-invariant logits);
+/// up to kSmallHeadMaxTokens tokens, one own kernel with the same bits instead (HeadKernels::kBySize; it
+/// normalises the rows itself and streams its weights from before the PDL wait). The constructor checks the
+/// latter against the pinned matmul on a probe built to show any difference in summation order
+/// (llama_head.cu) and leaves it off where a bit differs. run()'s weights: [round_up(vocab, 64), hidden]
+/// bf16. run() returns false, doing nothing, where it does not serve the call (no usable algorithm, a logits
+/// layout with more than one token a row and a row stride, another dtype); the caller then runs
+/// gemm(kLogits). SMCGRAPH_DISABLE_CUBLASLT_HEAD=1 turns it off. It writes the logits of every row, padding
+/// rows included.
 class LtHead {
 public:
-  LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype);
+  LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKernels kernels);
   ~LtHead();
   LtHead(const LtHead&) = delete;
   LtHead& operator=(const LtHead&) = delete;
   bool usable() const;
+  /// Whether run() takes the small head for `tokens` GEMM rows.
+  bool small_head_serves(int tokens) const;
   bool run(const GemmArgs& args, uint16_t* normed, cudaStream_t stream);
 
 private:

@@ -98,7 +98,7 @@ std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file) {
 struct LlamaModel::Workspace {
   DeviceBuffer<float> x;                    // [T, hidden] residual stream
   DeviceBuffer<uint16_t> q, o, act, normed; // [T, q_dim], [T, q_dim], [T, ffn], [T, hidden] (the LM head's A)
-  std::unique_ptr<llama::LtHead> head;      // the LM head through cuBLASLt where it serves the call
+  std::unique_ptr<llama::LtHead> head;      // the LM head (small head or cuBLASLt) where it serves the call
   llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
   llama::GemmTiles gemm_tiles = llama::GemmTiles::kBySize;
 };
@@ -170,7 +170,11 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.gemm_tiles = choice_from_env<GemmTiles>("SMCGRAPH_GEMM_TILES", {{"by_size", GemmTiles::kBySize},
                                                                     {"narrow_wide", GemmTiles::kNarrowWide},
                                                                     {"pipelined", GemmTiles::kPipelined}});
-  w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype);
+  const llama::HeadKernels head_kernels =
+      choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
+                                                               {"cublaslt", llama::HeadKernels::kCublasLt}});
+  w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype,
+                                           head_kernels);
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
   llama::prepare_attention(c.head_dim);
   // Zero everything once: padding rows of the activations are read (and ignored) by the GEMMs.
@@ -206,9 +210,17 @@ const LlamaConfig& LlamaModel::config() const {
 }
 
 int LlamaModel::launches_per_forward() const {
-  // embed + per layer (qkv, attention, o, gate/up, down) + head: one own GEMM, or the norm and cuBLASLt's
-  // matmul (usually one kernel).
-  return 2 + static_cast<int>(layers_.size()) * 5 + (workspace_->head->usable() ? 1 : 0);
+  // embed + per layer (qkv, attention, o, gate/up, down) + head: the small head or one own GEMM, or the norm
+  // and cuBLASLt's matmul (usually one kernel).
+  const llama::LtHead& head = *workspace_->head;
+  return 2 + static_cast<int>(layers_.size()) * 5 + (head.usable() && !head.small_head_serves(1) ? 1 : 0);
+}
+
+const char* LlamaModel::lm_head_kernel(int tokens) const {
+  const llama::LtHead& head = *workspace_->head;
+  if (head.small_head_serves(tokens))
+    return "small";
+  return head.usable() ? "cublaslt" : "own_gemm";
 }
 
 size_t LlamaModel::weight_bytes_per_forward() const {
