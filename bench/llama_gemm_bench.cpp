@@ -16,7 +16,7 @@
 // bandwidth of the same run, plus one graph node; ours/flr compares the cold time with it.
 //
 // Then the LM head as the forward runs it (llama::LtHead, head 49152 x 576, fp32 logits from fp32 rows): the
-// small head (one kernel that normalises the rows itself, up to 32 tokens) against the norm kernel plus
+// small head (one kernel that normalises the rows itself, up to 16 tokens) against the norm kernel plus
 // cuBLASLt's pinned matmul, cold, after checking that they give the same bits (CSV rows with shape
 // "lm_head": smcgraph_* the small head, cublaslt_* the norm and cuBLASLt). Exit status: 0; 1 when any pair
 // disagrees; 2 when it cannot run (no GPU, bad flags).

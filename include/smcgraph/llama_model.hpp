@@ -177,7 +177,7 @@ public:
   /// many tokens add an RMSNorm kernel before each QKV / gate/up GEMM that takes the pipelined tiles.
   int launches_per_forward() const;
   /// The LM head's kernels for `tokens` head rows (rows x tokens_per_row, or rows with last_token_logits):
-  /// "small" (one own kernel with cuBLASLt's bits, up to 32 rows), "cublaslt" (a norm kernel and cuBLASLt's
+  /// "small" (one own kernel with cuBLASLt's bits, up to 16 rows), "cublaslt" (a norm kernel and cuBLASLt's
   /// matmul) or "own_gemm" (the own GEMM, where cuBLASLt is off or offers no algorithm).
   /// SMCGRAPH_LM_HEAD=cublaslt (read at construction) turns the small head off.
   const char* lm_head_kernel(int tokens) const;

@@ -6,8 +6,9 @@
 // 64, 877 / 68 at 512, 4,206 / 307 at 2,560.
 // Forwards of up to kSmallHeadMaxTokens tokens take the small head instead (below): one kernel, the same
 // bits, its weights streaming from before the PDL wait. `llama_gemm_bench` (H100, 49152 x 576, cold, us,
-// small / norm + cuBLASLt): 22.2 / 25.6 at 1 token, 23.5 / 26.4 at 8, 26.5 / 27.1 at 16, 32.3 / 28.4 at 32;
-// in the forward it also saves the norm kernel's node (no draft, 1 request: 458-463 -> 453-456 us a cycle).
+// small / norm + cuBLASLt): 22.2 / 25.6 at 1 token, 23.5 / 26.4 at 8, 26.5 / 27.1 at 16; in the forward it
+// also saves the norm kernel's node (no draft, 1 request: 458-463 -> 453-456 us a cycle). A variant of 32
+// tokens (4 token fragments a warp) took 32.3 against 28.4 at 32 tokens, so forwards of 17+ stay on cuBLASLt.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -243,12 +244,10 @@ template <int N_FRAGS> void launch_small_head(const SmallHeadArgs& s, cudaStream
 void run_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
   if (s.tokens <= 8)
     launch_small_head<1>(s, stream);
-  else if (s.tokens <= 16)
-    launch_small_head<2>(s, stream);
   else
-    launch_small_head<4>(s, stream);
+    launch_small_head<2>(s, stream);
 }
-static_assert(kSmallHeadMaxTokens == 32, "run_small_head's largest variant holds 4 x 8 tokens");
+static_assert(kSmallHeadMaxTokens == 16, "run_small_head's largest variant holds 2 x 8 tokens");
 
 cudaDataType_t cuda_type(DType dtype) {
   return dtype == DType::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -368,7 +367,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
   }
   m.usable = true;
   if (kernels == HeadKernels::kBySize && hidden % 16 == 0 &&
-      small_head_smem_bytes(hidden, 4) <=
+      small_head_smem_bytes(hidden, 2) <=
           static_cast<size_t>(current_device_info().shared_memory_optin_bytes))
     m.small = m.small_head_gives_cublaslt_bits();
 }
@@ -383,7 +382,6 @@ void LtHead::Impl::set_small_head_smem_limits() const {
   };
   set(LlamaSmallHeadKernel<1>, 1);
   set(LlamaSmallHeadKernel<2>, 2);
-  set(LlamaSmallHeadKernel<4>, 4);
 }
 
 bool LtHead::Impl::pinned_algorithm(cublasLtMatmulAlgo_t& algo) {
@@ -425,7 +423,7 @@ bool LtHead::Impl::small_head_gives_cublaslt_bits() {
   // 1) plus, in each 16-wide K step j but the last of an odd count, one +2^20 (j even) or -2^20 (j odd) at
   // column 16 j + (v + j) % 16: the running sum swings by 2^20 every step, so where the rounding of each
   // partial sum falls (ulp(2^20) = 1/8, against logits of about 10 with a bf16 ulp of 1/16) shows in the
-  // result. Every variant (8, 16 and 32 tokens) runs both ways with the pinned algorithm and the model's
+  // result. Every variant (8 and 16 tokens) runs both ways with the pinned algorithm and the model's
   // logits type; one differing bit leaves the small head off.
   const int rows = std::min(kSmallHeadMaxTokens, max_tokens);
   const int weight_rows = (vocab + 63) / 64 * 64, steps = hidden / 16;
@@ -458,7 +456,7 @@ bool LtHead::Impl::small_head_gives_cublaslt_bits() {
   const size_t max_bytes = static_cast<size_t>(rows) * vocab * dtype_bytes(dtype);
   DeviceBuffer<uint8_t> theirs(max_bytes), ours(max_bytes);
   std::vector<uint8_t> host_theirs(max_bytes), host_ours(max_bytes);
-  for (int tokens : {5, 12, rows}) {
+  for (int tokens : {5, rows}) {
     if (tokens > rows)
       continue;
     GemmArgs probe;

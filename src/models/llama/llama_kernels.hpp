@@ -123,7 +123,7 @@ struct AttentionArgs {
 enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1 };
 
 /// The most tokens (GEMM rows) a small-head launch takes.
-inline constexpr int kSmallHeadMaxTokens = 32;
+inline constexpr int kSmallHeadMaxTokens = 16;
 
 /// The LM head through cuBLASLt (llama_head.cu): an RMSNorm kernel into `normed` ([tokens, k] bf16), then one
 /// matmul with an algorithm chosen at construction and pinned for every token count (batch-invariant logits);
