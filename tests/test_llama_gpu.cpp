@@ -544,6 +544,31 @@ TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
   }
 }
 
+TEST_CASE(
+    "llama forward: a model built later with smaller shapes leaves an earlier model's kernels launchable") {
+  // A kernel's dynamic shared-memory limit holds for the whole process. The first model here needs more than
+  // the default 48 KB in the narrow GEMM of its down projection (K 1024: 70 KB), the small LM head (over 140
+  // KB at any size) and attention for head_dim 128; the second one, with smaller shapes, used to set lower
+  // limits, so the first model's next forward failed to launch. Its logits must stay the same bits.
+  const Shape big{1, 256, 2, 1, 1024, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const Shape later{1, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  TinySetup setup(big);
+  LlamaModel model(setup.tiny->weights, options_of(1024, 64, 64, DType::kFloat32));
+  LlamaSequences s = reference::random_llama_sequences(std::vector<int>(6, 40), big.vocab, 1024, 64, 1.0,
+                                                       setup.rng.engine());
+  const LlamaForwardInputs in = step_inputs(
+      s, 1, [](int) { return true; }, setup.rng.engine());
+  DeviceBatch batch(in, big.vocab, DType::kFloat32, setup.stream);
+  const std::vector<uint8_t> before = run_forward(model, batch, false, setup.stream);
+  {
+    TinySetup other(later);
+    const LlamaModel smaller(other.tiny->weights, options_of(256, 64, 64, DType::kFloat32));
+  }
+  std::vector<uint8_t> after;
+  REQUIRE_NOTHROW(after = run_forward(model, batch, false, setup.stream));
+  CHECK(before == after);
+}
+
 TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);

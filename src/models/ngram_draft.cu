@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/smem_limit.hpp"
 #include "kernels/pdl.cuh"
 #include "models/forward_layout.cuh"
 #include "smcgraph/error.hpp"
@@ -124,8 +125,7 @@ void validate_ngram_draft_options(const NgramDraftOptions& o) {
 NgramDraft::NgramDraft(const NgramDraftOptions& options) : options_(options) {
   validate_ngram_draft_options(options_);
   store_ = DeviceBuffer<int32_t>(static_cast<size_t>(options_.pool_size));
-  SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(NgramProposeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(options_.max_seq_len * sizeof(int32_t))));
+  detail::raise_smem_limit(NgramProposeKernel, static_cast<size_t>(options_.max_seq_len) * sizeof(int32_t));
   Stream stream;
   clear(stream);
   stream.synchronize();

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 
+#include "kernels/smem_limit.hpp"
 #include "models/forward_layout.cuh"
 #include "smcgraph/error.hpp"
 
@@ -543,8 +544,7 @@ ToyModel::ToyModel(const ToyModelConfig& config) : config_(config) {
   for (int variant = 0; variant < 4; ++variant) {
     const void* kernel = logits_kernel(config_.logits_dtype, variant);
     const size_t shared_bytes = logits_shared_bytes(kWarps * kTokensPerThreadVariants[variant], hidden);
-    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(shared_bytes)));
+    detail::raise_smem_limit(kernel, shared_bytes);
     SMCGRAPH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm_[variant], kernel,
                                                                       kThreads, shared_bytes));
     blocks_per_sm_[variant] = std::max(1, blocks_per_sm_[variant]);

@@ -35,6 +35,7 @@
 #include <cuda_pipeline.h>
 
 #include "kernels/launch_checks.hpp"
+#include "kernels/smem_limit.hpp"
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
@@ -567,8 +568,7 @@ void prepare_attention(int head_dim) {
                                              cudaSharedmemCarveoutMaxShared));
     const size_t bytes =
         grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries) : attention_smem_bytes(head_dim);
-    SMCGRAPH_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    detail::raise_smem_limit(kernel, bytes);
   });
 }
 

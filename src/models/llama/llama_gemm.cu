@@ -23,6 +23,7 @@
 
 #include "kernels/launch_checks.hpp"
 #include "kernels/tree_sum.cuh"
+#include "kernels/smem_limit.hpp"
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
@@ -757,9 +758,7 @@ void pipelined_tile(int tokens, int n, int& bm, int& bn) {
 }
 
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
-  const size_t limit = std::min(bytes, static_cast<size_t>(max_optin_smem()));
-  SMCGRAPH_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  detail::raise_smem_limit(kernel, std::min(bytes, static_cast<size_t>(max_optin_smem())));
   // One shared-memory carveout for every kernel of the forward: no L1 / shared reconfiguration between them.
   SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));

@@ -22,6 +22,7 @@
 #include <cuda_pipeline.h>
 
 #include "kernels/launch_checks.hpp"
+#include "kernels/smem_limit.hpp"
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
@@ -374,8 +375,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
 
 void LtHead::Impl::set_small_head_smem_limits() const {
   const auto set = [&](auto kernel, int n_frags) {
-    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(small_head_smem_bytes(hidden, n_frags))));
+    detail::raise_smem_limit(kernel, small_head_smem_bytes(hidden, n_frags));
     // The forward's carveout (llama_gemm.cu): no L1 / shared reconfiguration between its kernels.
     SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                              cudaSharedmemCarveoutMaxShared));

@@ -1,0 +1,26 @@
+// The dynamic shared-memory limit of a kernel (cudaFuncAttributeMaxDynamicSharedMemorySize) belongs to the
+// kernel for the whole process, not to the model or engine that set it: a model built later with smaller
+// shapes must not lower the limit that an earlier one's launches need (they would then fail to launch).
+#pragma once
+
+#include <cstddef>
+#include <mutex>
+
+#include <cuda_runtime.h>
+
+#include "smcgraph/error.hpp"
+
+namespace smcgraph::detail {
+
+/// Raises `kernel`'s dynamic shared-memory limit to `bytes`; never lowers it (call outside capture).
+template <class Kernel> void raise_smem_limit(Kernel kernel, size_t bytes) {
+  static std::mutex mutex; // two constructors at once: the larger limit still wins
+  const std::lock_guard<std::mutex> lock(mutex);
+  cudaFuncAttributes attributes{};
+  SMCGRAPH_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  if (static_cast<size_t>(attributes.maxDynamicSharedSizeBytes) < bytes)
+    SMCGRAPH_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+} // namespace smcgraph::detail
