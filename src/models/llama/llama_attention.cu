@@ -560,15 +560,10 @@ template <class F> void for_each_attention_kernel(F&& f) {
 void prepare_attention(int head_dim) {
   require(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= kLlamaMaxHeadDim, "llama::prepare_attention",
           "head_dim", head_dim, "must be a multiple of 8 in [8, 128]");
-  SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(LlamaEmbedKernel),
-                                           cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared));
+  detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaEmbedKernel), 0);
   for_each_attention_kernel([&](const void* kernel, bool grouped) {
-    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             cudaSharedmemCarveoutMaxShared));
-    const size_t bytes =
-        grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries) : attention_smem_bytes(head_dim);
-    detail::raise_smem_limit(kernel, bytes);
+    detail::prepare_forward_kernel(kernel, grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries)
+                                                   : attention_smem_bytes(head_dim));
   });
 }
 

@@ -758,10 +758,7 @@ void pipelined_tile(int tokens, int n, int& bm, int& bn) {
 }
 
 template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
-  detail::raise_smem_limit(kernel, std::min(bytes, static_cast<size_t>(max_optin_smem())));
-  // One shared-memory carveout for every kernel of the forward: no L1 / shared reconfiguration between them.
-  SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared));
+  detail::prepare_forward_kernel(kernel, std::min(bytes, static_cast<size_t>(max_optin_smem())));
 }
 
 template <int EPILOGUE> void set_smem_limits(int max_k) {

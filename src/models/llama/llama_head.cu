@@ -374,14 +374,8 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
 }
 
 void LtHead::Impl::set_small_head_smem_limits() const {
-  const auto set = [&](auto kernel, int n_frags) {
-    detail::raise_smem_limit(kernel, small_head_smem_bytes(hidden, n_frags));
-    // The forward's carveout (llama_gemm.cu): no L1 / shared reconfiguration between its kernels.
-    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             cudaSharedmemCarveoutMaxShared));
-  };
-  set(LlamaSmallHeadKernel<1>, 1);
-  set(LlamaSmallHeadKernel<2>, 2);
+  detail::prepare_forward_kernel(LlamaSmallHeadKernel<1>, small_head_smem_bytes(hidden, 1));
+  detail::prepare_forward_kernel(LlamaSmallHeadKernel<2>, small_head_smem_bytes(hidden, 2));
 }
 
 bool LtHead::Impl::pinned_algorithm(cublasLtMatmulAlgo_t& algo) {
