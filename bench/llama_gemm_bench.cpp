@@ -129,20 +129,29 @@ std::vector<int> parse_tokens(const std::string& flag, const std::string& text) 
   return counts;
 }
 
+/// Copies of `w` ([count] bf16) that together exceed `cold_bytes` (at least 2): one launch per copy reads its
+/// weights from HBM, as each layer of a real forward does.
+std::vector<DeviceBuffer<uint16_t>> cold_copies(const DeviceBuffer<uint16_t>& w, size_t count,
+                                                size_t cold_bytes, cudaStream_t stream) {
+  const size_t copies = std::max<size_t>(2, (cold_bytes + 2 * count - 1) / (2 * count));
+  std::vector<DeviceBuffer<uint16_t>> cold;
+  for (size_t c = 0; c < copies; ++c) {
+    cold.emplace_back(count);
+    SMCGRAPH_CUDA_CHECK(
+        cudaMemcpyAsync(cold.back().data(), w.data(), 2 * count, cudaMemcpyDeviceToDevice, stream));
+  }
+  return cold;
+}
+
 /// The LM head's two paths (LtHead by size: the small head up to its token limit; LtHead with cuBLASLt
 /// only: the norm kernel and the matmul), checked for equal bits, then timed cold. False when they differ.
 bool time_lm_head(const std::vector<int>& token_counts, double copy_gbs, double node_us, size_t cold_bytes,
                   std::mt19937_64& rng, cudaStream_t stream, bench::Csv& csv) {
   constexpr int kVocab = 49152, kHidden = 576;
   const size_t w_count = static_cast<size_t>(kVocab) * kHidden;
-  const int copies = static_cast<int>(std::max<size_t>(2, (cold_bytes + 2 * w_count - 1) / (2 * w_count)));
-  std::vector<DeviceBuffer<uint16_t>> cold_w;
-  cold_w.push_back(random_bf16(w_count, 0.05f, rng, stream));
-  for (int c = 1; c < copies; ++c) {
-    cold_w.emplace_back(w_count);
-    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(cold_w.back().data(), cold_w[0].data(), 2 * w_count,
-                                        cudaMemcpyDeviceToDevice, stream));
-  }
+  const DeviceBuffer<uint16_t> w = random_bf16(w_count, 0.05f, rng, stream);
+  const std::vector<DeviceBuffer<uint16_t>> cold_w = cold_copies(w, w_count, cold_bytes, stream);
+  const int copies = static_cast<int>(cold_w.size());
   const int max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
   llama::LtHead by_size(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kBySize);
   llama::LtHead lt_only(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kCublasLt);
@@ -245,13 +254,8 @@ int run(const std::vector<int>& token_counts, const std::string& csv_path) {
     const size_t w_count = static_cast<size_t>(shape.n) * shape.k;
     const DeviceBuffer<uint16_t> w = random_bf16(w_count, 0.05f, rng, stream);
     // Copies of W for the cold timing: one launch per copy, together over 4x the L2.
-    const int copies = static_cast<int>(std::max<size_t>(2, (cold_bytes + 2 * w_count - 1) / (2 * w_count)));
-    std::vector<DeviceBuffer<uint16_t>> cold_w;
-    for (int c = 0; c < copies; ++c) {
-      cold_w.emplace_back(w_count);
-      SMCGRAPH_CUDA_CHECK(
-          cudaMemcpyAsync(cold_w.back().data(), w.data(), 2 * w_count, cudaMemcpyDeviceToDevice, stream));
-    }
+    const std::vector<DeviceBuffer<uint16_t>> cold_w = cold_copies(w, w_count, cold_bytes, stream);
+    const int copies = static_cast<int>(cold_w.size());
     for (const int tokens : token_counts) {
       const size_t outputs = static_cast<size_t>(tokens) * shape.n;
       const DeviceBuffer<uint16_t> a = random_bf16(static_cast<size_t>(tokens) * shape.k, 1.0f, rng, stream);
