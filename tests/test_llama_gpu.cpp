@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -419,16 +420,27 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
-/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_GEMM_TILES) set for a scope (unset again on
-/// every way out, a throw included), so no later test in the process inherits it.
+/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_GEMM_TILES, SMCGRAPH_LM_HEAD) set for a
+/// scope and restored on every way out, a throw included: no later test in the process inherits it, and a
+/// value the harness set (gpu_main.cpp: SMCGRAPH_LM_HEAD=own_gemm under initcheck) comes back.
 struct ScopedEnv {
-  ScopedEnv(const char* name, const char* value) : name_(name) { REQUIRE(setenv(name, value, 1) == 0); }
-  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name))
+      old_ = old;
+    REQUIRE(setenv(name, value, 1) == 0);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
   ScopedEnv(const ScopedEnv&) = delete;
   ScopedEnv& operator=(const ScopedEnv&) = delete;
 
 private:
   const char* name_;
+  std::optional<std::string> old_;
 };
 
 /// Two models of `shape`, built with the environment variable `name` set to `first` and to `second` (read by
@@ -514,7 +526,8 @@ TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
   // SMCGRAPH_LM_HEAD=cublaslt, fed the same forwards (decodes of 6 rows: 8-token variant; 2 tokens a row: 16;
   // 5, 9 and 270: cuBLASLt in both; padding rows; graphs), give the same logits bits, fp32 and bf16.
   // Shapes: hidden 192 with a vocabulary of 300 (the last block's rows past it), 96 and 256.
-  if (const char* off = std::getenv("SMCGRAPH_DISABLE_CUBLASLT_HEAD"); off != nullptr && *off == '1') {
+  if (const char* head = std::getenv("SMCGRAPH_LM_HEAD");
+      head != nullptr && std::string(head) == "own_gemm") {
     const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
     TinySetup setup(shape);
     const LlamaModel model(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32));

@@ -179,7 +179,7 @@ public:
   /// The LM head's kernels for `tokens` head rows (rows x tokens_per_row, or rows with last_token_logits):
   /// "small" (one own kernel with cuBLASLt's bits, up to 16 rows), "cublaslt" (a norm kernel and cuBLASLt's
   /// matmul) or "own_gemm" (the own GEMM, where cuBLASLt is off or offers no algorithm).
-  /// SMCGRAPH_LM_HEAD=cublaslt (read at construction) turns the small head off.
+  /// SMCGRAPH_LM_HEAD=cublaslt (read at construction) turns the small head off, own_gemm both.
   const char* lm_head_kernel(int tokens) const;
   /// Bytes one forward must read at least: the weights of the layers run plus the LM head.
   size_t weight_bytes_per_forward() const;

@@ -44,14 +44,14 @@ int main(int argc, char** argv) {
   // initcheck does not see the stores of cuBLASLt's matmul kernel (the Llama LM head, llama_head.cu): it
   // reported 221,184 "uninitialized" device-to-host copies of logits rows that the matmul had written and the
   // test then found equal to greedy target-only decoding (2026-11-26, H100). Under initcheck the LM head
-  // therefore runs the own GEMM (SMCGRAPH_DISABLE_CUBLASLT_HEAD=1); memcheck, synccheck and plain runs check
+  // therefore runs the own GEMM (SMCGRAPH_LM_HEAD=own_gemm); memcheck, synccheck and plain runs check
   // the cuBLASLt head.
   if (const char* tool = std::getenv("SMCGRAPH_SANITIZER_TOOL")) {
     setenv("SMCGRAPH_DISABLE_CONDITIONAL", "1", 0);
     if (std::strcmp(tool, "racecheck") == 0)
       setenv("SMCGRAPH_DISABLE_PDL", "1", 0);
     if (std::strcmp(tool, "initcheck") == 0)
-      setenv("SMCGRAPH_DISABLE_CUBLASLT_HEAD", "1", 0);
+      setenv("SMCGRAPH_LM_HEAD", "own_gemm", 0);
   }
   doctest::Context context(argc, argv);
   return context.run();

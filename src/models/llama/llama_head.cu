@@ -337,8 +337,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
   m.hidden = hidden;
   m.max_tokens = max_tokens;
   m.dtype = logits_dtype;
-  const char* off = std::getenv("SMCGRAPH_DISABLE_CUBLASLT_HEAD");
-  if (off != nullptr && std::strcmp(off, "1") == 0) // off: run() declines, the own GEMM serves
+  if (kernels == HeadKernels::kOwnGemm) // run() declines, the own GEMM serves
     return;
   if (hidden % 4 != 0 || hidden > kLlamaMaxHidden ||
       (logits_dtype != DType::kFloat32 && logits_dtype != DType::kBFloat16)) // not served

@@ -117,10 +117,11 @@ struct AttentionArgs {
   AttentionGrouping grouping = AttentionGrouping::kBySize;
 };
 
-/// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, cublaslt). by_size:
-/// forwards of up to kSmallHeadMaxTokens tokens take the small head (one kernel, the same bits as cuBLASLt's
-/// matmul: llama_head.cu), larger ones the norm kernel and cuBLASLt; cublaslt: the latter at every size.
-enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1 };
+/// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, cublaslt, own_gemm).
+/// by_size: forwards of up to kSmallHeadMaxTokens tokens take the small head (one kernel, the same bits as
+/// cuBLASLt's matmul: llama_head.cu), larger ones the norm kernel and cuBLASLt; cublaslt: the latter at every
+/// size; own_gemm: LtHead serves nothing and the forward runs gemm(kLogits).
+enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1, kOwnGemm = 2 };
 
 /// The most tokens (GEMM rows) a small-head launch takes.
 inline constexpr int kSmallHeadMaxTokens = 16;
@@ -133,7 +134,7 @@ inline constexpr int kSmallHeadMaxTokens = 16;
 /// (llama_head.cu) and leaves it off where a bit differs. run()'s weights: [round_up(vocab, 64), hidden]
 /// bf16. run() returns false, doing nothing, where it does not serve the call (no usable algorithm, a logits
 /// layout with more than one token a row and a row stride, another dtype); the caller then runs
-/// gemm(kLogits). SMCGRAPH_DISABLE_CUBLASLT_HEAD=1 turns it off. It writes the logits of every row, padding
+/// gemm(kLogits); so does HeadKernels::kOwnGemm. It writes the logits of every row, padding
 /// rows included.
 class LtHead {
 public:

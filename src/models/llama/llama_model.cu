@@ -172,7 +172,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
                                                                     {"pipelined", GemmTiles::kPipelined}});
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
-                                                               {"cublaslt", llama::HeadKernels::kCublasLt}});
+                                                               {"cublaslt", llama::HeadKernels::kCublasLt},
+                                                               {"own_gemm", llama::HeadKernels::kOwnGemm}});
   w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype,
                                            head_kernels);
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
