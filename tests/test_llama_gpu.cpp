@@ -420,8 +420,8 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
-/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_GEMM_TILES, SMCGRAPH_LM_HEAD) set for a
-/// scope and restored on every way out, a throw included: no later test in the process inherits it, and a
+/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_GEMM_TILES, SMCGRAPH_LM_HEAD, ...) set for
+/// a scope and restored on every way out, a throw included: no later test in the process inherits it, and a
 /// value the harness set (gpu_main.cpp: SMCGRAPH_LM_HEAD=own_gemm under initcheck) comes back.
 struct ScopedEnv {
   ScopedEnv(const char* name, const char* value) : name_(name) {
@@ -518,6 +518,27 @@ TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tile
   }
 }
 
+TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits") {
+  // A narrow GEMM block (up to 384 tokens) runs a warp per K slice, whose two partial accumulators take the
+  // slice's even and odd tiles, or (by default) a warp per partial accumulator: the same chains summed in the
+  // same order (llama_gemm.cu), so two models forced each way (SMCGRAPH_GEMM_NARROW_WARPS: 4, 8), fed the
+  // same forwards (decodes of 6 rows; verify blocks of 30 and 54 tokens: paired gate/up columns; padding
+  // rows; graphs), give the same logits bits. Shapes: hidden 192, 96 (6 K tiles: the fourth slice is empty;
+  // down K 160: 10 tiles, so the last slice has one and its odd partial stays zero) and 256 with head_dim
+  // 128; fp32 and bf16 logits.
+  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {2, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
+      const int logits_dtype = static_cast<int>(logits);
+      CAPTURE(logits_dtype);
+      check_same_logits_when_forced(shape, "SMCGRAPH_GEMM_NARROW_WARPS", "4", "8", logits);
+    }
+  }
+}
+
 TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
   // Forwards of up to 16 head rows take the small head (llama_head.cu: one kernel that normalises its rows
   // and chains one m16n8k16 MMA per 16 of K, the order of the pinned cuBLASLt matmul), larger ones the norm
@@ -585,7 +606,8 @@ TEST_CASE(
 TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
-  for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_LM_HEAD"}) {
+  for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
+                           "SMCGRAPH_LM_HEAD"}) {
     CAPTURE(name);
     const ScopedEnv scoped(name, "sideways");
     const std::string expected = std::string(name) + " = 'sideways'";

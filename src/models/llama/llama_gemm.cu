@@ -41,6 +41,24 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+/// The slices of K that every tiling sums in order (((s0 + s1) + s2) + s3): one a warp in the 4-warp narrow
+/// and wide kernels and in the pipelined kernel's K loop.
+constexpr int kKSlices = 4;
+/// Warps of a narrow block (LlamaGemmKernel with one column warp): 8 give each of a slice's two partial
+/// accumulators its own warp (the same tiles in the same order as one warp's two chains, so the same bits),
+/// which halves the tensor-core chain and the instructions each warp issues; 4 keep one warp a slice.
+/// GemmArgs::narrow_warps picks (LlamaModel: SMCGRAPH_GEMM_NARROW_WARPS, for tests and A/B runs); by size
+/// (the default), launches of up to kNarrowSplitMaxTokens tokens take 8 warps (not the paired gate/up
+/// blocks of 17+ tokens), larger ones 4.
+constexpr int kNarrowSplitWarps = 2 * kKSlices;
+/// H100, SmolLM2, graph us per cycle, one call, second of two rounds (4 warps / 8 warps up to 16 tokens / 8
+/// warps up to 48 tokens / 8 warps always): no draft at 1 / 8 / 64 requests 451.6 / 473.7 / 917.4 -> 434.4
+/// / 453.1 / 917.6 -> 434.9 / 453.0 / 919.1 -> 433.0 / 453.1 / 926.1; speculative K = 1 at 1 / 8 / 64
+/// 875.5 / 1,012.2 / 2,268.7 -> 840.7 / 914.1 / 2,272.0 -> 840.7 / 913.5 / 2,267.0 -> 840.4 / 913.7 /
+/// 2,274.1; K = 4 at 8 / 64 2,474.3 / 6,139.5 -> 2,398.9 / 6,124.0 -> 2,390.1 / 6,127.8 -> 2,428.1 /
+/// 6,175.9; SMC N 8 K 4 at 1 / 8 2,607.5 / 6,197.1 -> 2,530.8 / 6,201.3 -> 2,572.5 / 6,203.2 -> 2,590.5 /
+/// 6,305.6. The decode forward alone at 8 rows: 451.9 -> 431.6 us.
+constexpr int kNarrowSplitMaxTokens = 16;
 constexpr int kRowPad = 8; // bf16 elements of padding per staged A row (bank spread, keeps 32-byte alignment)
 /// float4s of an RMSNorm row each lane holds in registers: rows up to 32 * 4 * kNormVec = 1024 wide.
 constexpr int kNormVec = 8;
@@ -54,6 +72,7 @@ constexpr int kNarrowMaxTokens = 384;
 /// 509-512, two 488-496 / 499-500, four 493-498 / 504-505.
 constexpr int kPartials = 2;
 static_assert(kPartials == 1 || kPartials == 2 || kPartials == 4, "1, 2 or 4 partial accumulators");
+static_assert(kWarps == kKSlices, "the 4-warp kernels give each K slice one warp");
 
 /// Rows a warp normalises at once (a block has at least 16 rows, 4 a warp).
 constexpr int kNormRows = 2;
@@ -69,12 +88,13 @@ static_assert(kMaxNormK == kLlamaMaxHidden,
 /// tokens, cold.) Up to 16 tokens the single-fragment blocks stay (decode: more blocks stream the weights).
 constexpr int kPairedColumnsMinTokens = 17;
 
-/// Shared memory of a variant: the A rows, the fp32 tile (one per K slice in the narrow shape) and, when
-/// `stage_w`, the block's weight rows (16 a column fragment; narrow shape only).
-size_t smem_bytes(int m_frags, bool wide, int k, bool stage_w, int n_frags = 1) {
+/// Shared memory of a variant: the A rows, the fp32 tile (one per warp in the narrow shape: a K slice, or a
+/// slice's partial with 8 warps) and, when `stage_w`, the block's weight rows (16 a column fragment; narrow
+/// shape only).
+size_t smem_bytes(int m_frags, bool wide, int k, bool stage_w, int n_frags = 1, int warps = kWarps) {
   const int n_warps = wide ? 4 : 1, block_columns = 16 * n_warps * n_frags;
   return static_cast<size_t>(16 * m_frags) * (k + kRowPad) * sizeof(uint16_t) +
-         static_cast<size_t>(kWarps / n_warps) * (16 * m_frags) * block_columns * sizeof(float) +
+         static_cast<size_t>(wide ? 1 : warps) * (16 * m_frags) * block_columns * sizeof(float) +
          (stage_w ? static_cast<size_t>(block_columns) * (k + kRowPad) * sizeof(uint16_t) : 0);
 }
 
@@ -116,16 +136,25 @@ __device__ __forceinline__ void store_qkv(const GemmArgs& a, int t, int col, uin
   }
 }
 
-template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS>
-__global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bool stage_w) {
+template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS, int WARPS = kWarps>
+__global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, bool stage_w) {
   static_assert(N_FRAGS == 1 || N_WARPS == 1, "several column fragments a warp in the narrow shape only");
-  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS, K_SPLIT = kWarps / N_WARPS;
+  static_assert(WARPS == kWarps || (N_WARPS == 1 && WARPS == kNarrowSplitWarps),
+                "4 warps, or 8 in the narrow shape (a warp per partial accumulator)");
+  // One warp per partial accumulator of a K slice (narrow, 8 warps): warp w runs partial w % 2 of slice w
+  // / 2.
+  constexpr bool kSplitPartials = WARPS == kNarrowSplitWarps;
+  static_assert(!kSplitPartials || kPartials == 2, "a warp per partial needs the two-partial order");
+  constexpr int THREADS = 32 * WARPS;
+  // fp32 tiles in shared memory: the narrow shape's one a warp, the wide shape's one.
+  constexpr int STAGES = N_WARPS == 1 ? WARPS : 1;
+  constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS;
   extern __shared__ __align__(128) unsigned char smem[];
   const int K = a.k, N = a.n, T = a.tokens;
   const int lda = K + kRowPad;
   __nv_bfloat16* a_tile = reinterpret_cast<__nv_bfloat16*>(smem);
   float* stage = reinterpret_cast<float*>(smem + static_cast<size_t>(BM) * lda * sizeof(uint16_t));
-  __nv_bfloat16* w_tile = reinterpret_cast<__nv_bfloat16*>(stage + static_cast<size_t>(K_SPLIT) * BM * BN);
+  __nv_bfloat16* w_tile = reinterpret_cast<__nv_bfloat16*>(stage + static_cast<size_t>(STAGES) * BM * BN);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -134,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   if (N_WARPS == 1 && stage_w) {
     const int vectors_per_row = K / 8;
     const uint16_t* w_rows = a.weight + static_cast<size_t>(n0) * K;
-    for (int v = threadIdx.x; v < BN * vectors_per_row; v += kThreads) {
+    for (int v = threadIdx.x; v < BN * vectors_per_row; v += THREADS) {
       const int row = v / vectors_per_row, column = (v % vectors_per_row) * 8;
       __pipeline_memcpy_async(w_tile + static_cast<size_t>(row) * lda + column,
                               w_rows + static_cast<size_t>(row) * K + column, 16);
@@ -169,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   constexpr bool kRopeTable = kQkv && M_FRAGS == 1 && N_WARPS == 1 && N_FRAGS == 1;
   __shared__ float2 rope_table[kRopeTable ? BM * BN / 2 : 1];
   if constexpr (kRopeTable) {
-    static_assert(BM * BN / 2 <= kThreads, "one rotation a thread");
+    static_assert(BM * BN / 2 <= THREADS, "one rotation a thread");
     const int m = threadIdx.x / (BN / 2), col = n0 + 2 * (threadIdx.x % (BN / 2)), t = m0 + m;
     if (threadIdx.x < BM * BN / 2 && t < T && col < a.q_dim + a.kv_dim) {
       const int d = (col < a.q_dim ? col : col - a.q_dim) % a.head_dim;
@@ -181,8 +210,8 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   }
   // The residual tile of the epilogue (narrow shape), where the caller vouches that the predecessor kernel
   // does not write it (GemmArgs::residual_ready_before_wait): its load latency leaves the critical path too.
-  constexpr int kEpiloguePerThread = BM * BN / kThreads;
-  static_assert(BM * BN % kThreads == 0, "the epilogue gives every thread the same number of elements");
+  constexpr int kEpiloguePerThread = BM * BN / THREADS;
+  static_assert(BM * BN % THREADS == 0, "the epilogue gives every thread the same number of elements");
   constexpr bool kPrefetchResidual = EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd) && N_WARPS == 1;
   float residual_early[kPrefetchResidual ? kEpiloguePerThread : 1];
   const bool residual_prefetched = kPrefetchResidual && a.residual_ready_before_wait;
@@ -190,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
     if (residual_prefetched) {
 #pragma unroll
       for (int i = 0; i < kEpiloguePerThread; ++i) {
-        const int e = threadIdx.x + i * kThreads, t = m0 + e / BN;
+        const int e = threadIdx.x + i * THREADS, t = m0 + e / BN;
         residual_early[i] = t < T ? a.residual[static_cast<size_t>(t) * N + n0 + e % BN] : 0.0f;
       }
     }
@@ -220,19 +249,19 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
           dst[lane + 32 * i] = make_uint2(0u, 0u);
     };
     // kNormRows rows a warp at a time: their loads are in flight together.
-    for (int m_first = warp; m_first < BM; m_first += kNormRows * kWarps) {
+    for (int m_first = warp; m_first < BM; m_first += kNormRows * WARPS) {
       // Padding rows (past T) are zeros and need no loads or reductions: at a decode's 1-8 tokens most of
       // the block's 16 rows are padding, and skipping them took 1.2 us off each layer (QKV and gate/up).
       if (m0 + m_first >= T) { // every row of this pass is padding (its rows go up from m_first)
 #pragma unroll
         for (int r = 0; r < kNormRows; ++r)
-          zero_row(m_first + r * kWarps);
+          zero_row(m_first + r * WARPS);
         continue;
       }
       float4 v[kNormRows][kNormVec];
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
-        const int t = m0 + m_first + r * kWarps;
+        const int t = m0 + m_first + r * WARPS;
         const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<int64_t>(t) * x_stride);
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i)
@@ -240,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       }
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
-        const int m = m_first + r * kWarps, t = m0 + m;
+        const int m = m_first + r * WARPS, t = m0 + m;
         float sum_squares = 0.0f;
 #pragma unroll
         for (int i = 0; i < kNormVec; ++i)
@@ -259,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   } else {
     // Copied straight into shared memory (cp.async): all of the block's loads are in flight at once.
     const int vectors_per_row = K / 8;
-    for (int v = threadIdx.x; v < BM * vectors_per_row; v += kThreads) {
+    for (int v = threadIdx.x; v < BM * vectors_per_row; v += THREADS) {
       const int m = v / vectors_per_row, column = (v % vectors_per_row) * 8, t = m0 + m;
       __nv_bfloat16* dst = a_tile + static_cast<size_t>(m) * lda + column;
       if (t < T)
@@ -272,14 +301,14 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   __pipeline_wait_prior(0);
   __syncthreads();
 
-  // Tensor-core main loop. K is cut into kWarps slices of whole 16-wide tiles; each slice is accumulated from
-  // zero and the slices are added in order (((s0 + s1) + s2) + s3), in both shapes: a row's result then
+  // Tensor-core main loop. K is cut into kKSlices slices of whole 16-wide tiles; each slice is accumulated
+  // from zero and the slices are added in order (((s0 + s1) + s2) + s3), in both shapes: a row's result then
   // depends on its own inputs only, not on T or the variant (batch invariance: a token's logits are the same
   // in a 1-token decode and in a K + 1-token verify, so greedy speculative decoding reproduces greedy
   // decoding). Narrow: warp w computes slice w of columns n0 .. n0 + BN - 1 (one or two column fragments,
   // each summed exactly as alone). Wide: warp w computes every slice of columns n0 + 16 w .. n0 + 16 w + 15.
   const int k_tiles = K / 16;
-  const int tiles_per_slice = (k_tiles + kWarps - 1) / kWarps;
+  const int tiles_per_slice = (k_tiles + kKSlices - 1) / kKSlices;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> total[M_FRAGS][N_FRAGS];
   const int wn = N_WARPS == 1 ? 0 : warp;
   const bool w_in_smem = N_WARPS == 1 && stage_w;
@@ -287,79 +316,125 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
       w_in_smem ? w_tile
                 : reinterpret_cast<const __nv_bfloat16*>(a.weight) + static_cast<size_t>(n0 + wn * 16) * K;
   const int ldw = w_in_smem ? lda : K;
-  const int first_slice = N_WARPS == 1 ? warp : 0, last_slice = N_WARPS == 1 ? warp + 1 : kWarps;
-  for (int slice = first_slice; slice < last_slice; ++slice) {
+  if constexpr (kSplitPartials) {
+    // Warp w: partial w % 2 of slice w / 2, i.e. the slice's tiles w % 2, w % 2 + 2, ... chained into one
+    // accumulator from zero, in order: exactly the chain that partial keeps in the 4-warp loop below.
+    const int slice = warp / 2, part = warp % 2;
     const int k_begin = slice * tiles_per_slice * 16;
     const int k_end = min(K, k_begin + tiles_per_slice * 16);
-    // kPartials independent accumulators per row fragment (tile j of the slice goes to partial j %
-    // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
-    // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
-    // invariance).
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS][N_FRAGS][kPartials];
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
       for (int c = 0; c < N_FRAGS; ++c)
-#pragma unroll
-        for (int p = 0; p < kPartials; ++p)
-          wmma::fill_fragment(acc[f][c][p], 0.0f);
-    // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
-    constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
-    static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
-    int kk = k_begin;
-    // Tile u of the load group at kk: its W fragments (one a column fragment), then every row fragment's MMAs
-    // with them into partial u % kPartials.
+        wmma::fill_fragment(total[f][c], 0.0f);
     using WTile = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>[N_FRAGS];
-    const auto load_w = [&](WTile& b, int u) {
+    const auto load_w = [&](WTile& b, int k) {
 #pragma unroll
       for (int c = 0; c < N_FRAGS; ++c)
-        wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
+        wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + k, ldw);
     };
-    const auto mma_tile = [&](const WTile& b, int u) {
+    const auto mma_tile = [&](const WTile& b, int k) {
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
-        wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
+        wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + k, lda);
 #pragma unroll
         for (int c = 0; c < N_FRAGS; ++c)
-          wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c], acc[f][c][u % kPartials]);
+          wmma::mma_sync(total[f][c], a_frag, b[c], total[f][c]);
       }
     };
-    for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
+    constexpr int kLoadsInFlight = 4; // this warp's next tiles, 32 apart in K
+    int k = k_begin + 16 * part;
+    for (; k + 32 * (kLoadsInFlight - 1) < k_end; k += 32 * kLoadsInFlight) {
       WTile b[kLoadsInFlight];
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u)
-        load_w(b[u], u);
+        load_w(b[u], k + 32 * u);
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u)
-        mma_tile(b[u], u);
+        mma_tile(b[u], k + 32 * u);
     }
-    // The last tiles (fewer than a load group; the group's first goes to partial 0).
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight - 1; ++u) {
-      if (kk + 16 * u < k_end) {
-        WTile b;
-        load_w(b, u);
-        mma_tile(b, u);
-      }
+    for (; k < k_end; k += 32) {
+      WTile b;
+      load_w(b, k);
+      mma_tile(b, k);
     }
+  } else {
+    const int first_slice = N_WARPS == 1 ? warp : 0, last_slice = N_WARPS == 1 ? warp + 1 : kKSlices;
+    for (int slice = first_slice; slice < last_slice; ++slice) {
+      const int k_begin = slice * tiles_per_slice * 16;
+      const int k_end = min(K, k_begin + tiles_per_slice * 16);
+      // kPartials independent accumulators per row fragment (tile j of the slice goes to partial j %
+      // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
+      // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
+      // invariance).
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS][N_FRAGS][kPartials];
 #pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f) {
+      for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
-      for (int c = 0; c < N_FRAGS; ++c) {
-#pragma unroll
-        for (int i = 0; i < acc[f][c][0].num_elements; ++i) {
-          float partial[kPartials];
+        for (int c = 0; c < N_FRAGS; ++c)
 #pragma unroll
           for (int p = 0; p < kPartials; ++p)
-            partial[p] = acc[f][c][p].x[i];
-          const float slice_sum = device::tree_sum(partial);
-          total[f][c].x[i] = slice == first_slice ? slice_sum : total[f][c].x[i] + slice_sum;
+            wmma::fill_fragment(acc[f][c][p], 0.0f);
+      // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
+      constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
+      static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
+      int kk = k_begin;
+      // Tile u of the load group at kk: its W fragments (one a column fragment), then every row fragment's
+      // MMAs with them into partial u % kPartials.
+      using WTile = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>[N_FRAGS];
+      const auto load_w = [&](WTile& b, int u) {
+#pragma unroll
+        for (int c = 0; c < N_FRAGS; ++c)
+          wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
+      };
+      const auto mma_tile = [&](const WTile& b, int u) {
+#pragma unroll
+        for (int f = 0; f < M_FRAGS; ++f) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
+          wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
+#pragma unroll
+          for (int c = 0; c < N_FRAGS; ++c)
+            wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c], acc[f][c][u % kPartials]);
+        }
+      };
+      for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
+        WTile b[kLoadsInFlight];
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          load_w(b[u], u);
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight; ++u)
+          mma_tile(b[u], u);
+      }
+      // The last tiles (fewer than a load group; the group's first goes to partial 0).
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight - 1; ++u) {
+        if (kk + 16 * u < k_end) {
+          WTile b;
+          load_w(b, u);
+          mma_tile(b, u);
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < M_FRAGS; ++f) {
+#pragma unroll
+        for (int c = 0; c < N_FRAGS; ++c) {
+#pragma unroll
+          for (int i = 0; i < acc[f][c][0].num_elements; ++i) {
+            float partial[kPartials];
+#pragma unroll
+            for (int p = 0; p < kPartials; ++p)
+              partial[p] = acc[f][c][p].x[i];
+            const float slice_sum = device::tree_sum(partial);
+            total[f][c].x[i] = slice == first_slice ? slice_sum : total[f][c].x[i] + slice_sum;
+          }
         }
       }
     }
   }
-  // Narrow: slice w lands in stage[w]; wide: the finished columns of warp w land in stage[0].
+  // Narrow: slice w (or, with 8 warps, partial w % 2 of slice w / 2) lands in stage[w]; wide: the finished
+  // columns of warp w land in stage[0].
   const int stage_index = N_WARPS == 1 ? warp : 0;
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f)
@@ -371,18 +446,28 @@ __global__ void __launch_bounds__(kThreads) LlamaGemmKernel(const GemmArgs a, bo
   __syncthreads();
   // An element of the finished tile: the K slices' sums added in slice order (((s0 + s1) + s2) + s3), read
   // where the epilogue needs them (no second pass and barrier over the tile).
+  // With a warp per partial, a slice's sum is its two partials' tiles added first (p0 + p1, as tree_sum adds
+  // them in the 4-warp loop).
   const auto tile_value = [&](int e) {
-    float sum = stage[e];
+    if constexpr (kSplitPartials) {
+      float sum = stage[e] + stage[BM * BN + e];
 #pragma unroll
-    for (int s = 1; s < K_SPLIT; ++s)
-      sum += stage[s * BM * BN + e];
-    return sum;
+      for (int s = 1; s < kKSlices; ++s)
+        sum += stage[(2 * s) * BM * BN + e] + stage[(2 * s + 1) * BM * BN + e];
+      return sum;
+    } else {
+      float sum = stage[e];
+#pragma unroll
+      for (int s = 1; s < STAGES; ++s)
+        sum += stage[s * BM * BN + e];
+      return sum;
+    }
   };
 
   // Epilogue over the finished [BM, BN] tile (unrolled only where the prefetched residual sits in registers).
 #pragma unroll(kPrefetchResidual ? kEpiloguePerThread : 1)
   for (int i = 0; i < kEpiloguePerThread; ++i) {
-    const int e = threadIdx.x + i * kThreads;
+    const int e = threadIdx.x + i * THREADS;
     const int m = e / BN, n = e % BN, t = m0 + m, col = n0 + n;
     if (t >= T)
       continue;
@@ -598,7 +683,7 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
   clear(partial0);
   clear(partial1);
   clear(total);
-  constexpr int kSlices = kWarps; // the narrow kernel's K split: one slice a warp
+  constexpr int kSlices = kKSlices; // the narrow kernel's K split
   const int tiles_per_slice = (k_tiles + kSlices - 1) / kSlices;
   int slice = 0, in_slice = 0;
   // Lane addresses of ldmatrix: A rows lane % 16 at column (lane / 16) * 8; W rows (lane % 8) + (lane / 16) *
@@ -696,27 +781,31 @@ int max_optin_smem() {
   return current_device_info().shared_memory_optin_bytes - kStaticSmemBytes;
 }
 
-template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS = 1>
+template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS = 1, int WARPS = kWarps>
 void launch_variant(const GemmArgs& a, cudaStream_t stream) {
   constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS;
   const bool wide = N_WARPS == 4;
   const bool stage_w =
-      !wide && smem_bytes(M_FRAGS, false, a.k, true, N_FRAGS) <= static_cast<size_t>(max_optin_smem());
+      !wide && smem_bytes(M_FRAGS, false, a.k, true, N_FRAGS, WARPS) <= static_cast<size_t>(max_optin_smem());
   const dim3 grid(static_cast<unsigned>(a.n / BN), static_cast<unsigned>(detail::ceil_div(a.tokens, BM)));
-  launch_pdl(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS, N_FRAGS>, grid, dim3(kThreads),
-             smem_bytes(M_FRAGS, wide, a.k, stage_w, N_FRAGS), stream, a, stage_w);
+  launch_pdl(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS, N_FRAGS, WARPS>, grid, dim3(32 * WARPS),
+             smem_bytes(M_FRAGS, wide, a.k, stage_w, N_FRAGS, WARPS), stream, a, stage_w);
 }
 
 /// Narrow tiles (one row fragment, one column warp with one column fragment, or two for `paired`); wide ones
 /// (four column warps) with `m_frags` row fragments.
 template <int EPILOGUE>
 void launch_epilogue(int m_frags, bool wide, bool paired, const GemmArgs& a, cudaStream_t stream) {
+  const bool split = a.narrow_warps == kNarrowSplitWarps ||
+                     (a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens && !paired);
   if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
     if (!wide && paired)
-      return launch_variant<EPILOGUE, 1, 1, 2>(a, stream);
+      return split ? launch_variant<EPILOGUE, 1, 1, 2, kNarrowSplitWarps>(a, stream)
+                   : launch_variant<EPILOGUE, 1, 1, 2>(a, stream);
   }
   if (!wide)
-    return launch_variant<EPILOGUE, 1, 1>(a, stream);
+    return split ? launch_variant<EPILOGUE, 1, 1, 1, kNarrowSplitWarps>(a, stream)
+                 : launch_variant<EPILOGUE, 1, 1>(a, stream);
   switch (m_frags) {
   case 1:
     return launch_variant<EPILOGUE, 1, 4>(a, stream);
@@ -763,8 +852,13 @@ template <class Kernel> void set_smem_limit(Kernel kernel, size_t bytes) {
 
 template <int EPILOGUE> void set_smem_limits(int max_k) {
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1, 1>, smem_bytes(1, false, max_k, true));
-  if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu))
+  set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1, 1, kNarrowSplitWarps>,
+                 smem_bytes(1, false, max_k, true, 1, kNarrowSplitWarps));
+  if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
     set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1, 2>, smem_bytes(1, false, max_k, true, 2));
+    set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 1, 2, kNarrowSplitWarps>,
+                   smem_bytes(1, false, max_k, true, 2, kNarrowSplitWarps));
+  }
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 1, 4, 1>, smem_bytes(1, true, max_k, false));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 2, 4, 1>, smem_bytes(2, true, max_k, false));
   set_smem_limit(LlamaGemmKernel<EPILOGUE, 4, 4, 1>, smem_bytes(4, true, max_k, false));
@@ -806,6 +900,8 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
   require(a.n >= 16 && a.n % 16 == 0, kWhere, "n", a.n, "must be a positive multiple of 16");
   require(a.k >= 16 && a.k % 16 == 0, kWhere, "k", a.k, "must be a positive multiple of 16");
   require(a.weight != nullptr, kWhere, "weight", "null", "must be a device pointer");
+  require(a.narrow_warps == 0 || a.narrow_warps == kWarps || a.narrow_warps == kNarrowSplitWarps, kWhere,
+          "narrow_warps", static_cast<int>(a.narrow_warps), "must be 0 (by size), 4 or 8");
   if (a.tokens == 0)
     return;
   if (epilogue == GemmEpilogue::kResidualAdd) {

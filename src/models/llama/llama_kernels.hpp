@@ -57,6 +57,10 @@ struct GemmArgs {
   bool residual_ready_before_wait = false;
   /// The tiling (in the padding after the bool above, so the kernels' parameter block keeps its size).
   GemmTiles tiles = GemmTiles::kBySize;
+  /// Warps of a narrow block: 8 (a warp per partial accumulator of a K slice), 4 (a warp per slice) or 0, by
+  /// the token count (8 up to 16 tokens); the same bits either way (llama_gemm.cu). LlamaModel reads it from
+  /// SMCGRAPH_GEMM_NARROW_WARPS (by_size, 8, 4).
+  uint8_t narrow_warps = 0;
   uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
   void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped
   int logits_cols = 0;

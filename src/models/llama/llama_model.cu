@@ -101,6 +101,7 @@ struct LlamaModel::Workspace {
   std::unique_ptr<llama::LtHead> head;      // the LM head (small head or cuBLASLt) where it serves the call
   llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
   llama::GemmTiles gemm_tiles = llama::GemmTiles::kBySize;
+  uint8_t gemm_narrow_warps = 0;
 };
 
 namespace {
@@ -170,6 +171,7 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.gemm_tiles = choice_from_env<GemmTiles>("SMCGRAPH_GEMM_TILES", {{"by_size", GemmTiles::kBySize},
                                                                     {"narrow_wide", GemmTiles::kNarrowWide},
                                                                     {"pipelined", GemmTiles::kPipelined}});
+  w.gemm_narrow_warps = choice_from_env<uint8_t>("SMCGRAPH_GEMM_NARROW_WARPS", {{"by_size", 0}, {"8", 8}, {"4", 4}});
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
                                                                {"cublaslt", llama::HeadKernels::kCublasLt},
@@ -263,6 +265,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   g.live = args.live;
   g.eps = c.rms_eps;
   g.tiles = w.gemm_tiles;
+  g.narrow_warps = w.gemm_narrow_warps;
   for (size_t local = 0; local < layers_.size(); ++local) {
     const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
     uint16_t* kv = kv_ + local * size_t(options_.pool_size) * 2 * kvd;
