@@ -85,8 +85,10 @@ static_assert(kMaxNormK == kLlamaMaxHidden,
 /// 64 requests 1,028.6 -> 972.0-972.4, speculative K = 1 at 64 2,602.0-2,606.2 -> 2,488.1-2,490.9, SMC N 8 K
 /// 4 at 1 / 8 requests 2,755.7-2,756.8 / 8,040.7-8,041.1 -> 2,706.3-2,706.7 / 7,545.3-7,554.0. (Alone in
 /// llama_gemm_bench, whose launches do not overlap through PDL, it does not gain: 7.76 -> 8.65 us at 40
-/// tokens, cold.) Up to 16 tokens the single-fragment blocks stay (decode: more blocks stream the weights).
+/// tokens, cold.) Up to 16 tokens the 4-warp single-fragment blocks stay (decode: more blocks stream the
+/// weights); 8-warp blocks (kNarrowSplitMaxTokens) pair their columns from kPairedSplitMinTokens tokens.
 constexpr int kPairedColumnsMinTokens = 17;
+constexpr int kPairedSplitMinTokens = 8;
 
 /// Shared memory of a variant: the A rows, the fp32 tile (one per warp in the narrow shape: a K slice, or a
 /// slice's partial with 8 warps) and, when `stage_w`, the block's weight rows (16 a column fragment; narrow
@@ -796,8 +798,8 @@ void launch_variant(const GemmArgs& a, cudaStream_t stream) {
 /// (four column warps) with `m_frags` row fragments.
 template <int EPILOGUE>
 void launch_epilogue(int m_frags, bool wide, bool paired, const GemmArgs& a, cudaStream_t stream) {
-  const bool split = a.narrow_warps == kNarrowSplitWarps ||
-                     (a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens && !paired);
+  const bool split =
+      a.narrow_warps == kNarrowSplitWarps || (a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens);
   if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
     if (!wide && paired)
       return split ? launch_variant<EPILOGUE, 1, 1, 2, kNarrowSplitWarps>(a, stream)
@@ -961,8 +963,11 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
     m_frags /= 2;
   require(smem_bytes(m_frags, wide, a.k, false) <= static_cast<size_t>(max_optin_smem()), kWhere, "k", a.k,
           "needs more shared memory than the device offers");
-  // Paired column fragments (gate/up only, kPairedColumnsMinTokens): the same sums in the same order.
-  const bool paired = !wide && a.tokens >= kPairedColumnsMinTokens && a.n % 32 == 0;
+  // Paired column fragments (gate/up only, kPairedColumnsMinTokens; kPairedSplitMinTokens in 8-warp blocks):
+  // the same sums in the same order.
+  const bool split_size = a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens;
+  const bool paired =
+      !wide && a.n % 32 == 0 && a.tokens >= (split_size ? kPairedSplitMinTokens : kPairedColumnsMinTokens);
   switch (epilogue) {
   case GemmEpilogue::kQkvRope:
     return launch_epilogue<0>(m_frags, wide, false, a, stream);
