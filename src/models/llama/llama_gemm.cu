@@ -86,7 +86,10 @@ static_assert(kMaxNormK == kLlamaMaxHidden,
 /// 4 at 1 / 8 requests 2,755.7-2,756.8 / 8,040.7-8,041.1 -> 2,706.3-2,706.7 / 7,545.3-7,554.0. (Alone in
 /// llama_gemm_bench, whose launches do not overlap through PDL, it does not gain: 7.76 -> 8.65 us at 40
 /// tokens, cold.) Up to 16 tokens the 4-warp single-fragment blocks stay (decode: more blocks stream the
-/// weights); 8-warp blocks (kNarrowSplitMaxTokens) pair their columns from kPairedSplitMinTokens tokens.
+/// weights); 8-warp blocks (kNarrowSplitMaxTokens) pair their columns from kPairedSplitMinTokens tokens
+/// (H100, A/B in one call, two rounds: speculative K = 1 at 8 requests 912.2-915.8 -> 905.8-906.2 us a cycle,
+/// SMC N 8 K 4 at 1 2,526.5-2,529.2 -> 2,517.9-2,521.6; paired 8-warp blocks at 1 token cost a 1-row decode
+/// forward about 11 us, so they start at 8).
 constexpr int kPairedColumnsMinTokens = 17;
 constexpr int kPairedSplitMinTokens = 8;
 
