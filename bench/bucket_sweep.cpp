@@ -297,7 +297,7 @@ public:
   ForwardArgs prepare(int rows, int tokens_per_row, cudaStream_t stream) {
     require(rows <= max_rows_ && tokens_per_row <= max_tokens_, "ForwardBench::prepare", "rows", rows,
             "too large");
-    const int base = std::min(100, max_seq_len_ - tokens_per_row - 1);
+    const int base = timed_length(tokens_per_row) - tokens_per_row;
     std::vector<int32_t> tokens(static_cast<size_t>(rows) * tokens_per_row), positions(tokens.size()),
         out_slots(tokens.size()), slot_table(static_cast<size_t>(rows) * max_seq_len_), seq_lens(rows);
     for (int r = 0; r < rows; ++r) {
@@ -352,6 +352,34 @@ public:
     timing.verify_us = time_forward(target, rows, steps + 1, stream);
     timing.cycle_us = timing.head_us + std::max(steps - 1, 0) * timing.step_us + timing.verify_us;
     return timing;
+  }
+
+  /// Positions each row of a timed forward of `tokens_per_row` tokens reads (its KV up to its last token).
+  int timed_length(int tokens_per_row) const {
+    return std::min(100, max_seq_len_ - tokens_per_row - 1) + tokens_per_row;
+  }
+
+  /// The floor of the forwards time_cycle_forwards times (issue 12's definition of a forward's floor): each
+  /// forward's weight bytes plus the KV bytes its rows read at the timed length, over the copy bandwidth,
+  /// plus its graph nodes x the node floor, summed as the cycle runs them. Real models only (NaN otherwise).
+  double model_floor_us(const ModelPair& m, int rows, int steps, double copy_gbs, double node_us,
+                        cudaStream_t stream) {
+    if (!m.real)
+      return NAN;
+    const auto forward_floor = [&](Model& model, size_t weight_bytes, size_t kv_bytes_per_token,
+                                   int tokens_per_row) {
+      const double bytes = static_cast<double>(weight_bytes) +
+                           static_cast<double>(rows) * timed_length(tokens_per_row) * kv_bytes_per_token;
+      return bytes / (copy_gbs * 1e3) +
+             static_cast<double>(nodes_per_forward(model, rows, tokens_per_row, stream)) * node_us;
+    };
+    double us = forward_floor(*m.target, m.target_weight_bytes, m.target_kv_bytes_per_token, steps + 1);
+    if (steps > 0)
+      us += forward_floor(*m.draft, m.draft_weight_bytes, m.draft_kv_bytes_per_token,
+                          draft_head_tokens(*m.draft, *m.target));
+    if (steps > 1)
+      us += (steps - 1) * forward_floor(*m.draft, m.draft_weight_bytes, m.draft_kv_bytes_per_token, 1);
+    return us;
   }
 
   /// Graph nodes one forward adds to a captured cycle.
@@ -429,6 +457,8 @@ const std::vector<std::string> kCsvColumns = {"device",
                                               "cycle_bytes",
                                               "roofline_us",
                                               "roofline_fraction",
+                                              "model_floor_us",
+                                              "model_over_floor",
                                               "ess_over_n",
                                               "resample_rate",
                                               "mean_draft_steps",
@@ -475,6 +505,8 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
           std::to_string(row.cycle_bytes),
           format(row.roofline_us, 2),
           format(row.roofline_us / row.graph.median_us, 4),
+          format(row.model.floor_us, 2),
+          format(row.model.cycle_us / row.model.floor_us, 3),
           format(row.ess_over_n, 3),
           format(row.resample_rate, 3),
           format(row.mean_draft_steps, 3),
@@ -661,6 +693,8 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     ids.clear();
     engine.synchronize();
     row.model = forwards.time_cycle_forwards(*models.draft, *models.target, rows, steps, stream);
+    row.model.floor_us =
+        forwards.model_floor_us(models, rows, steps, env.copy_gbs, env.node_floor_us, stream);
     const int64_t bucket_model_nodes = model_nodes_of(rows);
 
     // 2. Graph replay: validated warm-up, then timed cycles (validated too), then the slot invariants.
@@ -778,9 +812,12 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     if (models.real)
       std::printf(
           "%8s  HBM roofline: %.1f MB a cycle (weights per forward, KV, logits) = %s us at copy bandwidth, "
-          "%s%% of the graph time\n",
+          "%s%% of the graph time; model forwards %s us against their floor %s us (weights + KV at the "
+          "timed lengths over copy bandwidth + graph nodes x node floor): %sx\n",
           "", row.cycle_bytes / 1e6, format(row.roofline_us, 1).c_str(),
-          format(100.0 * row.roofline_us / row.graph.median_us, 1).c_str());
+          format(100.0 * row.roofline_us / row.graph.median_us, 1).c_str(),
+          format(row.model.cycle_us, 1).c_str(), format(row.model.floor_us, 1).c_str(),
+          format(row.model.cycle_us / row.model.floor_us, 3).c_str());
     if (kind == CycleKind::kSpeculative && steps == 0) // nothing drafted: no draft length or acceptance
       std::printf("%8s  draft length: none (%s)\n", "", engine.draft_loop().note.c_str());
     else if (kind == CycleKind::kSpeculative)

@@ -98,6 +98,9 @@ struct Summary {
 
 struct ModelTiming {
   double head_us = NAN, step_us = NAN, verify_us = NAN, cycle_us = NAN;
+  /// Real model: the floor of those forwards (ForwardBench::model_floor_us: weights and KV bytes over copy
+  /// bandwidth plus graph nodes x node floor).
+  double floor_us = NAN;
 };
 
 struct Row {
