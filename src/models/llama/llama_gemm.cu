@@ -48,8 +48,7 @@ constexpr int kKSlices = 4;
 /// accumulators its own warp (the same tiles in the same order as one warp's two chains, so the same bits),
 /// which halves the tensor-core chain and the instructions each warp issues; 4 keep one warp a slice.
 /// GemmArgs::narrow_warps picks (LlamaModel: SMCGRAPH_GEMM_NARROW_WARPS, for tests and A/B runs); by size
-/// (the default), launches of up to kNarrowSplitMaxTokens tokens take 8 warps (not the paired gate/up
-/// blocks of 17+ tokens), larger ones 4.
+/// (the default), launches of up to kNarrowSplitMaxTokens tokens take 8 warps, larger ones 4.
 constexpr int kNarrowSplitWarps = 2 * kKSlices;
 /// H100, SmolLM2, graph us per cycle, one call, second of two rounds (4 warps / 8 warps up to 16 tokens / 8
 /// warps up to 48 tokens / 8 warps always): no draft at 1 / 8 / 64 requests 451.6 / 473.7 / 917.4 -> 434.4
@@ -311,7 +310,8 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
   // depends on its own inputs only, not on T or the variant (batch invariance: a token's logits are the same
   // in a 1-token decode and in a K + 1-token verify, so greedy speculative decoding reproduces greedy
   // decoding). Narrow: warp w computes slice w of columns n0 .. n0 + BN - 1 (one or two column fragments,
-  // each summed exactly as alone). Wide: warp w computes every slice of columns n0 + 16 w .. n0 + 16 w + 15.
+  // each summed exactly as alone; with 8 warps, partial w % 2 of slice w / 2). Wide: warp w computes every
+  // slice of columns n0 + 16 w .. n0 + 16 w + 15.
   const int k_tiles = K / 16;
   const int tiles_per_slice = (k_tiles + kKSlices - 1) / kKSlices;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> total[M_FRAGS][N_FRAGS];
