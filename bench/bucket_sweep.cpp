@@ -26,7 +26,9 @@
 // Non-model time = graph cycle time - model time. Its floor = bytes it must move / copy bandwidth (the
 // samplers read K draft columns and K + 1 target columns of logits per row, plus a small per-token state)
 // + non-model graph nodes x the measured node floor (an empty kernel's graph node), both measured in this
-// run.
+// run. With the real model (--model smollm2) the model forwards have a floor too (issue 12's definition):
+// each forward's weight bytes and the KV its rows read at the timed length, over the copy bandwidth, plus its
+// graph nodes x the node floor (model_floor_us, model_over_floor; printed with the HBM roofline line).
 //
 // Files for the peers (bench/peers/smc_peer.py and spec_peer.py, format in bench/peers/toy_weights_io.md),
 // next to the CSV, written when either kind is in the grid:
