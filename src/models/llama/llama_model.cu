@@ -171,7 +171,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.gemm_tiles = choice_from_env<GemmTiles>("SMCGRAPH_GEMM_TILES", {{"by_size", GemmTiles::kBySize},
                                                                     {"narrow_wide", GemmTiles::kNarrowWide},
                                                                     {"pipelined", GemmTiles::kPipelined}});
-  w.gemm_narrow_warps = choice_from_env<uint8_t>("SMCGRAPH_GEMM_NARROW_WARPS", {{"by_size", 0}, {"8", 8}, {"4", 4}});
+  w.gemm_narrow_warps =
+      choice_from_env<uint8_t>("SMCGRAPH_GEMM_NARROW_WARPS", {{"by_size", 0}, {"8", 8}, {"4", 4}});
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
                                                                {"cublaslt", llama::HeadKernels::kCublasLt},
