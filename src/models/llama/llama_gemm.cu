@@ -797,12 +797,11 @@ void launch_variant(const GemmArgs& a, cudaStream_t stream) {
              smem_bytes(M_FRAGS, wide, a.k, stage_w, N_FRAGS, WARPS), stream, a, stage_w);
 }
 
-/// Narrow tiles (one row fragment, one column warp with one column fragment, or two for `paired`); wide ones
-/// (four column warps) with `m_frags` row fragments.
+/// Narrow tiles (one row fragment, one column warp with one column fragment, or two for `paired`; 8 warps
+/// for `split`, else 4); wide ones (four column warps) with `m_frags` row fragments.
 template <int EPILOGUE>
-void launch_epilogue(int m_frags, bool wide, bool paired, const GemmArgs& a, cudaStream_t stream) {
-  const bool split =
-      a.narrow_warps == kNarrowSplitWarps || (a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens);
+void launch_epilogue(int m_frags, bool wide, bool paired, bool split, const GemmArgs& a,
+                     cudaStream_t stream) {
   if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kSwiGlu)) {
     if (!wide && paired)
       return split ? launch_variant<EPILOGUE, 1, 1, 2, kNarrowSplitWarps>(a, stream)
@@ -966,20 +965,22 @@ void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
     m_frags /= 2;
   require(smem_bytes(m_frags, wide, a.k, false) <= static_cast<size_t>(max_optin_smem()), kWhere, "k", a.k,
           "needs more shared memory than the device offers");
-  // Paired column fragments (gate/up only, kPairedColumnsMinTokens; kPairedSplitMinTokens in 8-warp blocks):
+  // Narrow blocks of 8 warps (GemmArgs::narrow_warps; by size up to kNarrowSplitMaxTokens tokens), and paired
+  // column fragments (gate/up only, from kPairedColumnsMinTokens; kPairedSplitMinTokens in 8-warp blocks):
   // the same sums in the same order.
-  const bool split_size = a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens;
+  const bool split =
+      a.narrow_warps == kNarrowSplitWarps || (a.narrow_warps == 0 && a.tokens <= kNarrowSplitMaxTokens);
   const bool paired =
-      !wide && a.n % 32 == 0 && a.tokens >= (split_size ? kPairedSplitMinTokens : kPairedColumnsMinTokens);
+      !wide && a.n % 32 == 0 && a.tokens >= (split ? kPairedSplitMinTokens : kPairedColumnsMinTokens);
   switch (epilogue) {
   case GemmEpilogue::kQkvRope:
-    return launch_epilogue<0>(m_frags, wide, false, a, stream);
+    return launch_epilogue<0>(m_frags, wide, false, split, a, stream);
   case GemmEpilogue::kResidualAdd:
-    return launch_epilogue<1>(m_frags, wide, false, a, stream);
+    return launch_epilogue<1>(m_frags, wide, false, split, a, stream);
   case GemmEpilogue::kSwiGlu:
-    return launch_epilogue<2>(m_frags, wide, paired, a, stream);
+    return launch_epilogue<2>(m_frags, wide, paired, split, a, stream);
   case GemmEpilogue::kLogits:
-    return launch_epilogue<3>(m_frags, wide, false, a, stream);
+    return launch_epilogue<3>(m_frags, wide, false, split, a, stream);
   }
 }
 
