@@ -500,6 +500,13 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
   }
 }
 
+/// Shapes that exercise the GEMMs' K order (4 slices of 16-wide tiles, two partials a slice): hidden 192 (K
+/// of 3 whole pipeline chunks), 96 (6 K tiles, so the fourth slice is empty; down K 160: 10 tiles, a one-tile
+/// last slice whose odd partial stays zero) and 256 with head_dim 128.
+const Shape kKOrderShapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                               {2, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                               {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+
 TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tiles' bits") {
   // The layer GEMMs of 256+ tokens (gate/up: 128+) take K-pipelined tiles (llama_gemm.cu), smaller ones
   // narrow tiles, and those past 384 tokens without the pipelined tiles wide ones; all sum K in the same
@@ -508,10 +515,7 @@ TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tile
   // tokens: wide tiles; verify blocks of 30 and 54 tokens: narrow, paired gate/up columns; decodes; padding
   // rows; graphs), give the same logits bits. Shapes: hidden 192 (K of 3 whole pipeline chunks), 96 (1.5
   // chunks: 6 K tiles, so the fourth slice is empty; down K 160: a short last slice) and head_dim 128.
-  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {2, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
-  for (const Shape& shape : shapes) {
+  for (const Shape& shape : kKOrderShapes) {
     CAPTURE(shape.hidden);
     CAPTURE(shape.ffn);
     check_same_logits_when_forced(shape, "SMCGRAPH_GEMM_TILES", "narrow_wide", "pipelined");
@@ -526,10 +530,7 @@ TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits
   // rows; graphs), give the same logits bits. Shapes: hidden 192, 96 (6 K tiles: the fourth slice is empty;
   // down K 160: 10 tiles, so the last slice has one and its odd partial stays zero) and 256 with head_dim
   // 128; fp32 and bf16 logits.
-  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {2, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
-  for (const Shape& shape : shapes) {
+  for (const Shape& shape : kKOrderShapes) {
     CAPTURE(shape.hidden);
     for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
       const int logits_dtype = static_cast<int>(logits);
