@@ -321,6 +321,28 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
       w_in_smem ? w_tile
                 : reinterpret_cast<const __nv_bfloat16*>(a.weight) + static_cast<size_t>(n0 + wn * 16) * K;
   const int ldw = w_in_smem ? lda : K;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  using WTile = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>[N_FRAGS];
+  // The W fragments of the 16-wide K tile at column k + offset (one a column fragment), and every row
+  // fragment's MMAs with them into the accumulator acc_of(f, c) names. (k and a constant offset are added to
+  // the pointer one after the other, so the compiler folds the offset into the load.)
+  const auto load_w = [&](WTile& b, int k, int offset) {
+#pragma unroll
+    for (int c = 0; c < N_FRAGS; ++c)
+      wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + k + offset, ldw);
+  };
+  const auto mma_tile = [&](const WTile& b, int k, int offset, auto&& acc_of) {
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
+      wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + k + offset, lda);
+#pragma unroll
+      for (int c = 0; c < N_FRAGS; ++c) {
+        Acc& acc = acc_of(f, c);
+        wmma::mma_sync(acc, a_frag, b[c], acc);
+      }
+    }
+  };
   if constexpr (kSplitPartials) {
     // Warp w: partial w % 2 of slice w / 2, i.e. the slice's tiles w % 2, w % 2 + 2, ... chained into one
     // accumulator from zero, in order: exactly the chain that partial keeps in the 4-warp loop below.
@@ -332,37 +354,22 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
 #pragma unroll
       for (int c = 0; c < N_FRAGS; ++c)
         wmma::fill_fragment(total[f][c], 0.0f);
-    using WTile = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>[N_FRAGS];
-    const auto load_w = [&](WTile& b, int k) {
-#pragma unroll
-      for (int c = 0; c < N_FRAGS; ++c)
-        wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + k, ldw);
-    };
-    const auto mma_tile = [&](const WTile& b, int k) {
-#pragma unroll
-      for (int f = 0; f < M_FRAGS; ++f) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
-        wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + k, lda);
-#pragma unroll
-        for (int c = 0; c < N_FRAGS; ++c)
-          wmma::mma_sync(total[f][c], a_frag, b[c], total[f][c]);
-      }
-    };
+    const auto into_total = [&](int f, int c) -> Acc& { return total[f][c]; };
     constexpr int kLoadsInFlight = 4; // this warp's next tiles, 32 apart in K
     int k = k_begin + 16 * part;
     for (; k + 32 * (kLoadsInFlight - 1) < k_end; k += 32 * kLoadsInFlight) {
       WTile b[kLoadsInFlight];
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u)
-        load_w(b[u], k + 32 * u);
+        load_w(b[u], k + 32 * u, 0);
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u)
-        mma_tile(b[u], k + 32 * u);
+        mma_tile(b[u], k + 32 * u, 0, into_total);
     }
     for (; k < k_end; k += 32) {
       WTile b;
-      load_w(b, k);
-      mma_tile(b, k);
+      load_w(b, k, 0);
+      mma_tile(b, k, 0, into_total);
     }
   } else {
     const int first_slice = N_WARPS == 1 ? warp : 0, last_slice = N_WARPS == 1 ? warp + 1 : kKSlices;
@@ -373,7 +380,7 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
       // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
       // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
       // invariance).
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[M_FRAGS][N_FRAGS][kPartials];
+      Acc acc[M_FRAGS][N_FRAGS][kPartials];
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
@@ -385,40 +392,26 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
       constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
       static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
       int kk = k_begin;
-      // Tile u of the load group at kk: its W fragments (one a column fragment), then every row fragment's
-      // MMAs with them into partial u % kPartials.
-      using WTile = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>[N_FRAGS];
-      const auto load_w = [&](WTile& b, int u) {
-#pragma unroll
-        for (int c = 0; c < N_FRAGS; ++c)
-          wmma::load_matrix_sync(b[c], w_col + static_cast<size_t>(16 * c) * ldw + kk + 16 * u, ldw);
-      };
-      const auto mma_tile = [&](const WTile& b, int u) {
-#pragma unroll
-        for (int f = 0; f < M_FRAGS; ++f) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a_frag;
-          wmma::load_matrix_sync(a_frag, a_tile + static_cast<size_t>(f * 16) * lda + kk + 16 * u, lda);
-#pragma unroll
-          for (int c = 0; c < N_FRAGS; ++c)
-            wmma::mma_sync(acc[f][c][u % kPartials], a_frag, b[c], acc[f][c][u % kPartials]);
-        }
+      // Tile u of the load group at kk goes into partial u % kPartials.
+      const auto into_partial = [&](int u) {
+        return [&acc, u](int f, int c) -> Acc& { return acc[f][c][u % kPartials]; };
       };
       for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
         WTile b[kLoadsInFlight];
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u)
-          load_w(b[u], u);
+          load_w(b[u], kk, 16 * u);
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u)
-          mma_tile(b[u], u);
+          mma_tile(b[u], kk, 16 * u, into_partial(u));
       }
       // The last tiles (fewer than a load group; the group's first goes to partial 0).
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight - 1; ++u) {
         if (kk + 16 * u < k_end) {
           WTile b;
-          load_w(b, u);
-          mma_tile(b, u);
+          load_w(b, kk, 16 * u);
+          mma_tile(b, kk, 16 * u, into_partial(u));
         }
       }
 #pragma unroll
