@@ -296,6 +296,36 @@ public:
         slot_table_(static_cast<size_t>(max_rows) * max_seq_len), seq_lens_(max_rows), live_(max_rows),
         logits_(static_cast<size_t>(max_rows) * max_tokens_per_row * vocab * dtype_bytes(dtype)) {}
 
+  /// What a timed forward does with the residual stream when the engine's SMC verify resumes after the
+  /// draft's layers (resume_after): a draft forward hands its last token's residual over, the verify resumes
+  /// from the handed-over residuals, as in the cycle (graphs/draft_and_verify.cpp).
+  enum class Role { kDraft, kVerify };
+
+  /// The engine's Engine::resumed_layers() and the target's hidden size: 0 layers, forwards as plain ones.
+  void resume_after(int layers, int hidden_size) {
+    resume_layers_ = layers;
+    hidden_size_ = hidden_size;
+    if (layers > 0) {
+      hidden_ = DeviceBuffer<float>(static_cast<size_t>(max_rows_) * max_tokens_ * hidden_size);
+      hidden_.fill_bytes(0, nullptr);
+      SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    }
+  }
+
+  ForwardArgs prepare(int rows, int tokens_per_row, cudaStream_t stream, Role role) {
+    ForwardArgs args = prepare(rows, tokens_per_row, stream);
+    if (resume_layers_ > 0) {
+      args.hidden = hidden_.data();
+      if (role == Role::kVerify) {
+        args.hidden_row_stride = static_cast<int64_t>(tokens_per_row) * hidden_size_;
+        args.resume_layers = resume_layers_;
+      } else {
+        args.hidden_row_stride = static_cast<int64_t>(max_tokens_) * hidden_size_;
+      }
+    }
+    return args;
+  }
+
   ForwardArgs prepare(int rows, int tokens_per_row, cudaStream_t stream) {
     require(rows <= max_rows_ && tokens_per_row <= max_tokens_, "ForwardBench::prepare", "rows", rows,
             "too large");
@@ -334,9 +364,9 @@ public:
                        logits_.data()};
   }
 
-  double time_forward(Model& model, int rows, int tokens_per_row, cudaStream_t stream,
+  double time_forward(Model& model, int rows, int tokens_per_row, cudaStream_t stream, Role role,
                       bool last_token_logits = false) {
-    ForwardArgs args = prepare(rows, tokens_per_row, stream);
+    ForwardArgs args = prepare(rows, tokens_per_row, stream, role);
     args.last_token_logits = last_token_logits;
     return bench::time_graph([&](cudaStream_t s) { model.forward(args, s); }, stream, kModelLaunchesPerGraph,
                              kModelRepetitions, kModelWarmup)
@@ -347,11 +377,12 @@ public:
     ModelTiming timing;
     // As the cycle runs it: the head's logits of its last column only where the draft supports that.
     // K = 0 (no draft): the verify forward of one token alone.
+    // The verify as the engine runs it: resuming after the draft's layers where the engine does.
     timing.head_us = steps > 0 ? time_forward(draft, rows, draft_head_tokens(draft, target), stream,
-                                              draft.last_token_logits_supported())
+                                              Role::kDraft, draft.last_token_logits_supported())
                                : 0.0;
-    timing.step_us = steps > 1 ? time_forward(draft, rows, 1, stream) : 0.0;
-    timing.verify_us = time_forward(target, rows, steps + 1, stream);
+    timing.step_us = steps > 1 ? time_forward(draft, rows, 1, stream, Role::kDraft) : 0.0;
+    timing.verify_us = time_forward(target, rows, steps + 1, stream, Role::kVerify);
     timing.cycle_us = timing.head_us + std::max(steps - 1, 0) * timing.step_us + timing.verify_us;
     return timing;
   }
@@ -368,25 +399,28 @@ public:
                         cudaStream_t stream) {
     if (!m.real)
       return NAN;
+    // A resumed verify reads the same weights (each layer once) and the same KV (each row's, per layer).
     const auto forward_floor = [&](Model& model, size_t weight_bytes, size_t kv_bytes_per_token,
-                                   int tokens_per_row) {
+                                   int tokens_per_row, Role role) {
       const double bytes = static_cast<double>(weight_bytes) +
                            static_cast<double>(rows) * timed_length(tokens_per_row) * kv_bytes_per_token;
       return bytes / (copy_gbs * 1e3) +
-             static_cast<double>(nodes_per_forward(model, rows, tokens_per_row, stream)) * node_us;
+             static_cast<double>(nodes_per_forward(model, rows, tokens_per_row, stream, role)) * node_us;
     };
-    double us = forward_floor(*m.target, m.target_weight_bytes, m.target_kv_bytes_per_token, steps + 1);
+    double us = forward_floor(*m.target, m.target_weight_bytes, m.target_kv_bytes_per_token, steps + 1,
+                              Role::kVerify);
     if (steps > 0)
       us += forward_floor(*m.draft, m.draft_weight_bytes, m.draft_kv_bytes_per_token,
-                          draft_head_tokens(*m.draft, *m.target));
+                          draft_head_tokens(*m.draft, *m.target), Role::kDraft);
     if (steps > 1)
-      us += (steps - 1) * forward_floor(*m.draft, m.draft_weight_bytes, m.draft_kv_bytes_per_token, 1);
+      us += (steps - 1) *
+            forward_floor(*m.draft, m.draft_weight_bytes, m.draft_kv_bytes_per_token, 1, Role::kDraft);
     return us;
   }
 
   /// Graph nodes one forward adds to a captured cycle.
-  size_t nodes_per_forward(Model& model, int rows, int tokens_per_row, cudaStream_t stream) {
-    const ForwardArgs args = prepare(rows, tokens_per_row, stream);
+  size_t nodes_per_forward(Model& model, int rows, int tokens_per_row, cudaStream_t stream, Role role) {
+    const ForwardArgs args = prepare(rows, tokens_per_row, stream, role);
     SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     try {
       model.forward(args, stream);
@@ -412,6 +446,8 @@ private:
   DeviceBuffer<int32_t> tokens_, positions_, out_slots_, slot_table_, seq_lens_;
   DeviceBuffer<uint8_t> live_;
   DeviceBuffer<uint8_t> logits_;
+  int resume_layers_ = 0, hidden_size_ = 0;
+  DeviceBuffer<float> hidden_; ///< [max_rows, max_tokens, hidden_size]: handed over and resumed from
 };
 
 } // namespace
@@ -649,11 +685,18 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   Engine engine(config, *models.draft, *models.target);
   const double construct_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - construct_start).count();
+  forwards.resume_after(engine.resumed_layers(), models.target->hidden_size());
+  if (engine.resumed_layers() > 0)
+    std::printf("\nthe SMC verify resumes after the draft's %d layers (Engine::resumed_layers; "
+                "SMCGRAPH_DISABLE_PREFIX_RESUME=1 runs every layer); the verify below is timed so\n",
+                engine.resumed_layers());
   // The forwards' graph nodes for a bucket of `rows` rows (the draft steps and the verify; a forward's node
   // count may grow with its token count: the Llama GEMMs of many tokens add an RMSNorm kernel each).
   const auto model_nodes_of = [&](int rows) {
-    const size_t draft_nodes = forwards.nodes_per_forward(*models.draft, rows, 1, stream);
-    const size_t target_nodes = forwards.nodes_per_forward(*models.target, rows, steps + 1, stream);
+    const size_t draft_nodes =
+        forwards.nodes_per_forward(*models.draft, rows, 1, stream, ForwardBench::Role::kDraft);
+    const size_t target_nodes =
+        forwards.nodes_per_forward(*models.target, rows, steps + 1, stream, ForwardBench::Role::kVerify);
     return static_cast<int64_t>(draft_nodes) * steps + static_cast<int64_t>(target_nodes);
   };
   const int64_t model_nodes = model_nodes_of(particles);

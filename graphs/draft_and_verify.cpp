@@ -175,6 +175,12 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                          s.target_logits.data(),
                          K + 1,
                          K + 1};
+      if (s.resume_layers > 0 &&
+          width == K + 1) { // SMC: resume after the draft's layers (Engine::resumed_layers)
+        verify.hidden = s.prefix_hidden.data();
+        verify.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
+        verify.resume_layers = s.resume_layers;
+      }
       // Columns width .. K of the logits block hold stale values (or zeros the model wrote, which the Model
       // contract allows past tokens_per_row): they are past every live row's K_q, and
       // score() and the verifier read row r's columns 0 .. K_q only.
@@ -206,6 +212,10 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                     b.step_live + offset,
                     logits,
                     block_stride};
+    if (s.resume_layers > 0) { // the residual of d_s, column s of the verify's
+      one.hidden = s.prefix_hidden.data() + static_cast<size_t>(step) * s.hidden_size;
+      one.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
+    }
     s.draft->forward(one, step_stream);
     const LogitsView view{logits, dtype, rows, 1, V, V, V};
     sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
@@ -256,6 +266,10 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     head.token_row_stride = 2;
     head.io_row_stride = 2;
     head.last_token_logits = last_only;
+    if (s.resume_layers > 0) { // the residual of x_{L-1}, column 0 of the verify's
+      head.hidden = s.prefix_hidden.data();
+      head.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
+    }
     s.draft->forward(head, current);
     // d_1 from the head's last column: rows of [V] (last_only) or of [2, V], the second position.
     const LogitsView head_last{head_logits + (last_only ? 0 : static_cast<size_t>(V) * element_bytes),

@@ -1121,9 +1121,117 @@ TEST_CASE(
                        smcgraph::Error);
 }
 
+TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives the full verify's logits and "
+          "KV bits") {
+  // Two target + prefix-draft pairs (layers {0, 1} of 3, the draft's KV the target's), the same 20-token
+  // prefill of 3 rows (the third a padding row in the verify). Pair A verifies 4 tokens a row with every
+  // layer; pair B runs the draft over the first 3 of them one at a time (a draft step's forward, handing over
+  // each token's residual), then the target resuming after layer 1 (the last token runs layers 0 and 1 alone
+  // first). Logits and the whole KV must be the same bits, eager and captured.
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  constexpr int kRows = 3, kPrefix = 20, kWidth = 4;
+  const int hidden = tiny->weights->config().hidden;
+  struct Pair {
+    LlamaModel target, draft;
+    explicit Pair(const Tiny& t)
+        : target(t.weights, options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32)),
+          draft(t.weights, [&] {
+            LlamaModelOptions o =
+                options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+            o.kv_owner = &target;
+            return o;
+          }()) {}
+  };
+  // Row r's positions 0 .. kPrefix + kWidth - 1 at slots 1 + r * 64 + p.
+  const auto inputs = [&](const std::vector<int32_t>& all_tokens, int first, int count, bool pad_last_row) {
+    LlamaForwardInputs in;
+    in.rows = kRows;
+    in.tokens_per_row = count;
+    in.slot_table.assign(static_cast<size_t>(kRows) * kEngineMaxSeqLen, 0);
+    for (int r = 0; r < kRows; ++r) {
+      for (int p = 0; p < kPrefix + kWidth; ++p)
+        in.slot_table[static_cast<size_t>(r) * kEngineMaxSeqLen + p] = 1 + r * 64 + p;
+      for (int p = first; p < first + count; ++p) {
+        in.tokens.push_back(all_tokens[static_cast<size_t>(r) * (kPrefix + kWidth) + p]);
+        in.positions.push_back(p);
+        in.out_slots.push_back(1 + r * 64 + p);
+      }
+      in.seq_lens.push_back(first + count);
+      in.live.push_back(pad_last_row && r == kRows - 1 ? 0 : 1);
+    }
+    return in;
+  };
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < kRows * (kPrefix + kWidth); ++i)
+    tokens.push_back(static_cast<int32_t>(rng.integer(0, shape.vocab - 1)));
+  for (bool captured : {false, true}) {
+    CAPTURE(captured);
+    Pair a(*tiny), b(*tiny);
+    REQUIRE(a.target.resumable_layers(a.draft) == 2);
+    Stream stream;
+    for (Pair* pair : {&a, &b}) {
+      DeviceBatch prefill(inputs(tokens, 0, kPrefix, false), shape.vocab, DType::kFloat32, stream);
+      run_forward(pair->target, prefill, false, stream);
+    }
+    DeviceBatch full(inputs(tokens, kPrefix, kWidth, true), shape.vocab, DType::kFloat32, stream);
+    const std::vector<uint8_t> expected = run_forward(a.target, full, captured, stream);
+    // Pair B: the draft over columns 0 .. kWidth - 2, each handing over its residual into column j.
+    DeviceBuffer<float> residual(static_cast<size_t>(kRows) * kWidth * hidden);
+    residual.fill_bytes(0, stream);
+    for (int j = 0; j + 1 < kWidth; ++j) {
+      DeviceBatch step(inputs(tokens, kPrefix + j, 1, true), shape.vocab, DType::kFloat32, stream);
+      ForwardArgs args = step.args();
+      args.hidden = residual.data() + static_cast<size_t>(j) * hidden;
+      args.hidden_row_stride = static_cast<int64_t>(kWidth) * hidden;
+      test::run_on_stream(captured, stream, [&](cudaStream_t st) { b.draft.forward(args, st); });
+    }
+    DeviceBatch resumed(inputs(tokens, kPrefix, kWidth, true), shape.vocab, DType::kFloat32, stream);
+    resumed.logits.fill_bytes(kPoison, stream);
+    ForwardArgs args = resumed.args();
+    args.hidden = residual.data();
+    args.hidden_row_stride = static_cast<int64_t>(kWidth) * hidden;
+    args.resume_layers = 2;
+    test::run_on_stream(captured, stream, [&](cudaStream_t st) { b.target.forward(args, st); });
+    const std::vector<uint8_t> got = resumed.download(stream);
+    const size_t row_bytes = static_cast<size_t>(kWidth) * shape.vocab * 4;
+    for (int r = 0; r + 1 < kRows; ++r) // the live rows (the padding row's logits may be anything)
+      CHECK_MESSAGE(std::memcmp(got.data() + r * row_bytes, expected.data() + r * row_bytes, row_bytes) == 0,
+                    "row " << r << ": the resumed verify's logits differ from the full verify's");
+    CHECK(download_kv(b.target, stream) == download_kv(a.target, stream));
+  }
+  // Argument errors name the field.
+  Pair p(*tiny);
+  Stream stream;
+  DeviceBatch batch(inputs(tokens, kPrefix, kWidth, false), shape.vocab, DType::kFloat32, stream);
+  DeviceBuffer<float> residual(static_cast<size_t>(kRows) * kWidth * hidden);
+  ForwardArgs args = batch.args();
+  args.resume_layers = 2;
+  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.hidden"), smcgraph::Error);
+  args.hidden = residual.data();
+  args.hidden_row_stride = hidden;
+  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.hidden_row_stride"),
+                       smcgraph::Error);
+  args.hidden_row_stride = static_cast<int64_t>(kWidth) * hidden;
+  args.resume_layers = 3;
+  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.resume_layers"),
+                       smcgraph::Error);
+  args.resume_layers = 2;
+  args.io_row_stride = kWidth + 1;
+  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.io_row_stride"),
+                       smcgraph::Error);
+  CHECK(p.target.resumable_layers(p.target) == 0); // not a prefix draft of itself
+  CHECK(p.draft.resumable_layers(p.target) == 0);
+  CHECK(p.target.hidden_size() == hidden);
+}
+
 TEST_CASE(
-    "llama engine: a draft sharing the target's KV (its head forwards x_{L-1} alone) gives the SMC results "
-    "of the same draft with its own KV (its head recomputes x_{L-2})") {
+    "llama engine: a draft sharing the target's KV (its head forwards x_{L-1} alone, the verify resumes "
+    "after "
+    "its layers) gives the SMC results of the same draft with its own KV (its head recomputes x_{L-2}, the "
+    "verify runs every layer)") {
   test::Rng rng;
   MESSAGE("seed ", rng.seed());
   const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
@@ -1139,7 +1247,10 @@ TEST_CASE(
     std::vector<std::vector<std::vector<int32_t>>> cycle_tokens; // per cycle, per request: the particles'
     std::vector<smcgraph::RequestResult> results;
   };
-  const auto run = [&](bool shared_kv, bool graphs) {
+  const auto run = [&](bool shared_kv, bool graphs, bool resume) {
+    std::optional<ScopedEnv> no_resume;
+    if (!resume)
+      no_resume.emplace("SMCGRAPH_DISABLE_PREFIX_RESUME", "1");
     LlamaModel target(tiny->weights,
                       options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
     LlamaModelOptions draft_options =
@@ -1151,6 +1262,9 @@ TEST_CASE(
     smcgraph::EngineConfig c = config;
     c.use_graphs = graphs;
     smcgraph::Engine engine(c, draft, target);
+    // A prefix draft's verify resumes after its 2 layers (the target's third alone runs over every token).
+    CHECK(engine.resumed_layers() == (shared_kv && resume ? 2 : 0));
+    CHECK(target.resumable_layers(draft) == (shared_kv ? 2 : 0));
     std::vector<smcgraph::RequestId> ids;
     for (size_t i = 0; i < prompts.size(); ++i)
       ids.push_back(engine.admit(prompts[i], {.seed = seeds[i]}));
@@ -1172,10 +1286,12 @@ TEST_CASE(
     CHECK_MESSAGE(check.ok, check.problem);
     return out;
   };
-  const Run own = run(false, true);
-  for (bool graphs : {true, false}) {
+  const Run own = run(false, true, true);
+  for (const auto& [graphs, resume] :
+       {std::pair{true, true}, std::pair{false, true}, std::pair{true, false}}) {
     CAPTURE(graphs);
-    const Run shared = run(true, graphs);
+    CAPTURE(resume);
+    const Run shared = run(true, graphs, resume);
     CHECK(shared.cycle_tokens == own.cycle_tokens);
     REQUIRE(shared.results.size() == own.results.size());
     for (size_t i = 0; i < own.results.size(); ++i) {

@@ -173,6 +173,13 @@ public:
   const std::vector<int>& layers() const { return layers_; }
   /// True when `other` is this model's LlamaModelOptions::kv_owner.
   bool kv_follows(const Model& other) const override;
+  /// The layers of `draft` when it is a LlamaModel whose kv_owner is this model and runs fewer layers (its
+  /// layers are then this model's first ones, on the same weights): forward() resumes after them from the
+  /// residual the draft's forwards handed over (ForwardArgs::hidden, resume_layers). 0 otherwise.
+  int resumable_layers(const Model& draft) const override;
+  /// LlamaConfig::hidden: a forward with ForwardArgs::hidden writes (or resumes from) that many floats a
+  /// token.
+  int hidden_size() const override;
   /// Kernel launches per forward of a decode's size (for the floor: launches x node latency). Forwards of
   /// many tokens add an RMSNorm kernel before each QKV / gate/up GEMM that takes the pipelined tiles.
   int launches_per_forward() const;

@@ -40,6 +40,18 @@ struct ForwardArgs {
   /// tokens_per_row - 1 of row r, and no other token gets logits. Set only for a model whose
   /// last_token_logits_supported() is true (the engine's draft head: it samples from its last column only).
   bool last_token_logits = false;
+  /// The residual stream handed from a layer-prefix draft to its target (Model::resumable_layers), fp32,
+  /// hidden_size() floats a token. With resume_layers = 0 (a draft's forward): after its layers, the model
+  /// writes the residual of each row's last token at hidden + r * hidden_row_stride. With resume_layers = R >
+  /// 0 (the target's verify): hidden + (r * tokens_per_row + j) * hidden_size() holds, for every token j but
+  /// the last of row r, the residual after the model's first R layers (the draft's forwards wrote it, and
+  /// those layers' KV of the token); the model runs its first R layers over each row's last token alone and
+  /// the others over every token, starting from these. hidden_row_stride must then be tokens_per_row *
+  /// hidden_size() and io_row_stride dense (0 or tokens_per_row), and the model may overwrite `hidden`.
+  /// Set only where the target's resumable_layers(draft) is R (the engine's SMC cycle).
+  float* hidden = nullptr;
+  int64_t hidden_row_stride = 0;
+  int resume_layers = 0;
 
   int64_t token_stride() const { return token_row_stride > 0 ? token_row_stride : tokens_per_row; }
   int64_t io_stride() const { return io_row_stride > 0 ? io_row_stride : tokens_per_row; }
@@ -65,6 +77,18 @@ public:
     (void)other;
     return false;
   }
+  /// How many of this model's first layers `draft` runs as its own, with the same weights and writing the
+  /// same KV into this model's storage (a layer-prefix draft whose KV follows this model's): this model's
+  /// forward can then resume after them from the residual stream the draft's forwards handed over
+  /// (ForwardArgs::hidden, resume_layers), instead of running them again over tokens the draft has already
+  /// run. 0: it cannot.
+  virtual int resumable_layers(const Model& draft) const {
+    (void)draft;
+    return 0;
+  }
+  /// Floats a token of the residual stream a forward hands over or resumes from (ForwardArgs::hidden); 0 when
+  /// the model does neither.
+  virtual int hidden_size() const { return 0; }
 };
 
 /// Tokens a row the engine's draft head forwards: 2 ([x_{L-2}, x_{L-1}]: the draft's KV of x_{L-2} is missing

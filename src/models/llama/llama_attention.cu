@@ -543,6 +543,19 @@ __global__ void LlamaEmbedKernel(int tokens_per_row, int64_t token_row_stride, i
   }
 }
 
+/// dst + r * dst_stride = src + r * src_stride, `hidden` floats a row (a multiple of 4, 16-byte aligned
+/// rows).
+__global__ void LlamaCopyRowsKernel(int hidden, const float* src, int64_t src_stride, float* dst,
+                                    int64_t dst_stride) {
+  const int r = blockIdx.x;
+  pdl_wait();
+  pdl_trigger();
+  const float4* from = reinterpret_cast<const float4*>(src + r * src_stride);
+  float4* to = reinterpret_cast<float4*>(dst + r * dst_stride);
+  for (int h = threadIdx.x; h < hidden / 4; h += blockDim.x)
+    to[h] = from[h];
+}
+
 /// Every attention kernel variant, for one call per attribute.
 template <class F> void for_each_attention_kernel(F&& f) {
   f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, true>), false);
@@ -561,6 +574,7 @@ void prepare_attention(int head_dim) {
   require(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= kLlamaMaxHeadDim, "llama::prepare_attention",
           "head_dim", head_dim, "must be a multiple of 8 in [8, 128]");
   detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaEmbedKernel), 0);
+  detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaCopyRowsKernel), 0);
   for_each_attention_kernel([&](const void* kernel, bool grouped) {
     detail::prepare_forward_kernel(kernel, grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries)
                                                    : attention_smem_bytes(head_dim));
@@ -627,6 +641,19 @@ void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden,
     return;
   launch_pdl(LlamaEmbedKernel, dim3(tokens), dim3(128), 0, stream, tokens_per_row, token_row_stride, hidden,
              vocab, token_ids, live, token_embd, x);
+}
+
+void copy_rows(int rows, int hidden, const float* src, int64_t src_row_stride, float* dst,
+               int64_t dst_row_stride, cudaStream_t stream) {
+  constexpr const char* kWhere = "llama::copy_rows";
+  require(hidden >= 4 && hidden % 4 == 0, kWhere, "hidden", hidden, "must be a positive multiple of 4");
+  require(src_row_stride % 4 == 0 && dst_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(dst) % 16 == 0,
+          kWhere, "rows", "misaligned", "must start 16-byte aligned (float4 copies)");
+  if (rows == 0)
+    return;
+  launch_pdl(LlamaCopyRowsKernel, dim3(rows), dim3(128), 0, stream, hidden, src, src_row_stride, dst,
+             dst_row_stride);
 }
 
 } // namespace smcgraph::llama

@@ -169,4 +169,9 @@ void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden,
            const int32_t* token_ids, const uint8_t* live, const uint16_t* token_embd, float* x,
            cudaStream_t stream);
 
+/// dst + r * dst_row_stride = src + r * src_row_stride for r < rows, `hidden` floats each (a multiple of 4;
+/// 16-byte aligned rows): the residual stream a layer-prefix draft hands its target (ForwardArgs::hidden).
+void copy_rows(int rows, int hidden, const float* src, int64_t src_row_stride, float* dst,
+               int64_t dst_row_stride, cudaStream_t stream);
+
 } // namespace smcgraph::llama

@@ -245,13 +245,28 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   Workspace& w = *workspace_;
   const int T = static_cast<int>(tokens);
   const int qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
-
-  llama::embed(T, args.tokens_per_row, args.token_stride(), c.hidden, c.vocab, args.tokens, args.live,
-               weights_->token_embd(), w.x.data(), stream);
+  const int W = args.tokens_per_row;
+  // Resuming (ForwardArgs::hidden): every token but each row's last enters layer R from `hidden`, where the
+  // draft's forwards left it; the last token runs layers 0 .. R - 1 alone first, and joins them there.
+  const int R = args.resume_layers;
+  require(R >= 0 && R < static_cast<int>(layers_.size()), kWhere, "args.resume_layers", R,
+          "must be in [0, layers) (0: run every layer)");
+  if (R > 0 || args.hidden != nullptr) {
+    require(args.hidden != nullptr && reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0, kWhere,
+            "args.hidden", args.hidden == nullptr ? "null" : "misaligned",
+            "must be a 16-byte aligned device pointer where resume_layers > 0");
+    require(args.hidden_row_stride >= (R > 0 ? static_cast<int64_t>(W) : 1) * c.hidden &&
+                (R == 0 || args.hidden_row_stride == static_cast<int64_t>(W) * c.hidden),
+            kWhere, "args.hidden_row_stride", args.hidden_row_stride,
+            R > 0 ? "must be tokens_per_row * hidden_size() when resuming" : "must be >= hidden_size()");
+  }
+  if (R > 0)
+    require(args.io_stride() == W, kWhere, "args.io_row_stride", args.io_row_stride,
+            "must be dense (0 or tokens_per_row) when resuming");
 
   // clang-format off
   llama::AttentionArgs attention{
-      .rows = args.rows, .tokens_per_row = args.tokens_per_row, .heads = c.heads, .kv_heads = c.kv_heads,
+      .rows = args.rows, .tokens_per_row = W, .heads = c.heads, .kv_heads = c.kv_heads,
       .head_dim = c.head_dim, .max_seq_len = options_.max_seq_len, .pool_size = options_.pool_size,
       .io_row_stride = args.io_stride(), .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
       .q = w.q.data(), .kv = nullptr,
@@ -261,64 +276,97 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
 
   llama::GemmArgs g;
   g.tokens = T;
-  g.tokens_per_row = args.tokens_per_row;
+  g.tokens_per_row = W;
   g.io_row_stride = args.io_stride();
   g.live = args.live;
   g.eps = c.rms_eps;
   g.tiles = w.gemm_tiles;
   g.narrow_warps = w.gemm_narrow_warps;
-  for (size_t local = 0; local < layers_.size(); ++local) {
-    const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
-    uint16_t* kv = kv_ + local * size_t(options_.pool_size) * 2 * kvd;
 
-    llama::GemmArgs qkv = g;
-    qkv.n = qd + 2 * kvd;
-    qkv.k = c.hidden;
-    qkv.weight = layer.qkv;
-    qkv.x = w.x.data();
-    qkv.norm_weight = layer.attn_norm;
-    qkv.out_bf16 = w.q.data();
-    qkv.q_dim = qd;
-    qkv.kv_dim = kvd;
-    qkv.head_dim = c.head_dim;
-    qkv.pool_size = options_.pool_size;
-    qkv.inv_freq = weights_->rope_inv_freq();
-    qkv.positions = args.positions;
-    qkv.out_slots = args.out_slots;
-    qkv.kv = kv;
-    normalize_for_pipelined_tiles(llama::GemmEpilogue::kQkvRope, qkv, w.normed.data(), stream);
-    llama::gemm(llama::GemmEpilogue::kQkvRope, qkv, stream);
+  // Layers [first, last) of this model on residual stream x, with the shapes of `shape` and `att` (whose
+  // positions the QKV projection's RoPE and KV write also take, with att's out_slots).
+  const auto run_layers = [&](size_t first, size_t last, float* x, const llama::GemmArgs& shape,
+                              llama::AttentionArgs att, const int32_t* out_slots) {
+    for (size_t local = first; local < last; ++local) {
+      const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
+      uint16_t* kv = kv_ + local * size_t(options_.pool_size) * 2 * kvd;
 
-    attention.kv = kv;
-    llama::attention(attention, stream);
+      llama::GemmArgs qkv = shape;
+      qkv.n = qd + 2 * kvd;
+      qkv.k = c.hidden;
+      qkv.weight = layer.qkv;
+      qkv.x = x;
+      qkv.norm_weight = layer.attn_norm;
+      qkv.out_bf16 = w.q.data();
+      qkv.q_dim = qd;
+      qkv.kv_dim = kvd;
+      qkv.head_dim = c.head_dim;
+      qkv.pool_size = options_.pool_size;
+      qkv.inv_freq = weights_->rope_inv_freq();
+      qkv.positions = att.positions;
+      qkv.out_slots = out_slots;
+      qkv.kv = kv;
+      normalize_for_pipelined_tiles(llama::GemmEpilogue::kQkvRope, qkv, w.normed.data(), stream);
+      llama::gemm(llama::GemmEpilogue::kQkvRope, qkv, stream);
 
-    llama::GemmArgs o = g;
-    o.n = c.hidden;
-    o.k = qd;
-    o.weight = layer.o;
-    o.a_bf16 = w.o.data();
-    o.residual = w.x.data();
-    o.residual_ready_before_wait = true; // last written by the down projection (or embed) before QKV
-    llama::gemm(llama::GemmEpilogue::kResidualAdd, o, stream);
+      att.kv = kv;
+      llama::attention(att, stream);
 
-    llama::GemmArgs gate_up = g;
-    gate_up.n = 2 * c.ffn;
-    gate_up.k = c.hidden;
-    gate_up.weight = layer.gate_up;
-    gate_up.x = w.x.data();
-    gate_up.norm_weight = layer.ffn_norm;
-    gate_up.out_bf16 = w.act.data();
-    normalize_for_pipelined_tiles(llama::GemmEpilogue::kSwiGlu, gate_up, w.normed.data(), stream);
-    llama::gemm(llama::GemmEpilogue::kSwiGlu, gate_up, stream);
+      llama::GemmArgs o = shape;
+      o.n = c.hidden;
+      o.k = qd;
+      o.weight = layer.o;
+      o.a_bf16 = w.o.data();
+      o.residual = x;
+      o.residual_ready_before_wait = true; // last written by the down projection (or embed) before QKV
+      llama::gemm(llama::GemmEpilogue::kResidualAdd, o, stream);
 
-    llama::GemmArgs down = g;
-    down.n = c.hidden;
-    down.k = c.ffn;
-    down.weight = layer.down;
-    down.a_bf16 = w.act.data();
-    down.residual = w.x.data();
-    down.residual_ready_before_wait = true; // last written by the O projection before gate/up
-    llama::gemm(llama::GemmEpilogue::kResidualAdd, down, stream);
+      llama::GemmArgs gate_up = shape;
+      gate_up.n = 2 * c.ffn;
+      gate_up.k = c.hidden;
+      gate_up.weight = layer.gate_up;
+      gate_up.x = x;
+      gate_up.norm_weight = layer.ffn_norm;
+      gate_up.out_bf16 = w.act.data();
+      normalize_for_pipelined_tiles(llama::GemmEpilogue::kSwiGlu, gate_up, w.normed.data(), stream);
+      llama::gemm(llama::GemmEpilogue::kSwiGlu, gate_up, stream);
+
+      llama::GemmArgs down = shape;
+      down.n = c.hidden;
+      down.k = c.ffn;
+      down.weight = layer.down;
+      down.a_bf16 = w.act.data();
+      down.residual = x;
+      down.residual_ready_before_wait = true; // last written by the O projection before gate/up
+      llama::gemm(llama::GemmEpilogue::kResidualAdd, down, stream);
+    }
+  };
+
+  float* x = w.x.data();
+  if (R == 0) {
+    llama::embed(T, W, args.token_stride(), c.hidden, c.vocab, args.tokens, args.live, weights_->token_embd(),
+                 x, stream);
+    run_layers(0, layers_.size(), x, g, attention, args.out_slots);
+    if (args.hidden != nullptr) // the residual of each row's last token, for the target to resume from
+      llama::copy_rows(args.rows, c.hidden, x + static_cast<size_t>(W - 1) * c.hidden,
+                       static_cast<int64_t>(W) * c.hidden, args.hidden, args.hidden_row_stride, stream);
+  } else {
+    // Each row's last token alone through layers 0 .. R - 1 (its column of the inputs, a one-token forward
+    // of `rows` tokens), into its place in `hidden`; then every token through layers R .. on `hidden`.
+    const int64_t last = W - 1;
+    llama::GemmArgs one = g;
+    one.tokens = args.rows;
+    one.tokens_per_row = 1;
+    llama::AttentionArgs one_attention = attention;
+    one_attention.tokens_per_row = 1;
+    one_attention.positions = args.positions + last;
+    llama::embed(args.rows, 1, args.token_stride(), c.hidden, c.vocab, args.tokens + last, args.live,
+                 weights_->token_embd(), x, stream);
+    run_layers(0, static_cast<size_t>(R), x, one, one_attention, args.out_slots + last);
+    llama::copy_rows(args.rows, c.hidden, x, c.hidden, args.hidden + last * c.hidden, args.hidden_row_stride,
+                     stream);
+    x = args.hidden;
+    run_layers(static_cast<size_t>(R), layers_.size(), x, g, attention, args.out_slots);
   }
 
   llama::GemmArgs head = g;
@@ -327,19 +375,29 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     head.tokens = args.rows;
     head.tokens_per_row = 1;
     head.io_row_stride = 1;
-    head.x_row_stride = static_cast<int64_t>(args.tokens_per_row) * c.hidden;
+    head.x_row_stride = static_cast<int64_t>(W) * c.hidden;
   }
   head.n = weights_->vocab_padded();
   head.logits_cols = c.vocab;
   head.k = c.hidden;
   head.weight = weights_->head();
-  head.x =
-      w.x.data() + (args.last_token_logits ? static_cast<size_t>(args.tokens_per_row - 1) * c.hidden : 0);
+  head.x = x + (args.last_token_logits ? static_cast<size_t>(W - 1) * c.hidden : 0);
   head.norm_weight = weights_->output_norm();
   head.logits = args.logits;
   head.logits_dtype = options_.logits_dtype;
   if (!w.head->run(head, w.normed.data(), stream))
     llama::gemm(llama::GemmEpilogue::kLogits, head, stream);
+}
+
+int LlamaModel::resumable_layers(const Model& draft) const {
+  const auto* prefix = dynamic_cast<const LlamaModel*>(&draft);
+  if (prefix == nullptr || prefix->options_.kv_owner != this || prefix->layers_.size() >= layers_.size())
+    return 0;
+  return static_cast<int>(prefix->layers_.size()); // kv_owner: the same weights, the first layers of ours
+}
+
+int LlamaModel::hidden_size() const {
+  return config().hidden;
 }
 
 } // namespace smcgraph
