@@ -3,8 +3,9 @@
 // prompts x 256 tokens, in every bucket, eager and graphed. The target-only reference is a host loop of
 // one-token forwards (the prompt prefilled in one forward, as admission does), argmax on the host. LlamaModel
 // is batch-invariant (a token's logits do not depend on the rows or tokens around it), so the equality is
-// exact, not up to ties. Skips with a message when the model file is absent (SMCGRAPH_MODEL_PATH or
-// .cache/models/).
+// exact, not up to ties. And SMC (N 8, K 4, sampled) with the verify resumed after the 28-layer draft's layers
+// gives the every-layer verify's updates and results bit for bit. Skips with a message when the model file is
+// absent (SMCGRAPH_MODEL_PATH or .cache/models/).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -188,4 +189,108 @@ TEST_CASE(
     MESSAGE(std::string(graphs ? "graphed" : "eager"), ": ", compared, " requests x ", new_tokens,
             " tokens compared with greedy target-only decoding, ", mismatched, " differ");
   }
+}
+
+TEST_CASE(
+    "real model: SMC with the verify resumed after the draft's 28 layers gives the every-layer verify's "
+    "results bit for bit") {
+  const std::string path = default_llama_model_path();
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: real model file not found (run ./run fetch-model)");
+    return;
+  }
+  const GgufFile file = GgufFile::open(path);
+  const Tokenizer tokenizer = Tokenizer::from_gguf(file);
+  const auto weights = load_llama_weights(file);
+  // As above: fewer requests and tokens under a sanitizer, and under racecheck the file's first 2 layers
+  // (target) and its first (draft).
+  const int requests = test::sanitizer_scaled(4, 2, 1);
+  const int new_tokens = test::sanitizer_scaled(96, 10, 5);
+  const bool racecheck = test::sanitizer_tool() == test::SanitizerTool::kRacecheck;
+  constexpr int kParticles = 8, kSteps = 4;
+  std::vector<std::vector<int32_t>> prompts;
+  size_t longest = 0;
+  for (int i = 0; i < requests; ++i) {
+    prompts.push_back(tokenizer.encode(tokenizer.apply_chat_template({{"user", kChatQuestions[i]}}, true)));
+    longest = std::max(longest, prompts.back().size());
+  }
+  const int max_seq_len = static_cast<int>((longest + new_tokens + 2 * (kSteps + 1) + 127) / 128 * 128);
+  LlamaModelOptions options;
+  options.max_seq_len = max_seq_len;
+  options.pool_size = requests * kParticles * max_seq_len + 1;
+  options.max_tokens_per_forward =
+      std::max<int>(static_cast<int>(longest), requests * kParticles * (kSteps + 1));
+  options.logits_dtype = DType::kBFloat16;
+  if (racecheck)
+    options.layers = parse_llama_layers("0-1");
+
+  struct Run {
+    std::vector<RequestUpdate> updates;
+    std::vector<RequestResult> results;
+  };
+  const auto run = [&](bool resume) {
+    if (resume)
+      unsetenv("SMCGRAPH_DISABLE_PREFIX_RESUME");
+    else
+      setenv("SMCGRAPH_DISABLE_PREFIX_RESUME", "1", 1);
+    LlamaModel target(weights, options);
+    LlamaModelOptions draft_options = options;
+    draft_options.layers = parse_llama_layers(racecheck ? "0" : "0-27");
+    draft_options.kv_owner = &target;
+    LlamaModel draft(weights, draft_options);
+    EngineConfig config;
+    config.kind = CycleKind::kSmc;
+    config.vocab = target.vocab();
+    config.particles = kParticles;
+    config.draft_steps = kSteps;
+    config.max_requests = requests;
+    config.max_seq_len = max_seq_len;
+    config.slot_pool_size = options.pool_size;
+    config.draft_temperature = 0.7f;
+    config.target_temperature = 1.0f;
+    Engine engine(config, draft, target);
+    unsetenv("SMCGRAPH_DISABLE_PREFIX_RESUME");
+    CHECK(engine.resumed_layers() == (resume ? static_cast<int>(draft.layers().size()) : 0));
+    std::vector<RequestId> ids;
+    for (int i = 0; i < requests; ++i)
+      ids.push_back(
+          engine.admit(prompts[i], {.seed = 1000 + static_cast<uint64_t>(i), .max_new_tokens = new_tokens}));
+    Run out;
+    std::set<RequestId> open(ids.begin(), ids.end());
+    for (int cycle = 0; !open.empty(); ++cycle) {
+      REQUIRE(cycle <= new_tokens + 1);
+      engine.step();
+      for (RequestUpdate& update : engine.poll()) {
+        REQUIRE_MESSAGE(!update.failed, update.reason);
+        if (update.finished)
+          open.erase(update.id);
+        out.updates.push_back(std::move(update));
+      }
+    }
+    for (const RequestId id : ids)
+      out.results.push_back(engine.result(id));
+    const SlotCheck slots = test::check_invariants(engine);
+    CHECK_MESSAGE(slots.ok, slots.problem);
+    return out;
+  };
+  const Run resumed = run(true), every_layer = run(false);
+  REQUIRE(resumed.updates.size() == every_layer.updates.size());
+  int resampled = 0;
+  for (size_t u = 0; u < resumed.updates.size(); ++u) {
+    const RequestUpdate &a = resumed.updates[u], &b = every_layer.updates[u];
+    CAPTURE(u);
+    CHECK(a.id == b.id);
+    CHECK(a.tokens == b.tokens);
+    CHECK(a.ancestors == b.ancestors);
+    CHECK(a.ess == b.ess); // the same bits: the resumed verify's logits are the full verify's
+    CHECK(a.resampled == b.resampled);
+    resampled += a.resampled ? 1 : 0;
+  }
+  for (size_t i = 0; i < resumed.results.size(); ++i) {
+    CHECK(resumed.results[i].particles == every_layer.results[i].particles);
+    CHECK(resumed.results[i].log_weights == every_layer.results[i].log_weights);
+    CHECK(resumed.results[i].log_evidence == every_layer.results[i].log_evidence);
+  }
+  MESSAGE(requests, " SMC requests (N 8, K 4) x ", new_tokens, " tokens: ", resumed.updates.size(),
+          " request updates compared, ", resampled, " of them resampled");
 }
