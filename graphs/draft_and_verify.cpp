@@ -175,8 +175,10 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                          s.target_logits.data(),
                          K + 1,
                          K + 1};
-      if (s.resume_layers > 0 &&
-          width == K + 1) { // SMC: resume after the draft's layers (Engine::resumed_layers)
+      // Resume after the draft's layers (Engine::resumed_layers): a row's columns before its last drafted
+      // one come from the draft's forwards; that one from a draft step (K_q < width - 1) or the verify's own
+      // run of the draft's layers over the last column (K_q = width - 1). A one-column verify gains nothing.
+      if (s.resume_layers > 0 && width > 1) {
         verify.hidden = s.prefix_hidden.data();
         verify.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
         verify.resume_layers = s.resume_layers;

@@ -1126,8 +1126,10 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   // Two target + prefix-draft pairs (layers {0, 1} of 3, the draft's KV the target's), the same 20-token
   // prefill of 3 rows (the third a padding row in the verify). Pair A verifies 4 tokens a row with every
   // layer; pair B runs the draft over the first 3 of them one at a time (a draft step's forward, handing over
-  // each token's residual), then the target resuming after layer 1 (the last token runs layers 0 and 1 alone
-  // first). Logits and the whole KV must be the same bits, eager and captured.
+  // each token's residual into a buffer of 4 or 5 columns a row, as the engine's [rows, K + 1] one at a
+  // narrower verify), then the target resuming after layer 1 (the last token runs layers 0 and 1 alone
+  // first). Logits and the whole KV must be the same bits, eager and captured, and the target must not write
+  // the buffer.
   test::Rng rng;
   INFO("seed " << rng.seed());
   const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
@@ -1167,8 +1169,9 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   std::vector<int32_t> tokens;
   for (int i = 0; i < kRows * (kPrefix + kWidth); ++i)
     tokens.push_back(static_cast<int32_t>(rng.integer(0, shape.vocab - 1)));
-  for (bool captured : {false, true}) {
+  for (const auto& [captured, columns] : {std::pair{false, kWidth}, std::pair{true, kWidth + 1}}) {
     CAPTURE(captured);
+    CAPTURE(columns);
     Pair a(*tiny), b(*tiny);
     REQUIRE(a.target.resumable_layers(a.draft) == 2);
     Stream stream;
@@ -1179,20 +1182,22 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
     DeviceBatch full(inputs(tokens, kPrefix, kWidth, true), shape.vocab, DType::kFloat32, stream);
     const std::vector<uint8_t> expected = run_forward(a.target, full, captured, stream);
     // Pair B: the draft over columns 0 .. kWidth - 2, each handing over its residual into column j.
-    DeviceBuffer<float> residual(static_cast<size_t>(kRows) * kWidth * hidden);
+    const int64_t row_stride = static_cast<int64_t>(columns) * hidden;
+    DeviceBuffer<float> residual(static_cast<size_t>(kRows) * row_stride);
     residual.fill_bytes(0, stream);
     for (int j = 0; j + 1 < kWidth; ++j) {
       DeviceBatch step(inputs(tokens, kPrefix + j, 1, true), shape.vocab, DType::kFloat32, stream);
       ForwardArgs args = step.args();
       args.hidden = residual.data() + static_cast<size_t>(j) * hidden;
-      args.hidden_row_stride = static_cast<int64_t>(kWidth) * hidden;
+      args.hidden_row_stride = row_stride;
       test::run_on_stream(captured, stream, [&](cudaStream_t st) { b.draft.forward(args, st); });
     }
+    const std::vector<float> handed_over = test::to_host(residual.data(), residual.size(), stream);
     DeviceBatch resumed(inputs(tokens, kPrefix, kWidth, true), shape.vocab, DType::kFloat32, stream);
     resumed.logits.fill_bytes(kPoison, stream);
     ForwardArgs args = resumed.args();
     args.hidden = residual.data();
-    args.hidden_row_stride = static_cast<int64_t>(kWidth) * hidden;
+    args.hidden_row_stride = row_stride;
     args.resume_layers = 2;
     test::run_on_stream(captured, stream, [&](cudaStream_t st) { b.target.forward(args, st); });
     const std::vector<uint8_t> got = resumed.download(stream);
@@ -1201,6 +1206,7 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
       CHECK_MESSAGE(std::memcmp(got.data() + r * row_bytes, expected.data() + r * row_bytes, row_bytes) == 0,
                     "row " << r << ": the resumed verify's logits differ from the full verify's");
     CHECK(download_kv(b.target, stream) == download_kv(a.target, stream));
+    CHECK(test::to_host(residual.data(), residual.size(), stream) == handed_over); // read only
   }
   // Argument errors name the field.
   Pair p(*tiny);
@@ -1218,10 +1224,8 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   args.resume_layers = 3;
   CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.resume_layers"),
                        smcgraph::Error);
-  args.resume_layers = 2;
-  args.io_row_stride = kWidth + 1;
-  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.io_row_stride"),
-                       smcgraph::Error);
+  args.resume_layers = 1; // a draft sharing its owner's KV never resumes
+  CHECK_THROWS_WITH_AS(p.draft.forward(args, stream), doctest::Contains("owns its KV"), smcgraph::Error);
   CHECK(p.target.resumable_layers(p.target) == 0); // not a prefix draft of itself
   CHECK(p.draft.resumable_layers(p.target) == 0);
   CHECK(p.target.hidden_size() == hidden);
@@ -1299,6 +1303,96 @@ TEST_CASE(
       CHECK(shared.results[i].log_weights == own.results[i].log_weights); // the same bits
       CHECK(shared.results[i].log_evidence == own.results[i].log_evidence);
     }
+  }
+}
+
+TEST_CASE(
+    "llama engine: speculative decoding with the verify resumed after a KV-sharing draft's layers gives "
+    "the every-layer verify's results bit for bit") {
+  // Sampled (draft T 0.8, target T 1: the stochastic verifier), K = 3, requests pinned to K 1 and 2 or left
+  // to the adaptive rule, so rows of one batch draft different K: the steps past a row's K are masked (or,
+  // graphed, skipped), and a row's last drafted token reaches the verify from a draft step, not from the
+  // verify's own run of the draft's layers. Both draft loops: conditional nodes (graphed) and masked steps.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<uint64_t> seeds;
+  for (int i = 0; i < 4; ++i) {
+    prompts.push_back(test::random_prompt(rng, shape.vocab, 10 + 4 * i));
+    seeds.push_back(rng.bits());
+  }
+  const std::vector<int> pins = {1, -1, 2, -1};
+  struct Run {
+    std::vector<smcgraph::RequestUpdate> updates;
+    std::vector<smcgraph::RequestResult> results;
+  };
+  const auto run = [&](smcgraph::DraftLoop loop, bool graphs, bool resume) {
+    std::optional<ScopedEnv> no_resume;
+    if (!resume)
+      no_resume.emplace("SMCGRAPH_DISABLE_PREFIX_RESUME", "1");
+    LlamaModel target(tiny->weights,
+                      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
+    LlamaModelOptions draft_options =
+        options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+    draft_options.kv_owner = &target;
+    LlamaModel draft(tiny->weights, draft_options);
+    smcgraph::EngineConfig c = engine_config(smcgraph::CycleKind::kSpeculative, shape.vocab);
+    c.particles = 1;
+    c.draft_steps = 3;
+    c.max_requests = 4;
+    c.draft_temperature = 0.8f;
+    c.target_temperature = 1.0f;
+    c.adaptive.enabled = true;
+    c.adaptive.mid_steps = 2;
+    c.draft_loop = loop;
+    c.use_graphs = graphs;
+    smcgraph::Engine engine(c, draft, target);
+    CHECK(engine.resumed_layers() == (resume ? 2 : 0));
+    std::vector<smcgraph::RequestId> ids;
+    for (size_t i = 0; i < prompts.size(); ++i)
+      ids.push_back(
+          engine.admit(prompts[i], {.seed = seeds[i], .max_new_tokens = 40, .draft_steps = pins[i]}));
+    Run out;
+    std::set<smcgraph::RequestId> open(ids.begin(), ids.end());
+    for (int cycle = 0; !open.empty(); ++cycle) {
+      REQUIRE(cycle <= 41);
+      engine.step();
+      for (smcgraph::RequestUpdate& update : engine.poll()) {
+        REQUIRE_MESSAGE(!update.failed, update.reason);
+        if (update.finished)
+          open.erase(update.id);
+        out.updates.push_back(std::move(update));
+      }
+    }
+    for (smcgraph::RequestId id : ids)
+      out.results.push_back(engine.result(id));
+    const smcgraph::SlotCheck check = test::check_invariants(engine);
+    CHECK_MESSAGE(check.ok, check.problem);
+    return out;
+  };
+  for (const auto& [loop, graphs] :
+       {std::pair{smcgraph::DraftLoop::kConditional, true}, std::pair{smcgraph::DraftLoop::kMasked, true},
+        std::pair{smcgraph::DraftLoop::kMasked, false}}) {
+    CAPTURE(static_cast<int>(loop));
+    CAPTURE(graphs);
+    const Run every_layer = run(loop, graphs, false), resumed = run(loop, graphs, true);
+    REQUIRE(resumed.updates.size() == every_layer.updates.size());
+    int drafted_below_max = 0;
+    for (size_t u = 0; u < resumed.updates.size(); ++u) {
+      const smcgraph::RequestUpdate &a = resumed.updates[u], &b = every_layer.updates[u];
+      CAPTURE(u);
+      CHECK(a.id == b.id);
+      CHECK(a.tokens == b.tokens);
+      CHECK(a.draft_steps == b.draft_steps);
+      CHECK(a.accepted == b.accepted);
+      CHECK(a.acceptance_ema == b.acceptance_ema);
+      drafted_below_max += a.draft_steps >= 1 && a.draft_steps < 3 ? 1 : 0;
+    }
+    CHECK(drafted_below_max > 0); // rows whose last drafted token came from a draft step
+    for (size_t i = 0; i < resumed.results.size(); ++i)
+      CHECK(resumed.results[i].tokens == every_layer.results[i].tokens);
   }
 }
 

@@ -255,10 +255,10 @@ public:
   const EngineConfig& config() const;
   /// Whether captured cycles skip the draft steps no live row needs (conditional nodes) or mask them.
   const DraftLoopInfo& draft_loop() const;
-  /// Layers of the target the SMC cycle's verify does not run again over the drafted tokens: the draft's,
-  /// where the target resumes after them from the draft's residual stream (Model::resumable_layers; a
-  /// layer-prefix LlamaModel draft with LlamaModelOptions::kv_owner = the target). 0: the verify runs every
-  /// layer (speculative cycles, other drafts, SMCGRAPH_DISABLE_PREFIX_RESUME=1).
+  /// Layers of the target the verify does not run again over the drafted tokens: the draft's, where the
+  /// target resumes after them from the draft's residual stream (Model::resumable_layers; a layer-prefix
+  /// LlamaModel draft with LlamaModelOptions::kv_owner = the target), in both cycle kinds. 0: the verify runs
+  /// every layer (other drafts, draft_steps = 0, SMCGRAPH_DISABLE_PREFIX_RESUME=1).
   int resumed_layers() const;
   cudaStream_t stream() const;
   /// Device bytes the engine allocated (buffers for the largest bucket, graphs excluded).

@@ -43,13 +43,13 @@ struct ForwardArgs {
   /// The residual stream handed from a layer-prefix draft to its target (Model::resumable_layers), fp32,
   /// hidden_size() floats a token. With resume_layers = 0 (a draft's forward): after its layers, the model
   /// writes the residual of each row's last token at hidden + r * hidden_row_stride. With resume_layers = R >
-  /// 0 (the target's verify): hidden + (r * tokens_per_row + j) * hidden_size() holds, for every token j but
-  /// the last of row r, the residual after the model's first R layers (the draft's forwards wrote it, and
-  /// those layers' KV of the token); the model runs its first R layers over each row's last token alone and
-  /// the others over every token, starting from these. hidden_row_stride must then be tokens_per_row *
-  /// hidden_size() and io_row_stride dense (0 or tokens_per_row), and the model may overwrite `hidden`.
-  /// Set only where the target's resumable_layers(draft) is R (the engine's SMC cycle).
-  float* hidden = nullptr;
+  /// 0 (the target's verify; the model only reads `hidden`): hidden + r * hidden_row_stride + j *
+  /// hidden_size() holds, for every token j but the last of row r, the residual after the model's first R
+  /// layers (the draft's forwards wrote it, and those layers' KV of the token); the model runs its first R
+  /// layers over each row's last token alone, then the others over every token, starting from these.
+  /// hidden_row_stride must then be >= tokens_per_row * hidden_size(). Set only where the target's
+  /// resumable_layers(draft) is R (the engine's verify, both cycle kinds).
+  float* hidden = nullptr; ///< written by a draft's forward, read by a resuming one
   int64_t hidden_row_stride = 0;
   int resume_layers = 0;
 

@@ -93,6 +93,10 @@ struct CycleBuffers {
   float* acceptance_ema = nullptr;        ///< [requests] EMA of accepted / K_q
   int32_t* cycle_draft_steps = nullptr;   ///< [requests] K_q of the cycle just run (outputs)
   uint8_t* step_live = nullptr;           ///< [K - 1, rows] row drafts at step s (live and s < K_q)
+  /// The verify resumes after the draft's layers (Engine::resumed_layers): step s then also runs for rows
+  /// with s = K_q (live in step_live), whose d_{K_q} must hand its residual and its KV of the draft's layers
+  /// over (its sample, d_{K_q + 1}, is never read).
+  bool hand_over_last_draft = false;
   int32_t* decision_free_slots = nullptr; ///< [1] free slots when the next K was chosen
   uint8_t* kv_pressure = nullptr;         ///< [1] 1 when they were under the watermark
 };
@@ -144,7 +148,8 @@ struct DraftLoopConditions {
   /// The draft head's node (AdaptiveDraftSteps::min_steps = 0): set to m > 0. 0: none.
   unsigned long long head = 0;
 };
-/// Forward inputs of the draft head and steps; a row drafts its request's K_q steps (step_live), the later
+/// Forward inputs of the draft head and steps; a row drafts its request's K_q steps (step_live; with
+/// b.hand_over_last_draft also step K_q, which forwards d_{K_q} for the resumed verify), the later
 /// steps write the dummy slot and the verify positions past K_q repeat position L - 1 + K_q. With
 /// conditions.count > 0 the same launch sets condition s to (s < m), m = max K_q over the live rows (0 when
 /// none is live), so a captured cycle runs m - 1 draft steps and verifies max(m, 1) + 1 columns.

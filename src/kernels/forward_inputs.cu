@@ -27,6 +27,7 @@ struct DraftInputsView {
   int32_t *step_positions, *step_out_slots, *step_seq_lens;
   uint8_t* step_live;
   int32_t *verify_positions, *verify_out_slots, *verify_seq_lens;
+  bool hand_over_last_draft;
 };
 
 DraftInputsView draft_inputs_view(const CycleBuffers& b) {
@@ -37,7 +38,8 @@ DraftInputsView draft_inputs_view(const CycleBuffers& b) {
           .head_out_slots = b.head_out_slots, .head_seq_lens = b.head_seq_lens,
           .step_positions = b.step_positions, .step_out_slots = b.step_out_slots,
           .step_seq_lens = b.step_seq_lens, .step_live = b.step_live, .verify_positions = b.verify_positions,
-          .verify_out_slots = b.verify_out_slots, .verify_seq_lens = b.verify_seq_lens};
+          .verify_out_slots = b.verify_out_slots, .verify_seq_lens = b.verify_seq_lens,
+          .hand_over_last_draft = b.hand_over_last_draft};
   // clang-format on
 }
 
@@ -87,7 +89,8 @@ __device__ void prepare_draft_row(const DraftInputsView& b, int r) {
   const int32_t* slots = b.tables.slot_table + static_cast<int64_t>(r) * max_len;
   const int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * max_len;
   // Live rows have L >= 2 and slots for positions < L + K_q + 1 (alloc ran first); padding rows point at the
-  // dummy slot 0 and position 0, and so do the steps a row does not draft (s >= K_q).
+  // dummy slot 0 and position 0, and so do the steps a row does not draft (s >= K_q; s > K_q when step K_q
+  // hands d_{K_q} over to a resumed verify).
   const int steps = row_draft_steps(b, r);
   for (int j = 0; j < 2; ++j) {
     const int position = L - 2 + j;
@@ -97,7 +100,7 @@ __device__ void prepare_draft_row(const DraftInputsView& b, int r) {
   }
   b.head_seq_lens[r] = live ? L : 0;
   for (int s = 1; s < b.draft_steps; ++s) {
-    const bool drafts = live && s < steps;
+    const bool drafts = live && (s < steps || (b.hand_over_last_draft && s == steps));
     const int position = L + s - 1;
     b.step_positions[(s - 1) * b.max_rows + r] = drafts ? position : 0;
     b.step_out_slots[(s - 1) * b.max_rows + r] = drafts ? slots[position] : 0;

@@ -122,17 +122,18 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
     s.pack_workspace = PackWorkspace(R, s.stream);
     total += s.pack_workspace.bytes();
   }
-  // The SMC verify resumes after the draft's layers where the target can (a layer-prefix draft sharing its
-  // KV, whose head forwards x_{L-1} alone: Model::resumable_layers, draft_head_tokens), so those layers run
-  // once a token instead of twice; SMCGRAPH_DISABLE_PREFIX_RESUME=1 turns it off (A/B runs, tests).
-  if (config.kind == CycleKind::kSmc && K >= 1 && !env_flag("SMCGRAPH_DISABLE_PREFIX_RESUME") &&
-      draft_head_tokens(draft, target) == 1 && target.hidden_size() > 0 &&
-      draft.hidden_size() == target.hidden_size() && target.resumable_layers(draft) > 0) {
+  // The verify resumes after the draft's layers where the target can (a layer-prefix draft sharing its KV,
+  // whose head forwards x_{L-1} alone: Model::resumable_layers, draft_head_tokens), so those layers run once
+  // a token instead of twice; SMCGRAPH_DISABLE_PREFIX_RESUME=1 turns it off (A/B runs, tests).
+  if (K >= 1 && !env_flag("SMCGRAPH_DISABLE_PREFIX_RESUME") && draft_head_tokens(draft, target) == 1 &&
+      target.hidden_size() > 0 && draft.hidden_size() == target.hidden_size() &&
+      target.resumable_layers(draft) > 0) {
     s.resume_layers = target.resumable_layers(draft);
     s.hidden_size = target.hidden_size();
     s.prefix_hidden = DeviceBuffer<float>(static_cast<size_t>(R) * (K + 1) * s.hidden_size);
     s.prefix_hidden.fill_bytes(0, s.stream); // padding rows' columns are read (and ignored) before written
     total += s.prefix_hidden.bytes();
+    s.buffers.hand_over_last_draft = true; // each row's last drafted token reaches the buffer too
   }
   const size_t output_bytes = detail::output_layout(R, Q, K).bytes;
   for (int p = 0; p < 2; ++p) {

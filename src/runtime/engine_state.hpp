@@ -80,9 +80,9 @@ struct Engine::State {
   int draft_steps = 0; ///< K (EngineConfig::draft_steps)
   int vocab = 0;
   int prefill_chunk = 0;
-  /// The SMC verify resumes after the draft's layers (Model::resumable_layers): this many, 0 when it runs
-  /// every layer. prefix_hidden is then [rows, K + 1, hidden_size] fp32, the residual stream the draft head
-  /// and steps hand over (column k from the forward that read draft-block column k).
+  /// The verify resumes after the draft's layers (Model::resumable_layers): this many, 0 when it runs every
+  /// layer. prefix_hidden is then [rows, K + 1, hidden_size] fp32, the residual stream the draft head and
+  /// steps hand over (column k from the forward that read draft-block column k).
   int resume_layers = 0;
   int hidden_size = 0;
   DeviceBuffer<float> prefix_hidden;

@@ -556,6 +556,21 @@ __global__ void LlamaCopyRowsKernel(int hidden, const float* src, int64_t src_st
     to[h] = from[h];
 }
 
+/// A resumed verify's residual stream after the draft's layers: token j of row r (block (r, j)) from hidden
+/// (j < tokens_per_row - 1) or, the row's last, from the verify's own run of those layers (last[r]).
+__global__ void LlamaAssembleResumedKernel(int hidden, const float* from_draft, int64_t draft_row_stride,
+                                           const float* last, float* x) {
+  const int r = blockIdx.x, j = blockIdx.y, width = gridDim.y;
+  pdl_wait();
+  pdl_trigger();
+  const float* source = j + 1 < width ? from_draft + r * draft_row_stride + static_cast<int64_t>(j) * hidden
+                                      : last + static_cast<int64_t>(r) * hidden;
+  const float4* from = reinterpret_cast<const float4*>(source);
+  float4* to = reinterpret_cast<float4*>(x + (static_cast<int64_t>(r) * width + j) * hidden);
+  for (int h = threadIdx.x; h < hidden / 4; h += blockDim.x)
+    to[h] = from[h];
+}
+
 /// Every attention kernel variant, for one call per attribute.
 template <class F> void for_each_attention_kernel(F&& f) {
   f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, true>), false);
@@ -575,6 +590,7 @@ void prepare_attention(int head_dim) {
           "head_dim", head_dim, "must be a multiple of 8 in [8, 128]");
   detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaEmbedKernel), 0);
   detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaCopyRowsKernel), 0);
+  detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaAssembleResumedKernel), 0);
   for_each_attention_kernel([&](const void* kernel, bool grouped) {
     detail::prepare_forward_kernel(kernel, grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries)
                                                    : attention_smem_bytes(head_dim));
@@ -654,6 +670,21 @@ void copy_rows(int rows, int hidden, const float* src, int64_t src_row_stride, f
     return;
   launch_pdl(LlamaCopyRowsKernel, dim3(rows), dim3(128), 0, stream, hidden, src, src_row_stride, dst,
              dst_row_stride);
+}
+
+void assemble_resumed_rows(int rows, int tokens_per_row, int hidden, const float* from_draft,
+                           int64_t draft_row_stride, const float* last, float* x, cudaStream_t stream) {
+  constexpr const char* kWhere = "llama::assemble_resumed_rows";
+  require(hidden >= 4 && hidden % 4 == 0, kWhere, "hidden", hidden, "must be a positive multiple of 4");
+  require(tokens_per_row >= 1 && tokens_per_row <= 65535, kWhere, "tokens_per_row", tokens_per_row,
+          "must be in [1, 65535]");
+  require(draft_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(from_draft) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(last) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
+          kWhere, "rows", "misaligned", "must start 16-byte aligned (float4 copies)");
+  if (rows == 0)
+    return;
+  launch_pdl(LlamaAssembleResumedKernel, dim3(rows, tokens_per_row), dim3(128), 0, stream, hidden, from_draft,
+             draft_row_stride, last, x);
 }
 
 } // namespace smcgraph::llama

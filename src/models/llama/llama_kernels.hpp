@@ -174,4 +174,10 @@ void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden,
 void copy_rows(int rows, int hidden, const float* src, int64_t src_row_stride, float* dst,
                int64_t dst_row_stride, cudaStream_t stream);
 
+/// x [rows * tokens_per_row, hidden] dense: token j of row r from from_draft + r * draft_row_stride + j *
+/// hidden for j < tokens_per_row - 1, the row's last from last + r * hidden (a resumed verify's residual
+/// stream after the draft's layers; one launch, 16-byte aligned rows).
+void assemble_resumed_rows(int rows, int tokens_per_row, int hidden, const float* from_draft,
+                           int64_t draft_row_stride, const float* last, float* x, cudaStream_t stream);
+
 } // namespace smcgraph::llama

@@ -96,7 +96,8 @@ std::shared_ptr<const LlamaWeights> load_llama_weights(const GgufFile& file) {
 }
 
 struct LlamaModel::Workspace {
-  DeviceBuffer<float> x;                    // [T, hidden] residual stream
+  DeviceBuffer<float> x;         // [T, hidden] residual stream
+  DeviceBuffer<float> resumed_x; // [T, hidden]: a resumed verify's after the draft's layers (targets)
   DeviceBuffer<uint16_t> q, o, act, normed; // [T, q_dim], [T, q_dim], [T, ffn], [T, hidden] (the LM head's A)
   std::unique_ptr<llama::LtHead> head;      // the LM head (small head or cuBLASLt) where it serves the call
   llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
@@ -159,6 +160,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   workspace_ = std::make_unique<Workspace>();
   Workspace& w = *workspace_;
   w.x = DeviceBuffer<float>(T * c.hidden);
+  if (!options_.kv_owner) // a model owning its KV may be a target that resumes (ForwardArgs::resume_layers)
+    w.resumed_x = DeviceBuffer<float>(T * c.hidden);
   w.q = DeviceBuffer<uint16_t>(T * qd);
   w.o = DeviceBuffer<uint16_t>(T * qd);
   w.act = DeviceBuffer<uint16_t>(T * c.ffn);
@@ -186,6 +189,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   if (!options_.kv_owner) // a shared KV is the owner's, zeroed by it
     own_kv_.fill_bytes(0, stream);
   w.x.fill_bytes(0, stream);
+  if (w.resumed_x.size() > 0)
+    w.resumed_x.fill_bytes(0, stream);
   w.q.fill_bytes(0, stream);
   w.o.fill_bytes(0, stream);
   w.act.fill_bytes(0, stream);
@@ -256,13 +261,14 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
             "args.hidden", args.hidden == nullptr ? "null" : "misaligned",
             "must be a 16-byte aligned device pointer where resume_layers > 0");
     require(args.hidden_row_stride >= (R > 0 ? static_cast<int64_t>(W) : 1) * c.hidden &&
-                (R == 0 || args.hidden_row_stride == static_cast<int64_t>(W) * c.hidden),
+                args.hidden_row_stride % 4 == 0,
             kWhere, "args.hidden_row_stride", args.hidden_row_stride,
-            R > 0 ? "must be tokens_per_row * hidden_size() when resuming" : "must be >= hidden_size()");
+            R > 0 ? "must be a multiple of 4 and >= tokens_per_row * hidden_size() when resuming"
+                  : "must be a multiple of 4 and >= hidden_size()");
   }
   if (R > 0)
-    require(args.io_stride() == W, kWhere, "args.io_row_stride", args.io_row_stride,
-            "must be dense (0 or tokens_per_row) when resuming");
+    require(w.resumed_x.size() > 0, kWhere, "args.resume_layers", R,
+            "needs a model that owns its KV (a target; a kv_owner draft never resumes)");
 
   // clang-format off
   llama::AttentionArgs attention{
@@ -352,7 +358,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
                        static_cast<int64_t>(W) * c.hidden, args.hidden, args.hidden_row_stride, stream);
   } else {
     // Each row's last token alone through layers 0 .. R - 1 (its column of the inputs, a one-token forward
-    // of `rows` tokens), into its place in `hidden`; then every token through layers R .. on `hidden`.
+    // of `rows` tokens); then the rows' tokens, the others' residuals from `hidden` and the last one's from
+    // there, through layers R .. on the workspace's second residual stream.
     const int64_t last = W - 1;
     llama::GemmArgs one = g;
     one.tokens = args.rows;
@@ -363,9 +370,9 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     llama::embed(args.rows, 1, args.token_stride(), c.hidden, c.vocab, args.tokens + last, args.live,
                  weights_->token_embd(), x, stream);
     run_layers(0, static_cast<size_t>(R), x, one, one_attention, args.out_slots + last);
-    llama::copy_rows(args.rows, c.hidden, x, c.hidden, args.hidden + last * c.hidden, args.hidden_row_stride,
-                     stream);
-    x = args.hidden;
+    llama::assemble_resumed_rows(args.rows, W, c.hidden, args.hidden, args.hidden_row_stride, x,
+                                 w.resumed_x.data(), stream);
+    x = w.resumed_x.data();
     run_layers(static_cast<size_t>(R), layers_.size(), x, g, attention, args.out_slots);
   }
 
@@ -391,7 +398,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
 
 int LlamaModel::resumable_layers(const Model& draft) const {
   const auto* prefix = dynamic_cast<const LlamaModel*>(&draft);
-  if (prefix == nullptr || prefix->options_.kv_owner != this || prefix->layers_.size() >= layers_.size())
+  if (prefix == nullptr || prefix->options_.kv_owner != this || prefix->layers_.size() >= layers_.size() ||
+      workspace_->resumed_x.size() == 0)
     return 0;
   return static_cast<int>(prefix->layers_.size()); // kv_owner: the same weights, the first layers of ours
 }
