@@ -420,28 +420,7 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
   }
 }
 
-/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_GEMM_TILES, SMCGRAPH_LM_HEAD, ...) set for
-/// a scope and restored on every way out, a throw included: no later test in the process inherits it, and a
-/// value the harness set (gpu_main.cpp: SMCGRAPH_LM_HEAD=own_gemm under initcheck) comes back.
-struct ScopedEnv {
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name))
-      old_ = old;
-    REQUIRE(setenv(name, value, 1) == 0);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
-private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using test::ScopedEnv;
 
 /// Two models of `shape`, built with the environment variable `name` set to `first` and to `second` (read by
 /// the constructor), fed the same forwards: a 270-token prefill of 6 rows, then verify blocks and decodes,
@@ -824,6 +803,21 @@ namespace {
 constexpr int kEnginePool = 1 << 13, kEngineMaxSeqLen = 160, kEngineMaxTokens = 256;
 
 /// A target (all layers) and a layer-subset draft over one tiny model, with their own KV.
+/// The tiny target and a draft of its first two layers; with `share_kv` the draft reads and writes the
+/// target's KV (LlamaModelOptions::kv_owner), so the target's verify may resume after the draft's layers.
+struct PrefixPair {
+  LlamaModel target, draft;
+  explicit PrefixPair(const Tiny& tiny, bool share_kv = true)
+      : target(tiny.weights, options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32)),
+        draft(tiny.weights, [&] {
+          LlamaModelOptions o =
+              options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+          if (share_kv)
+            o.kv_owner = &target;
+          return o;
+        }()) {}
+};
+
 struct LlamaPair {
   std::unique_ptr<LlamaModel> draft, target;
   explicit LlamaPair(const Tiny& tiny) {
@@ -1136,17 +1130,6 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
   constexpr int kRows = 3, kPrefix = 20, kWidth = 4;
   const int hidden = tiny->weights->config().hidden;
-  struct Pair {
-    LlamaModel target, draft;
-    explicit Pair(const Tiny& t)
-        : target(t.weights, options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32)),
-          draft(t.weights, [&] {
-            LlamaModelOptions o =
-                options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
-            o.kv_owner = &target;
-            return o;
-          }()) {}
-  };
   // Row r's positions 0 .. kPrefix + kWidth - 1 at slots 1 + r * 64 + p.
   const auto inputs = [&](const std::vector<int32_t>& all_tokens, int first, int count, bool pad_last_row) {
     LlamaForwardInputs in;
@@ -1172,10 +1155,10 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   for (const auto& [captured, columns] : {std::pair{false, kWidth}, std::pair{true, kWidth + 1}}) {
     CAPTURE(captured);
     CAPTURE(columns);
-    Pair a(*tiny), b(*tiny);
+    PrefixPair a(*tiny), b(*tiny);
     REQUIRE(a.target.resumable_layers(a.draft) == 2);
     Stream stream;
-    for (Pair* pair : {&a, &b}) {
+    for (PrefixPair* pair : {&a, &b}) {
       DeviceBatch prefill(inputs(tokens, 0, kPrefix, false), shape.vocab, DType::kFloat32, stream);
       run_forward(pair->target, prefill, false, stream);
     }
@@ -1209,7 +1192,7 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
     CHECK(test::to_host(residual.data(), residual.size(), stream) == handed_over); // read only
   }
   // Argument errors name the field.
-  Pair p(*tiny);
+  PrefixPair p(*tiny);
   Stream stream;
   DeviceBatch batch(inputs(tokens, kPrefix, kWidth, false), shape.vocab, DType::kFloat32, stream);
   DeviceBuffer<float> residual(static_cast<size_t>(kRows) * kWidth * hidden);
@@ -1255,13 +1238,8 @@ TEST_CASE(
     std::optional<ScopedEnv> no_resume;
     if (!resume)
       no_resume.emplace("SMCGRAPH_DISABLE_PREFIX_RESUME", "1");
-    LlamaModel target(tiny->weights,
-                      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
-    LlamaModelOptions draft_options =
-        options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
-    if (shared_kv)
-      draft_options.kv_owner = &target;
-    LlamaModel draft(tiny->weights, draft_options);
+    PrefixPair models(*tiny, shared_kv);
+    LlamaModel &target = models.target, &draft = models.draft;
     CHECK(smcgraph::draft_head_tokens(draft, target) == (shared_kv ? 1 : 2));
     smcgraph::EngineConfig c = config;
     c.use_graphs = graphs;
@@ -1332,12 +1310,7 @@ TEST_CASE(
     std::optional<ScopedEnv> no_resume;
     if (!resume)
       no_resume.emplace("SMCGRAPH_DISABLE_PREFIX_RESUME", "1");
-    LlamaModel target(tiny->weights,
-                      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
-    LlamaModelOptions draft_options =
-        options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
-    draft_options.kv_owner = &target;
-    LlamaModel draft(tiny->weights, draft_options);
+    PrefixPair models(*tiny);
     smcgraph::EngineConfig c = engine_config(smcgraph::CycleKind::kSpeculative, shape.vocab);
     c.particles = 1;
     c.draft_steps = 3;
@@ -1348,24 +1321,18 @@ TEST_CASE(
     c.adaptive.mid_steps = 2;
     c.draft_loop = loop;
     c.use_graphs = graphs;
-    smcgraph::Engine engine(c, draft, target);
+    smcgraph::Engine engine(c, models.draft, models.target);
     CHECK(engine.resumed_layers() == (resume ? 2 : 0));
     std::vector<smcgraph::RequestId> ids;
     for (size_t i = 0; i < prompts.size(); ++i)
       ids.push_back(
           engine.admit(prompts[i], {.seed = seeds[i], .max_new_tokens = 40, .draft_steps = pins[i]}));
     Run out;
-    std::set<smcgraph::RequestId> open(ids.begin(), ids.end());
-    for (int cycle = 0; !open.empty(); ++cycle) {
-      REQUIRE(cycle <= 41);
-      engine.step();
-      for (smcgraph::RequestUpdate& update : engine.poll()) {
-        REQUIRE_MESSAGE(!update.failed, update.reason);
-        if (update.finished)
-          open.erase(update.id);
-        out.updates.push_back(std::move(update));
-      }
-    }
+    test::CompletedRun completed = test::run_to_completion(engine, ids, 42);
+    REQUIRE(completed.done);
+    for (const smcgraph::RequestUpdate& update : completed.updates)
+      REQUIRE_MESSAGE(!update.failed, update.reason);
+    out.updates = std::move(completed.updates);
     for (smcgraph::RequestId id : ids)
       out.results.push_back(engine.result(id));
     const smcgraph::SlotCheck check = test::check_invariants(engine);
@@ -1416,13 +1383,8 @@ TEST_CASE("llama engine: adaptive K down to 0 (a draft sharing the target's KV) 
   std::vector<std::vector<int32_t>> first_run;
   for (bool graphs : {true, false}) {
     config.use_graphs = graphs;
-    LlamaModel target(setup.tiny->weights,
-                      options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32));
-    LlamaModelOptions draft_options =
-        options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
-    draft_options.kv_owner = &target;
-    LlamaModel draft(setup.tiny->weights, draft_options);
-    smcgraph::Engine engine(config, draft, target);
+    PrefixPair models(*setup.tiny);
+    smcgraph::Engine engine(config, models.draft, models.target);
     // (compute-sanitizer runs keep conditional nodes off: test_util.hpp)
     CHECK(engine.draft_loop().conditional == (graphs && !test::sanitizer_blocks_conditional_nodes()));
     GreedyCheck check;

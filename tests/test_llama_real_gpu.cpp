@@ -3,9 +3,9 @@
 // prompts x 256 tokens, in every bucket, eager and graphed. The target-only reference is a host loop of
 // one-token forwards (the prompt prefilled in one forward, as admission does), argmax on the host. LlamaModel
 // is batch-invariant (a token's logits do not depend on the rows or tokens around it), so the equality is
-// exact, not up to ties. And SMC (N 8, K 4, sampled) with the verify resumed after the 28-layer draft's layers
-// gives the every-layer verify's updates and results bit for bit. Skips with a message when the model file is
-// absent (SMCGRAPH_MODEL_PATH or .cache/models/).
+// exact, not up to ties. And SMC (N 8, K 4, sampled) with the verify resumed after the 28-layer draft's
+// layers gives the every-layer verify's updates and results bit for bit. Skips with a message when the model
+// file is absent (SMCGRAPH_MODEL_PATH or .cache/models/).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -75,21 +76,59 @@ std::vector<int32_t> greedy_reference(LlamaModel& model, const std::vector<int32
   return generated;
 }
 
+/// The real model's weights and the first `count` chat prompts in its chat template.
+struct RealModel {
+  std::shared_ptr<const LlamaWeights> weights;
+  std::vector<std::vector<int32_t>> prompts;
+  size_t longest = 0; ///< tokens of the longest prompt
+  /// A row length for the prompts, `new_tokens` more and two cycles' K + 1, in multiples of 128.
+  int max_seq_len(int new_tokens, int steps) const {
+    return static_cast<int>((longest + new_tokens + 2 * (steps + 1) + 127) / 128 * 128);
+  }
+};
+
+/// The real model, or nothing (after a MESSAGE that the test skips) when its file is absent.
+std::optional<RealModel> load_real_model(int count) {
+  const std::string path = default_llama_model_path();
+  if (!std::filesystem::exists(path)) {
+    MESSAGE("skipped: real model file not found (run ./run fetch-model)");
+    return std::nullopt;
+  }
+  const GgufFile file = GgufFile::open(path);
+  const Tokenizer tokenizer = Tokenizer::from_gguf(file);
+  RealModel model;
+  model.weights = load_llama_weights(file);
+  for (int i = 0; i < count; ++i) {
+    model.prompts.push_back(
+        tokenizer.encode(tokenizer.apply_chat_template({{"user", kChatQuestions[i]}}, true)));
+    model.longest = std::max(model.longest, model.prompts.back().size());
+  }
+  return model;
+}
+
+/// Runs `ids` to their end, at most `max_cycles` cycles; every update, none of them a failure.
+std::vector<RequestUpdate> completed_updates(Engine& engine, const std::vector<RequestId>& ids,
+                                             int max_cycles) {
+  test::CompletedRun run = test::run_to_completion(engine, ids, max_cycles);
+  REQUIRE(run.done);
+  for (const RequestUpdate& update : run.updates)
+    REQUIRE_MESSAGE(!update.failed, update.reason);
+  return std::move(run.updates);
+}
+
 } // namespace
 
 TEST_CASE(
     "real model: greedy speculative decoding equals greedy target-only decoding, every bucket, eager and "
     "graphed") {
-  const std::string path = default_llama_model_path();
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: real model file not found (run ./run fetch-model)");
-    return;
-  }
-  const GgufFile file = GgufFile::open(path);
-  const Tokenizer tokenizer = Tokenizer::from_gguf(file);
-  const auto weights = load_llama_weights(file);
   // Sanitizers slow every kernel 10-1000x: fewer prompts, tokens and buckets, same paths.
   const int prompts_used = test::sanitizer_scaled(16, 3, 1);
+  const std::optional<RealModel> real = load_real_model(prompts_used);
+  if (!real)
+    return;
+  const auto& weights = real->weights;
+  const std::vector<std::vector<int32_t>>& prompts = real->prompts;
+  const size_t longest = real->longest;
   const int new_tokens = test::sanitizer_scaled(256, 12, 4);
   const std::vector<int> buckets = test::sanitizer_tool() == test::SanitizerTool::kRacecheck
                                        ? std::vector<int>{1}
@@ -103,13 +142,7 @@ TEST_CASE(
   const bool racecheck = test::sanitizer_tool() == test::SanitizerTool::kRacecheck;
   const std::string target_layers = racecheck ? "0-1" : "", draft_layers = racecheck ? "0" : "0-27";
   constexpr int kSteps = 4;
-  std::vector<std::vector<int32_t>> prompts;
-  size_t longest = 0;
-  for (int i = 0; i < prompts_used; ++i) {
-    prompts.push_back(tokenizer.encode(tokenizer.apply_chat_template({{"user", kChatQuestions[i]}}, true)));
-    longest = std::max(longest, prompts.back().size());
-  }
-  const int max_seq_len = static_cast<int>((longest + new_tokens + 2 * (kSteps + 1) + 127) / 128 * 128);
+  const int max_seq_len = real->max_seq_len(new_tokens, kSteps);
   const int max_requests = buckets.back();
 
   LlamaModelOptions options;
@@ -156,16 +189,7 @@ TEST_CASE(
       for (int i = 0; i < bucket; ++i)
         ids.push_back(engine.admit(prompts[i % prompts_used], {.seed = 1, .max_new_tokens = new_tokens}));
       REQUIRE(engine.current_bucket() == bucket);
-      std::set<RequestId> open(ids.begin(), ids.end());
-      for (int cycle = 0; !open.empty(); ++cycle) {
-        REQUIRE(cycle <= new_tokens + 1);
-        engine.step();
-        for (const RequestUpdate& update : engine.poll()) {
-          REQUIRE_MESSAGE(!update.failed, update.reason);
-          if (update.finished)
-            open.erase(update.id);
-        }
-      }
+      completed_updates(engine, ids, new_tokens + 2);
       for (int i = 0; i < bucket; ++i) {
         const RequestResult result = engine.result(ids[i]);
         REQUIRE(result.tokens.size() >= static_cast<size_t>(new_tokens)); // a cycle may commit past the limit
@@ -194,27 +218,19 @@ TEST_CASE(
 TEST_CASE(
     "real model: SMC with the verify resumed after the draft's 28 layers gives the every-layer verify's "
     "results bit for bit") {
-  const std::string path = default_llama_model_path();
-  if (!std::filesystem::exists(path)) {
-    MESSAGE("skipped: real model file not found (run ./run fetch-model)");
-    return;
-  }
-  const GgufFile file = GgufFile::open(path);
-  const Tokenizer tokenizer = Tokenizer::from_gguf(file);
-  const auto weights = load_llama_weights(file);
   // As above: fewer requests and tokens under a sanitizer, and under racecheck the file's first 2 layers
   // (target) and its first (draft).
   const int requests = test::sanitizer_scaled(4, 2, 1);
+  const std::optional<RealModel> real = load_real_model(requests);
+  if (!real)
+    return;
+  const auto& weights = real->weights;
+  const std::vector<std::vector<int32_t>>& prompts = real->prompts;
+  const size_t longest = real->longest;
   const int new_tokens = test::sanitizer_scaled(96, 10, 5);
   const bool racecheck = test::sanitizer_tool() == test::SanitizerTool::kRacecheck;
   constexpr int kParticles = 8, kSteps = 4;
-  std::vector<std::vector<int32_t>> prompts;
-  size_t longest = 0;
-  for (int i = 0; i < requests; ++i) {
-    prompts.push_back(tokenizer.encode(tokenizer.apply_chat_template({{"user", kChatQuestions[i]}}, true)));
-    longest = std::max(longest, prompts.back().size());
-  }
-  const int max_seq_len = static_cast<int>((longest + new_tokens + 2 * (kSteps + 1) + 127) / 128 * 128);
+  const int max_seq_len = real->max_seq_len(new_tokens, kSteps);
   LlamaModelOptions options;
   options.max_seq_len = max_seq_len;
   options.pool_size = requests * kParticles * max_seq_len + 1;
@@ -229,10 +245,9 @@ TEST_CASE(
     std::vector<RequestResult> results;
   };
   const auto run = [&](bool resume) {
-    if (resume)
-      unsetenv("SMCGRAPH_DISABLE_PREFIX_RESUME");
-    else
-      setenv("SMCGRAPH_DISABLE_PREFIX_RESUME", "1", 1);
+    std::optional<test::ScopedEnv> no_resume;
+    if (!resume)
+      no_resume.emplace("SMCGRAPH_DISABLE_PREFIX_RESUME", "1");
     LlamaModel target(weights, options);
     LlamaModelOptions draft_options = options;
     draft_options.layers = parse_llama_layers(racecheck ? "0" : "0-27");
@@ -249,24 +264,13 @@ TEST_CASE(
     config.draft_temperature = 0.7f;
     config.target_temperature = 1.0f;
     Engine engine(config, draft, target);
-    unsetenv("SMCGRAPH_DISABLE_PREFIX_RESUME");
     CHECK(engine.resumed_layers() == (resume ? static_cast<int>(draft.layers().size()) : 0));
     std::vector<RequestId> ids;
     for (int i = 0; i < requests; ++i)
       ids.push_back(
           engine.admit(prompts[i], {.seed = 1000 + static_cast<uint64_t>(i), .max_new_tokens = new_tokens}));
     Run out;
-    std::set<RequestId> open(ids.begin(), ids.end());
-    for (int cycle = 0; !open.empty(); ++cycle) {
-      REQUIRE(cycle <= new_tokens + 1);
-      engine.step();
-      for (RequestUpdate& update : engine.poll()) {
-        REQUIRE_MESSAGE(!update.failed, update.reason);
-        if (update.finished)
-          open.erase(update.id);
-        out.updates.push_back(std::move(update));
-      }
-    }
+    out.updates = completed_updates(engine, ids, new_tokens + 2);
     for (const RequestId id : ids)
       out.results.push_back(engine.result(id));
     const SlotCheck slots = test::check_invariants(engine);

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "runtime/slot_checker.hpp"
@@ -63,6 +65,27 @@ private:
 inline std::vector<RequestUpdate> cycle(Engine& engine) {
   engine.step();
   return engine.poll();
+}
+
+/// Every update of the cycles that run `ids` to their end (finished or failed), stepping and polling one
+/// cycle at a time, at most `max_cycles` cycles; `done` says whether they all ended (callers check it and the
+/// updates' `failed`).
+struct CompletedRun {
+  std::vector<RequestUpdate> updates;
+  bool done = false;
+};
+inline CompletedRun run_to_completion(Engine& engine, const std::vector<RequestId>& ids, int max_cycles) {
+  std::set<RequestId> open(ids.begin(), ids.end());
+  CompletedRun run;
+  for (int c = 0; c < max_cycles && !open.empty(); ++c) {
+    for (RequestUpdate& update : cycle(engine)) {
+      if (update.finished || update.failed)
+        open.erase(update.id);
+      run.updates.push_back(std::move(update));
+    }
+  }
+  run.done = open.empty();
+  return run;
 }
 
 } // namespace smcgraph::test

@@ -7,8 +7,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -39,6 +43,32 @@ public:
 private:
   uint64_t seed_;
   std::mt19937_64 engine_;
+};
+
+/// An environment variable (SMCGRAPH_ATTENTION_GROUPING, SMCGRAPH_LM_HEAD, SMCGRAPH_DISABLE_PREFIX_RESUME,
+/// ...) set for a scope and restored on every way out, a throw included: no later test in the process
+/// inherits it, and a value the harness set (gpu_main.cpp: SMCGRAPH_LM_HEAD=own_gemm under initcheck) comes
+/// back.
+class ScopedEnv {
+public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name))
+      old_ = old;
+    if (setenv(name, value, 1) != 0)
+      throw std::runtime_error(std::string("ScopedEnv: setenv ") + name + " failed");
+  }
+  ~ScopedEnv() {
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+private:
+  const char* name_;
+  std::optional<std::string> old_;
 };
 
 /// float -> bf16 / fp16 (round to nearest even) and back; `round_to` returns the float the device will see.
