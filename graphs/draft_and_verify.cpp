@@ -158,6 +158,12 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     alloc_and_prepare_draft_inputs(b, rows, K + 1, RequestSlotCounts{b.request_draft_steps, 1}, stream,
                                    conditions);
   }
+  // The residual stream a resumed verify starts from (Engine::resumed_layers): [rows, K + 1, hidden] fp32,
+  // the forward that reads draft-block column c hands over (or, the verify, reads from) column c.
+  const auto hand_over = [&](ForwardArgs& args, int column) {
+    args.hidden = s.prefix_hidden.data() + static_cast<size_t>(column) * s.hidden_size;
+    args.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
+  };
   // Columns 0 .. width - 1 of the [rows, K + 1] blocks: the draft tokens, the verify positions and out slots,
   // and the target logits (row r's column j at r * (K + 1) + j in each); then the recipe's stages.
   auto verify_and_rest = [&](int width, cudaStream_t verify_stream) {
@@ -179,8 +185,7 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
       // one come from the draft's forwards; that one from a draft step (K_q < width - 1) or the verify's own
       // run of the draft's layers over the last column (K_q = width - 1). A one-column verify gains nothing.
       if (s.resume_layers > 0 && width > 1) {
-        verify.hidden = s.prefix_hidden.data();
-        verify.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
+        hand_over(verify, 0);
         verify.resume_layers = s.resume_layers;
       }
       // Columns width .. K of the logits block hold stale values (or zeros the model wrote, which the Model
@@ -214,10 +219,8 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
                     b.step_live + offset,
                     logits,
                     block_stride};
-    if (s.resume_layers > 0) { // the residual of d_s, column s of the verify's
-      one.hidden = s.prefix_hidden.data() + static_cast<size_t>(step) * s.hidden_size;
-      one.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
-    }
+    if (s.resume_layers > 0) // the residual of d_s, column s of the verify's
+      hand_over(one, step);
     s.draft->forward(one, step_stream);
     const LogitsView view{logits, dtype, rows, 1, V, V, V};
     sample(view, draft_params, random, philox_stream(Salt::kDraft, static_cast<uint32_t>(step)),
@@ -268,10 +271,8 @@ void enqueue_draft_and_verify(Engine::State& s, int bucket_requests, Enqueue mod
     head.token_row_stride = 2;
     head.io_row_stride = 2;
     head.last_token_logits = last_only;
-    if (s.resume_layers > 0) { // the residual of x_{L-1}, column 0 of the verify's
-      head.hidden = s.prefix_hidden.data();
-      head.hidden_row_stride = static_cast<int64_t>(K + 1) * s.hidden_size;
-    }
+    if (s.resume_layers > 0) // the residual of x_{L-1}, column 0 of the verify's
+      hand_over(head, 0);
     s.draft->forward(head, current);
     // d_1 from the head's last column: rows of [V] (last_only) or of [2, V], the second position.
     const LogitsView head_last{head_logits + (last_only ? 0 : static_cast<size_t>(V) * element_bytes),

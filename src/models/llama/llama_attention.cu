@@ -543,30 +543,18 @@ __global__ void LlamaEmbedKernel(int tokens_per_row, int64_t token_row_stride, i
   }
 }
 
-/// dst + r * dst_stride = src + r * src_stride, `hidden` floats a row (a multiple of 4, 16-byte aligned
-/// rows).
-__global__ void LlamaCopyRowsKernel(int hidden, const float* src, int64_t src_stride, float* dst,
-                                    int64_t dst_stride) {
-  const int r = blockIdx.x;
+/// Residual rows, `hidden` floats each (block (r, j), gridDim.y = tokens): token j of row r to dst + r *
+/// dst_stride + j * hidden, from first + r * first_stride + j * hidden for j < tokens - 1, from last + r *
+/// last_stride for the row's last token.
+__global__ void LlamaGatherRowsKernel(int hidden, const float* first, int64_t first_stride, const float* last,
+                                      int64_t last_stride, float* dst, int64_t dst_stride) {
+  const int r = blockIdx.x, j = blockIdx.y, tokens = gridDim.y;
   pdl_wait();
   pdl_trigger();
-  const float4* from = reinterpret_cast<const float4*>(src + r * src_stride);
-  float4* to = reinterpret_cast<float4*>(dst + r * dst_stride);
-  for (int h = threadIdx.x; h < hidden / 4; h += blockDim.x)
-    to[h] = from[h];
-}
-
-/// A resumed verify's residual stream after the draft's layers: token j of row r (block (r, j)) from hidden
-/// (j < tokens_per_row - 1) or, the row's last, from the verify's own run of those layers (last[r]).
-__global__ void LlamaAssembleResumedKernel(int hidden, const float* from_draft, int64_t draft_row_stride,
-                                           const float* last, float* x) {
-  const int r = blockIdx.x, j = blockIdx.y, width = gridDim.y;
-  pdl_wait();
-  pdl_trigger();
-  const float* source = j + 1 < width ? from_draft + r * draft_row_stride + static_cast<int64_t>(j) * hidden
-                                      : last + static_cast<int64_t>(r) * hidden;
+  const float* source =
+      j + 1 < tokens ? first + r * first_stride + static_cast<int64_t>(j) * hidden : last + r * last_stride;
   const float4* from = reinterpret_cast<const float4*>(source);
-  float4* to = reinterpret_cast<float4*>(x + (static_cast<int64_t>(r) * width + j) * hidden);
+  float4* to = reinterpret_cast<float4*>(dst + r * dst_stride + static_cast<int64_t>(j) * hidden);
   for (int h = threadIdx.x; h < hidden / 4; h += blockDim.x)
     to[h] = from[h];
 }
@@ -589,8 +577,7 @@ void prepare_attention(int head_dim) {
   require(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= kLlamaMaxHeadDim, "llama::prepare_attention",
           "head_dim", head_dim, "must be a multiple of 8 in [8, 128]");
   detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaEmbedKernel), 0);
-  detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaCopyRowsKernel), 0);
-  detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaAssembleResumedKernel), 0);
+  detail::prepare_forward_kernel(reinterpret_cast<const void*>(LlamaGatherRowsKernel), 0);
   for_each_attention_kernel([&](const void* kernel, bool grouped) {
     detail::prepare_forward_kernel(kernel, grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries)
                                                    : attention_smem_bytes(head_dim));
@@ -659,32 +646,22 @@ void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden,
              vocab, token_ids, live, token_embd, x);
 }
 
-void copy_rows(int rows, int hidden, const float* src, int64_t src_row_stride, float* dst,
-               int64_t dst_row_stride, cudaStream_t stream) {
-  constexpr const char* kWhere = "llama::copy_rows";
+void gather_rows(int rows, int tokens, int hidden, const float* first, int64_t first_stride,
+                 const float* last, int64_t last_stride, float* dst, int64_t dst_stride,
+                 cudaStream_t stream) {
+  constexpr const char* kWhere = "llama::gather_rows";
   require(hidden >= 4 && hidden % 4 == 0, kWhere, "hidden", hidden, "must be a positive multiple of 4");
-  require(src_row_stride % 4 == 0 && dst_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
-              reinterpret_cast<uintptr_t>(dst) % 16 == 0,
+  require(tokens >= 1 && tokens <= 65535, kWhere, "tokens", tokens, "must be in [1, 65535]");
+  const auto aligned = [](const float* p, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride % 4 == 0;
+  };
+  require((tokens == 1 || aligned(first, first_stride)) && aligned(last, last_stride) &&
+              aligned(dst, dst_stride),
           kWhere, "rows", "misaligned", "must start 16-byte aligned (float4 copies)");
   if (rows == 0)
     return;
-  launch_pdl(LlamaCopyRowsKernel, dim3(rows), dim3(128), 0, stream, hidden, src, src_row_stride, dst,
-             dst_row_stride);
-}
-
-void assemble_resumed_rows(int rows, int tokens_per_row, int hidden, const float* from_draft,
-                           int64_t draft_row_stride, const float* last, float* x, cudaStream_t stream) {
-  constexpr const char* kWhere = "llama::assemble_resumed_rows";
-  require(hidden >= 4 && hidden % 4 == 0, kWhere, "hidden", hidden, "must be a positive multiple of 4");
-  require(tokens_per_row >= 1 && tokens_per_row <= 65535, kWhere, "tokens_per_row", tokens_per_row,
-          "must be in [1, 65535]");
-  require(draft_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(from_draft) % 16 == 0 &&
-              reinterpret_cast<uintptr_t>(last) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
-          kWhere, "rows", "misaligned", "must start 16-byte aligned (float4 copies)");
-  if (rows == 0)
-    return;
-  launch_pdl(LlamaAssembleResumedKernel, dim3(rows, tokens_per_row), dim3(128), 0, stream, hidden, from_draft,
-             draft_row_stride, last, x);
+  launch_pdl(LlamaGatherRowsKernel, dim3(rows, tokens), dim3(128), 0, stream, hidden, first, first_stride,
+             last, last_stride, dst, dst_stride);
 }
 
 } // namespace smcgraph::llama

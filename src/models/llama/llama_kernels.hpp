@@ -169,15 +169,12 @@ void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden,
            const int32_t* token_ids, const uint8_t* live, const uint16_t* token_embd, float* x,
            cudaStream_t stream);
 
-/// dst + r * dst_row_stride = src + r * src_row_stride for r < rows, `hidden` floats each (a multiple of 4;
-/// 16-byte aligned rows): the residual stream a layer-prefix draft hands its target (ForwardArgs::hidden).
-void copy_rows(int rows, int hidden, const float* src, int64_t src_row_stride, float* dst,
-               int64_t dst_row_stride, cudaStream_t stream);
-
-/// x [rows * tokens_per_row, hidden] dense: token j of row r from from_draft + r * draft_row_stride + j *
-/// hidden for j < tokens_per_row - 1, the row's last from last + r * hidden (a resumed verify's residual
-/// stream after the draft's layers; one launch, 16-byte aligned rows).
-void assemble_resumed_rows(int rows, int tokens_per_row, int hidden, const float* from_draft,
-                           int64_t draft_row_stride, const float* last, float* x, cudaStream_t stream);
+/// Residual-stream rows, `hidden` floats each (a multiple of 4; 16-byte aligned rows), in one launch: token j
+/// < tokens of row r < rows goes to dst + r * dst_stride + j * hidden, from first + r * first_stride + j *
+/// hidden (j < tokens - 1) or, the row's last, from last + r * last_stride. tokens = 1 copies rows (a draft
+/// handing its last token's residual over; `first` unused); more assemble a resumed verify's stream from the
+/// handed-over columns and its own last one (ForwardArgs::hidden).
+void gather_rows(int rows, int tokens, int hidden, const float* first, int64_t first_stride,
+                 const float* last, int64_t last_stride, float* dst, int64_t dst_stride, cudaStream_t stream);
 
 } // namespace smcgraph::llama

@@ -354,8 +354,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
                  x, stream);
     run_layers(0, layers_.size(), x, g, attention, args.out_slots);
     if (args.hidden != nullptr) // the residual of each row's last token, for the target to resume from
-      llama::copy_rows(args.rows, c.hidden, x + static_cast<size_t>(W - 1) * c.hidden,
-                       static_cast<int64_t>(W) * c.hidden, args.hidden, args.hidden_row_stride, stream);
+      llama::gather_rows(args.rows, 1, c.hidden, nullptr, 0, x + static_cast<size_t>(W - 1) * c.hidden,
+                         static_cast<int64_t>(W) * c.hidden, args.hidden, args.hidden_row_stride, stream);
   } else {
     // Each row's last token alone through layers 0 .. R - 1 (its column of the inputs, a one-token forward
     // of `rows` tokens); then the rows' tokens, the others' residuals from `hidden` and the last one's from
@@ -370,8 +370,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     llama::embed(args.rows, 1, args.token_stride(), c.hidden, c.vocab, args.tokens + last, args.live,
                  weights_->token_embd(), x, stream);
     run_layers(0, static_cast<size_t>(R), x, one, one_attention, args.out_slots + last);
-    llama::assemble_resumed_rows(args.rows, W, c.hidden, args.hidden, args.hidden_row_stride, x,
-                                 w.resumed_x.data(), stream);
+    llama::gather_rows(args.rows, W, c.hidden, args.hidden, args.hidden_row_stride, x, c.hidden,
+                       w.resumed_x.data(), static_cast<int64_t>(W) * c.hidden, stream);
     x = w.resumed_x.data();
     run_layers(static_cast<size_t>(R), layers_.size(), x, g, attention, args.out_slots);
   }
