@@ -1015,7 +1015,6 @@ int run(const Options& o, const char* argv0) {
   // The real pair: the weights once (shared by draft and target), chat prompts from its own tokenizer.
   std::unique_ptr<GgufFile> gguf;
   std::shared_ptr<const LlamaWeights> llama_weights;
-  std::vector<int> draft_layers;
   std::vector<std::vector<int32_t>> real_greedy; // smcgraph's greedy continuations (peer validation)
   if (real) {
     gguf = std::make_unique<GgufFile>(GgufFile::open(model_path));
@@ -1031,24 +1030,33 @@ int run(const Options& o, const char* argv0) {
         ids.insert(ids.begin(), tokenizer.bos_id());
       g_real_prompts.push_back(std::move(ids));
     }
-    if (o.draft_layers != "ngram") // "ngram": the n-gram draft (NgramDraft), no layers
-      draft_layers = parse_llama_layers(o.draft_layers);
+    const auto describe = [&](CycleKind kind) {
+      const std::string layers = draft_layers_for(o, kind);
+      return layers == "ngram"
+                 ? std::string("the n-gram draft")
+                 : "layers " + layers + " (" + std::to_string(parse_llama_layers(layers).size()) + ")";
+    };
     std::printf(
-        "model: SmolLM2-135M-Instruct (%s), %d layers; draft: layers %s (%zu); timing prompts: the last %d "
+        "model: SmolLM2-135M-Instruct (%s), %d layers; draft: spec %s, smc %s; timing prompts: the last %d "
         "tokens of %zu chat prompts\n",
-        model_path.c_str(), llama_weights->config().layers, o.draft_layers.c_str(), draft_layers.size(),
-        kPromptLength, g_real_prompts.size());
+        model_path.c_str(), llama_weights->config().layers, describe(CycleKind::kSpeculative).c_str(),
+        describe(CycleKind::kSmc).c_str(), kPromptLength, g_real_prompts.size());
   }
 
   for (const int vocab : vocabs) {
     for (const DType dtype : o.dtypes) {
       if (engine_kinds.empty())
         break;
-      // The pair of this (V, dtype): the real models (weights shared, loaded once) or the toy pair.
-      std::unique_ptr<LlamaModel> llama_target, llama_draft;
-      std::unique_ptr<NgramDraft> ngram_draft;
+      // The pairs of this (V, dtype): the real models (weights shared, loaded once; a draft per distinct
+      // layer list of the two kinds) or the toy pair. models_of(kind) is the pair a kind runs.
+      std::unique_ptr<LlamaModel> llama_target;
+      std::map<std::string, std::unique_ptr<Model>> real_drafts; // by layer list ("ngram": the n-gram draft)
+      std::map<std::string, ModelPair> real_pairs;
       ToyModelPair toy_models;
-      ModelPair models;
+      ModelPair toy_pair;
+      const auto models_of = [&](CycleKind kind) -> const ModelPair& {
+        return real ? real_pairs.at(draft_layers_for(o, kind)) : toy_pair;
+      };
       if (real) {
         LlamaModelOptions options;
         options.pool_size = constants.pool_size;
@@ -1057,33 +1065,41 @@ int run(const Options& o, const char* argv0) {
             std::max(128, o.requests.back() * std::max(max_particles, kValidationPrompts) * (max_steps + 1));
         options.logits_dtype = dtype;
         llama_target = std::make_unique<LlamaModel>(llama_weights, options);
-        options.layers = draft_layers;
-        // A layer-prefix draft shares the target's KV (the same bits either way; half the KV memory), which
-        // adaptive K = 0 (--min-steps 0) needs.
-        if (!draft_layers.empty() && llama_layers_prefix(draft_layers, llama_target->layers()))
-          options.kv_owner = llama_target.get();
         const LlamaConfig& c = llama_target->config();
         const size_t kv_token_layer = size_t{2} * c.kv_heads * c.head_dim * sizeof(uint16_t);
-        if (draft_layers.empty()) { // the n-gram draft: no weights, a token id per position
-          NgramDraftOptions ngram;
-          ngram.vocab = llama_target->vocab();
-          ngram.pool_size = constants.pool_size;
-          ngram.max_seq_len = constants.max_seq_len;
-          ngram.logits_dtype = dtype;
-          ngram_draft = std::make_unique<NgramDraft>(ngram);
-          models = ModelPair{ngram_draft.get(), llama_target.get(), true};
-          models.draft_kv_bytes_per_token = sizeof(int32_t);
-        } else {
-          llama_draft = std::make_unique<LlamaModel>(llama_weights, options);
-          models = ModelPair{llama_draft.get(), llama_target.get(), true};
-          models.draft_weight_bytes = llama_draft->weight_bytes_per_forward();
-          models.draft_kv_bytes_per_token = kv_token_layer * llama_draft->layers().size();
+        for (const CycleKind kind : {CycleKind::kSpeculative, CycleKind::kSmc}) {
+          const std::string layers = draft_layers_for(o, kind);
+          if (real_pairs.count(layers))
+            continue;
+          ModelPair pair{nullptr, llama_target.get(), true};
+          if (layers == "ngram") { // the n-gram draft: no weights, a token id per position
+            NgramDraftOptions ngram;
+            ngram.vocab = llama_target->vocab();
+            ngram.pool_size = constants.pool_size;
+            ngram.max_seq_len = constants.max_seq_len;
+            ngram.logits_dtype = dtype;
+            real_drafts[layers] = std::make_unique<NgramDraft>(ngram);
+            pair.draft_kv_bytes_per_token = sizeof(int32_t);
+          } else {
+            options.layers = parse_llama_layers(layers);
+            // A layer-prefix draft shares the target's KV (the same bits either way; half the KV memory),
+            // which adaptive K = 0 (--min-steps 0) needs.
+            options.kv_owner =
+                llama_layers_prefix(options.layers, llama_target->layers()) ? llama_target.get() : nullptr;
+            auto draft = std::make_unique<LlamaModel>(llama_weights, options);
+            pair.draft_weight_bytes = draft->weight_bytes_per_forward();
+            pair.draft_kv_bytes_per_token = kv_token_layer * draft->layers().size();
+            real_drafts[layers] = std::move(draft);
+          }
+          pair.draft = real_drafts[layers].get();
+          pair.target_weight_bytes = llama_target->weight_bytes_per_forward();
+          pair.target_kv_bytes_per_token = kv_token_layer * llama_target->layers().size();
+          real_pairs[layers] = pair;
         }
-        models.target_weight_bytes = llama_target->weight_bytes_per_forward();
-        models.target_kv_bytes_per_token = kv_token_layer * llama_target->layers().size();
-        if (o.peers && real_greedy.empty()) {
+        if (o.peers && real_greedy.empty()) { // greedy: the target's tokens, whichever draft
           progress.update(done, "greedy validation tokens for the peers");
-          real_greedy = real_greedy_tokens(models, constants, kRealGreedyTokens, o.steps.front());
+          real_greedy = real_greedy_tokens(models_of(CycleKind::kSpeculative), constants, kRealGreedyTokens,
+                                           o.steps.front());
         }
       }
       ToyModelConfig toy;
@@ -1096,7 +1112,7 @@ int run(const Options& o, const char* argv0) {
       toy.weight_seed = kWeightSeed;
       if (!real) {
         toy_models = ToyModel::pair(toy, o.draft_perturbation);
-        models = ModelPair{toy_models.draft.get(), toy_models.target.get()};
+        toy_pair = ModelPair{toy_models.draft.get(), toy_models.target.get()};
       }
 
       if (!real && (run_smc || run_spec)) { // the toy peers' inputs: weights once per vocabulary, validation
@@ -1122,7 +1138,7 @@ int run(const Options& o, const char* argv0) {
             // The SMC cycle drafts at least one token: its validation takes K >= 1 (K = 0 is spec only).
             const int validation_steps =
                 kind == CycleKind::kSmc ? std::max(1, o.steps.front()) : o.steps.front();
-            records.push_back(run_validation_engine(models, kind, vocab, dtype, o.particles.front(),
+            records.push_back(run_validation_engine(models_of(kind), kind, vocab, dtype, o.particles.front(),
                                                     validation_steps, constants));
           } catch (const Error& error) {
             records.push_back({});
@@ -1154,7 +1170,7 @@ int run(const Options& o, const char* argv0) {
             continue;
           }
           try {
-            sweep_engine(ctx, models, kind, vocab, dtype, particles, steps, results);
+            sweep_engine(ctx, models_of(kind), kind, vocab, dtype, particles, steps, results);
           } catch (
               const Error& error) { // report, go on with the next engine (a sticky CUDA error stops them all)
             all_valid = false;

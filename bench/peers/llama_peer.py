@@ -53,7 +53,9 @@ optional, and a method whose section is missing is skipped with a note):
     "model": "../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf",
                                               path, absolute or relative to the manifest's directory (--model wins)
     "model_sha256": "b179...",                optional; checked when present
-    "draft_layers": [0, 1, ..., 19],          the layers smcgraph's draft runs (--draft-layers wins)
+    "draft_layers": [0, 1, ..., 19],          the layers smcgraph's speculative draft runs (--draft-layers wins)
+    "smc_draft_layers": [0, 1, ..., 20],      the layers smcgraph's SMC draft runs (--smc-draft-layers wins;
+                                              default: draft_layers)
     "logits_dtype": "bf16",                   smcgraph's logits dtype, "bf16" or "fp32" (the torch peers use it too)
     "eos_id": -1,                             -1: no EOS (generation never stops early; what bucket_sweep times)
     "prompts": [[1, 9690, ...], ...],         token ids (the HF tokenizer's apply_chat_template ids); request q of a
@@ -121,6 +123,9 @@ def parse_args():
     parser.add_argument("--csv", default="results/llama_peer.csv", help="CSV output path (parents are created)")
     parser.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset of the methods")
     parser.add_argument("--draft-layers", help="draft layer subset, e.g. 0-19 or 0-11,18-29 (default: manifest's)")
+    parser.add_argument("--smc-draft-layers",
+                        help="the SMC methods' draft layers (default: the manifest's smc_draft_layers, else the "
+                             "draft layers)")
     parser.add_argument("--requests", default="", help="subset / override of the request counts, e.g. 1,8")
     parser.add_argument("--cycles", type=int, default=0, help="timed cycles per torch run (default: manifest's)")
     parser.add_argument("--new-tokens", type=int, default=0, help="tokens per hf_* run (default: manifest's)")
@@ -207,9 +212,18 @@ def main():
             draft_layers = [int(x) for x in manifest["draft_layers"]]
         else:
             raise ValueError("no draft layers: give --draft-layers or the manifest's draft_layers")
+        if args.smc_draft_layers:
+            smc_draft_layers = llama_torch.parse_layers(args.smc_draft_layers)
+        elif "smc_draft_layers" in manifest:
+            smc_draft_layers = [int(x) for x in manifest["smc_draft_layers"]]
+        else:
+            smc_draft_layers = draft_layers
     except ValueError as error:
         print("llama_peer: %s" % error, file=sys.stderr)
         return 2
+    if "smc_draft_layers" in manifest and smc_draft_layers != [int(x) for x in manifest["smc_draft_layers"]]:
+        print("llama_peer: note: --smc-draft-layers differs from the manifest's smc_draft_layers (smcgraph's SMC "
+              "draft); the validation of the SMC tokens will not match")
     if "draft_layers" in manifest and draft_layers != [int(x) for x in manifest["draft_layers"]]:
         print("llama_peer: note: --draft-layers differs from the manifest's draft_layers (smcgraph's draft); "
               "the validation of the draft's tokens will not match")
@@ -223,8 +237,9 @@ def main():
     del hf32
     hf16.generation_config.eos_token_id = None if eos_id < 0 else eos_id  # no EOS: fixed-length runs
     hf16.generation_config.pad_token_id = int(hf16.config.pad_token_id if hf16.config.pad_token_id is not None else 0)
-    if draft_layers[-1] >= weights.layers:
-        print("llama_peer: draft layers %s exceed the model's %d layers" % (draft_layers, weights.layers),
+    if max(draft_layers[-1], smc_draft_layers[-1]) >= weights.layers:
+        print("llama_peer: draft layers %s / %s exceed the model's %d layers" % (draft_layers, smc_draft_layers,
+                                                                               weights.layers),
               file=sys.stderr)
         return 2
     vocab = weights.vocab
@@ -232,10 +247,11 @@ def main():
         prompts = [[int(t) for t in p] for p in manifest["prompts"]]
     else:
         prompts = llama_torch.chat_prompts(llama_torch.load_tokenizer(model_path), args.prompts)
-    print("llama_peer on %s (torch %s): model %s (loader %s, %.0f s), %d layers, draft layers %s (%d), logits %s; "
-          "methods %s" % (device_name, torch.__version__, os.path.basename(model_path), loader, time.time() - start,
-                          weights.layers, compact_layers(draft_layers), len(draft_layers), logits_dtype,
-                          ", ".join(methods)))
+    print("llama_peer on %s (torch %s): model %s (loader %s, %.0f s), %d layers, draft layers %s (%d), SMC draft "
+          "layers %s (%d), logits %s; methods %s" % (
+              device_name, torch.__version__, os.path.basename(model_path), loader, time.time() - start,
+              weights.layers, compact_layers(draft_layers), len(draft_layers), compact_layers(smc_draft_layers),
+              len(smc_draft_layers), logits_dtype, ", ".join(methods)))
     sys.stdout.flush()
 
     def sync():
@@ -289,11 +305,11 @@ def main():
     class Run:
         """Per-row token table and lengths, the target and draft LlamaTorch with their static caches."""
 
-        def __init__(self, rows_prompts, steps, extra_tokens, exact):
+        def __init__(self, rows_prompts, steps, extra_tokens, exact, layers):
             self.R, self.K = len(rows_prompts), steps
             self.max_len = max(len(p) for p in rows_prompts) + 1 + extra_tokens + steps + 2
             self.target = llama_torch.LlamaTorch(weights, None, self.R, self.max_len, exact, logits_dtype)
-            self.draft = llama_torch.LlamaTorch(weights, draft_layers, self.R, self.max_len, exact, logits_dtype)
+            self.draft = llama_torch.LlamaTorch(weights, layers, self.R, self.max_len, exact, logits_dtype)
             self.tokens = torch.zeros(self.R, self.max_len, dtype=int64, device=device)
             self.length = torch.zeros(self.R, dtype=int64, device=device)
             self.prompt_length = torch.zeros(self.R, dtype=int64, device=device)
@@ -323,7 +339,7 @@ def main():
         """Greedy speculative decoding, N = 1 (graphs/spec_cycle.cpp's cycle)."""
 
         def __init__(self, rows_prompts, steps, extra_tokens, exact=False):
-            super().__init__(rows_prompts, steps, extra_tokens, exact)
+            super().__init__(rows_prompts, steps, extra_tokens, exact, draft_layers)
             last = self.prefill(rows_prompts)
             self.tokens.scatter_(1, self.prompt_length.unsqueeze(1), torch.argmax(last.float(), -1).unsqueeze(1))
             self.length.copy_(self.prompt_length + 1)
@@ -361,7 +377,7 @@ def main():
 
         def __init__(self, request_prompts, particles, steps, params, extra_tokens, exact=False):
             rows_prompts = [p for p in request_prompts for _ in range(particles)]
-            super().__init__(rows_prompts, steps, extra_tokens, exact)
+            super().__init__(rows_prompts, steps, extra_tokens, exact, smc_draft_layers)
             self.Q, self.N, self.p = len(request_prompts), particles, params
             self.logw = torch.zeros(self.R, dtype=torch.float64, device=device)
             self.logq = torch.zeros(self.R, steps, device=device)
@@ -470,12 +486,12 @@ def main():
                 us.append(1e6 * (time.perf_counter() - begin))
         return statistics.median(us), result
 
-    def time_model_forwards(rows, steps):
+    def time_model_forwards(rows, steps, layers):
         """Draft head (rows x 2) + K - 1 draft steps (rows x 1) + verify (rows x K + 1) alone, in one CUDA graph."""
         base = 64
         max_len = base + steps + 2
         target = llama_torch.LlamaTorch(weights, None, rows, max_len, False, logits_dtype)
-        draft = llama_torch.LlamaTorch(weights, draft_layers, rows, max_len, False, logits_dtype)
+        draft = llama_torch.LlamaTorch(weights, layers, rows, max_len, False, logits_dtype)
         r = torch.arange(rows, device=device).unsqueeze(1)
 
         def inputs(count):
@@ -543,14 +559,14 @@ def main():
     class Reference:
         """Reference tokens per prompt and, per generated position, the logits that chose it (exact forward)."""
 
-        def __init__(self, name, prompts_used, tokens, chooser):
+        def __init__(self, name, prompts_used, tokens, chooser, layers=None):
             self.name, self.prompts, self.tokens = name, prompts_used, [list(t) for t in tokens]
             self.logits = []  # per prompt: [len, V] of the model that chose each token (chooser(i) -> "t" / "d")
             self.choosers = [chooser(i) for i in range(max(len(t) for t in tokens))]
             for prompt, toks in zip(prompts_used, self.tokens):
                 path = {"t": exact_path_logits(prompt, toks, None)}
                 if "d" in self.choosers:
-                    path["d"] = exact_path_logits(prompt, toks, draft_layers)
+                    path["d"] = exact_path_logits(prompt, toks, layers if layers is not None else draft_layers)
                 self.logits.append(torch.stack([path[self.choosers[i]][i] for i in range(len(toks))]))
 
         def self_check(self):
@@ -693,7 +709,8 @@ def main():
                 elif smc_validation.get("tokens"):
                     smc_tokens_ref = [[int(t) for t in toks] for toks in smc_validation["tokens"]]
                     smc_prompts = prompts[: len(smc_tokens_ref)]
-                    smc_ref = Reference("smcgraph's SMC tokens", smc_prompts, smc_tokens_ref, chooser)
+                    smc_ref = Reference("smcgraph's SMC tokens", smc_prompts, smc_tokens_ref, chooser,
+                                        smc_draft_layers)
                     worst, where = smc_ref.self_check()
                     ok = worst <= near_tie + GUMBEL_REACH * smc_draft_t
                     print("  %-22s smcgraph's SMC tokens vs the exact forward's argmax: largest gap %.3f%s%s" % (
@@ -703,7 +720,7 @@ def main():
                 else:
                     smc_prompts = prompts
                     smc_ref = Reference("the exact forward's SMC run (no manifest)", smc_prompts,
-                                        smc_tokens(True), chooser)
+                                        smc_tokens(True), chooser, smc_draft_layers)
                     ok = True
                 for method in smc_methods:
                     valid[method] = report("%s N=%d K=%d" % (method, particles, steps), smc_ref,
@@ -818,7 +835,8 @@ def main():
                 for requests in requests_of(section):
                     try:
                         with torch.no_grad():
-                            model_us = time_model_forwards(requests * particles, steps)
+                            model_us = time_model_forwards(requests * particles, steps,
+                                                           smc_draft_layers if kind == "smc" else draft_layers)
                     except Exception as error:  # noqa: BLE001
                         print("  model timing failed: %s" % error)
                         model_us = nan

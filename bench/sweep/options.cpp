@@ -81,8 +81,9 @@ void print_usage() {
       "                        roofline columns and runs bench/peers/llama_peer.py with --peers\n"
       "  --model-path PATH     the GGUF file (default $SMCGRAPH_MODEL_PATH or .cache/models/ found from the "
       "cwd)\n"
-      "  --draft-layers LIST   layers of the real model's draft, e.g. 0-27 (default) or 0-11,18-29;\n"
-      "                        ngram: the n-gram draft (NgramDraft: prompt lookup, no weights)\n"
+      "  --draft-layers LIST   layers of the real model's draft for both kinds, e.g. 0-23 or 0-11,18-29;\n"
+      "                        ngram: the n-gram draft (NgramDraft: prompt lookup, no weights); default:\n"
+      "                        0-27 for spec, 0-21 for smc (picked by bench/draft_study)\n"
       "exit status: 0; 1 a validation failed; 2 could not run; 3 a peer failed or reported invalid "
       "results\n");
 }

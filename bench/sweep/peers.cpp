@@ -371,10 +371,18 @@ bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
     const EngineConfig defaults;
     j << "{\n  \"format\": \"smcgraph-llama-peer-1\",\n  \"device\": " << json_string(env.device) << ",\n";
     j << "  \"model\": " << json_string(std::filesystem::absolute(model_path).string()) << ",\n";
-    // With the n-gram draft (--draft-layers ngram) the peer of smcgraph's draft is hf_prompt_lookup; the
-    // peer's layer-draft methods (hf_assisted, torch_spec_*) then run the default layer subset.
-    const std::string layers = o.draft_layers == "ngram" ? Options{}.draft_layers : o.draft_layers;
-    j << "  \"draft_layers\": [" << join_ints(parse_llama_layers(layers), ", ") << "],\n";
+    // The speculative draft (hf_assisted, torch_spec_*) and the SMC draft (torch_smc_*). With the n-gram
+    // draft
+    // (--draft-layers ngram) the peer of smcgraph's draft is hf_prompt_lookup; the peer's layer-draft methods
+    // then run each kind's default layer subset.
+    const auto layers_of = [&](CycleKind kind) {
+      const std::string layers = draft_layers_for(o, kind);
+      return layers == "ngram" ? draft_layers_for(Options{}, kind) : layers;
+    };
+    j << "  \"draft_layers\": [" << join_ints(parse_llama_layers(layers_of(CycleKind::kSpeculative)), ", ")
+      << "],\n";
+    j << "  \"smc_draft_layers\": [" << join_ints(parse_llama_layers(layers_of(CycleKind::kSmc)), ", ")
+      << "],\n";
     j << "  \"logits_dtype\": \"bf16\",\n  \"eos_id\": -1,\n";
     j << "  \"prompts\": [";
     for (size_t p = 0; p < g_real_prompts.size(); ++p)

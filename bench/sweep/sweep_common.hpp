@@ -74,8 +74,23 @@ struct Options {
   std::string peer_methods;  // empty: each peer's default methods; spec_* names go to spec_peer.py
   std::string model = "toy"; ///< toy: the embedded pair; smollm2: the real pair from its GGUF file
   std::string model_path;    ///< empty: $SMCGRAPH_MODEL_PATH or .cache/models/ found from the cwd
-  std::string draft_layers = "0-27";
+  /// The real model's draft for both kinds (--draft-layers); empty: each kind's default (draft_layers_for()).
+  std::string draft_layers;
 };
+
+/// The real model's default drafts, picked by measurement (bench/draft_study, README "Drafts"): the
+/// speculative cycle's, by greedy acceptance (2.20 tokens a cycle at K 4 against 1.52 for 0-23), and the SMC
+/// cycle's, by mean ESS / N at the same or lower cost (0.62 against 0.45 for 0-27 at T_d 0.7, T_t 1, N 8, K
+/// 4).
+inline constexpr const char* kSpecDraftLayers = "0-27";
+inline constexpr const char* kSmcDraftLayers = "0-21";
+
+/// The draft layer list (or "ngram") a kind runs: --draft-layers, else the kind's default.
+inline std::string draft_layers_for(const Options& o, CycleKind kind) {
+  if (!o.draft_layers.empty())
+    return o.draft_layers;
+  return kind == CycleKind::kSmc ? kSmcDraftLayers : kSpecDraftLayers;
+}
 
 /// A draft and a target (the toy pair or the real one) plus what the roofline needs of the real one.
 struct ModelPair {
