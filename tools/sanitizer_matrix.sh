@@ -107,7 +107,7 @@ def log_path(tool, suite, extension):
 
 def parse(tool, suite):
     cell = {"status": "NOT RUN", "wall": None, "errors": None, "hazards": None, "warnings": None,
-            "leaked": None, "cases": None, "failed_cases": None}
+            "leaked": None, "cases": None, "failed_cases": None, "failures": []}
     status_file = os.path.join(state, f"{tool}-{suite}.status")
     if os.path.exists(status_file):
         rc, seconds = open(status_file).read().split()
@@ -142,6 +142,14 @@ def parse(tool, suite):
     m = re.findall(r"test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed", output)
     if m:
         cell["cases"], _, cell["failed_cases"] = (int(x) for x in m[-1])
+    # A failed doctest case, with the seed its suite printed: the lines that reproduce and explain it (the
+    # test case, the failed check, its logged context), so a failure seen once is not lost with the log.
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if re.search(r"\bseed \d+", line) or line.startswith("TEST CASE:"):
+            cell["failures"].append(line.strip())
+        elif "ERROR:" in line or "FATAL ERROR" in line:
+            cell["failures"].extend(x.rstrip() for x in lines[i:i + 8] if x.strip())
     reported = (cell["errors"] or 0) + (cell["hazards"] or 0) + (cell["warnings"] or 0) + (cell["leaked"] or 0)
     if cell["status"] == "OK" and reported:
         cell["status"] = "REPORTS"
@@ -175,6 +183,11 @@ table = "\n".join(lines) + "\n\n" + summary + "\n"
 if bad:
     table += "not OK (logs: " + build + "/meson-logs/matrix-<tool>-<suite>-<tool>.txt): " + \
         ", ".join(f"{s} x {t} ({cells[(t, s)]['status']})" for t, s in bad) + "\n"
+    for t, s in bad:
+        failures = cells[(t, s)]["failures"]
+        if failures and cells[(t, s)]["failed_cases"]:
+            table += f"\n{s} x {t}, failed cases (the suite's seeds and the failed checks):\n" + \
+                "\n".join("    " + x for x in failures[:40]) + "\n"
 print()
 print(table, end="")
 open(os.path.join(build, "sanitizer-matrix.md"), "w").write(table)
