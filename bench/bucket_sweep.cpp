@@ -665,7 +665,10 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     config.adaptive.mid_steps = std::max(1, (steps + 1) / 2);
     config.adaptive.min_steps = std::min(o.min_steps, config.adaptive.mid_steps);
     config.adaptive.draft_cost = o.draft_cost;
-    if (o.draft_cost < 0.0f) { // the cost-aware rule with this pair's measured cost ratio
+    if (o.draft_cost < 0.0f) { // the cost-aware rule with this pair's measured cost ratio, the verify timed
+                               // as the engine will run it (resumed after a prefix draft's layers)
+      forwards.resume_after(prefix_resume_layers(*models.draft, *models.target, steps),
+                            models.target->hidden_size());
       const ModelTiming alone =
           forwards.time_cycle_forwards(*models.draft, *models.target, o.requests.front(), steps, stream);
       const double draft_us = steps > 1 ? alone.step_us : alone.head_us;

@@ -1244,8 +1244,12 @@ TEST_CASE(
     smcgraph::EngineConfig c = config;
     c.use_graphs = graphs;
     smcgraph::Engine engine(c, draft, target);
-    // A prefix draft's verify resumes after its 2 layers (the target's third alone runs over every token).
+    // A prefix draft's verify resumes after its 2 layers (the target's third alone runs over every token);
+    // prefix_resume_layers says so before an engine is built (bucket_sweep's adaptive cost reads it), and
+    // nothing without a draft step.
     CHECK(engine.resumed_layers() == (shared_kv && resume ? 2 : 0));
+    CHECK(smcgraph::prefix_resume_layers(draft, target, c.draft_steps) == engine.resumed_layers());
+    CHECK(smcgraph::prefix_resume_layers(draft, target, 0) == 0);
     CHECK(target.resumable_layers(draft) == (shared_kv ? 2 : 0));
     std::vector<smcgraph::RequestId> ids;
     for (size_t i = 0; i < prompts.size(); ++i)

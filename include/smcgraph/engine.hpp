@@ -207,6 +207,13 @@ struct StateBufferCopy {
   }
 };
 
+/// The target layers an engine's verify of `draft_steps` >= 1 drafted tokens resumes after
+/// (Engine::resumed_layers() of an engine built on these models, read before building it): the draft's,
+/// where the target resumes from the draft's residual stream (Model::resumable_layers: a layer-prefix draft
+/// sharing the target's KV whose head forwards x_{L-1} alone); 0 otherwise, for draft_steps = 0 and under
+/// SMCGRAPH_DISABLE_PREFIX_RESUME=1.
+int prefix_resume_layers(const Model& draft, const Model& target, int draft_steps);
+
 class Engine {
 public:
   /// Validates, allocates everything for the largest bucket, warms up eagerly and captures one graph per

@@ -125,10 +125,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   // The verify resumes after the draft's layers where the target can (a layer-prefix draft sharing its KV,
   // whose head forwards x_{L-1} alone: Model::resumable_layers, draft_head_tokens), so those layers run once
   // a token instead of twice; SMCGRAPH_DISABLE_PREFIX_RESUME=1 turns it off (A/B runs, tests).
-  if (K >= 1 && !env_flag("SMCGRAPH_DISABLE_PREFIX_RESUME") && draft_head_tokens(draft, target) == 1 &&
-      target.hidden_size() > 0 && draft.hidden_size() == target.hidden_size() &&
-      target.resumable_layers(draft) > 0) {
-    s.resume_layers = target.resumable_layers(draft);
+  if (const int resume = prefix_resume_layers(draft, target, K); resume > 0) {
+    s.resume_layers = resume;
     s.hidden_size = target.hidden_size();
     s.prefix_hidden = DeviceBuffer<float>(static_cast<size_t>(R) * (K + 1) * s.hidden_size);
     s.prefix_hidden.fill_bytes(0, s.stream); // padding rows' columns are read (and ignored) before written
@@ -663,6 +661,14 @@ const EngineConfig& Engine::config() const {
 const DraftLoopInfo& Engine::draft_loop() const {
   return state_->draft_loop;
 }
+int prefix_resume_layers(const Model& draft, const Model& target, int draft_steps) {
+  if (draft_steps < 1 || env_flag("SMCGRAPH_DISABLE_PREFIX_RESUME") ||
+      draft_head_tokens(draft, target) != 1 || target.hidden_size() <= 0 ||
+      draft.hidden_size() != target.hidden_size())
+    return 0;
+  return std::max(0, target.resumable_layers(draft));
+}
+
 int Engine::resumed_layers() const {
   return state_->resume_layers;
 }
