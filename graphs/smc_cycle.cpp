@@ -3,8 +3,8 @@
 // synchronizes or reads a host value that changes between replays.
 //
 //   alloc -> draft head (2 tokens) -> sample d_1 -> K - 1 x (draft step -> sample d_{s+1}) -> target verify
-//   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights + commit (one launch) -> resample ->
-//   reshuffle -> next K report + advance draw counters + pack outputs (one launch)
+//   (K + 1 tokens) -> score (log p(d_k), bonus, logZ) -> weights + commit + resample + reshuffle + freed-slot
+//   collect (one launch) -> next K report + advance draw counters + pack outputs (one launch)
 //
 // The commit precedes resample/reshuffle (DESIGN.md lists it last): reshuffle copies whole rows, so the
 // copy must already hold this cycle's tokens and slots.
@@ -40,9 +40,11 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
             s.workspace, st);
     }
     {
-      // The weights and the commit: one launch, row by row (commit.cu; the weights' device code is
-      // weights_device.cuh, the stage of accumulate_weights).
-      Stage stage(s, "smc.weights_and_commit");
+      // The weights, the commit, the resampling and the reshuffle: one launch (commit.cu's smc_cycle_end; the
+      // stages' device code lives in weights_device.cuh, resample_device.cuh and reshuffle_device.cuh). A CTA
+      // takes a request, so the stages meet at CTA barriers; freed slots go back in id order (slot ids
+      // stay deterministic), collected by the launch's last CTA.
+      Stage stage(s, "smc.commit_resample_reshuffle");
       WeightInputs in;
       in.draft_logprobs = {b.draft_logprobs + 1, K + 1, 1}; // the draft block's columns 1 .. K
       in.target_logprobs = {b.target_logprobs, K, 1};
@@ -54,18 +56,7 @@ void enqueue_smc_cycle(Engine::State& s, int bucket_requests, Enqueue mode, cuda
       in.rows = rows;
       in.steps = K;
       in.eos_id = s.config.eos_id;
-      commit_cycle(b, rows, st, &in);
-    }
-    {
-      Stage stage(s, "smc.resample");
-      const ResampleInputs in{b.tables.live, b.tau, b.seeds, b.draw_counters, bucket_requests, N};
-      const ResampleOutputs out{b.ancestor, b.ess, b.resampled, b.log_evidence};
-      resample(in, b.logw, out, st);
-    }
-    {
-      Stage stage(s, "smc.reshuffle");
-      // Freed slots go back in id order (slot ids stay deterministic), collected by the same launch.
-      reshuffle_and_collect(b, tables, st);
+      smc_cycle_end(b, tables, bucket_requests, in, st);
     }
     {
       // The next K of every request (after the frees: the pressure sees them), the draw counters advanced

@@ -169,6 +169,13 @@ void prepare_verify_inputs(const CycleBuffers& b, int rows, cudaStream_t stream)
 /// its commit (which reads first_eos); weights->rows must be `rows`.
 void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream,
                   const WeightInputs* weights = nullptr);
+/// The SMC cycle's end after the score, in one launch: commit_cycle(b, rows, stream, &weights) (the weights
+/// folded in), resample({tables.live, b.tau, b.seeds, b.draw_counters, requests, N}, b.logw, {b.ancestor,
+/// b.ess, b.resampled, b.log_evidence}) and reshuffle_and_collect(b, tables) (commit.cu: a CTA a request,
+/// the stages meet at CTA barriers). `tables` holds the bucket's rows, requests * N of them. The
+/// recipe uses it; the three stages keep their own entry points and host references.
+void smc_cycle_end(const CycleBuffers& b, const RowTablesView& tables, int requests,
+                   const WeightInputs& weights, cudaStream_t stream);
 /// Speculative commit: d_1 .. d_k and the next token into the table, L += k + 1, the slots of the
 /// rejected positions L + k + 1 .. L + K released (collect_freed_slots pushes them), EOS finishes the row.
 /// `collect_freed`: collect_freed_slots(b.pool) folded into the same launch (its last CTA, after every

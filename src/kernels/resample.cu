@@ -1,12 +1,8 @@
-// Per-request systematic resampling (DESIGN.md §2 step 7): one warp per request, lane l owning the
-// contiguous particles l * ceil(N / 32) .. so warp scans walk the particles in order.
-#include <cub/warp/warp_reduce.cuh>
-#include <cub/warp/warp_scan.cuh>
-#include <cuda/functional>
-
+// Per-request systematic resampling (DESIGN.md §2 step 7): one warp per request (resample_device.cuh, the
+// stage's device code).
 #include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
-#include "kernels/random.cuh"
+#include "kernels/resample_device.cuh"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
@@ -15,162 +11,16 @@ namespace smcgraph {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kPerLane = kMaxResampleParticles / 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-static_assert(kMaxResampleParticles % 32 == 0, "particles are spread evenly over the lanes");
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     ResampleKernel(ResampleInputs in, double* logw, ResampleOutputs out) {
   detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  using WarpReduceDouble = cub::WarpReduce<double>;
-  using WarpScanDouble = cub::WarpScan<double>;
-  using WarpScanInt = cub::WarpScan<int>;
-  __shared__ union {
-    typename WarpReduceDouble::TempStorage reduce;
-    typename WarpScanDouble::TempStorage scan_double;
-    typename WarpScanInt::TempStorage scan_int;
-  } storage[kWarpsPerBlock];
-  __shared__ int dead_particles[kWarpsPerBlock][kMaxResampleParticles];
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ device::ResampleWarpStorage storage[kWarpsPerBlock];
+  const int warp = threadIdx.x / 32;
   const int request = blockIdx.x * kWarpsPerBlock + warp;
   if (request >= in.requests)
     return; // warp-uniform: only warp collectives follow
-  const int n = in.particles_per_request;
-  const int per_lane = (n + 31) / 32;
-  const int first = lane * per_lane;
-  const int base_row = request * n;
-  auto valid = [&](int t) { return t < per_lane && first + t < n; };
-  auto write_identity_plan = [&] {
-#pragma unroll
-    for (int t = 0; t < kPerLane; ++t) {
-      if (valid(t))
-        out.ancestor[base_row + first + t] = base_row + first + t;
-    }
-  };
-
-  double weight[kPerLane]; // logw, then exp(logw - max), then normalised
-  bool lane_live = true, lane_nan = false;
-  double lane_max = -INFINITY;
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    weight[t] = -INFINITY;
-    if (!valid(t))
-      continue;
-    lane_live = lane_live && in.live[base_row + first + t] != 0;
-    weight[t] = logw[base_row + first + t];
-    lane_nan = lane_nan || isnan(weight[t]);
-    lane_max = fmax(lane_max, weight[t]);
-  }
-  const bool all_live = __all_sync(kFullMask, lane_live);
-  const bool any_nan = __any_sync(kFullMask, lane_nan);
-  const double max_logw =
-      __shfl_sync(kFullMask, WarpReduceDouble(storage[warp].reduce).Reduce(lane_max, cuda::maximum<>{}), 0);
-  __syncwarp();
-  // Not taking part (padding, a request being torn down) or nothing to normalise: leave it alone.
-  if (!all_live || any_nan || !isfinite(max_logw)) {
-    write_identity_plan();
-    if (lane == 0) {
-      out.ess[request] = 0.0;
-      out.resampled[request] = 0;
-    }
-    return;
-  }
-
-  double lane_sum = 0.0;
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    weight[t] = valid(t) ? exp(weight[t] - max_logw) : 0.0;
-    lane_sum += weight[t];
-  }
-  const double total = __shfl_sync(kFullMask, WarpReduceDouble(storage[warp].reduce).Sum(lane_sum), 0);
-  __syncwarp();
-  double lane_normalised = 0.0, lane_squares = 0.0;
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    weight[t] /= total;
-    lane_normalised += weight[t];
-    lane_squares += weight[t] * weight[t];
-  }
-  const double sum_squares =
-      __shfl_sync(kFullMask, WarpReduceDouble(storage[warp].reduce).Sum(lane_squares), 0);
-  __syncwarp();
-  const double ess = 1.0 / sum_squares;
-  const bool resample_now = ess < static_cast<double>(in.tau[request]) * n;
-  if (lane == 0) {
-    out.ess[request] = ess;
-    out.resampled[request] = resample_now ? 1 : 0;
-  }
-  if (!resample_now) {
-    write_identity_plan();
-    return;
-  }
-
-  const uint4 words = device::philox_group(in.seeds[request], 0, in.draw_counters[request], 0,
-                                           philox_stream(Salt::kResample, 0));
-  const double u = device::uniform_open01(words.x);
-
-  // F_i = #{m : (u + m) / N < C_i} = ceil(N * C_i - u), clamped to [0, N]; count_i = F_i - F_{i-1}. The
-  // running max makes F monotone even where the scan's rounding differs from the in-lane sums, so the
-  // counts are never negative and always add up to F_{N-1} = N (C_{N-1} is forced to 1).
-  double cumulative = 0.0;
-  WarpScanDouble(storage[warp].scan_double).ExclusiveSum(lane_normalised, cumulative);
-  __syncwarp();
-  int offspring_end[kPerLane];
-  int lane_end = 0;
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    offspring_end[t] = lane_end;
-    if (!valid(t))
-      continue;
-    cumulative += weight[t];
-    const double boundary = first + t == n - 1 ? 1.0 : cumulative;
-    const int end = min(max(static_cast<int>(ceil(n * boundary - u)), 0), n);
-    lane_end = max(lane_end, end);
-    offspring_end[t] = lane_end;
-  }
-  int end_before = 0;
-  WarpScanInt(storage[warp].scan_int).ExclusiveScan(lane_end, end_before, 0, cuda::maximum<>{});
-  __syncwarp();
-  int count[kPerLane];
-  int previous_end = end_before, lane_dead = 0, lane_extra = 0;
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    count[t] = 0;
-    if (!valid(t))
-      continue;
-    const int end = max(offspring_end[t], end_before);
-    count[t] = end - previous_end;
-    previous_end = end;
-    lane_dead += count[t] == 0 ? 1 : 0;
-    lane_extra += max(count[t] - 1, 0);
-  }
-
-  // Dead particles in increasing order receive the extra copies of the survivors in increasing order.
-  int dead_rank = 0, extra_rank = 0;
-  WarpScanInt(storage[warp].scan_int).ExclusiveSum(lane_dead, dead_rank);
-  __syncwarp();
-  WarpScanInt(storage[warp].scan_int).ExclusiveSum(lane_extra, extra_rank);
-  int* dead = dead_particles[warp];
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    if (valid(t) && count[t] == 0)
-      dead[dead_rank++] = first + t;
-  }
-  __syncwarp();
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    if (!valid(t))
-      continue;
-    const int row = base_row + first + t;
-    if (count[t] > 0)
-      out.ancestor[row] = row;
-    for (int copy = 1; copy < count[t]; ++copy)
-      out.ancestor[base_row + dead[extra_rank++]] = row;
-    logw[row] = 0.0;
-  }
-  if (lane == 0)
-    out.log_evidence[request] += max_logw + log(total) - log(static_cast<double>(n));
+  device::resample_request(in, logw, out, request, storage[warp]);
 }
 
 } // namespace

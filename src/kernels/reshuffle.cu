@@ -7,6 +7,7 @@
 #include "kernels/pdl.cuh"
 #include "kernels/cycle_io.hpp"
 #include "kernels/launch_checks.hpp"
+#include "kernels/reshuffle_device.cuh"
 #include "kernels/slots_device.cuh"
 
 namespace smcgraph {
@@ -14,27 +15,12 @@ namespace {
 
 constexpr int kThreads = 128;
 
-/// Row dst's part of the plan, by `group` (a CTA or a warp). A source is never a destination, so no group
-/// reads a row another one writes (no snapshot needed); a plan that breaks this is ignored rather than raced
-/// on.
-template <class Group>
-__device__ __forceinline__ void reshuffle_row(const SlotPoolView& pool, const RowTablesView& tables,
-                                              const int32_t* ancestor, uint8_t* finished, int dst,
-                                              const Group& group) {
-  const int source = ancestor[dst];
-  if (source == dst || source < 0 || source >= tables.rows || ancestor[source] != source)
-    return; // uniform across the group
-  device::copy_row_refcounted(pool, tables, source, dst, group);
-  if (group.thread_rank() == 0)
-    finished[dst] = finished[source];
-}
-
 /// The public stage: one CTA per row.
 __global__ void __launch_bounds__(kThreads)
     ReshuffleKernel(SlotPoolView pool, RowTablesView tables, const int32_t* ancestor, uint8_t* finished) {
   detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
-  reshuffle_row(pool, tables, ancestor, finished, static_cast<int>(blockIdx.x),
-                cooperative_groups::this_thread_block());
+  device::reshuffle_row(pool, tables, ancestor, finished, static_cast<int>(blockIdx.x),
+                        cooperative_groups::this_thread_block());
 }
 
 /// With collect_freed_slots folded in: a warp per row, kCollectThreads a CTA, and the launch's last CTA
@@ -48,7 +34,7 @@ __global__ void __launch_bounds__(kCollectThreads)
   const auto warp = cooperative_groups::tiled_partition<32>(cooperative_groups::this_thread_block());
   const int dst = static_cast<int>(blockIdx.x) * kRowsPerCollectCta + static_cast<int>(threadIdx.x) / 32;
   if (dst < tables.rows) // uniform across the warp
-    reshuffle_row(pool, tables, ancestor, finished, dst, warp);
+    device::reshuffle_row(pool, tables, ancestor, finished, dst, warp);
   device::collect_freed_after_launch<kCollectThreads>(pool, collect_ticket);
 }
 
