@@ -46,9 +46,11 @@ private:
 class ByteWriter {
 public:
   template <class T> void write(const T& value) {
-    uint8_t bytes[sizeof(T)];
-    std::memcpy(bytes, &value, sizeof(T));
-    out_.insert(out_.end(), bytes, bytes + sizeof(T));
+    // Grow, then copy into the new tail (a range insert from a local array trips GCC 12's
+    // -Wstringop-overflow, a false positive).
+    const size_t at = out_.size();
+    out_.resize(at + sizeof(T));
+    std::memcpy(out_.data() + at, &value, sizeof(T));
   }
   std::vector<uint8_t> take() { return std::move(out_); }
 
