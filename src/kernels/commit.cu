@@ -162,47 +162,38 @@ __global__ void __launch_bounds__(kEndThreads) SmcCycleEndKernel(SmcEndArgs a) {
   device::collect_freed_after_launch<kEndThreads>(a.pool, a.collect_ticket);
 }
 
+/// The weights stage checked and folded into a commit launch of `rows` rows (errors name `where`).
+FoldedWeights fold_weights(const CycleBuffers& b, int rows, const WeightInputs& weights, const char* where) {
+  require(weights.rows == rows, where, "weights.rows", weights.rows, "must equal the commit's rows");
+  require(weights.steps == b.draft_steps, where, "weights.steps", weights.steps,
+          "must equal the engine's draft_steps");
+  validate_weight_inputs(weights, b.logw, b.finished, b.first_eos, where);
+  return {true, weights, b.logw, b.finished, b.first_eos};
+}
+
 } // namespace
 
 void commit_cycle(const CycleBuffers& b, int rows, cudaStream_t stream, const WeightInputs* weights) {
-  FoldedWeights folded;
-  if (weights != nullptr) {
-    constexpr const char* kWhere = "commit_cycle";
-    require(weights->rows == rows, kWhere, "weights->rows", weights->rows, "must equal rows");
-    require(weights->steps == b.draft_steps, kWhere, "weights->steps", weights->steps,
-            "must equal the engine's draft_steps");
-    validate_weight_inputs(*weights, b.logw, b.finished, b.first_eos, kWhere);
-    folded = {true, *weights, b.logw, b.finished, b.first_eos};
-  }
+  const FoldedWeights folded =
+      weights != nullptr ? fold_weights(b, rows, *weights, "commit_cycle") : FoldedWeights{};
   launch_per_row(CommitCycleKernel, rows, stream, commit_view(b), rows, folded);
 }
 
 void smc_cycle_end(const CycleBuffers& b, const RowTablesView& tables, int requests,
                    const WeightInputs& weights, cudaStream_t stream) {
+  // The three stages' own checks, and that the requests' rows are the bucket's (a CTA a request).
   constexpr const char* kWhere = "smc_cycle_end";
   const int n = b.particles, rows = tables.rows;
-  require(n >= 1 && n <= kMaxResampleParticles, kWhere, "b.particles", n,
-          "must be in [1, kMaxResampleParticles = 256]");
-  require(requests >= 1 && static_cast<int64_t>(requests) * n == rows, kWhere, "requests", requests,
-          "must be >= 1 and requests * particles must equal tables.rows");
-  require(weights.rows == rows, kWhere, "weights.rows", weights.rows, "must equal tables.rows");
-  require(weights.steps == b.draft_steps, kWhere, "weights.steps", weights.steps,
-          "must equal the engine's draft_steps");
-  validate_weight_inputs(weights, b.logw, b.finished, b.first_eos, kWhere);
-  detail::require_device_pointers(kWhere, {{"b.tau", b.tau},
-                                           {"b.seeds", b.seeds},
-                                           {"b.draw_counters", b.draw_counters},
-                                           {"b.ancestor", b.ancestor},
-                                           {"b.ess", b.ess},
-                                           {"b.resampled", b.resampled},
-                                           {"b.log_evidence", b.log_evidence},
-                                           {"b.collect_ticket", b.collect_ticket}});
   SmcEndArgs a{};
   a.commit = commit_view(b);
-  a.weights = {true, weights, b.logw, b.finished, b.first_eos};
+  a.weights = fold_weights(b, rows, weights, kWhere);
   a.resample = {tables.live, b.tau, b.seeds, b.draw_counters, requests, n};
   a.logw = b.logw;
   a.plan = {b.ancestor, b.ess, b.resampled, b.log_evidence};
+  check_resample(a.resample, a.logw, a.plan, kWhere);
+  check_reshuffle_and_collect(b, tables, kWhere);
+  require(requests >= 1 && static_cast<int64_t>(requests) * n == rows, kWhere, "requests", requests,
+          "must be >= 1 and requests * particles must equal tables.rows");
   a.pool = b.pool;
   a.tables = tables;
   a.finished = b.finished;

@@ -191,6 +191,11 @@ void decide_draft_steps(const CycleBuffers& b, int requests, const int32_t* acce
 /// reshuffle(b.pool, tables, b.ancestor, b.finished) and collect_freed_slots(b.pool) in one launch (its last
 /// CTA collects after every row's copy; b.collect_ticket counts the CTAs). `tables` holds the bucket's rows.
 void reshuffle_and_collect(const CycleBuffers& b, const RowTablesView& tables, cudaStream_t stream);
+/// The argument checks of resample() and of reshuffle_and_collect(), for the launches that fold those stages
+/// in (smc_cycle_end); errors name `where`.
+void check_resample(const ResampleInputs& in, const double* logw, const ResampleOutputs& out,
+                    const char* where);
+void check_reshuffle_and_collect(const CycleBuffers& b, const RowTablesView& tables, const char* where);
 /// Packs the bucket's outputs into `out` (layout output_layout(rows, rows / N, K)).
 void pack_outputs(const CycleBuffers& b, int rows, uint8_t* out, cudaStream_t stream);
 /// The end of a cycle in one launch: decide_draft_steps(b, requests, accepted, stream, true) and then

@@ -39,21 +39,20 @@ __global__ void __launch_bounds__(kCollectThreads)
 }
 
 void check_reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int32_t* ancestor,
-                     const uint8_t* finished) {
-  constexpr const char* kWhere = "reshuffle";
-  detail::require_pool(pool, kWhere);
-  detail::require_tables(tables, kWhere);
+                     const uint8_t* finished, const char* where) {
+  detail::require_pool(pool, where);
+  detail::require_tables(tables, where);
   if (tables.rows == 0)
     return;
-  require(ancestor != nullptr, kWhere, "ancestor", "null", "must be a device pointer");
-  require(finished != nullptr, kWhere, "finished", "null", "must be a device pointer");
+  require(ancestor != nullptr, where, "ancestor", "null", "must be a device pointer");
+  require(finished != nullptr, where, "finished", "null", "must be a device pointer");
 }
 
 } // namespace
 
 void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int32_t* ancestor,
                uint8_t* finished, cudaStream_t stream) {
-  check_reshuffle(pool, tables, ancestor, finished);
+  check_reshuffle(pool, tables, ancestor, finished, "reshuffle");
   if (tables.rows == 0)
     return;
   const NvtxRange range("reshuffle");
@@ -63,11 +62,14 @@ void reshuffle(const SlotPoolView& pool, const RowTablesView& tables, const int3
 
 namespace detail {
 
+void check_reshuffle_and_collect(const CycleBuffers& b, const RowTablesView& tables, const char* where) {
+  check_reshuffle(b.pool, tables, b.ancestor, b.finished, where);
+  require(tables.rows >= 1, where, "tables.rows", tables.rows, "must be >= 1");
+  require(b.collect_ticket != nullptr, where, "b.collect_ticket", "null", "must be a device pointer");
+}
+
 void reshuffle_and_collect(const CycleBuffers& b, const RowTablesView& tables, cudaStream_t stream) {
-  check_reshuffle(b.pool, tables, b.ancestor, b.finished);
-  require(tables.rows >= 1, "reshuffle_and_collect", "tables.rows", tables.rows, "must be >= 1");
-  require(b.collect_ticket != nullptr, "reshuffle_and_collect", "b.collect_ticket", "null",
-          "must be a device pointer");
+  check_reshuffle_and_collect(b, tables, "reshuffle_and_collect");
   const NvtxRange range("reshuffle_and_collect");
   const auto blocks = static_cast<unsigned>(ceil_div(tables.rows, kRowsPerCollectCta));
   launch_pdl(ReshuffleCollectKernel, dim3(blocks), dim3(kCollectThreads), 0, stream, b.pool, tables,
