@@ -63,15 +63,6 @@ struct Options {
   std::string csv;
 };
 
-std::vector<std::string> split(const std::string& text, char separator) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  std::string part;
-  while (std::getline(stream, part, separator))
-    parts.push_back(part);
-  return parts;
-}
-
 Options parse(int argc, char** argv) {
   using smcgraph::cli::parse_float;
   using smcgraph::cli::parse_integer;
@@ -83,16 +74,16 @@ Options parse(int argc, char** argv) {
     if (flag == "--model") {
       o.model = flags.value();
     } else if (flag == "--drafts") {
-      o.drafts = split(flags.value(), ',');
+      const std::string text = flags.value();
+      o.drafts = smcgraph::cli::split_list(text);
+      if (o.drafts.empty())
+        throw smcgraph::cli::bad_value(flag, text, "expected at least one draft");
       // "0-11+18-29": a '+' joins the ranges of one draft (',' separates drafts).
-      for (std::string& draft : o.drafts) {
-        if (draft.empty())
-          throw smcgraph::cli::bad_value(flag, flags.value(), "an empty draft in the list");
+      for (std::string& draft : o.drafts)
         std::replace(draft.begin(), draft.end(), '+', ',');
-      }
     } else if (flag == "--temperatures") {
       o.temperatures.clear();
-      for (const std::string& pair : split(flags.value(), ',')) {
+      for (const std::string& pair : smcgraph::cli::split_list(flags.value())) {
         const size_t colon = pair.find(':');
         if (colon == std::string::npos)
           throw smcgraph::cli::bad_value(flag, pair, "expected T_d:T_t, e.g. 0.7:1");
@@ -378,13 +369,5 @@ int run(const Options& o) {
 } // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(parse(argc, argv));
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "draft_study: %s\n", e.message.c_str());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "draft_study: %s\n", e.what());
-    return 1;
-  }
+  return smcgraph::cli::run_main("draft_study", [&] { return run(parse(argc, argv)); });
 }

@@ -13,11 +13,14 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <vector>
 
 namespace smcgraph::cli {
 
@@ -114,5 +117,34 @@ private:
   std::string raw_, flag_, inline_value_;
   bool has_inline_value_ = false;
 };
+
+/// The comma-separated items of `text`, empty ones dropped ("1,8,64", "0-27,0-21").
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ','))
+    if (!item.empty())
+      items.push_back(item);
+  return items;
+}
+
+/// A program's main(): runs `body` (which parses and runs, returning the exit status) and turns what it
+/// throws into a message on stderr, "<program>: <what>", and an exit status: 2 for a UsageError (a bad flag
+/// or value), 1 for any other exception.
+///
+///   int main(int argc, char** argv) { return smcgraph::cli::run_main("generate", [&] { return
+///   run(parse(argc, argv)); }); }
+template <class Body> int run_main(const char* program, Body&& body) {
+  try {
+    return body();
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.message.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return 1;
+  }
+}
 
 } // namespace smcgraph::cli

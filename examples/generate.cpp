@@ -226,13 +226,5 @@ int run(const Options& o) {
 } // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(parse(argc, argv));
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "generate: %s\n", e.message.c_str());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "generate: %s\n", e.what());
-    return 1;
-  }
+  return smcgraph::cli::run_main("generate", [&] { return run(parse(argc, argv)); });
 }

@@ -216,13 +216,5 @@ int run(int argc, char** argv) {
 } // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "llama_logits: %s\n", e.message.c_str());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "llama_logits: %s\n", e.what());
-    return 1;
-  }
+  return smcgraph::cli::run_main("llama_logits", [&] { return run(argc, argv); });
 }

@@ -15,16 +15,6 @@ namespace smcgraph::sweep {
 // ---------------------------------------------------------------------------------------------------------
 // Command line
 
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> items;
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ','))
-    if (!item.empty())
-      items.push_back(item);
-  return items;
-}
-
 namespace {
 
 void print_usage() {

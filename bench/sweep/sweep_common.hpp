@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/toy_model.hpp"
 #include "smcgraph/types.hpp"
@@ -182,7 +183,7 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row);
 
 /// Returns -1 to go on, else the exit status.
 int parse_options(int argc, char** argv, Options& o);
-std::vector<std::string> split_list(const std::string& text);
+using cli::split_list; // examples/cli.hpp
 
 // ---------------------------------------------------------------------------------------------------------
 // Defined in bench/sweep/manifest.cpp: the peer files and the JSON text they are made of
