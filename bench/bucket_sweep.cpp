@@ -301,7 +301,8 @@ public:
   /// from the handed-over residuals, as in the cycle (graphs/draft_and_verify.cpp).
   enum class Role { kDraft, kVerify };
 
-  /// The engine's Engine::resumed_layers() and the target's hidden size: 0 layers, forwards as plain ones.
+  /// prefix_resume_layers() (the engine's Engine::resumed_layers()) and the target's hidden size: 0 layers,
+  /// forwards as plain ones.
   void resume_after(int layers, int hidden_size) {
     resume_layers_ = layers;
     hidden_size_ = hidden_size;
@@ -659,16 +660,16 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   config.slot_pool_size = ctx.constants->pool_size;
   const int max_rows = config.max_requests * particles;
   ForwardBench forwards(max_rows, steps + 1, vocab, dtype, config.max_seq_len, config.slot_pool_size);
+  // The forwards timed alone as the engine runs them: the verify resumed after a prefix draft's layers.
+  forwards.resume_after(prefix_resume_layers(*models.draft, *models.target, steps),
+                        models.target->hidden_size());
   Stream& stream = *ctx.stream;
   if (kind == CycleKind::kSpeculative && o.adaptive) {
     config.adaptive.enabled = true;
     config.adaptive.mid_steps = std::max(1, (steps + 1) / 2);
     config.adaptive.min_steps = std::min(o.min_steps, config.adaptive.mid_steps);
     config.adaptive.draft_cost = o.draft_cost;
-    if (o.draft_cost < 0.0f) { // the cost-aware rule with this pair's measured cost ratio, the verify timed
-                               // as the engine will run it (resumed after a prefix draft's layers)
-      forwards.resume_after(prefix_resume_layers(*models.draft, *models.target, steps),
-                            models.target->hidden_size());
+    if (o.draft_cost < 0.0f) { // the cost-aware rule with this pair's measured cost ratio
       const ModelTiming alone =
           forwards.time_cycle_forwards(*models.draft, *models.target, o.requests.front(), steps, stream);
       const double draft_us = steps > 1 ? alone.step_us : alone.head_us;
@@ -688,9 +689,8 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   Engine engine(config, *models.draft, *models.target);
   const double construct_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - construct_start).count();
-  forwards.resume_after(engine.resumed_layers(), models.target->hidden_size());
   if (engine.resumed_layers() > 0)
-    std::printf("\nthe SMC verify resumes after the draft's %d layers (Engine::resumed_layers; "
+    std::printf("\nthe verify resumes after the draft's %d layers (Engine::resumed_layers; "
                 "SMCGRAPH_DISABLE_PREFIX_RESUME=1 runs every layer); the verify below is timed so\n",
                 engine.resumed_layers());
   // The forwards' graph nodes for a bucket of `rows` rows (the draft steps and the verify; a forward's node
