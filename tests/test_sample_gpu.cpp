@@ -926,3 +926,61 @@ TEST_CASE("score() at T = 0 is one-hot at the argmax with ties to the smallest i
     }
   }
 }
+
+namespace {
+
+/// Restores the sampler's default (clusters on where the device schedules them) when a case ends.
+struct ClusterModeGuard {
+  ~ClusterModeGuard() { smcgraph::set_sample_clusters(true); }
+};
+
+bool device_has_clusters() {
+  int device = 0, major = 0;
+  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+  SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
+}
+
+} // namespace
+
+TEST_CASE("sample(): cluster mode and ticket mode give the same bits, and the reference's tokens") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const ClusterModeGuard guard;
+  struct Shape {
+    DType dtype;
+    int vocab, rows;
+    double mask_fraction;
+  };
+  // Shapes inside cluster mode's limits (2-8 tiles, <= 64 CTAs): SmolLM2's 49152 bf16 (6 tiles), 8 fp32 tiles
+  // with a sliver, 5 fp16 tiles, two tiles and a sliver, one row of 4 tiles, and rows whose tiles are mostly
+  // -inf.
+  const Shape shapes[] = {{DType::kBFloat16, 49152, 8, 0.01}, {DType::kFloat32, 8 * 4096 - 7, 8, 0.01},
+                          {DType::kFloat16, 40000, 9, 0.01},  {DType::kBFloat16, 2 * 8192 + 5, 16, 0.01},
+                          {DType::kBFloat16, 32000, 1, 0.01}, {DType::kFloat32, 32001 - 7, 8, 0.999}};
+  for (const Shape& shape : shapes) {
+    CAPTURE(smcgraph::dtype_name(shape.dtype));
+    CAPTURE(shape.vocab);
+    CAPTURE(shape.rows);
+    smcgraph::set_sample_clusters(true);
+    // Hopper and later schedule every cluster these shapes need (at most 8 CTAs).
+    REQUIRE(smcgraph::sample_uses_clusters(shape.rows, shape.vocab, shape.dtype) == device_has_clusters());
+    Batch batch = random_batch(rng, shape.dtype, shape.rows, shape.vocab, shape.vocab, shape.mask_fraction);
+    if (shape.rows > 2)
+      batch.temperature[2] = -1.0f; // a bad parameter: flagged, sentinels, in both modes
+    DeviceBatch device(batch);
+    Tally tally;
+    for (bool captured : {false, true}) {
+      CAPTURE(captured);
+      smcgraph::set_sample_clusters(true);
+      const Outputs clustered = device.run(captured);
+      smcgraph::set_sample_clusters(false);
+      REQUIRE_FALSE(smcgraph::sample_uses_clusters(shape.rows, shape.vocab, shape.dtype));
+      const Outputs ticketed = device.run(captured);
+      CHECK(clustered.bitwise_equal(ticketed));
+      for (int r = 0; r < batch.rows; ++r)
+        check_row(batch, clustered, r, tally);
+    }
+    CHECK(tally.mismatches == 0);
+  }
+}

@@ -168,4 +168,17 @@ int sample_subtile_length(DType dtype);
 /// The last tile's sub-tiles may be partial or empty (an empty one never wins).
 int sample_subtile(int vocab_id, DType dtype);
 
+/// How the tiles of one (row, position) meet in sample() and score(): as one thread-block cluster, exchanging
+/// their partial states through distributed shared memory, or through the workspace and a last-arrival
+/// ticket. Clusters are the default for small launches, where they measured faster: 2 to 8 tiles a job (bf16
+/// / fp16 vocabularies up to 65536, fp32 up to 32768) and at most 64 CTAs (jobs x tiles), on Hopper or later.
+/// Both give the same bits. SMCGRAPH_DISABLE_SAMPLER_CLUSTER=1 turns clusters off at start;
+/// set_sample_clusters() switches them for launches made (or captured) after it, for benches and tests. Not
+/// synchronised with launches on other host threads.
+void set_sample_clusters(bool enabled);
+
+/// Whether a launch of `jobs` (rows x positions) over `vocab` logits of `dtype` made now on the current
+/// device runs in cluster mode.
+bool sample_uses_clusters(int jobs, int vocab, DType dtype);
+
 } // namespace smcgraph

@@ -37,10 +37,25 @@
 //
 // The host reference (tests/reference/sample_ref.cpp) runs the same two levels with the same Philox words
 // over the same sub-tiles.
+//
+// Two ways for a job's CTAs to meet (launch_logits_pass picks one per launch; the results are the same bits):
+//   - cluster (a job of 2 to kMaxClusterTiles tiles, a launch of at most kMaxClusterCtas CTAs, on a device
+//     that schedules such a thread-block cluster; SMCGRAPH_DISABLE_SAMPLER_CLUSTER=1 turns it off): the job's
+//     CTAs are one cluster. Each keeps its 8
+//     sub-tile states, and a sample position's CTA its whole tile, in shared memory; after one cluster
+//     barrier every CTA reads the job's sub-tile states from its peers' shared memory (DSMEM), merges them in
+//     the fixed order below and runs the sub-tile race, all identically; the CTA that owns the winning
+//     sub-tile runs the element race over its own shared copy and writes the outputs (a job that does not
+//     race: the cluster's first CTA). A second barrier keeps every CTA's shared memory alive until its peers
+//     have read it. No workspace, no fence, no atomic and no second read from L2: the serial tail is shorter.
+//   - ticket (more tiles, or no cluster support): each CTA writes its sub-tile states to the workspace and
+//   the
+//     job's last CTA to arrive (a ticket) merges them and re-reads the winning sub-tile from L2.
 #pragma once
 
 #include <cstdint>
 
+#include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -519,10 +534,11 @@ __device__ __forceinline__ void load_run(const typename DTypeTraits<DTYPE>::Scal
 /// vector k * 256 + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256,
 /// ... (one run per thread at the default tiling). Runs ascend with vocab ids, so "strictly better" keeps
 /// ties at the smaller id here as in the reduction across threads. power_c = alpha c (c when alpha = 1).
-template <DType DTYPE>
-__device__ __forceinline__ RaceBest race_subtile(const typename DTypeTraits<DTYPE>::Scalar* row, int vocab,
-                                                 int tile_begin, int warp, bool aligned,
-                                                 const JobContext& job, float tile_max, float power_c) {
+/// load_run_at(first, vector, offset, count, values) gives a run's logits: vocab ids first .. first + count,
+/// at element `offset` of the tile's vector `vector` (missing ones -inf).
+template <DType DTYPE, class LoadRun>
+__device__ __forceinline__ RaceBest race_runs(const LoadRun& load_run_at, int vocab, int tile_begin, int warp,
+                                              const JobContext& job, float tile_max, float power_c) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   constexpr int kRun = kRaceRun<DTYPE>;
   constexpr int kRunsPerVector = kPerVector / kRun;
@@ -536,12 +552,13 @@ __device__ __forceinline__ RaceBest race_subtile(const typename DTypeTraits<DTYP
       break;
     const int j = run / kRunsPerVector; // the sub-tile's j-th vector: lane j % 32 of pass j / 32
     const int vector = (j / kWarpSize) * kPassThreads + warp * kWarpSize + j % kWarpSize;
-    const int first = tile_begin + vector * kPerVector + (run % kRunsPerVector) * kRun;
+    const int offset = (run % kRunsPerVector) * kRun; // the run's first element inside its vector
+    const int first = tile_begin + vector * kPerVector + offset;
     const int count = max(0, min(kRun, vocab - first));
     if (count == 0) // past the end of the row (a partial last tile): nothing to load
       continue;
     float values[kRun];
-    load_run<DTYPE, kRun>(row, first, count, aligned, values);
+    load_run_at(first, vector, offset, count, values);
     race_chunk<kRun>(state, values, first, count, job, tile_max, power_c);
   }
   if (state.index < 0)
@@ -549,12 +566,74 @@ __device__ __forceinline__ RaceBest race_subtile(const typename DTypeTraits<DTYP
   return RaceBest{log2f(state.numerator) - log2f(state.denominator), state.logit, state.index};
 }
 
+/// The element race over the row in global memory (ticket mode: the re-read from L2).
+template <DType DTYPE>
+__device__ __forceinline__ RaceBest race_subtile(const typename DTypeTraits<DTYPE>::Scalar* row, int vocab,
+                                                 int tile_begin, int warp, bool aligned,
+                                                 const JobContext& job, float tile_max, float power_c) {
+  constexpr int kRun = kRaceRun<DTYPE>;
+  const auto load = [&](int first, int, int, int count, float(&values)[kRun]) {
+    load_run<DTYPE, kRun>(row, first, count, aligned, values);
+  };
+  return race_runs<DTYPE>(load, vocab, tile_begin, warp, job, tile_max, power_c);
+}
+
+/// The element race over this CTA's shared copy of its tile (cluster mode: the CTA owns the winning
+/// sub-tile): the same runs, threads and arithmetic, so the same winner. `tile` holds the tile's vectors in
+/// order, the elements past the end of the row as -inf (load_vector's fill, or a whole -inf vector).
+template <DType DTYPE>
+__device__ __forceinline__ RaceBest race_subtile_shared(const uint4* tile, int vocab, int tile_begin,
+                                                        int warp, const JobContext& job, float tile_max,
+                                                        float power_c) {
+  constexpr int kRun = kRaceRun<DTYPE>;
+  constexpr int kElementsPerWord = DTYPE == DType::kFloat32 ? 1 : 2;
+  const auto load = [&](int, int vector, int offset, int, float(&values)[kRun]) {
+    // The run's words (offset is a multiple of kRun, so of kElementsPerWord): 32-bit shared loads.
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(tile + vector) + offset / kElementsPerWord;
+#pragma unroll
+    for (int e = 0; e < kRun; ++e) {
+      const uint32_t word = words[e / kElementsPerWord];
+      values[e] = element_to_float<DTYPE>(kElementsPerWord == 1 ? word : word >> (16 * (e % 2)));
+    }
+  };
+  return race_runs<DTYPE>(load, vocab, tile_begin, warp, job, tile_max, power_c);
+}
+
+/// Cluster mode's limits (the launcher also checks that the device schedules the cluster): at most 8 tiles a
+/// job (the portable cluster size) and 64 CTAs a launch. Measured on an H200 (sample_bench, same build, graph
+/// us a launch, cluster / ticket): 1 and 8 rows of 4 or 8 tiles gain 0.25-0.6 us; 64 rows of 4 tiles (256
+/// CTAs) lose 1-4 us, and 8 rows of 16 tiles lose 0.8 us (waiting for whole clusters to be scheduled costs
+/// more than the ticket's fence, atomic and re-read).
+inline constexpr int kMaxClusterTiles = 8;
+inline constexpr int kMaxClusterCtas = 64;
+
+/// The cluster barrier in two halves (all threads of every CTA of the cluster; release / acquire order the
+/// shared-memory writes before the arrival with the peers' reads after their wait).
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
 /// A job's sub-tile states as its last CTA reads them: from the workspace, where the job's CTAs wrote them
 /// (L2 loads: L1 is not coherent across CTAs), or, for a one-tile job, from the CTA's shared memory.
 struct SubTileStates {
-  const PassState* global; ///< null: one tile, read `shared`
-  const PassState* shared;
+  const PassState* global; ///< null: one tile or a cluster, read `shared`
+  const PassState* shared; ///< this CTA's kSubTiles states
+  bool cluster;            ///< sub-tile s is in the shared memory of the cluster's CTA s / kSubTiles
   __device__ __forceinline__ PassState load(int s) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster) {
+      const PassState* peer = cooperative_groups::this_cluster().map_shared_rank(
+          const_cast<PassState*>(shared), static_cast<unsigned>(s / kSubTiles));
+      return peer[s % kSubTiles];
+    }
+#endif
     if (global == nullptr)
       return shared[s];
     PassState state;
@@ -611,7 +690,8 @@ struct PassArgs {
   /// score(): [requests] per-request sample position s_q (clamped to [0, P - 1]); null: P - 1 for all rows
   const int32_t* request_steps{};
   // set by launch_logits_pass
-  int splits{}; ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
+  int splits{};   ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
+  bool cluster{}; ///< a job's CTAs are one thread-block cluster (splits > 1; header comment)
   /// splits * kSubTiles sub-tile states per job: sub-tile s (over the row) of job j at j * splits * 8 + s
   PassState* partials{};
   uint32_t* tickets{};
@@ -630,13 +710,23 @@ struct JobPlace {
 template <DType DTYPE, PassMode MODE>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
-                        uint32_t param_flags) {
+                        uint32_t param_flags, uint4* tile_copy) {
   using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
-  __shared__ PassState warp_states[kSubTiles]; // a one-tile job's sub-tile states
+  __shared__ PassState warp_states[kSubTiles]; // a one-tile or cluster job's sub-tile states
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
+  constexpr bool kRaces = MODE == PassMode::kRace || MODE == PassMode::kRacePower;
+  const bool cluster = args.cluster; // uniform across the launch
+  if (kRaces && cluster) {
+#pragma unroll
+    for (int u = 0; u < kUnrollVectors; ++u) {
+      const uint32_t fill = negative_infinity_bits<DTYPE>();
+      tile_copy[u * kPassThreads + threadIdx.x] =
+          tile.count[u] > 0 ? tile.raw[u] : make_uint4(fill, fill, fill, fill);
+    }
+  }
 
   PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
   const MergeOp<MODE> merge{job.c, job.alpha};
@@ -645,7 +735,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
 
   const int subtile_count = args.splits * kSubTiles;
   PassState* subtiles = args.partials + static_cast<int64_t>(place.job_index) * subtile_count;
-  if (args.splits > 1) {
+  if (args.splits > 1 && !cluster) {
     if (warp_leader)
       subtiles[place.split * kSubTiles + warp] = state;
     // The job's last CTA merges (the partials are read with __ldcg below).
@@ -654,9 +744,14 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   } else {
     if (warp_leader)
       warp_states[warp] = state;
-    __syncthreads();
+    if (cluster) { // every CTA of the job: its peers' states (and its own tile copy) are ready after this
+      cluster_arrive();
+      cluster_wait();
+    } else {
+      __syncthreads();
+    }
   }
-  const SubTileStates states{args.splits > 1 ? subtiles : nullptr, warp_states};
+  const SubTileStates states{args.splits > 1 && !cluster ? subtiles : nullptr, warp_states, cluster};
   // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
   // reduction), the same whatever else the launch holds.
   const int thread = static_cast<int>(threadIdx.x);
@@ -665,6 +760,13 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
     state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
   state = BlockReduce(reduce_storage).Reduce(state, merge);
+  static_assert(kMaxClusterTiles * kSubTiles <= kPassThreads, "a cluster job's sub-tiles: one per thread");
+  // choose_subtile below reads only `mine` (subtile_count <= kMaxClusterTiles * kSubTiles <= kPassThreads),
+  // and the reduction has consumed every loaded state, so the peers' shared memory is no longer needed: they
+  // may leave once every CTA has arrived here.
+  if (cluster)
+    cluster_arrive();
+  bool writer = !cluster || place.split == 0; // the CTA that writes the job's outputs
 
   // Sampling: the two-level race (header comment). Every thread takes part, so the row's merged state
   // goes through shared memory first.
@@ -686,14 +788,26 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
         subtile_winner = subtile;
       __syncthreads();
       subtile = subtile_winner; // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
-      winner = race_subtile<DTYPE>(row_logits, args.logits.vocab,
-                                   (subtile.index / kSubTiles) * kSplitLength<DTYPE>,
-                                   subtile.index % kSubTiles, place.aligned, job, subtile.logit, power_c);
-      __syncthreads(); // race_storage is reused
-      winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
+      const int tile_begin = (subtile.index / kSubTiles) * kSplitLength<DTYPE>;
+      if (cluster) { // the owner of the winning sub-tile races it from its shared copy; the others are done
+        writer = subtile.index / kSubTiles == place.split;
+        if (writer) {
+          winner = race_subtile_shared<DTYPE>(tile_copy, args.logits.vocab, tile_begin,
+                                              subtile.index % kSubTiles, job, subtile.logit, power_c);
+          __syncthreads(); // race_storage is reused
+          winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
+        }
+      } else {
+        winner = race_subtile<DTYPE>(row_logits, args.logits.vocab, tile_begin, subtile.index % kSubTiles,
+                                     place.aligned, job, subtile.logit, power_c);
+        __syncthreads(); // race_storage is reused
+        winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
+      }
     }
   }
-  if (threadIdx.x != 0)
+  if (cluster)
+    cluster_wait(); // the peers have read this CTA's states: its shared memory may go
+  if (threadIdx.x != 0 || !writer)
     return;
 
   const int row = place.row;
@@ -743,8 +857,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   }
 }
 
-/// grid.x = jobs * splits (one CTA per tile); block = kPassThreads. Launched with programmatic dependent
-/// launch (kernels/pdl.cuh): nothing is read before the wait.
+/// grid.x = jobs * splits (one CTA per tile); block = kPassThreads; in cluster mode a cluster of `splits`
+/// CTAs a job. Launched with programmatic dependent launch (kernels/pdl.cuh): nothing is read before the
+/// wait.
 #ifndef SMCGRAPH_PASS_MIN_BLOCKS
 #define SMCGRAPH_PASS_MIN_BLOCKS 4
 #endif
@@ -752,6 +867,8 @@ template <DType DTYPE>
 __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
     LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
+  // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it).
+  __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
   pdl_enter();
   JobPlace place;
   place.split = static_cast<int>(blockIdx.x) % args.splits;
@@ -805,13 +922,13 @@ __global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy>(args, job, place, row_logits, tile, param_flags);
+    run_job<DTYPE, PassMode::kGreedy>(args, job, place, row_logits, tile, param_flags, tile_copy);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore>(args, job, place, row_logits, tile, 0u);
+    run_job<DTYPE, PassMode::kScore>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace>(args, job, place, row_logits, tile, 0u);
+    run_job<DTYPE, PassMode::kRace>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else {
-    run_job<DTYPE, PassMode::kRacePower>(args, job, place, row_logits, tile, 0u);
+    run_job<DTYPE, PassMode::kRacePower>(args, job, place, row_logits, tile, 0u, tile_copy);
   }
 }
 

@@ -1,9 +1,15 @@
 // sample(): one token per row from softmax(alpha * logits / T), its log-prob and log Z, in one read of the
-// logits from memory (the two-level race re-reads one sub-tile from L2). The kernel itself lives in
-// logits_pass.cuh (shared with score()).
+// logits from memory (the two-level race re-reads one sub-tile: from shared memory in cluster mode, from L2
+// in ticket mode). The kernel itself lives in logits_pass.cuh (shared with score()).
 #include "kernels/logits_pass.cuh"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
@@ -11,7 +17,6 @@
 
 namespace smcgraph {
 using detail::ceil_div;
-namespace {} // namespace
 
 int sample_tile_length(DType dtype) {
   static_assert(detail::kSplitLength<DType::kBFloat16> == detail::kSplitLength<DType::kFloat16>,
@@ -97,6 +102,89 @@ SampleWorkspace& SampleWorkspace::operator=(SampleWorkspace&& other) noexcept {
 }
 
 namespace detail {
+namespace {
+
+std::atomic<bool>& sampler_clusters() {
+  static std::atomic<bool> enabled = [] {
+    const char* value = std::getenv("SMCGRAPH_DISABLE_SAMPLER_CLUSTER");
+    return value == nullptr || std::strcmp(value, "1") != 0;
+  }();
+  return enabled;
+}
+
+/// Whether a launch of `jobs` jobs of `splits` tiles runs in cluster mode (logits_pass.cuh): within the
+/// mode's limits, and the current device runs `kernel` as clusters of `splits` CTAs (Hopper or later, at
+/// least one such cluster resident; asked once per device, kernel and splits). Never fails: a no answers
+/// false (the ticket mode then runs).
+bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jobs, int splits) {
+  if (splits < 2 || splits > kMaxClusterTiles || jobs * splits > kMaxClusterCtas ||
+      !sampler_clusters().load(std::memory_order_relaxed))
+    return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess)
+    return false;
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int>, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, kernel, splits);
+  if (const auto it = known.find(key); it != known.end())
+    return it->second;
+  bool ok = false;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      major >= 9) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(splits));
+    config.blockDim = dim3(kPassThreads);
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = static_cast<unsigned>(splits);
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    ok = cudaOccupancyMaxActiveClusters(&clusters, typed, &config) == cudaSuccess && clusters > 0;
+  }
+  (void)cudaGetLastError(); // a refused query leaves no sticky error behind
+  known.emplace(key, ok);
+  return ok;
+}
+
+/// Launches the pass in cluster mode: a cluster of args.splits CTAs a job, with programmatic dependent launch
+/// (unless SMCGRAPH_DISABLE_PDL=1) as launch_pdl does.
+void launch_clustered(void (*kernel)(PassArgs), dim3 grid, cudaStream_t stream, const PassArgs& args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kPassThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(args.splits);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_enabled() ? 2 : 1;
+  SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+}
+
+template <DType DTYPE> void launch_pass(int64_t jobs, dim3 grid, cudaStream_t stream, PassArgs args) {
+  void (*kernel)(PassArgs) = LogitsPassKernel<DTYPE>;
+  args.cluster = cluster_schedulable(reinterpret_cast<const void*>(kernel), kernel, jobs, args.splits);
+  if (args.cluster)
+    launch_clustered(kernel, grid, stream, args);
+  else
+    launch_pdl(kernel, grid, dim3(kPassThreads), 0, stream, args);
+}
+
+template <DType DTYPE> bool uses_clusters(int64_t jobs, int splits) {
+  void (*kernel)(PassArgs) = LogitsPassKernel<DTYPE>;
+  return cluster_schedulable(reinterpret_cast<const void*>(kernel), kernel, jobs, splits);
+}
+
+} // namespace
 
 void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& workspace, cudaStream_t stream) {
   const LogitsView& logits = args.logits;
@@ -129,18 +217,36 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   const dim3 grid(static_cast<unsigned>(jobs * args.splits));
   switch (dtype) { // with programmatic dependent launch: the pass waits for its predecessor before any read
   case DType::kFloat32:
-    launch_pdl(LogitsPassKernel<DType::kFloat32>, grid, dim3(kPassThreads), 0, stream, args);
+    launch_pass<DType::kFloat32>(jobs, grid, stream, args);
     break;
   case DType::kBFloat16:
-    launch_pdl(LogitsPassKernel<DType::kBFloat16>, grid, dim3(kPassThreads), 0, stream, args);
+    launch_pass<DType::kBFloat16>(jobs, grid, stream, args);
     break;
   case DType::kFloat16:
-    launch_pdl(LogitsPassKernel<DType::kFloat16>, grid, dim3(kPassThreads), 0, stream, args);
+    launch_pass<DType::kFloat16>(jobs, grid, stream, args);
     break;
   }
 }
 
 } // namespace detail
+
+void set_sample_clusters(bool enabled) {
+  detail::sampler_clusters().store(enabled, std::memory_order_relaxed);
+}
+
+bool sample_uses_clusters(int jobs, int vocab, DType dtype) {
+  require(jobs >= 1, "sample_uses_clusters", "jobs", jobs, "must be >= 1");
+  const int splits = sample_splits(vocab, dtype);
+  switch (dtype) {
+  case DType::kFloat32:
+    return detail::uses_clusters<DType::kFloat32>(jobs, splits);
+  case DType::kBFloat16:
+    return detail::uses_clusters<DType::kBFloat16>(jobs, splits);
+  case DType::kFloat16:
+    return detail::uses_clusters<DType::kFloat16>(jobs, splits);
+  }
+  return false;
+}
 
 void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
             const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream) {
