@@ -129,10 +129,11 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
   const auto key = std::make_tuple(device, kernel, splits);
   if (const auto it = known.find(key); it != known.end())
     return it->second;
-  bool ok = false;
+  bool ok = false, refused = false;
   int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-      major >= 9) {
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    refused = true;
+  } else if (major >= 9) {
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>(splits));
     config.blockDim = dim3(kPassThreads);
@@ -144,9 +145,13 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
     config.attrs = attribute;
     config.numAttrs = 1;
     int clusters = 0;
-    ok = cudaOccupancyMaxActiveClusters(&clusters, typed, &config) == cudaSuccess && clusters > 0;
+    refused = cudaOccupancyMaxActiveClusters(&clusters, typed, &config) != cudaSuccess;
+    ok = !refused && clusters > 0;
   }
-  (void)cudaGetLastError(); // a refused query leaves no sticky error behind
+  // A refused query must not leave its error for the caller's next check; an earlier launch's error stays the
+  // caller's to see, so the error state is cleared after a refusal only.
+  if (refused)
+    (void)cudaGetLastError();
   known.emplace(key, ok);
   return ok;
 }
