@@ -929,9 +929,11 @@ TEST_CASE("score() at T = 0 is one-hot at the argmax with ties to the smallest i
 
 namespace {
 
-/// Restores the sampler's default (clusters on where the device schedules them) when a case ends.
+/// Restores the sampler's cluster switch as the case found it (SMCGRAPH_DISABLE_SAMPLER_CLUSTER may have
+/// turned it off) when the case ends.
 struct ClusterModeGuard {
-  ~ClusterModeGuard() { smcgraph::set_sample_clusters(true); }
+  const bool enabled = smcgraph::sample_clusters_enabled();
+  ~ClusterModeGuard() { smcgraph::set_sample_clusters(enabled); }
 };
 
 bool device_has_clusters() {
@@ -953,8 +955,8 @@ TEST_CASE("sample(): cluster mode and ticket mode give the same bits, and the re
     double mask_fraction;
   };
   // Shapes inside cluster mode's limits (2-8 tiles, <= 64 CTAs): SmolLM2's 49152 bf16 (6 tiles), 8 fp32 tiles
-  // with a sliver, 5 fp16 tiles, two tiles and a sliver, one row of 4 tiles, and rows whose tiles are mostly
-  // -inf.
+  // the last 7 logits short, 5 fp16 tiles, two tiles and a sliver, one row of 4 tiles, and rows whose tiles
+  // are mostly -inf. (A device of compute capability >= 9 schedules 8-CTA clusters: the portable size.)
   const Shape shapes[] = {{DType::kBFloat16, 49152, 8, 0.01}, {DType::kFloat32, 8 * 4096 - 7, 8, 0.01},
                           {DType::kFloat16, 40000, 9, 0.01},  {DType::kBFloat16, 2 * 8192 + 5, 16, 0.01},
                           {DType::kBFloat16, 32000, 1, 0.01}, {DType::kFloat32, 32001 - 7, 8, 0.999}};
@@ -982,5 +984,115 @@ TEST_CASE("sample(): cluster mode and ticket mode give the same bits, and the re
         check_row(batch, clustered, r, tally);
     }
     CHECK(tally.mismatches == 0);
+  }
+}
+
+TEST_CASE(
+    "score(): cluster mode and ticket mode give the same bits (scored, unscored and sample positions)") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const ClusterModeGuard guard;
+  // 4 rows x 4 positions of 32001 bf16 logits: 16 jobs of 4 tiles, 64 CTAs (cluster mode's largest launch).
+  // Rows sample at T > 0 or T = 0 (score positions in kScore or greedy mode), alpha 1 or 2; request 0 samples
+  // at position 1 (positions 2, 3 are not read: NaN there), request 1 at position 3; one token out of range.
+  const DType dtype = DType::kBFloat16;
+  const int rows = 4, positions = 4, vocab = 32001, particles = 2, token_stride = positions - 1;
+  REQUIRE(smcgraph::sample_uses_clusters(rows * positions, vocab, dtype) == device_has_clusters());
+  const int64_t row_stride = static_cast<int64_t>(positions) * vocab;
+  Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
+  const std::vector<int32_t> steps = {1, positions - 1};
+  for (int r = 0; r < particles; ++r) // request 0's rows: NaN past s_q, never read
+    for (int p = steps[0] + 1; p < positions; ++p)
+      std::fill_n(batch.logits.begin() + (static_cast<size_t>(r) * positions + p) * vocab, vocab,
+                  std::numeric_limits<float>::quiet_NaN());
+  const std::vector<float> temperature = {0.7f, 0.0f, 1.3f, 0.5f}, alpha = {1.0f, 1.0f, 2.0f, 1.0f};
+  const std::vector<uint64_t> seeds = {rng.bits(), rng.bits()};
+  const std::vector<uint32_t> counters = {static_cast<uint32_t>(rng.bits()),
+                                          static_cast<uint32_t>(rng.bits())};
+  std::vector<int32_t> tokens(static_cast<size_t>(rows) * token_stride);
+  for (int32_t& t : tokens)
+    t = static_cast<int32_t>(rng.integer(0, vocab - 1));
+  tokens[3 * token_stride + 1] = vocab; // out of range: row 3 flagged
+  smcgraph::Stream stream;
+  const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
+  DeviceBuffer<uint8_t> d_logits(bytes.size());
+  d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
+  auto d_temperature = test::to_device(temperature, stream);
+  auto d_alpha = test::to_device(alpha, stream);
+  auto d_seeds = test::to_device(seeds, stream);
+  auto d_counters = test::to_device(counters, stream);
+  auto d_tokens = test::to_device(tokens, stream);
+  auto d_steps = test::to_device(steps, stream);
+  DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows),
+      logz(rows);
+  DeviceBuffer<int32_t> bonus(rows);
+  DeviceBuffer<uint32_t> flags(rows), status(1);
+  smcgraph::SampleWorkspace workspace(rows * positions, vocab);
+  const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
+  struct Scored {
+    std::vector<float> token_logprobs, bonus_logprobs, logz;
+    std::vector<int32_t> bonus;
+    std::vector<uint32_t> flags;
+  };
+  const auto run = [&](bool clusters, bool captured) {
+    smcgraph::set_sample_clusters(clusters);
+    token_logprobs.fill_bytes(0xff, stream); // poison: every output must be written
+    bonus_logprobs.fill_bytes(0xff, stream);
+    logz.fill_bytes(0xff, stream);
+    bonus.fill_bytes(0xff, stream);
+    flags.fill_bytes(0, stream);
+    status.fill_bytes(0, stream);
+    test::run_on_stream(captured, stream, [&](cudaStream_t s) {
+      smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab}, d_tokens.data(),
+                      token_stride, {d_temperature.data(), d_alpha.data()},
+                      {d_seeds.data(), d_counters.data(), particles}, stream_word,
+                      {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(), flags.data(),
+                       status.data()},
+                      workspace, s, d_steps.data());
+    });
+    return Scored{test::to_host(token_logprobs.data(), token_logprobs.size(), stream),
+                  test::to_host(bonus_logprobs.data(), rows, stream),
+                  test::to_host(logz.data(), rows, stream), test::to_host(bonus.data(), rows, stream),
+                  test::to_host(flags.data(), rows, stream)};
+  };
+  for (bool captured : {false, true}) {
+    CAPTURE(captured);
+    const Scored clustered = run(true, captured);
+    const Scored ticketed = run(false, captured);
+    CHECK(clustered.bonus == ticketed.bonus);
+    CHECK(clustered.flags == ticketed.flags);
+    CHECK(std::memcmp(clustered.token_logprobs.data(), ticketed.token_logprobs.data(),
+                      clustered.token_logprobs.size() * 4) == 0);
+    CHECK(std::memcmp(clustered.bonus_logprobs.data(), ticketed.bonus_logprobs.data(), rows * 4) == 0);
+    CHECK(std::memcmp(clustered.logz.data(), ticketed.logz.data(), rows * 4) == 0);
+    // And the cluster mode's values are the reference's.
+    CHECK((clustered.flags[3] & smcgraph::kFlagTokenOutOfRange) != 0);
+    for (int r = 0; r < rows; ++r) {
+      CAPTURE(r);
+      const int last = steps[r / particles];
+      for (int p = 0; p < token_stride; ++p) {
+        const float got = clustered.token_logprobs[r * token_stride + p];
+        if (p >= last || (r == 3 && p == 1)) {
+          CHECK(got == -kInf);
+          continue;
+        }
+        uint32_t f = 0;
+        const double expected =
+            reference::token_logprob(batch.logits.data() + (static_cast<size_t>(r) * positions + p) * vocab,
+                                     vocab, temperature[r], tokens[r * token_stride + p], &f);
+        CHECK(f == 0);
+        if (std::isinf(expected))
+          CHECK(got == -kInf);
+        else
+          CHECK(test::close_to(got, expected, 1e-5));
+      }
+      const auto expected_bonus = reference::sample(
+          batch.logits.data() + (static_cast<size_t>(r) * positions + last) * vocab, vocab,
+          smcgraph::sample_tile_length(dtype), temperature[r], alpha[r], seeds[r / particles],
+          counters[r / particles], static_cast<uint32_t>(r % particles), stream_word);
+      CHECK(expected_bonus.flags == 0);
+      if (!expected_bonus.near_tie())
+        CHECK(clustered.bonus[r] == expected_bonus.token);
+    }
   }
 }

@@ -177,6 +177,9 @@ int sample_subtile(int vocab_id, DType dtype);
 /// synchronised with launches on other host threads.
 void set_sample_clusters(bool enabled);
 
+/// The switch set_sample_clusters() sets (true unless turned off).
+bool sample_clusters_enabled();
+
 /// Whether a launch of `jobs` (rows x positions) over `vocab` logits of `dtype` made now on the current
 /// device runs in cluster mode.
 bool sample_uses_clusters(int jobs, int vocab, DType dtype);

@@ -588,12 +588,14 @@ __device__ __forceinline__ RaceBest race_subtile_shared(const uint4* tile, int v
   constexpr int kRun = kRaceRun<DTYPE>;
   constexpr int kElementsPerWord = DTYPE == DType::kFloat32 ? 1 : 2;
   const auto load = [&](int, int vector, int offset, int, float(&values)[kRun]) {
-    // The run's words (offset is a multiple of kRun, so of kElementsPerWord): 32-bit shared loads.
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(tile + vector) + offset / kElementsPerWord;
+    // The run's elements offset .. offset + kRun of the vector, by 32-bit shared loads (a 16-bit element is
+    // the low or high half of its word, as it lies in memory).
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(tile + vector);
 #pragma unroll
     for (int e = 0; e < kRun; ++e) {
-      const uint32_t word = words[e / kElementsPerWord];
-      values[e] = element_to_float<DTYPE>(kElementsPerWord == 1 ? word : word >> (16 * (e % 2)));
+      const int element = offset + e;
+      const uint32_t word = words[element / kElementsPerWord];
+      values[e] = element_to_float<DTYPE>(kElementsPerWord == 1 ? word : word >> (16 * (element % 2)));
     }
   };
   return race_runs<DTYPE>(load, vocab, tile_begin, warp, job, tile_max, power_c);
@@ -633,6 +635,9 @@ struct SubTileStates {
           const_cast<PassState*>(shared), static_cast<unsigned>(s / kSubTiles));
       return peer[s % kSubTiles];
     }
+#else
+    if (cluster) // cluster mode launches only on compute capability >= 9 (sample.cu)
+      __trap();
 #endif
     if (global == nullptr)
       return shared[s];

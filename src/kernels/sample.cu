@@ -239,6 +239,10 @@ void set_sample_clusters(bool enabled) {
   detail::sampler_clusters().store(enabled, std::memory_order_relaxed);
 }
 
+bool sample_clusters_enabled() {
+  return detail::sampler_clusters().load(std::memory_order_relaxed);
+}
+
 bool sample_uses_clusters(int jobs, int vocab, DType dtype) {
   require(jobs >= 1, "sample_uses_clusters", "jobs", jobs, "must be >= 1");
   const int splits = sample_splits(vocab, dtype);
