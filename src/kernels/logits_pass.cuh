@@ -38,19 +38,20 @@
 // The host reference (tests/reference/sample_ref.cpp) runs the same two levels with the same Philox words
 // over the same sub-tiles.
 //
-// Two ways for a job's CTAs to meet (launch_logits_pass picks one per launch; the results are the same bits):
-//   - cluster (a job of 2 to kMaxClusterTiles tiles, a launch of at most kMaxClusterCtas CTAs, on a device
-//     that schedules such a thread-block cluster; SMCGRAPH_DISABLE_SAMPLER_CLUSTER=1 turns it off): the job's
-//     CTAs are one cluster. Each keeps its 8
-//     sub-tile states, and a sample position's CTA its whole tile, in shared memory; after one cluster
-//     barrier every CTA reads the job's sub-tile states from its peers' shared memory (DSMEM), merges them in
-//     the fixed order below and runs the sub-tile race, all identically; the CTA that owns the winning
-//     sub-tile runs the element race over its own shared copy and writes the outputs (a job that does not
-//     race: the cluster's first CTA). A second barrier keeps every CTA's shared memory alive until its peers
-//     have read it. No workspace, no fence, no atomic and no second read from L2: the serial tail is shorter.
-//   - ticket (more tiles, or no cluster support): each CTA writes its sub-tile states to the workspace and
-//   the
-//     job's last CTA to arrive (a ticket) merges them and re-reads the winning sub-tile from L2.
+// Two ways for a job's CTAs to meet (launch_logits_pass picks one per launch; the results are the same bits).
+//
+// Cluster mode (a job of 2 to kMaxClusterTiles tiles, a launch of at most kMaxClusterCtas CTAs, on a device
+// that schedules such a thread-block cluster; SMCGRAPH_DISABLE_SAMPLER_CLUSTER=1 turns it off): the job's
+// CTAs are one cluster. Each keeps its 8 sub-tile states, and at a sample position its whole tile, in shared
+// memory. After one cluster barrier every CTA reads the job's sub-tile states from its peers' shared memory
+// (DSMEM), merges them in the fixed order below and runs the sub-tile race, all identically; the CTA that
+// owns the winning sub-tile runs the element race over its own shared copy and writes the outputs (in a job
+// that does not race, the cluster's first CTA writes them). A second barrier keeps every CTA's shared memory
+// alive until its peers have read it. No workspace, no fence, no atomic and no second read from L2.
+//
+// Ticket mode (more tiles or CTAs, or no cluster support): each CTA writes its sub-tile states to the
+// workspace, and the job's last CTA to arrive (a ticket) merges them and re-reads the winning sub-tile from
+// L2.
 #pragma once
 
 #include <cstdint>
