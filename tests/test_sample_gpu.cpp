@@ -730,6 +730,85 @@ TEST_CASE("bad rows get flags and sentinels; the other rows are untouched") {
   }
 }
 
+namespace {
+
+/// One score() call over host inputs: logits [rows, positions, vocab] (as the device sees them), per row
+/// temperature and alpha, per request seeds and counters (rows / particles requests), tokens [rows,
+/// token_stride] and per request s_q (request_steps; empty: P - 1 for every row). stream_word: the bonus
+/// sample's.
+struct ScoreInputs {
+  DType dtype;
+  int rows, positions, vocab, particles, token_stride;
+  const std::vector<float>& logits;
+  const std::vector<float>& temperature;
+  const std::vector<float>& alpha;
+  const std::vector<uint64_t>& seeds;
+  const std::vector<uint32_t>& counters;
+  const std::vector<int32_t>& tokens;
+  const std::vector<int32_t>& steps;
+  uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
+};
+
+/// score()'s outputs, read back: token log-probs [rows, P - 1] and the bonus sample per row.
+struct ScoreResults {
+  std::vector<float> token_logprobs, bonus_logprobs, logz;
+  std::vector<int32_t> bonus;
+  std::vector<uint32_t> flags;
+};
+
+/// Device copies of a ScoreInputs and score()'s output buffers; run() poisons the outputs (every one must be
+/// written) and launches score() eagerly or in a graph.
+struct DeviceScore {
+  const ScoreInputs& in;
+  smcgraph::Stream stream;
+  DeviceBuffer<uint8_t> logits;
+  DeviceBuffer<float> temperature, alpha;
+  DeviceBuffer<uint64_t> seeds;
+  DeviceBuffer<uint32_t> counters;
+  DeviceBuffer<int32_t> tokens, steps;
+  DeviceBuffer<float> token_logprobs, bonus_logprobs, logz;
+  DeviceBuffer<int32_t> bonus;
+  DeviceBuffer<uint32_t> flags, status;
+  smcgraph::SampleWorkspace workspace;
+
+  explicit DeviceScore(const ScoreInputs& inputs)
+      : in(inputs), temperature(test::to_device(in.temperature, stream)),
+        alpha(test::to_device(in.alpha, stream)), seeds(test::to_device(in.seeds, stream)),
+        counters(test::to_device(in.counters, stream)), tokens(test::to_device(in.tokens, stream)),
+        steps(test::to_device(in.steps, stream)),
+        token_logprobs(static_cast<size_t>(in.rows) * std::max(1, in.positions - 1)), bonus_logprobs(in.rows),
+        logz(in.rows), bonus(in.rows), flags(in.rows), status(1),
+        workspace(in.rows * in.positions, in.vocab) {
+    const auto bytes = test::encode_logits(in.dtype, in.logits).bytes;
+    logits = DeviceBuffer<uint8_t>(bytes.size());
+    logits.copy_from_host(bytes.data(), bytes.size(), stream);
+  }
+
+  ScoreResults run(bool captured) {
+    token_logprobs.fill_bytes(0xff, stream); // NaN / -1: every output must be written
+    bonus_logprobs.fill_bytes(0xff, stream);
+    logz.fill_bytes(0xff, stream);
+    bonus.fill_bytes(0xff, stream);
+    flags.fill_bytes(0, stream);
+    status.fill_bytes(0, stream);
+    const int64_t row_stride = static_cast<int64_t>(in.positions) * in.vocab;
+    test::run_on_stream(captured, stream, [&](cudaStream_t s) {
+      smcgraph::score({logits.data(), in.dtype, in.rows, in.positions, in.vocab, row_stride, in.vocab},
+                      tokens.data(), in.token_stride, {temperature.data(), alpha.data()},
+                      {seeds.data(), counters.data(), in.particles}, in.stream_word,
+                      {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(), flags.data(),
+                       status.data()},
+                      workspace, s, in.steps.empty() ? nullptr : steps.data());
+    });
+    return ScoreResults{
+        test::to_host(token_logprobs.data(), token_logprobs.size(), stream),
+        test::to_host(bonus_logprobs.data(), in.rows, stream), test::to_host(logz.data(), in.rows, stream),
+        test::to_host(bonus.data(), in.rows, stream), test::to_host(flags.data(), in.rows, stream)};
+  }
+};
+
+} // namespace
+
 TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
   test::Rng rng;
   INFO("seed " << rng.seed());
@@ -740,7 +819,6 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
       for (int positions : {1, 2, 5, 9}) {
         CAPTURE(per_request);
         const int rows = 12, vocab = 32001, particles = 4;
-        const int64_t row_stride = static_cast<int64_t>(positions) * vocab;
         Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
         batch.particles = particles;
         // s_q per request (clamped by score() to [0, P - 1]: -1 and P + 3 test the clamp).
@@ -776,41 +854,28 @@ TEST_CASE("score() gives token log-probs and a bonus sample in one pass") {
           t = static_cast<int32_t>(rng.integer(0, vocab - 1));
         if (positions > 1)
           tokens[token_stride * 2] = vocab; // out of range: row 2 flagged
-        smcgraph::Stream stream;
-        const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
-        DeviceBuffer<uint8_t> d_logits(bytes.size());
-        d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
-        auto d_temperature = test::to_device(temperature, stream);
-        auto d_alpha = test::to_device(alpha, stream);
-        auto d_seeds = test::to_device(seeds, stream);
-        auto d_counters = test::to_device(counters, stream);
-        auto d_tokens = test::to_device(tokens, stream);
-        auto d_steps = test::to_device(steps, stream);
-        DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows),
-            logz(rows);
-        DeviceBuffer<int32_t> bonus(rows);
-        DeviceBuffer<uint32_t> flags(rows), status(1);
-        smcgraph::SampleWorkspace workspace(rows * positions, vocab);
-        const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
+        const std::vector<int32_t> no_steps;
+        const ScoreInputs inputs{dtype,
+                                 rows,
+                                 positions,
+                                 vocab,
+                                 particles,
+                                 token_stride,
+                                 batch.logits,
+                                 temperature,
+                                 alpha,
+                                 seeds,
+                                 counters,
+                                 tokens,
+                                 per_request ? steps : no_steps};
+        const uint32_t stream_word = inputs.stream_word;
+        DeviceScore device(inputs);
         for (bool captured : {false, true}) {
-          token_logprobs.fill_bytes(0xff, stream);
-          bonus_logprobs.fill_bytes(0xff, stream);
-          logz.fill_bytes(0xff, stream);
-          bonus.fill_bytes(0xff, stream);
-          flags.fill_bytes(0, stream);
-          status.fill_bytes(0, stream);
-          test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-            smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab},
-                            d_tokens.data(), token_stride, {d_temperature.data(), d_alpha.data()},
-                            {d_seeds.data(), d_counters.data(), particles}, stream_word,
-                            {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(),
-                             flags.data(), status.data()},
-                            workspace, s, per_request ? d_steps.data() : nullptr);
-          });
-          const auto h_token_logprobs = test::to_host(token_logprobs.data(), token_logprobs.size(), stream);
-          const auto h_bonus = test::to_host(bonus.data(), rows, stream);
-          const auto h_bonus_logprobs = test::to_host(bonus_logprobs.data(), rows, stream);
-          const auto h_flags = test::to_host(flags.data(), rows, stream);
+          const ScoreResults out = device.run(captured);
+          const std::vector<float>& h_token_logprobs = out.token_logprobs;
+          const std::vector<int32_t>& h_bonus = out.bonus;
+          const std::vector<float>& h_bonus_logprobs = out.bonus_logprobs;
+          const std::vector<uint32_t>& h_flags = out.flags;
           for (int r = 0; r < rows; ++r) {
             CAPTURE(r);
             CAPTURE(positions);
@@ -878,37 +943,16 @@ TEST_CASE("score() at T = 0 is one-hot at the argmax with ties to the smallest i
     const std::vector<float> temperature(rows, 0.0f), alpha(rows, 1.0f);
     const std::vector<uint64_t> seeds(rows, 1);
     const std::vector<uint32_t> counters(rows, 0);
-    smcgraph::Stream stream;
-    const auto bytes = test::encode_logits(dtype, logits).bytes;
-    DeviceBuffer<uint8_t> d_logits(bytes.size());
-    d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
-    auto d_temperature = test::to_device(temperature, stream);
-    auto d_alpha = test::to_device(alpha, stream);
-    auto d_seeds = test::to_device(seeds, stream);
-    auto d_counters = test::to_device(counters, stream);
-    auto d_tokens = test::to_device(tokens, stream);
-    DeviceBuffer<float> token_logprobs(tokens.size()), bonus_logprobs(rows), logz(rows);
-    DeviceBuffer<int32_t> bonus(rows);
-    DeviceBuffer<uint32_t> flags(rows), status(1);
-    smcgraph::SampleWorkspace workspace(rows * positions, vocab);
+    const std::vector<int32_t> no_steps;
+    const ScoreInputs inputs{dtype,       rows,  positions, vocab,    1,      token_stride, logits,
+                             temperature, alpha, seeds,     counters, tokens, no_steps};
+    DeviceScore device(inputs);
     for (bool captured : {false, true}) {
       CAPTURE(captured);
-      token_logprobs.fill_bytes(0xff, stream); // NaN: every entry must be written
-      bonus.fill_bytes(0xff, stream);
-      flags.fill_bytes(0, stream);
-      status.fill_bytes(0, stream);
-      test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-        smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, int64_t{positions} * vocab, vocab},
-                        d_tokens.data(), token_stride, {d_temperature.data(), d_alpha.data()},
-                        {d_seeds.data(), d_counters.data(), 1},
-                        smcgraph::philox_stream(smcgraph::Salt::kBonus, 0),
-                        {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(),
-                         flags.data(), status.data()},
-                        workspace, s);
-      });
-      const auto h_logprobs = test::to_host(token_logprobs.data(), tokens.size(), stream);
-      const auto h_bonus = test::to_host(bonus.data(), rows, stream);
-      const auto h_flags = test::to_host(flags.data(), rows, stream);
+      const ScoreResults out = device.run(captured);
+      const std::vector<float>& h_logprobs = out.token_logprobs;
+      const std::vector<int32_t>& h_bonus = out.bonus;
+      const std::vector<uint32_t>& h_flags = out.flags;
       for (int r = 0; r < rows; ++r) {
         CAPTURE(r);
         CHECK(h_flags[r] == 0);
@@ -998,7 +1042,6 @@ TEST_CASE(
   const DType dtype = DType::kBFloat16;
   const int rows = 4, positions = 4, vocab = 32001, particles = 2, token_stride = positions - 1;
   REQUIRE(smcgraph::sample_uses_clusters(rows * positions, vocab, dtype) == device_has_clusters());
-  const int64_t row_stride = static_cast<int64_t>(positions) * vocab;
   Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
   const std::vector<int32_t> steps = {1, positions - 1};
   for (int r = 0; r < particles; ++r) // request 0's rows: NaN past s_q, never read
@@ -1013,52 +1056,18 @@ TEST_CASE(
   for (int32_t& t : tokens)
     t = static_cast<int32_t>(rng.integer(0, vocab - 1));
   tokens[3 * token_stride + 1] = vocab; // out of range: row 3 flagged
-  smcgraph::Stream stream;
-  const auto bytes = test::encode_logits(dtype, batch.logits).bytes;
-  DeviceBuffer<uint8_t> d_logits(bytes.size());
-  d_logits.copy_from_host(bytes.data(), bytes.size(), stream);
-  auto d_temperature = test::to_device(temperature, stream);
-  auto d_alpha = test::to_device(alpha, stream);
-  auto d_seeds = test::to_device(seeds, stream);
-  auto d_counters = test::to_device(counters, stream);
-  auto d_tokens = test::to_device(tokens, stream);
-  auto d_steps = test::to_device(steps, stream);
-  DeviceBuffer<float> token_logprobs(static_cast<size_t>(rows) * token_stride), bonus_logprobs(rows),
-      logz(rows);
-  DeviceBuffer<int32_t> bonus(rows);
-  DeviceBuffer<uint32_t> flags(rows), status(1);
-  smcgraph::SampleWorkspace workspace(rows * positions, vocab);
-  const uint32_t stream_word = smcgraph::philox_stream(smcgraph::Salt::kBonus, 0);
-  struct Scored {
-    std::vector<float> token_logprobs, bonus_logprobs, logz;
-    std::vector<int32_t> bonus;
-    std::vector<uint32_t> flags;
-  };
+  const ScoreInputs inputs{dtype,       rows,  positions, vocab,    particles, token_stride, batch.logits,
+                           temperature, alpha, seeds,     counters, tokens,    steps};
+  const uint32_t stream_word = inputs.stream_word;
+  DeviceScore device(inputs);
   const auto run = [&](bool clusters, bool captured) {
     smcgraph::set_sample_clusters(clusters);
-    token_logprobs.fill_bytes(0xff, stream); // poison: every output must be written
-    bonus_logprobs.fill_bytes(0xff, stream);
-    logz.fill_bytes(0xff, stream);
-    bonus.fill_bytes(0xff, stream);
-    flags.fill_bytes(0, stream);
-    status.fill_bytes(0, stream);
-    test::run_on_stream(captured, stream, [&](cudaStream_t s) {
-      smcgraph::score({d_logits.data(), dtype, rows, positions, vocab, row_stride, vocab}, d_tokens.data(),
-                      token_stride, {d_temperature.data(), d_alpha.data()},
-                      {d_seeds.data(), d_counters.data(), particles}, stream_word,
-                      {token_logprobs.data(), bonus.data(), bonus_logprobs.data(), logz.data(), flags.data(),
-                       status.data()},
-                      workspace, s, d_steps.data());
-    });
-    return Scored{test::to_host(token_logprobs.data(), token_logprobs.size(), stream),
-                  test::to_host(bonus_logprobs.data(), rows, stream),
-                  test::to_host(logz.data(), rows, stream), test::to_host(bonus.data(), rows, stream),
-                  test::to_host(flags.data(), rows, stream)};
+    return device.run(captured);
   };
   for (bool captured : {false, true}) {
     CAPTURE(captured);
-    const Scored clustered = run(true, captured);
-    const Scored ticketed = run(false, captured);
+    const ScoreResults clustered = run(true, captured);
+    const ScoreResults ticketed = run(false, captured);
     CHECK(clustered.bonus == ticketed.bonus);
     CHECK(clustered.flags == ticketed.flags);
     CHECK(std::memcmp(clustered.token_logprobs.data(), ticketed.token_logprobs.data(),
