@@ -9,7 +9,6 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -399,12 +398,9 @@ bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
       j << "  \"spec\": {\"steps\": [" << join_ints(o.steps, ", ") << "], \"requests\": ["
         << join_ints(o.requests, ", ") << "], \"cycles\": " << o.cycles
         << ", \"warmup_cycles\": " << kWarmupCycles << ", \"new_tokens\": 128},\n";
-    // SMC's steps without K = 0 (the speculative cycle's only: the sweep skips it, and so must the peer)
-    std::vector<int> smc_steps;
-    std::copy_if(o.steps.begin(), o.steps.end(), std::back_inserter(smc_steps), [](int k) { return k >= 1; });
     if (with_smc)
       j << "  \"smc\": {\"particles\": [" << join_ints(o.particles, ", ") << "], \"steps\": ["
-        << join_ints(smc_steps, ", ") << "], \"requests\": [" << join_ints(o.requests, ", ")
+        << join_ints(o.steps, ", ") << "], \"requests\": [" << join_ints(o.requests, ", ")
         << "], \"cycles\": " << o.cycles << ", \"warmup_cycles\": " << kWarmupCycles
         << ", \"draft_temperature\": " << float_text(defaults.draft_temperature)
         << ", \"target_temperature\": " << float_text(defaults.target_temperature)
