@@ -3,6 +3,7 @@
 #
 #   tools/sanitizer_matrix.sh [--build-dir build] [--tools memcheck,racecheck,synccheck,initcheck]
 #                             [--suites cycle_gpu,engine_gpu,...] [--jobs N] [--cell-timeout S] [--no-build]
+#                             [--split llama_gpu=4,llama_real_gpu=2]
 #
 # Each cell (suite x tool) is `meson test -C <build> --setup <tool> <suite>` (the setups of tests/meson.build:
 # compute-sanitizer with --error-exitcode, SMCGRAPH_UNDER_SANITIZER=1 and SMCGRAPH_SANITIZER_TOOL=<tool> for
@@ -10,7 +11,9 @@
 # one GPU: --jobs at a time (default: the number of CPU cores), racecheck cells first (the slowest). The suites
 # are the `gpu` suite without `fault-injection` (that one traps on purpose), as `meson test --list` names them.
 # A cell running past --cell-timeout seconds (default 1200: meson's timeout of a GPU suite under a sanitizer) is
-# stopped and reported as TIMEOUT.
+# stopped and reported as TIMEOUT. --split SUITE=N runs a suite as N cells a tool, each a contiguous range of
+# its doctest cases (--first / --last over the `--count` of the binary, which needs the GPU): the Llama suites
+# take minutes a cell under racecheck, and their parts then run side by side (rows "llama_gpu.2of4").
 #
 # Prints a markdown table suite x tool (status, wall seconds, the tool's error / hazard counts parsed from its
 # summary lines, doctest's test-case count), writes it to <build>/sanitizer-matrix.md, and exits nonzero if
@@ -25,6 +28,7 @@ suites=""
 jobs="$(nproc)"
 cell_timeout=1200
 do_build=1
+split=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-dir) build="$2"; shift 2 ;;
@@ -33,7 +37,8 @@ while [ $# -gt 0 ]; do
     --jobs) jobs="$2"; shift 2 ;;
     --cell-timeout) cell_timeout="$2"; shift 2 ;;
     --no-build) do_build=0; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --split) split="$2"; shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "sanitizer_matrix.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -59,6 +64,35 @@ fi
 state="$build/sanitizer-matrix"
 rm -rf "$state"
 mkdir -p "$state"
+# The rows: a suite, or its parts "<suite>.<i>of<n>" (--split), each part's case range in $state/<row>.range.
+rows=""
+for suite in ${suites//,/ }; do
+  parts=1
+  for entry in ${split//,/ }; do
+    [ "${entry%%=*}" = "$suite" ] && parts="${entry#*=}"
+  done
+  case "$parts" in ''|*[!0-9]*|0) echo "sanitizer_matrix.sh: --split $suite=$parts: need a positive count" >&2; exit 2 ;; esac
+  count=""
+  if [ "$parts" -gt 1 ]; then
+    count="$("$build/tests/test_$suite" --count 2>/dev/null |
+      sed -n 's/.*unskipped test cases passing the current filters: \([0-9]*\).*/\1/p' | head -1)"
+    [ -n "$count" ] || echo "sanitizer_matrix.sh: could not count $suite's test cases: running it whole" >&2
+  fi
+  if [ -z "$count" ] || [ "$parts" -le 1 ]; then
+    rows="$rows,$suite"
+    continue
+  fi
+  [ "$parts" -gt "$count" ] && parts="$count"
+  per=$(( (count + parts - 1) / parts ))
+  for (( i = 1; i <= parts; i++ )); do
+    first=$(( (i - 1) * per + 1 ))
+    last=$(( i * per < count ? i * per : count ))
+    [ "$first" -le "$count" ] || continue
+    echo "--first=$first --last=$last" >"$state/$suite.${i}of$parts.range"
+    rows="$rows,$suite.${i}of$parts"
+  done
+done
+rows="${rows#,}"
 # The queue: racecheck first, then the others; within a tool, the engine-level suites first (longest).
 queue="$state/queue"
 : >"$queue"
@@ -66,18 +100,23 @@ for tool in racecheck memcheck initcheck synccheck; do
   case ",$tools," in *",$tool,"*) ;; *) continue ;; esac
   for suite in cycle_gpu engine_gpu spec_gpu toy_model_gpu sample_gpu verify_gpu host_engine_gpu ${suites//,/ }; do
     case ",$suites," in *",$suite,"*) ;; *) continue ;; esac
-    grep -qx "$tool $suite" "$queue" || echo "$tool $suite" >>"$queue"
+    for row in ${rows//,/ }; do
+      [ "${row%%.*}" = "$suite" ] || continue
+      grep -qx "$tool $row" "$queue" || echo "$tool $row" >>"$queue"
+    done
   done
 done
 cells=$(wc -l <"$queue")
-echo "sanitizer matrix: $cells cells ($(echo "${suites//,/ }" | wc -w) suites x tools $tools), $jobs at a time, build $build"
+echo "sanitizer matrix: $cells cells ($(echo "${suites//,/ }" | wc -w) suites, $(echo "${rows//,/ }" | wc -w) rows x tools $tools), $jobs at a time, build $build"
 
-run_cell() { # $1 tool, $2 suite: one meson test run, its status and wall time
+run_cell() { # $1 tool, $2 row (a suite or a part of one): one meson test run, its status and wall time
   local tool="$1" suite="$2" start end rc
+  local args=()
+  [ -f "$state/$suite.range" ] && args=(--test-args "$(cat "$state/$suite.range")")
   start=$(date +%s.%N)
   set +e
   meson test -C "$build" --no-rebuild --setup "$tool" --logbase "matrix-$tool-$suite" --num-processes 1 \
-    --timeout-multiplier "$timeout_multiplier" "$suite" >"$state/$tool-$suite.out" 2>&1
+    --timeout-multiplier "$timeout_multiplier" "${args[@]}" "${suite%%.*}" >"$state/$tool-$suite.out" 2>&1
   rc=$?
   set -e
   end=$(date +%s.%N)
@@ -91,7 +130,7 @@ matrix_start=$(date +%s)
 xargs -P "$jobs" -L 1 bash -c 'run_cell "$0" "$1"' <"$queue"
 matrix_wall=$(( $(date +%s) - matrix_start ))
 
-python3 - "$build" "$state" "$tools" "$suites" "$matrix_wall" <<'PY'
+python3 - "$build" "$state" "$tools" "$rows" "$matrix_wall" <<'PY'
 import json, os, re, sys
 
 build, state, tools, suites, wall = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(","), sys.argv[5]
@@ -121,7 +160,7 @@ def parse(tool, suite):
                 entry = json.loads(line)
             except ValueError:
                 continue
-            if entry.get("name", "").endswith(suite):
+            if entry.get("name", "").endswith(suite.split(".")[0]):
                 result = entry.get("result", "")
                 if result and result != "OK":
                     cell["status"] = result  # FAIL, TIMEOUT, SKIP, ERROR, ...
@@ -169,10 +208,18 @@ def text(cell, tool):
     if cell["leaked"]:
         parts.append(f"{cell['leaked']} B leaked")
     if cell["cases"] is not None:
-        parts.append(f"{cell['cases']} cases" + (f", {cell['failed_cases']} failed" if cell["failed_cases"] else ""))
+        # A part's doctest summary counts every case that passes the filters, in its range or not: name the
+        # range instead.
+        cases = f"cases {cell['range']}" if cell.get("range") else f"{cell['cases']} cases"
+        parts.append(cases + (f", {cell['failed_cases']} failed" if cell["failed_cases"] else ""))
     return ", ".join(parts)
 
 cells = {(t, s): parse(t, s) for t in order for s in suites}
+for (t, s), cell in cells.items():
+    range_file = os.path.join(state, f"{s}.range")
+    if os.path.exists(range_file):
+        first, last = (int(x.split("=")[1]) for x in open(range_file).read().split())
+        cell["range"] = f"{first}-{last}"
 lines = ["| suite | " + " | ".join(order) + " |", "|---|" + "---|" * len(order)]
 for s in suites:
     lines.append(f"| {s} | " + " | ".join(text(cells[(t, s)], t) for t in order) + " |")
