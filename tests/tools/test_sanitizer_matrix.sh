@@ -70,25 +70,13 @@ run_matrix() { # the tool's output in $work/out, its exit status in $status
 : >"$work/build/cells.log"
 run_matrix --tools memcheck,racecheck --split alpha_gpu=3,beta_gpu=5,delta_gpu=2
 [ "$status" = 0 ] || fail "all cells OK should exit 0, got $status: $(cat "$work/out")"
-expected_cells="$(cat <<'CELLS'
-memcheck matrix-memcheck-alpha_gpu.1of3 [--first=1 --last=3] alpha_gpu
-memcheck matrix-memcheck-alpha_gpu.2of3 [--first=4 --last=6] alpha_gpu
-memcheck matrix-memcheck-alpha_gpu.3of3 [--first=7 --last=7] alpha_gpu
-memcheck matrix-memcheck-beta_gpu.1of3 [--first=1 --last=1] beta_gpu
-memcheck matrix-memcheck-beta_gpu.2of3 [--first=2 --last=2] beta_gpu
-memcheck matrix-memcheck-beta_gpu.3of3 [--first=3 --last=3] beta_gpu
-memcheck matrix-memcheck-delta_gpu [] delta_gpu
-memcheck matrix-memcheck-gamma_gpu [] gamma_gpu
-racecheck matrix-racecheck-alpha_gpu.1of3 [--first=1 --last=3] alpha_gpu
-racecheck matrix-racecheck-alpha_gpu.2of3 [--first=4 --last=6] alpha_gpu
-racecheck matrix-racecheck-alpha_gpu.3of3 [--first=7 --last=7] alpha_gpu
-racecheck matrix-racecheck-beta_gpu.1of3 [--first=1 --last=1] beta_gpu
-racecheck matrix-racecheck-beta_gpu.2of3 [--first=2 --last=2] beta_gpu
-racecheck matrix-racecheck-beta_gpu.3of3 [--first=3 --last=3] beta_gpu
-racecheck matrix-racecheck-delta_gpu [] delta_gpu
-racecheck matrix-racecheck-gamma_gpu [] gamma_gpu
-CELLS
-)"
+expected_cells="$(for tool in memcheck racecheck; do
+  for part in "alpha_gpu.1of3 [--first=1 --last=3]" "alpha_gpu.2of3 [--first=4 --last=6]" \
+              "alpha_gpu.3of3 [--first=7 --last=7]" "beta_gpu.1of3 [--first=1 --last=1]" \
+              "beta_gpu.2of3 [--first=2 --last=2]" "beta_gpu.3of3 [--first=3 --last=3]" "delta_gpu []" "gamma_gpu []"; do
+    echo "$tool matrix-$tool-${part%% *} ${part#* } ${part%%[. ]*}"
+  done
+done | sort)"
 actual_cells="$(sort "$work/build/cells.log")"
 [ "$actual_cells" = "$expected_cells" ] || fail "cells differ: expected
 $expected_cells
