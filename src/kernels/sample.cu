@@ -137,12 +137,8 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>(splits));
     config.blockDim = dim3(kPassThreads);
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = static_cast<unsigned>(splits);
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
+    cudaLaunchAttribute attribute = cluster_attribute(static_cast<unsigned>(splits));
+    config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
     refused = cudaOccupancyMaxActiveClusters(&clusters, typed, &config) != cudaSuccess;
@@ -156,30 +152,12 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
   return ok;
 }
 
-/// Launches the pass in cluster mode: a cluster of args.splits CTAs a job, with programmatic dependent launch
-/// (unless SMCGRAPH_DISABLE_PDL=1) as launch_pdl does.
-void launch_clustered(void (*kernel)(PassArgs), dim3 grid, cudaStream_t stream, const PassArgs& args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(kPassThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = static_cast<unsigned>(args.splits);
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 2 : 1;
-  SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
-}
-
 template <DType DTYPE> void launch_pass(int64_t jobs, dim3 grid, cudaStream_t stream, PassArgs args) {
   void (*kernel)(PassArgs) = LogitsPassKernel<DTYPE>;
   args.cluster = cluster_schedulable(reinterpret_cast<const void*>(kernel), kernel, jobs, args.splits);
   if (args.cluster)
-    launch_clustered(kernel, grid, stream, args);
+    launch_pdl_clustered(kernel, grid, dim3(kPassThreads), 0, static_cast<unsigned>(args.splits), stream,
+                         args);
   else
     launch_pdl(kernel, grid, dim3(kPassThreads), 0, stream, args);
 }
