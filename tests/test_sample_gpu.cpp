@@ -78,32 +78,41 @@ Batch random_batch(test::Rng& rng, DType dtype, int rows, int vocab, int64_t row
   return batch;
 }
 
-std::vector<uint8_t> encode(const Batch& batch) {
-  return test::encode_logits(batch.dtype, batch.logits).bytes;
-}
-
-/// Device copies of a batch plus output buffers; run() launches sample() eagerly or in a graph.
-struct DeviceBatch {
-  const Batch& batch;
+/// Device copies of what sample() and score() both take (the logits as `dtype`, the row parameters and the
+/// per-request keys), the row flags and status word, and a workspace for `jobs` jobs, on a stream of their
+/// own.
+struct DeviceRowInputs {
   smcgraph::Stream stream;
   DeviceBuffer<uint8_t> logits;
   DeviceBuffer<float> temperature, alpha;
   DeviceBuffer<uint64_t> seeds;
   DeviceBuffer<uint32_t> counters;
-  DeviceBuffer<int32_t> tokens;
-  DeviceBuffer<float> logprobs, logz;
   DeviceBuffer<uint32_t> flags, status;
   smcgraph::SampleWorkspace workspace;
 
-  explicit DeviceBatch(const Batch& b)
-      : batch(b), temperature(test::to_device(b.temperature, stream)),
-        alpha(test::to_device(b.alpha, stream)), seeds(test::to_device(b.seeds, stream)),
-        counters(test::to_device(b.counters, stream)), tokens(b.rows), logprobs(b.rows), logz(b.rows),
-        flags(b.rows), status(1), workspace(b.rows, b.vocab) {
-    const std::vector<uint8_t> bytes = encode(b);
+  DeviceRowInputs(DType dtype, const std::vector<float>& host_logits,
+                  const std::vector<float>& host_temperature, const std::vector<float>& host_alpha,
+                  const std::vector<uint64_t>& host_seeds, const std::vector<uint32_t>& host_counters,
+                  int rows, int jobs, int vocab)
+      : temperature(test::to_device(host_temperature, stream)), alpha(test::to_device(host_alpha, stream)),
+        seeds(test::to_device(host_seeds, stream)), counters(test::to_device(host_counters, stream)),
+        flags(rows), status(1), workspace(jobs, vocab) {
+    const std::vector<uint8_t> bytes = test::encode_logits(dtype, host_logits).bytes;
     logits = DeviceBuffer<uint8_t>(bytes.size());
     logits.copy_from_host(bytes.data(), bytes.size(), stream);
   }
+};
+
+/// Device copies of a batch plus output buffers; run() launches sample() eagerly or in a graph.
+struct DeviceBatch : DeviceRowInputs {
+  const Batch& batch;
+  DeviceBuffer<int32_t> tokens;
+  DeviceBuffer<float> logprobs, logz;
+
+  explicit DeviceBatch(const Batch& b)
+      : DeviceRowInputs(b.dtype, b.logits, b.temperature, b.alpha, b.seeds, b.counters, b.rows, b.rows,
+                        b.vocab),
+        batch(b), tokens(b.rows), logprobs(b.rows), logz(b.rows) {}
 
   void launch(cudaStream_t s) {
     const smcgraph::LogitsView view{logits.data(), batch.dtype,      batch.rows,      1,
@@ -758,31 +767,18 @@ struct ScoreResults {
 
 /// Device copies of a ScoreInputs and score()'s output buffers; run() poisons the outputs (every one must be
 /// written) and launches score() eagerly or in a graph.
-struct DeviceScore {
+struct DeviceScore : DeviceRowInputs {
   const ScoreInputs& in;
-  smcgraph::Stream stream;
-  DeviceBuffer<uint8_t> logits;
-  DeviceBuffer<float> temperature, alpha;
-  DeviceBuffer<uint64_t> seeds;
-  DeviceBuffer<uint32_t> counters;
   DeviceBuffer<int32_t> tokens, steps;
   DeviceBuffer<float> token_logprobs, bonus_logprobs, logz;
   DeviceBuffer<int32_t> bonus;
-  DeviceBuffer<uint32_t> flags, status;
-  smcgraph::SampleWorkspace workspace;
 
   explicit DeviceScore(const ScoreInputs& inputs)
-      : in(inputs), temperature(test::to_device(in.temperature, stream)),
-        alpha(test::to_device(in.alpha, stream)), seeds(test::to_device(in.seeds, stream)),
-        counters(test::to_device(in.counters, stream)), tokens(test::to_device(in.tokens, stream)),
-        steps(test::to_device(in.steps, stream)),
+      : DeviceRowInputs(inputs.dtype, inputs.logits, inputs.temperature, inputs.alpha, inputs.seeds,
+                        inputs.counters, inputs.rows, inputs.rows * inputs.positions, inputs.vocab),
+        in(inputs), tokens(test::to_device(in.tokens, stream)), steps(test::to_device(in.steps, stream)),
         token_logprobs(static_cast<size_t>(in.rows) * std::max(1, in.positions - 1)), bonus_logprobs(in.rows),
-        logz(in.rows), bonus(in.rows), flags(in.rows), status(1),
-        workspace(in.rows * in.positions, in.vocab) {
-    const auto bytes = test::encode_logits(in.dtype, in.logits).bytes;
-    logits = DeviceBuffer<uint8_t>(bytes.size());
-    logits.copy_from_host(bytes.data(), bytes.size(), stream);
-  }
+        logz(in.rows), bonus(in.rows) {}
 
   ScoreResults run(bool captured) {
     token_logprobs.fill_bytes(0xff, stream); // NaN / -1: every output must be written
