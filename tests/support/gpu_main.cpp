@@ -54,11 +54,10 @@ int main(int argc, char** argv) {
   // GEMM too.
   if (const char* tool = std::getenv("SMCGRAPH_SANITIZER_TOOL")) {
     setenv("SMCGRAPH_DISABLE_CONDITIONAL", "1", 0);
-    if (std::strcmp(tool, "racecheck") == 0) {
+    const bool racecheck = std::strcmp(tool, "racecheck") == 0;
+    if (racecheck)
       setenv("SMCGRAPH_DISABLE_PDL", "1", 0);
-      setenv("SMCGRAPH_LM_HEAD", "own_gemm", 0);
-    }
-    if (std::strcmp(tool, "initcheck") == 0)
+    if (racecheck || std::strcmp(tool, "initcheck") == 0)
       setenv("SMCGRAPH_LM_HEAD", "own_gemm", 0);
   }
   doctest::Context context(argc, argv);
