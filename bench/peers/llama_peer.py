@@ -205,28 +205,26 @@ def main():
     logits_dtype = manifest.get("logits_dtype", "bf16")
     eos_id = int(manifest.get("eos_id", -1))
     near_tie = args.near_tie
+
+    def layers_of(given, key, what, fallback):
+        """A draft's layers: the flag's, else the manifest's `key`, else `fallback` (a ValueError when None).
+        A flag that differs from the manifest (smcgraph's draft) gets a note: that validation will not match."""
+        manifest_layers = [int(x) for x in manifest[key]] if key in manifest else None
+        layers = llama_torch.parse_layers(given) if given else (
+            manifest_layers if manifest_layers is not None else fallback)
+        if layers is None:
+            raise ValueError("no draft layers: give --%s or the manifest's %s" % (key.replace("_", "-"), key))
+        if manifest_layers is not None and layers != manifest_layers:
+            print("llama_peer: note: --%s differs from the manifest's %s (smcgraph's %s); the validation of "
+                  "those tokens will not match" % (key.replace("_", "-"), key, what))
+        return layers
+
     try:
-        if args.draft_layers:
-            draft_layers = llama_torch.parse_layers(args.draft_layers)
-        elif "draft_layers" in manifest:
-            draft_layers = [int(x) for x in manifest["draft_layers"]]
-        else:
-            raise ValueError("no draft layers: give --draft-layers or the manifest's draft_layers")
-        if args.smc_draft_layers:
-            smc_draft_layers = llama_torch.parse_layers(args.smc_draft_layers)
-        elif "smc_draft_layers" in manifest:
-            smc_draft_layers = [int(x) for x in manifest["smc_draft_layers"]]
-        else:
-            smc_draft_layers = draft_layers
+        draft_layers = layers_of(args.draft_layers, "draft_layers", "draft", None)
+        smc_draft_layers = layers_of(args.smc_draft_layers, "smc_draft_layers", "SMC draft", draft_layers)
     except ValueError as error:
         print("llama_peer: %s" % error, file=sys.stderr)
         return 2
-    if "smc_draft_layers" in manifest and smc_draft_layers != [int(x) for x in manifest["smc_draft_layers"]]:
-        print("llama_peer: note: --smc-draft-layers differs from the manifest's smc_draft_layers (smcgraph's SMC "
-              "draft); the validation of the SMC tokens will not match")
-    if "draft_layers" in manifest and draft_layers != [int(x) for x in manifest["draft_layers"]]:
-        print("llama_peer: note: --draft-layers differs from the manifest's draft_layers (smcgraph's draft); "
-              "the validation of the draft's tokens will not match")
 
     # ------------------------------------------------------------------------------------------------------------
     # Models: HF fp32 (exact dequantised weights) -> smcgraph's weights; HF bf16 for the hf_* methods
