@@ -1,7 +1,8 @@
 // sample_bench: smcgraph::sample() on realistic logits, validated against a host two-level Gumbel-max, then
 // timed as graph replays over rotating logits buffers (more bytes than 3x L2, so it measures HBM, not L2).
 //
-//   build-bench/bench/sample_bench [--csv results/sample_bench.csv] [--quick] [--peers] [--python python3]
+//   build-bench/bench/sample_bench [--csv results/sample_bench.csv] [--quick] [--shapes 1x49152:bf16,...]
+//                                  [--peers] [--python python3]
 //
 // Floors: bytes of logits read / copy bandwidth, where the copy bandwidth counts bytes read + written by a
 // 1 GiB device-to-device copy (a read-only kernel at full DRAM throughput reaches fraction 1.0), and the
@@ -47,6 +48,7 @@ struct Options {
   std::string peer_script; // empty: look for bench/peers/sample_peer.py
   bool quick = false;
   bool peers = false;
+  std::string shapes; // --shapes: replaces the sweep's list
 };
 
 struct Shape {
@@ -55,6 +57,52 @@ struct Shape {
   DType dtype;
   float alpha;
 };
+
+/// --shapes ROWSxVOCAB[:DTYPE[:ALPHA]],...: DTYPE fp32 or bf16 (default), ALPHA > 0 (default 1).
+/// Returns the shapes, or an empty list after printing what is wrong.
+std::vector<Shape> parse_shapes(const std::string& text) {
+  std::vector<Shape> shapes;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    std::stringstream fields(item);
+    std::string size, dtype = "bf16", alpha = "1";
+    std::getline(fields, size, ':');
+    if (!fields.eof())
+      std::getline(fields, dtype, ':');
+    if (!fields.eof())
+      std::getline(fields, alpha, ':');
+    const size_t x = size.find('x');
+    Shape shape{0, 0, DType::kBFloat16, 0.0f};
+    size_t rows_end = 0, vocab_end = 0, alpha_end = 0;
+    try {
+      if (x == std::string::npos)
+        throw std::invalid_argument("no 'x'");
+      shape.rows = std::stoi(size.substr(0, x), &rows_end);
+      shape.vocab = std::stoi(size.substr(x + 1), &vocab_end);
+      shape.alpha = std::stof(alpha, &alpha_end);
+    } catch (const std::exception&) {
+      rows_end = 0;
+    }
+    const bool numbers = rows_end == x && vocab_end == size.size() - x - 1 && alpha_end == alpha.size();
+    if (dtype == "fp32")
+      shape.dtype = DType::kFloat32;
+    else if (dtype != "bf16")
+      shape.rows = 0; // reported below
+    if (!numbers || shape.rows < 1 || shape.rows > kMaxRows || shape.vocab < 1 || shape.vocab > kMaxVocab ||
+        !(shape.alpha > 0.0f) || std::isinf(shape.alpha)) {
+      std::fprintf(stderr,
+                   "sample_bench: --shapes item '%s' must be ROWSxVOCAB[:fp32|bf16[:ALPHA]] with 1 <= ROWS "
+                   "<= %d, 1 <= VOCAB <= %d and ALPHA > 0\n",
+                   item.c_str(), kMaxRows, kMaxVocab);
+      return {};
+    }
+    shapes.push_back(shape);
+  }
+  if (shapes.empty())
+    std::fprintf(stderr, "sample_bench: --shapes names no shape\n");
+  return shapes;
+}
 
 int64_t logits_bytes(const Shape& shape) {
   return static_cast<int64_t>(shape.rows) * shape.vocab * smcgraph::dtype_bytes(shape.dtype);
@@ -438,9 +486,14 @@ void run_peers(const Options& options, const char* argv0, const std::vector<Resu
 
 void print_usage() {
   std::printf(
-      "usage: sample_bench [--csv PATH] [--quick] [--peers] [--python PYTHON] [--peer-script PATH] [--help]\n"
+      "usage: sample_bench [--csv PATH] [--quick] [--shapes LIST] [--peers] [--python PYTHON] [--peer-script "
+      "PATH]\n"
+      "                    [--help]\n"
       "  --csv PATH          CSV output (default results/sample_bench.csv; parent directories are created)\n"
       "  --quick             rows {1, 64} x vocab {128256} x {fp32, bf16} (+ the alpha = 2 shape)\n"
+      "  --shapes LIST       only these shapes: ROWSxVOCAB[:fp32|bf16[:ALPHA]], comma-separated\n"
+      "                      (e.g. 1x49152:bf16,8x49152:bf16; rows <= 256, vocab <= 151936; not with "
+      "--peers)\n"
       "  --peers             afterwards run bench/peers/sample_peer.py (PyTorch / torch.compile / "
       "FlashInfer)\n"
       "                      into <csv dir>/sample_peer.csv and print smcgraph's ratio to each peer\n"
@@ -466,16 +519,28 @@ int parse_options(int argc, char** argv, Options& options) {
       options.quick = true;
     } else if (arg == "--peers") {
       options.peers = true;
-    } else if (arg == "--csv" || arg == "--python" || arg == "--peer-script") {
+    } else if (arg == "--csv" || arg == "--python" || arg == "--peer-script" || arg == "--shapes") {
       const char* text = value(arg.c_str());
       if (!text)
         return 2;
-      (arg == "--csv" ? options.csv_path : arg == "--python" ? options.python : options.peer_script) = text;
+      (arg == "--csv"      ? options.csv_path
+       : arg == "--python" ? options.python
+       : arg == "--shapes" ? options.shapes
+                           : options.peer_script) = text;
     } else {
       std::fprintf(stderr, "sample_bench: unknown argument '%s'\n", arg.c_str());
       print_usage();
       return 2;
     }
+  }
+  if (!options.shapes.empty()) {
+    if (options.quick || options.peers) {
+      std::fprintf(stderr, "sample_bench: --shapes replaces the sweep's shapes: not with --%s\n",
+                   options.quick ? "quick" : "peers");
+      return 2;
+    }
+    if (parse_shapes(options.shapes).empty())
+      return 2;
   }
   return -1;
 }
@@ -502,7 +567,8 @@ int run(const Options& options, const char* argv0) {
   std::printf("GB/s = logits bytes read / graph time; of_copy = that / copy GB/s; floor = max(bytes / copy "
               "bandwidth, node floor)\n\n");
 
-  const std::vector<Shape> shapes = make_shapes(options.quick);
+  const std::vector<Shape> shapes =
+      options.shapes.empty() ? make_shapes(options.quick) : parse_shapes(options.shapes);
   int64_t arena_bytes = 0;
   for (const Shape& shape : shapes) {
     const Rotation rotation = make_rotation(shape, rotation_bytes);
