@@ -3,7 +3,7 @@
 #
 #   tools/sanitizer_matrix.sh [--build-dir build] [--tools memcheck,racecheck,synccheck,initcheck]
 #                             [--suites cycle_gpu,engine_gpu,...] [--jobs N] [--cell-timeout S] [--no-build]
-#                             [--split llama_gpu=4,llama_real_gpu=2]
+#                             [--split llama_gpu=cases,spec_gpu=cases,llama_real_gpu=2]
 #
 # Each cell (suite x tool) is `meson test -C <build> --setup <tool> <suite>` (the setups of tests/meson.build:
 # compute-sanitizer with --error-exitcode, SMCGRAPH_UNDER_SANITIZER=1 and SMCGRAPH_SANITIZER_TOOL=<tool> for
@@ -14,6 +14,8 @@
 # stopped and reported as TIMEOUT. --split SUITE=N runs a suite as N cells a tool, each a contiguous range of
 # its doctest cases (--first / --last over the `--count` of the binary, which needs the GPU): the Llama suites
 # take minutes a cell under racecheck, and their parts then run side by side (rows "llama_gpu.2of4").
+# --split SUITE=cases gives every case a cell of its own: how racecheck of llama_gpu and spec_gpu finishes in
+# minutes (2026-11-27, NVIDIA H100: the longest llama_gpu case 392 s, with 21 other cells beside it).
 #
 # Prints a markdown table suite x tool (status, wall seconds, the tool's error / hazard counts parsed from its
 # summary lines, doctest's test-case count), writes it to <build>/sanitizer-matrix.md, and exits nonzero if
@@ -71,13 +73,14 @@ for suite in ${suites//,/ }; do
   for entry in ${split//,/ }; do
     [ "${entry%%=*}" = "$suite" ] && parts="${entry#*=}"
   done
-  case "$parts" in ''|*[!0-9]*|0) echo "sanitizer_matrix.sh: --split $suite=$parts: need a positive count" >&2; exit 2 ;; esac
+  case "$parts" in cases) ;; ''|*[!0-9]*|0) echo "sanitizer_matrix.sh: --split $suite=$parts: need a positive count or 'cases'" >&2; exit 2 ;; esac
   count=""
-  if [ "$parts" -gt 1 ]; then
+  if [ "$parts" = cases ] || [ "$parts" -gt 1 ]; then
     count="$("$build/tests/test_$suite" --count 2>/dev/null |
       sed -n 's/.*unskipped test cases passing the current filters: \([0-9]*\).*/\1/p' | head -1 || true)"
     [ -n "$count" ] || echo "sanitizer_matrix.sh: could not count $suite's test cases: running it whole" >&2
   fi
+  [ "$parts" = cases ] && parts="${count:-1}" # one case a cell
   if [ -z "$count" ] || [ "$parts" -le 1 ]; then
     rows="$rows,$suite"
     continue

@@ -94,10 +94,24 @@ FAKE_FAIL=alpha_gpu.3of3 run_matrix --tools memcheck --split alpha_gpu=3
 [ "$status" != 0 ] || fail "a failed part should fail the matrix"
 grep -q "alpha_gpu.3of3 x memcheck (FAIL)" "$work/out" || fail "the failed part is not named: $(tail -5 "$work/out")"
 
-# 3. A split that is not a positive count is refused.
+# 3. --split SUITE=cases: a cell a case (beta's 3); a suite that cannot count (delta) runs whole.
+: >"$work/build/cells.log"
+run_matrix --tools memcheck --split beta_gpu=cases,delta_gpu=cases
+[ "$status" = 0 ] || fail "--split beta_gpu=cases should exit 0, got $status: $(cat "$work/out")"
+expected_cells="$(for part in "alpha_gpu []" "beta_gpu.1of3 [--first=1 --last=1]" "beta_gpu.2of3 [--first=2 --last=2]" \
+                              "beta_gpu.3of3 [--first=3 --last=3]" "delta_gpu []" "gamma_gpu []"; do
+  echo "memcheck matrix-memcheck-${part%% *} ${part#* } ${part%%[. ]*}"
+done | sort)"
+actual_cells="$(sort "$work/build/cells.log")"
+[ "$actual_cells" = "$expected_cells" ] || fail "--split =cases cells differ: expected
+$expected_cells
+got
+$actual_cells"
+
+# 4. A split that is not a positive count or 'cases' is refused.
 run_matrix --tools memcheck --split alpha_gpu=x
 [ "$status" = 2 ] || fail "--split alpha_gpu=x should exit 2, got $status"
-grep -q "need a positive count" "$work/out" || fail "no reason for the refused --split"
+grep -q "need a positive count or .cases." "$work/out" || fail "no reason for the refused --split"
 
 if [ "$failures" -gt 0 ]; then
   echo "test_sanitizer_matrix: $failures failure(s)" >&2
