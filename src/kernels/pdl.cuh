@@ -28,24 +28,6 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
-/// Launches `kernel` (with the PDL attribute unless SMCGRAPH_DISABLE_PDL=1) and checks the launch: a launch
-/// error throws smcgraph::Error here, so callers need no SMCGRAPH_CHECK_LAUNCH() after it.
-template <class... Params, class... Args>
-void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
-                Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
 /// The launch attribute that runs a grid as thread-block clusters of `cluster_x` CTAs along x.
 inline cudaLaunchAttribute cluster_attribute(unsigned cluster_x) {
   cudaLaunchAttribute attribute{};
@@ -56,7 +38,9 @@ inline cudaLaunchAttribute cluster_attribute(unsigned cluster_x) {
   return attribute;
 }
 
-/// launch_pdl() for a grid of thread-block clusters of `cluster_x` CTAs along x (grid.x a multiple of it).
+/// Launches `kernel` as clusters of `cluster_x` CTAs along x (1: no clusters; grid.x a multiple of it), with
+/// the PDL attribute unless SMCGRAPH_DISABLE_PDL=1, and checks the launch: a launch error throws
+/// smcgraph::Error here, so callers need no SMCGRAPH_CHECK_LAUNCH() after it.
 template <class... Params, class... Args>
 void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
                           unsigned cluster_x, cudaStream_t stream, Args&&... args) {
@@ -65,12 +49,26 @@ void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2] = {cluster_attribute(cluster_x), {}};
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 2 : 1;
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (cluster_x > 1)
+    attributes[count++] = cluster_attribute(cluster_x);
+  if (pdl_enabled()) {
+    attributes[count] = cudaLaunchAttribute{};
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+/// launch_pdl_clustered() without clusters: the launcher of every PDL kernel.
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                Args&&... args) {
+  launch_pdl_clustered(kernel, grid, block, smem_bytes, 1u, stream, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ void pdl_wait() {
