@@ -112,11 +112,25 @@ std::atomic<bool>& sampler_clusters() {
   return enabled;
 }
 
+/// The pass kernel of a dtype.
+using PassKernel = void (*)(PassArgs);
+PassKernel pass_kernel(DType dtype) {
+  switch (dtype) {
+  case DType::kFloat32:
+    return LogitsPassKernel<DType::kFloat32>;
+  case DType::kBFloat16:
+    return LogitsPassKernel<DType::kBFloat16>;
+  case DType::kFloat16:
+    return LogitsPassKernel<DType::kFloat16>;
+  }
+  return nullptr;
+}
+
 /// Whether a launch of `jobs` jobs of `splits` tiles runs in cluster mode (logits_pass.cuh): within the
 /// mode's limits, and the current device runs `kernel` as clusters of `splits` CTAs (Hopper or later, at
 /// least one such cluster resident; asked once per device, kernel and splits). Never fails: a no answers
 /// false (the ticket mode then runs).
-bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jobs, int splits) {
+bool cluster_schedulable(PassKernel kernel, int64_t jobs, int splits) {
   if (splits < 2 || splits > kMaxClusterTiles || jobs * splits > kMaxClusterCtas ||
       !sampler_clusters().load(std::memory_order_relaxed))
     return false;
@@ -124,7 +138,7 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
   if (cudaGetDevice(&device) != cudaSuccess)
     return false;
   static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int>, bool> known;
+  static std::map<std::tuple<int, PassKernel, int>, bool> known;
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_tuple(device, kernel, splits);
   if (const auto it = known.find(key); it != known.end())
@@ -141,7 +155,7 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
-    refused = cudaOccupancyMaxActiveClusters(&clusters, typed, &config) != cudaSuccess;
+    refused = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess;
     ok = !refused && clusters > 0;
   }
   // A refused query must not leave its error for the caller's next check; an earlier launch's error stays the
@@ -150,21 +164,6 @@ bool cluster_schedulable(const void* kernel, void (*typed)(PassArgs), int64_t jo
     (void)cudaGetLastError();
   known.emplace(key, ok);
   return ok;
-}
-
-template <DType DTYPE> void launch_pass(int64_t jobs, dim3 grid, cudaStream_t stream, PassArgs args) {
-  void (*kernel)(PassArgs) = LogitsPassKernel<DTYPE>;
-  args.cluster = cluster_schedulable(reinterpret_cast<const void*>(kernel), kernel, jobs, args.splits);
-  if (args.cluster)
-    launch_pdl_clustered(kernel, grid, dim3(kPassThreads), 0, static_cast<unsigned>(args.splits), stream,
-                         args);
-  else
-    launch_pdl(kernel, grid, dim3(kPassThreads), 0, stream, args);
-}
-
-template <DType DTYPE> bool uses_clusters(int64_t jobs, int splits) {
-  void (*kernel)(PassArgs) = LogitsPassKernel<DTYPE>;
-  return cluster_schedulable(reinterpret_cast<const void*>(kernel), kernel, jobs, splits);
 }
 
 } // namespace
@@ -197,18 +196,11 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.partials = static_cast<PassState*>(SampleWorkspaceAccess::partials(workspace));
   args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
-  const dim3 grid(static_cast<unsigned>(jobs * args.splits));
-  switch (dtype) { // with programmatic dependent launch: the pass waits for its predecessor before any read
-  case DType::kFloat32:
-    launch_pass<DType::kFloat32>(jobs, grid, stream, args);
-    break;
-  case DType::kBFloat16:
-    launch_pass<DType::kBFloat16>(jobs, grid, stream, args);
-    break;
-  case DType::kFloat16:
-    launch_pass<DType::kFloat16>(jobs, grid, stream, args);
-    break;
-  }
+  // With programmatic dependent launch: the pass waits for its predecessor before any read.
+  const PassKernel kernel = pass_kernel(dtype);
+  args.cluster = cluster_schedulable(kernel, jobs, args.splits);
+  launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(jobs * args.splits)), dim3(kPassThreads), 0,
+                       args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
 }
 
 } // namespace detail
@@ -223,16 +215,7 @@ bool sample_clusters_enabled() {
 
 bool sample_uses_clusters(int jobs, int vocab, DType dtype) {
   require(jobs >= 1, "sample_uses_clusters", "jobs", jobs, "must be >= 1");
-  const int splits = sample_splits(vocab, dtype);
-  switch (dtype) {
-  case DType::kFloat32:
-    return detail::uses_clusters<DType::kFloat32>(jobs, splits);
-  case DType::kBFloat16:
-    return detail::uses_clusters<DType::kBFloat16>(jobs, splits);
-  case DType::kFloat16:
-    return detail::uses_clusters<DType::kFloat16>(jobs, splits);
-  }
-  return false;
+  return detail::cluster_schedulable(detail::pass_kernel(dtype), jobs, sample_splits(vocab, dtype));
 }
 
 void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
