@@ -611,7 +611,9 @@ inline constexpr int kMaxClusterTiles = 8;
 inline constexpr int kMaxClusterCtas = 64;
 
 /// The cluster barrier in two halves (all threads of every CTA of the cluster; release / acquire order the
-/// shared-memory writes before the arrival with the peers' reads after their wait).
+/// shared-memory writes before the arrival with the peers' reads after their wait). Written out because
+/// cooperative_groups' cluster_group::barrier_arrive / barrier_wait emit the non-.aligned instructions (the
+/// same PTX otherwise, CUDA 13.0); every thread reaches these converged, so the .aligned form holds.
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
