@@ -821,9 +821,9 @@ def main():
 
         for kind, section, grid in (
                 ("spec", spec_manifest, [(1, k) for k in spec_steps]),
-                # SMC needs a draft (K >= 1): K = 0 is the speculative cycle's only, as bucket_sweep skips it
+                # the SMC cycle's draft lengths (bucket_sweep lists no K = 0 there: SMC needs a draft)
                 ("smc", smc_manifest, [(int(n), int(k)) for n in smc_manifest["particles"]
-                                       for k in smc_manifest["steps"] if int(k) >= 1])):
+                                       for k in smc_manifest["steps"]])):
             kind_methods = [m for m in methods if m.startswith("torch_" + kind)]
             if not kind_methods:
                 continue

@@ -494,9 +494,7 @@ def main():
             for dtype_name in manifest["dtypes"]:
                 logits_dtype = dtypes[dtype_name]
                 for particles in manifest["particles"]:
-                    # SMC needs a draft (K >= 1): the manifest's K = 0 is the speculative cycle's only, as
-                    # bucket_sweep skips it for SMC
-                    for steps in [int(k) for k in manifest["steps"] if int(k) >= 1]:
+                    for steps in manifest["steps"]:  # the SMC cycle's (bucket_sweep lists no K = 0 there)
                         print("\nV=%d %s N=%d K=%d (median us per cycle)" % (vocab, dtype_name, particles, steps))
                         print("%8s %10s %s" % ("requests", "model_us", "  ".join("%-18s" % m for m in methods)))
                         for requests in requests_list:

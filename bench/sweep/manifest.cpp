@@ -1,10 +1,12 @@
 // The files bucket_sweep (bench/bucket_sweep.cpp) writes for its PyTorch peers: the toy weights (safetensors)
 // and the manifest (bench/peers/toy_weights_io.md), and the small JSON helpers they are written with.
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -31,6 +33,12 @@ std::string join_ints(const std::vector<int>& values, const char* separator) {
 }
 
 /// Shortest text that reads back as the same float (JSON and safetensors metadata).
+std::vector<int> smc_steps(const std::vector<int>& steps) {
+  std::vector<int> kept;
+  std::copy_if(steps.begin(), steps.end(), std::back_inserter(kept), [](int k) { return k >= 1; });
+  return kept;
+}
+
 std::string float_text(float value) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.9g", static_cast<double>(value));
@@ -207,7 +215,7 @@ void write_manifest(const std::string& path, const Options& o, const Environment
     j << (i ? ", " : "") << json_string(dtype_name(o.dtypes[i]));
   j << "],\n";
   j << "  \"particles\": [" << join_ints(o.particles, ", ") << "],\n";
-  j << "  \"steps\": [" << join_ints(o.steps, ", ") << "],\n";
+  j << "  \"steps\": [" << join_ints(smc_steps(o.steps), ", ") << "],\n"; // the SMC cycle's (spec: below)
   j << "  \"requests\": [" << join_ints(o.requests, ", ") << "],\n";
   j << "  \"cycles\": " << o.cycles << ",\n";
   j << "  \"warmup_cycles\": " << kWarmupCycles << ",\n";

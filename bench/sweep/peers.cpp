@@ -400,7 +400,7 @@ bool run_real_peers(const Options& o, const char* argv0, const Environment& env,
         << ", \"warmup_cycles\": " << kWarmupCycles << ", \"new_tokens\": 128},\n";
     if (with_smc)
       j << "  \"smc\": {\"particles\": [" << join_ints(o.particles, ", ") << "], \"steps\": ["
-        << join_ints(o.steps, ", ") << "], \"requests\": [" << join_ints(o.requests, ", ")
+        << join_ints(smc_steps(o.steps), ", ") << "], \"requests\": [" << join_ints(o.requests, ", ")
         << "], \"cycles\": " << o.cycles << ", \"warmup_cycles\": " << kWarmupCycles
         << ", \"draft_temperature\": " << float_text(defaults.draft_temperature)
         << ", \"target_temperature\": " << float_text(defaults.target_temperature)

@@ -189,6 +189,9 @@ using cli::split_list; // examples/cli.hpp
 // Defined in bench/sweep/manifest.cpp: the peer files and the JSON text they are made of
 
 std::string join_ints(const std::vector<int>& values, const char* separator = ",");
+/// The draft lengths the SMC cycle runs: `steps` without K = 0 (no draft is the speculative cycle's only; the
+/// sweep skips it for SMC), as the peer manifests list them.
+std::vector<int> smc_steps(const std::vector<int>& steps);
 std::string float_text(float value);
 std::string json_string(const std::string& text);
 std::string json_int_array(const std::vector<int32_t>& values);
