@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench_util.hpp"
+#include "cli.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
 #include "smcgraph/runtime.hpp"
@@ -58,46 +59,43 @@ struct Shape {
   float alpha;
 };
 
-/// --shapes ROWSxVOCAB[:DTYPE[:ALPHA]],...: DTYPE fp32 or bf16 (default), ALPHA > 0 (default 1).
-/// Returns the shapes, or an empty list after printing what is wrong.
+/// --shapes ROWSxVOCAB[:DTYPE[:ALPHA]],...: DTYPE fp32 or bf16 (default), ALPHA > 0 (default 1); the numbers
+/// through examples/cli.hpp's parsers. Returns the shapes, or an empty list after printing what is wrong (an
+/// empty item included).
 std::vector<Shape> parse_shapes(const std::string& text) {
+  using smcgraph::cli::UsageError;
   std::vector<Shape> shapes;
   std::stringstream items(text);
   std::string item;
   while (std::getline(items, item, ',')) {
-    std::stringstream fields(item);
-    std::string size, dtype = "bf16", alpha = "1";
-    std::getline(fields, size, ':');
-    if (!fields.eof())
-      std::getline(fields, dtype, ':');
-    if (!fields.eof())
-      std::getline(fields, alpha, ':');
-    const size_t x = size.find('x');
-    Shape shape{0, 0, DType::kBFloat16, 0.0f};
-    size_t rows_end = 0, vocab_end = 0, alpha_end = 0;
     try {
+      std::stringstream fields(item);
+      std::string size, dtype = "bf16", alpha = "1";
+      std::getline(fields, size, ':');
+      if (!fields.eof())
+        std::getline(fields, dtype, ':');
+      if (!fields.eof())
+        std::getline(fields, alpha, ':');
+      if (!fields.eof())
+        throw UsageError{"more than three fields"};
+      const size_t x = size.find('x');
       if (x == std::string::npos)
-        throw std::invalid_argument("no 'x'");
-      shape.rows = std::stoi(size.substr(0, x), &rows_end);
-      shape.vocab = std::stoi(size.substr(x + 1), &vocab_end);
-      shape.alpha = std::stof(alpha, &alpha_end);
-    } catch (const std::exception&) {
-      rows_end = 0;
-    }
-    const bool numbers = rows_end == x && vocab_end == size.size() - x - 1 && alpha_end == alpha.size();
-    if (dtype == "fp32")
-      shape.dtype = DType::kFloat32;
-    else if (dtype != "bf16")
-      shape.rows = 0; // reported below
-    if (!numbers || shape.rows < 1 || shape.rows > kMaxRows || shape.vocab < 1 || shape.vocab > kMaxVocab ||
-        !(shape.alpha > 0.0f) || std::isinf(shape.alpha)) {
-      std::fprintf(stderr,
-                   "sample_bench: --shapes item '%s' must be ROWSxVOCAB[:fp32|bf16[:ALPHA]] with 1 <= ROWS "
-                   "<= %d, 1 <= VOCAB <= %d and ALPHA > 0\n",
-                   item.c_str(), kMaxRows, kMaxVocab);
+        throw UsageError{"no 'x' between ROWS and VOCAB"};
+      if (dtype != "fp32" && dtype != "bf16")
+        throw UsageError{"dtype '" + dtype + "'"};
+      shapes.push_back(
+          {smcgraph::cli::parse_integer("ROWS", size.substr(0, x), 1, kMaxRows),
+           smcgraph::cli::parse_integer("VOCAB", size.substr(x + 1), 1, kMaxVocab),
+           dtype == "fp32" ? DType::kFloat32 : DType::kBFloat16,
+           smcgraph::cli::parse_float("ALPHA", alpha, 0.0f, true, std::numeric_limits<float>::max())});
+    } catch (const UsageError& error) {
+      std::fprintf(
+          stderr,
+          "sample_bench: --shapes item '%s' must be ROWSxVOCAB[:fp32|bf16[:ALPHA]] with 1 <= ROWS <= %d, "
+          "1 <= VOCAB <= %d and ALPHA > 0 (%s)\n",
+          item.c_str(), kMaxRows, kMaxVocab, error.message.c_str());
       return {};
     }
-    shapes.push_back(shape);
   }
   if (shapes.empty())
     std::fprintf(stderr, "sample_bench: --shapes names no shape\n");
