@@ -658,20 +658,26 @@ struct SubTileStates {
 /// of sub-tile threadIdx.x, already loaded): key = log2 Z_s relative to the row max M (alpha (m_s - M) c +
 /// log2 sum_s) minus log2 E_s, E_s = -log2 u_s from the tile draw of s (element kTileDrawElement + s).
 /// Sub-tiles that are entirely -inf or empty (Z_s = 0) never win.
+/// log2 E_s of sub-tile s's tile draw (E_s = -log2 u_s): the noise term of its key in choose_subtile.
+__device__ __forceinline__ float subtile_noise(const JobContext& job, int s) {
+  const uint32_t word = device::philox_tile_word(job.seed, static_cast<uint32_t>(s), job.draw_counter,
+                                                 job.particle, job.stream_word);
+  return log2f(-log2f(device::uniform_open01(word)));
+}
+
+/// `mine_noise` is subtile_noise(job, threadIdx.x), which the caller computed while the states were loading.
 template <PassMode MODE>
 __device__ __forceinline__ RaceBest choose_subtile(const SubTileStates& subtiles, const PassState& mine,
-                                                   int count, float row_max, const JobContext& job,
-                                                   float power_c) {
+                                                   float mine_noise, int count, float row_max,
+                                                   const JobContext& job, float power_c) {
   RaceBest best{-INFINITY, -INFINITY, -1};
   for (int s = threadIdx.x; s < count; s += kPassThreads) { // ascending: ties keep the first
-    const PassState sub = s == static_cast<int>(threadIdx.x) ? mine : subtiles.load(s);
+    const bool own = s == static_cast<int>(threadIdx.x);
+    const PassState sub = own ? mine : subtiles.load(s);
     if (sub.max == -INFINITY)
       continue;
     const float sum = MODE == PassMode::kRacePower ? sub.sum_power : sub.sum;
-    const uint32_t word = device::philox_tile_word(job.seed, static_cast<uint32_t>(s), job.draw_counter,
-                                                   job.particle, job.stream_word);
-    const float key =
-        (sub.max - row_max) * power_c + log2f(sum) - log2f(-log2f(device::uniform_open01(word)));
+    const float key = (sub.max - row_max) * power_c + log2f(sum) - (own ? mine_noise : subtile_noise(job, s));
     if (best.index < 0 || key > best.key)
       best = RaceBest{key, sub.max, s};
   }
@@ -764,6 +770,13 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   // reduction), the same whatever else the launch holds.
   const int thread = static_cast<int>(threadIdx.x);
   const PassState mine = thread < subtile_count ? states.load(thread) : empty_state();
+  // The noise of this thread's sub-tile depends only on the job's keys: its Philox call and logs run while
+  // the states load (from L2 or a peer), off the serial tail after the reductions.
+  float mine_noise = 0.0f;
+  if constexpr (kRaces) {
+    if (thread < subtile_count)
+      mine_noise = subtile_noise(job, thread);
+  }
   state = mine;
   for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
     state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
@@ -790,7 +803,8 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     const PassState total = row_state; // uniform across the CTA, so are the branches below
     if (!total.flags && total.max != -INFINITY) {
       const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
-      RaceBest subtile = choose_subtile<MODE>(states, mine, subtile_count, total.max, job, power_c);
+      RaceBest subtile =
+          choose_subtile<MODE>(states, mine, mine_noise, subtile_count, total.max, job, power_c);
       subtile = RaceReduce(race_storage).Reduce(subtile, RaceBestOp{});
       if (threadIdx.x == 0)
         subtile_winner = subtile;
