@@ -422,29 +422,47 @@ TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits 
 
 using test::ScopedEnv;
 
+/// The rows and forwards of check_same_logits_when_forced: `rows` rows of `length` positions (their tokens),
+/// then `schedule`: (tokens a row, which rows: 2 all, 0 the even ones).
+struct ForcedRun {
+  int rows, length, pool, max_seq_len, max_tokens;
+  std::vector<std::pair<int, int>> schedule;
+};
+
+/// 6 rows: a 270-token prefill, then verify blocks and decodes, some with padding rows.
+ForcedRun short_rows() {
+  return {6, 320, 4096, 512, 2048, {{270, 2}, {1, 2}, {2, 2}, {5, 2}, {5, 0}, {1, 0}, {9, 2}, {1, 2}}};
+}
+
+/// 3 rows prefilled to about 1,000 positions (two 500-token blocks; racecheck: 300), then decodes, a 4-token
+/// verify block, a decode with padding rows and a 40-token block. A row of more than 512 positions folds its
+/// attention in splits (llama_attention.cu): the prefills' later queries (grouped blocks) and every later
+/// query have 2-3 splits, and the small launches give a token's splits blocks of their own (split-KV).
+ForcedRun long_rows() {
+  const int prefill = test::sanitizer_scaled(500, 500, 300);
+  return {3,    2 * prefill + 60,
+          8192, 2048,
+          2048, {{prefill, 2}, {prefill, 2}, {1, 2}, {4, 2}, {1, 0}, {40, 2}, {1, 2}, {1, 2}}};
+}
+
 /// Two models of `shape`, built with the environment variable `name` set to `first` and to `second` (read by
-/// the constructor), fed the same forwards: a 270-token prefill of 6 rows, then verify blocks and decodes,
-/// some with padding rows, every other one captured in a graph. Checks that both give the same logits bits;
-/// returns the positions row 0 has then done.
+/// the constructor), fed the same forwards (`run`), every other one captured in a graph. Checks that both
+/// give the same logits bits; returns the positions row 0 has then done.
 int check_same_logits_when_forced(const Shape& shape, const char* name, const char* first, const char* second,
-                                  DType logits = DType::kFloat32) {
-  constexpr int kRows = 6, kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 2048;
+                                  DType logits = DType::kFloat32, const ForcedRun& run = short_rows()) {
   TinySetup setup(shape);
   const auto model_with = [&](const char* value) {
     const ScopedEnv scoped(name, value);
     return std::make_unique<LlamaModel>(setup.tiny->weights,
-                                        options_of(kPool, kMaxSeqLen, kMaxTokens, logits));
+                                        options_of(run.pool, run.max_seq_len, run.max_tokens, logits));
   };
   const std::unique_ptr<LlamaModel> model_a = model_with(first), model_b = model_with(second);
-  LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 320), shape.vocab, kPool,
-                                                       kMaxSeqLen, 1.0, setup.rng.engine());
+  LlamaSequences s = reference::random_llama_sequences(std::vector<int>(run.rows, run.length), shape.vocab,
+                                                       run.pool, run.max_seq_len, 1.0, setup.rng.engine());
   const auto every_row = [](int) { return true; };
   const auto even_rows = [](int row) { return row % 2 == 0; };
-  // (tokens a row, which rows: 2 all, 0 the even ones).
-  const std::vector<std::pair<int, int>> schedule = {{270, 2}, {1, 2}, {2, 2}, {5, 2},
-                                                     {5, 0},   {1, 0}, {9, 2}, {1, 2}};
   int forward = 0;
-  for (const auto& [per_row, who] : schedule) {
+  for (const auto& [per_row, who] : run.schedule) {
     CAPTURE(forward);
     CAPTURE(per_row);
     const LlamaForwardInputs in = who == 2 ? step_inputs(s, per_row, every_row, setup.rng.engine())
@@ -476,6 +494,26 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
     const int done =
         check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_GROUPING", "per_query", "grouped");
     CHECK(done > 8 * 32); // more than 8 chunks of 32 positions: several a warp
+    // Rows of several splits (more than 512 positions): both kernels fold each split and then the splits.
+    const int long_done = check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_GROUPING", "per_query",
+                                                        "grouped", DType::kFloat32, long_rows());
+    CHECK(long_done > 512);
+  }
+}
+
+TEST_CASE("llama forward: split-KV attention blocks give the bits of one block a token") {
+  // A launch of up to 64 tokens with rows of up to more than 512 positions gives a token's splits blocks of
+  // their own (llama_attention.cu: split_blocks), whose states the token's last block folds in split order;
+  // SMCGRAPH_ATTENTION_SPLIT=off folds every split in one block. The same order either way, so the same bits:
+  // decodes and a 4-token verify block over rows of 2-3 splits, padding rows, graphs (replays find the
+  // tickets reset). Shapes: head_dim 32 (3 and 2 query heads a KV head) and 128.
+  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    CHECK(check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_SPLIT", "off", "by_size", DType::kFloat32,
+                                        long_rows()) > 512);
   }
 }
 
@@ -587,7 +625,7 @@ TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
   for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
-                           "SMCGRAPH_LM_HEAD"}) {
+                           "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT"}) {
     CAPTURE(name);
     const ScopedEnv scoped(name, "sideways");
     const std::string expected = std::string(name) + " = 'sideways'";

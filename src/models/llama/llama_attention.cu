@@ -9,8 +9,12 @@
 // positions older than the forward, are issued before the kernel waits for its predecessor, the slot loads
 // of the next chunk during the current one); the scores' max and sum are warp
 // reductions, and a lane per output dimension sums the weighted values from shared memory in position order.
-// The warps merge their (max, sum, accumulator) in warp order in shared memory: no partials in global memory,
-// no atomics. Nothing depends on the batch, so a token's output is the same in any batch.
+// The warps merge their (max, sum, accumulator) in warp order in shared memory. A token of more than 512
+// positions folds them in splits of 16 chunks (warp w takes chunks w and w + 8 of each), each split's warps
+// merged in warp order and the splits folded in split order, so a small launch can give each split a block of
+// its own (split-KV: a long row's positions spread over the GPU; the token's last block folds the splits'
+// states from a workspace, through a ticket). Nothing depends on the batch or on how many blocks share a
+// token, so a token's output is the same in any batch and either way.
 //
 // Launches of more than a wave of those blocks (64-row decodes, 320-token verify blocks) take grouped blocks
 // instead: one per (row, KV head, group of up to 16 of the queries that read that KV head), which load each
@@ -36,6 +40,7 @@
 
 #include "kernels/launch_checks.hpp"
 #include "kernels/smem_limit.hpp"
+#include "kernels/ticket.cuh"
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
@@ -174,31 +179,85 @@ __device__ __forceinline__ void chunk_values(const float* p_row, const uint16_t*
   }
 }
 
-/// A query's output from its warps' partials (m, l, acc) in warp order (warps without a chunk weigh
-/// nothing): dimension d, over the first `used` warps' entries at ml[w * ml_stride] and acc[w * acc_stride];
-/// m_all is the largest of their m.
-__device__ __forceinline__ uint16_t merge_warps(const float* ml, int ml_stride, const float* acc,
-                                                int acc_stride, int used, float m_all) {
+/// Chunks of a split (kAttentionSplitPositions positions): warp w of a split folds its chunks w and w +
+/// kWarps.
+constexpr int kSplitChunks = kAttentionSplitPositions / kAttentionChunk;
+static_assert(kSplitChunks == 2 * kWarps, "a split gives each warp two chunks, as a 512-position row did");
+
+__device__ __forceinline__ int splits_of(int chunks) {
+  return (chunks + kSplitChunks - 1) / kSplitChunks;
+}
+
+/// One split's softmax state for one output dimension: the largest score m, the sum l of exp(score - m) and
+/// acc = the sum of exp(score - m) V[d].
+struct SplitState {
+  float m, l, acc;
+};
+
+/// A split's state, dimension d, from its warps' partials (m, l, acc) in warp order (warps without a chunk
+/// weigh nothing): the first `used` warps' entries at ml[w * ml_stride] and acc[w * acc_stride].
+__device__ __forceinline__ SplitState split_state(const float* ml, int ml_stride, const float* acc,
+                                                  int acc_stride, int used) {
+  float m_all = -INFINITY;
+  for (int w = 0; w < used; ++w)
+    m_all = fmaxf(m_all, ml[w * ml_stride]);
   float l_all = 0.0f, sum = 0.0f;
   for (int w = 0; w < used; ++w) {
     const float weight = expf(ml[w * ml_stride] - m_all);
     l_all = fmaf(ml[w * ml_stride + 1], weight, l_all);
     sum = fmaf(acc[w * acc_stride], weight, sum);
   }
-  return float_to_bf16_bits(sum / l_all);
+  return {m_all, l_all, sum};
 }
 
-// One block per (row, token, query head). Its warps take the token's chunks c = warp, warp + kWarps, ... and
-// fold them in that order with an online softmax; the block then merges its warps' (m, l, acc) in warp order
-// in shared memory. The chunk-to-warp map and both orders depend on the token's own length only, so its
-// output is the same in any batch (batch invariance: a decode token equals the same token in a verify block).
-template <int MAX_HEAD_DIM, bool EXACT>
+/// A token's state with its next split folded in (splits in order; the first is taken as it is, so a token of
+/// one split gives that split's acc / l). Every kernel and mode folds a token's splits with this, in split
+/// order, so a token's output does not depend on how many blocks computed its splits.
+__device__ __forceinline__ void fold_split(SplitState& token, const SplitState& split, bool first) {
+  if (first) {
+    token = split;
+    return;
+  }
+  const float m = fmaxf(token.m, split.m);
+  const float a = expf(token.m - m), b = expf(split.m - m);
+  token.l = fmaf(split.l, b, token.l * a);
+  token.acc = fmaf(split.acc, b, token.acc * a);
+  token.m = m;
+}
+
+/// A query of one split: its output from its warps' partials, dimension d.
+__device__ __forceinline__ uint16_t merge_warps(const float* ml, int ml_stride, const float* acc,
+                                                int acc_stride, int used) {
+  const SplitState state = split_state(ml, ml_stride, acc, acc_stride, used);
+  return float_to_bf16_bits(state.acc / state.l);
+}
+
+// One block per (row, token, query head), or, with the split workspace, split_blocks blocks of them. A
+// token's positions are folded in splits of kSplitChunks chunks: in split s, warp w takes chunks 16 s + w and
+// 16 s + w
+// + 8 and folds them in that order with an online softmax; the split's state is its warps' (m, l, acc) merged
+// in warp order in shared memory (split_state), and the token's output folds its splits' states in split
+// order (fold_split). A warp thus takes chunks w, w + 8, w + 16, ... as before splits existed, and a token of
+// up to 512 positions (one split) gives the bits it gave then. The order depends on the token's own length
+// only, so its output is the same in any batch (batch invariance: a decode token equals the same token in a
+// verify block) and whichever block folded which split: block g of a token (blockIdx.z = g * heads + head)
+// folds splits g, g + split_blocks, ... and, for a token of several splits, writes each split's state to the
+// workspace; the token's last block to finish (a ticket) folds them all in split order.
+// SPLIT false (a model whose rows hold at most one split, max_seq_len <= 512): one block a (token, head) that
+// folds all of the token's chunks as one split, the same bits as SPLIT true for such rows, without the split
+// loop's bookkeeping (it cost 1-2% of a short-context forward: H100, SmolLM2, max_seq_len 256, no draft at 1
+// / 8 requests 435.3 / 450.0 -> 440.0 / 458.3 graph us a cycle).
+template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const AttentionArgs a) {
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
   static_assert(MAX_HEAD_DIM % 32 == 0 && MAX_HEAD_DIM <= kLlamaMaxHeadDim, "a lane holds whole dimensions");
+  static_assert(kLlamaMaxHeadDim <= kThreads, "a thread a dimension when the splits are folded");
   constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
   constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8; // 16-byte loads of one key
-  const int r = blockIdx.x, j = blockIdx.y, head = blockIdx.z;
+  const int r = blockIdx.x, j = blockIdx.y;
+  const int head = SPLIT ? static_cast<int>(blockIdx.z) % a.heads : static_cast<int>(blockIdx.z),
+            block_of_token = SPLIT ? static_cast<int>(blockIdx.z) / a.heads : 0;
+  const int split_blocks = SPLIT ? a.split_blocks : 1; // 1: this block folds all of the token's splits
   extern __shared__ __align__(16) unsigned char attention_smem[];
   __shared__ float q_shared[MAX_HEAD_DIM];
   __shared__ float p_shared[kWarps][kAttentionChunk];
@@ -220,17 +279,32 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   const int length = query_length(a, r, t);
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
   const int chunks = chunks_of(length);
+  const int splits = SPLIT ? splits_of(chunks) : 1;
+  // A block past the token's splits has nothing to fold (block 0 always stays: it writes the output of a
+  // token of one split or none).
+  if (block_of_token > 0 && block_of_token >= splits)
+    return;
+  const int first_chunk = block_of_token * kSplitChunks + warp; // this warp's first chunk
+  // The chunk this warp folds after `chunk` of split `split` (past the token's chunks: none).
+  const auto next_chunk_of = [&](int chunk, int split) {
+    if constexpr (!SPLIT)
+      return chunk + kWarps;
+    return chunk + kWarps < min(chunks, (split + 1) * kSplitChunks)
+               ? chunk + kWarps
+               : (split + split_blocks) * kSplitChunks + warp;
+  };
   int next_slot = 0;
-  if (live && warp < chunks && warp * kAttentionChunk + lane < length)
-    next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
+  if (live && first_chunk < chunks && first_chunk * kAttentionChunk + lane < length)
+    next_slot = clamp_slot(slots[first_chunk * kAttentionChunk + lane], a.pool_size);
   // The warp's first chunk, for positions before the row's first token in this forward: their K and V were
   // written by earlier forwards (this forward's QKV projection writes the block's own positions only, at
   // freshly allocated slots), so they are loaded before waiting too, and a decode token's attention costs
   // one memory latency after the wait (q and the block's own positions), not two.
   uint4 key[kMaxVectorsPerHead];
   const int first_position = first_block_position(a, r);
-  const int early_position = warp * kAttentionChunk + lane;
-  const bool early = live && warp < chunks && early_position < length && early_position < first_position;
+  const int early_position = first_chunk * kAttentionChunk + lane;
+  const bool early =
+      live && first_chunk < chunks && early_position < length && early_position < first_position;
   if (early)
     load_key_value<MAX_HEAD_DIM>(a, next_slot, kv_head, hd, v_shared + lane * hd, key);
   __pipeline_commit();
@@ -249,56 +323,99 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
     q_shared[d] = __uint_as_float(static_cast<uint32_t>(q[d]) << 16);
   __syncthreads();
 
-  float m = -INFINITY, l = 0.0f, acc[kMaxDimsPerLane];
+  // Split-KV: a token of several splits whose splits more than one block shares writes each split's state
+  // to the workspace (an entry of head_dim + 2 floats: m, l, acc).
+  const bool publish = SPLIT && split_blocks > 1 && splits > 1;
+  float* token_states =
+      publish ? a.split_states + (static_cast<size_t>(t) * a.heads + head) * a.max_splits * (hd + 2)
+              : nullptr;
+  SplitState token{-INFINITY, 0.0f, 0.0f}; // thread d's dimension of the token's state (threads < hd)
+  for (int split = block_of_token; split < splits; split += split_blocks) {
+    float m = -INFINITY, l = 0.0f, acc[kMaxDimsPerLane];
 #pragma unroll
-  for (int c = 0; c < kMaxDimsPerLane; ++c)
-    acc[c] = 0.0f;
-  for (int chunk = warp; chunk < chunks; chunk += kWarps) {
-    // Lane i takes position begin + i: its value row goes straight to shared memory (cp.async) and its key
-    // row to registers, so every load of the chunk is in flight at once (one memory latency a chunk).
-    const int begin = chunk * kAttentionChunk, count = min(kAttentionChunk, length - begin);
-    const bool valid = lane < count;
-    const int slot = next_slot;
-    const int following = begin + kWarps * kAttentionChunk + lane;
-    if (following < length) // the warp's next chunk: its slot load overlaps this chunk
-      next_slot = clamp_slot(slots[following], a.pool_size);
-    const bool load = valid && !(early && chunk == warp); // an early position's rows are in flight already
-    if (load)
-      load_key_value<MAX_HEAD_DIM>(a, slot, kv_head, hd, v_shared + lane * hd, key);
-    __pipeline_commit();
-    const float correction =
-        chunk_scores<MAX_HEAD_DIM>(q_shared, key, valid, hd, a.scale, p_shared[warp], m, l);
-    __pipeline_wait_prior(0);
-    __syncwarp();
-    // acc[d] += sum over the chunk's positions, in position order, of p * V[d]: lane i holds d = i, i + 32..
-    chunk_values<MAX_HEAD_DIM>(p_shared[warp], v_shared, count, hd, correction, acc);
-    __syncwarp(); // the warp's next chunk reuses its p and value rows
-  }
-  if (chunks == 1) { // one chunk, warp 0's: the output directly (the merge below would give the same bits)
-    if (warp == 0) {
-#pragma unroll
-      for (int c = 0; c < kMaxDimsPerLane; ++c)
-        if (c * 32 + lane < hd)
-          out[c * 32 + lane] = float_to_bf16_bits(acc[c] / l);
+    for (int c = 0; c < kMaxDimsPerLane; ++c)
+      acc[c] = 0.0f;
+    const int split_end = SPLIT ? min(chunks, (split + 1) * kSplitChunks) : chunks;
+    for (int chunk = split * kSplitChunks + warp; chunk < split_end; chunk += kWarps) {
+      // Lane i takes position begin + i: its value row goes straight to shared memory (cp.async) and its key
+      // row to registers, so every load of the chunk is in flight at once (one memory latency a chunk).
+      const int begin = chunk * kAttentionChunk, count = min(kAttentionChunk, length - begin);
+      const bool valid = lane < count;
+      const int slot = next_slot;
+      const int following = next_chunk_of(chunk, split) * kAttentionChunk + lane;
+      if (following < length) // the warp's next chunk: its slot load overlaps this chunk
+        next_slot = clamp_slot(slots[following], a.pool_size);
+      const bool load = valid && !(early && chunk == first_chunk); // an early position's rows are in flight
+      if (load)
+        load_key_value<MAX_HEAD_DIM>(a, slot, kv_head, hd, v_shared + lane * hd, key);
+      __pipeline_commit();
+      const float correction =
+          chunk_scores<MAX_HEAD_DIM>(q_shared, key, valid, hd, a.scale, p_shared[warp], m, l);
+      __pipeline_wait_prior(0);
+      __syncwarp();
+      // acc[d] += sum over the chunk's positions, in position order, of p * V[d]: lane i holds d = i, i
+      // + 32..
+      chunk_values<MAX_HEAD_DIM>(p_shared[warp], v_shared, count, hd, correction, acc);
+      __syncwarp(); // the warp's next chunk reuses its p and value rows
     }
+    if (chunks == 1) { // one chunk, warp 0's: the output directly (the merge below would give the same bits)
+      if (warp == 0) {
+#pragma unroll
+        for (int c = 0; c < kMaxDimsPerLane; ++c)
+          if (c * 32 + lane < hd)
+            out[c * 32 + lane] = float_to_bf16_bits(acc[c] / l);
+      }
+      return;
+    }
+    // The split's state: its warps' partials merged in warp order (warps without a chunk in it weigh
+    // nothing).
+#pragma unroll
+    for (int c = 0; c < kMaxDimsPerLane; ++c)
+      if (c * 32 + lane < hd)
+        warp_acc[warp][c * 32 + lane] = acc[c];
+    if (lane == 0) {
+      warp_ml[warp][0] = m;
+      warp_ml[warp][1] = l;
+    }
+    __syncthreads();
+    const int used = min(split_end - split * kSplitChunks, kWarps);
+    const int d = threadIdx.x;
+    if (d < hd) {
+      const SplitState state = split_state(&warp_ml[0][0], 2, &warp_acc[0][d], MAX_HEAD_DIM, used);
+      if (publish) {
+        float* entry = token_states + static_cast<size_t>(split) * (hd + 2);
+        entry[2 + d] = state.acc;
+        if (d == 0) {
+          entry[0] = state.m;
+          entry[1] = state.l;
+        }
+      } else {
+        fold_split(token, state, split == 0);
+      }
+    }
+    if (split + split_blocks < splits)
+      __syncthreads(); // the next split rewrites the partials
+  }
+  if (!publish) { // every split of the token folded here
+    if (threadIdx.x < hd)
+      out[threadIdx.x] = float_to_bf16_bits(token.acc / token.l);
     return;
   }
-  // Merge the warps' partials in warp order (warps without a chunk have l = 0 and weigh nothing).
-#pragma unroll
-  for (int c = 0; c < kMaxDimsPerLane; ++c)
-    if (c * 32 + lane < hd)
-      warp_acc[warp][c * 32 + lane] = acc[c];
-  if (lane == 0) {
-    warp_ml[warp][0] = m;
-    warp_ml[warp][1] = l;
+  if constexpr (!SPLIT)
+    return;
+  // The token's blocks that hold a split (min(split_blocks, splits)) arrive; the last folds every split's
+  // state in split order.
+  if (!device::last_to_arrive(&a.split_tickets[static_cast<size_t>(t) * a.heads + head],
+                              static_cast<uint32_t>(min(split_blocks, splits))))
+    return;
+  const int d = threadIdx.x;
+  if (d < hd) {
+    for (int split = 0; split < splits; ++split) {
+      const float* entry = token_states + static_cast<size_t>(split) * (hd + 2);
+      fold_split(token, SplitState{__ldcg(entry), __ldcg(entry + 1), __ldcg(entry + 2 + d)}, split == 0);
+    }
+    out[d] = float_to_bf16_bits(token.acc / token.l);
   }
-  __syncthreads();
-  const int used = min(chunks, kWarps);
-  float m_all = -INFINITY;
-  for (int w = 0; w < used; ++w)
-    m_all = fmaxf(m_all, warp_ml[w][0]);
-  for (int d = threadIdx.x; d < hd; d += kThreads)
-    out[d] = merge_warps(&warp_ml[0][0], 2, &warp_acc[0][d], MAX_HEAD_DIM, used, m_all);
 }
 
 /// Queries a grouped block takes at most (LlamaGroupedAttentionKernel), and how many of them a warp runs
@@ -312,13 +429,16 @@ constexpr int kQueryBatch = 4;
 /// 3,303.9-3,331.3): a grouped block runs its queries one batch at a time.
 constexpr int kPerQueryBlocksPerSm = 3;
 constexpr int kGroupedMinWaves = 1;
+/// Waves of per-query blocks a split-KV launch may take (attention()).
+constexpr int kSplitBlockWaves = 2;
 
 /// Dynamic shared memory of a grouped block: each warp's value rows, then the queries as floats, each warp's
 /// accumulators per query and each warp's (m, l) per query.
 size_t grouped_smem_bytes(int head_dim, int queries) {
   return attention_smem_bytes(head_dim) + static_cast<size_t>(queries) * head_dim * sizeof(float) +
          static_cast<size_t>(kWarps) * queries * head_dim * sizeof(float) +
-         static_cast<size_t>(kWarps) * queries * 2 * sizeof(float);
+         static_cast<size_t>(kWarps) * queries * 2 * sizeof(float) +
+         static_cast<size_t>(kQueryBatch) * head_dim * sizeof(SplitState);
 }
 
 // One block per (row, group of queries, KV head): the queries q = first .. first + count - 1 of the row's
@@ -328,9 +448,12 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // verify of SmolLM2 (3 query heads a KV head) reads each key and value once instead of 15 times. A warp runs
 // kQueryBatch queries at once, interleaved. Each query runs exactly the per-query kernel's arithmetic in the
 // same order (chunk c on warp c % kWarps, chunk_scores, chunk_values' rescale and position-order sums, the
-// warps merged in warp order by merge_warps), so its output is the same bits in either kernel (a test checks
-// it), and both stay batch-invariant.
-template <int MAX_HEAD_DIM, bool EXACT>
+// warps merged in warp order by merge_warps; a query of several splits: each split's warps merged by
+// split_state and the splits folded in order by fold_split), so its output is the same bits in either kernel
+// (a test checks it), and both stay batch-invariant. (The split loop raised head_dim 128's registers from 127
+// to 162, one block an SM instead of two; capping them at 128 spilled 48-76 bytes. Not measured either way:
+// SmolLM2's heads are 64 wide, 109 -> 123 registers, two blocks an SM before and after.)
+template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT>
 __global__ void __launch_bounds__(kThreads)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
@@ -352,6 +475,10 @@ __global__ void __launch_bounds__(kThreads)
   float* q_shared = reinterpret_cast<float*>(attention_smem + attention_smem_bytes(hd));
   float* warp_acc = q_shared + static_cast<size_t>(group_queries) * hd;         // [kWarps][queries][hd]
   float* warp_ml = warp_acc + static_cast<size_t>(kWarps) * group_queries * hd; // [kWarps][queries][2]
+  // [kQueryBatch][hd]: the token states of a batch's queries of several splits, entry e of thread e (mod
+  // kThreads)
+  SplitState* token_states =
+      reinterpret_cast<SplitState*>(warp_ml + static_cast<size_t>(kWarps) * group_queries * 2);
   // Inputs of the forward (read before waiting, as in the per-query kernel): liveness, each query's length
   // (its token's position), the block's longest, the first chunk's slots and the early positions' K and V.
   const bool live = a.live[r];
@@ -402,76 +529,140 @@ __global__ void __launch_bounds__(kThreads)
   // its order, but the batch's dot products, reductions and value sums are independent chains that overlap
   // (one query at a time leaves a warp waiting on each chain's latency), and a value row read from shared
   // memory serves the whole batch. A batch past the last query repeats that query and discards the copy.
+  // A query of several splits (over 512 positions) folds each split as the per-query kernel does and its
+  // splits in split order (fold_split): its warps' partials of a split go through shared memory at the
+  // split's end, and thread e of the block keeps the token state of (batch query e / hd, dimension e % hd).
+  constexpr int kStatesPerThread = (kQueryBatch * MAX_HEAD_DIM + kThreads - 1) / kThreads;
   for (int b0 = 0; b0 < count; b0 += kQueryBatch) {
-    int query_index[kQueryBatch], length[kQueryBatch], chunks[kQueryBatch];
+    int query_index[kQueryBatch], length[kQueryBatch], chunks[kQueryBatch], splits[kQueryBatch];
     int batch_length = 0;
 #pragma unroll
     for (int u = 0; u < kQueryBatch; ++u) {
       query_index[u] = min(b0 + u, count - 1);
       length[u] = lengths[query_index[u]];
       chunks[u] = chunks_of(length[u]);
+      splits[u] = SPLIT ? splits_of(chunks[u]) : 1;
       batch_length = max(batch_length, length[u]);
     }
     const int batch_chunks = chunks_of(batch_length);
-    float m[kQueryBatch], l[kQueryBatch], acc[kQueryBatch][kMaxDimsPerLane];
-#pragma unroll
-    for (int u = 0; u < kQueryBatch; ++u) {
-      m[u] = -INFINITY;
-      l[u] = 0.0f;
+    // the same in every warp: a uniform loop
+    const int batch_splits = SPLIT ? max(1, splits_of(batch_chunks)) : 1;
+    float m[kQueryBatch] = {}, l[kQueryBatch] = {}, acc[kQueryBatch][kMaxDimsPerLane] = {}; // set at split 0
+    // This warp's partial (m, l, acc) of batch query u (the block's query i), for a merge in warp order.
+    const auto store_partial = [&](int u, int i) {
+      float* my_acc = warp_acc + (static_cast<size_t>(warp) * group_queries + i) * hd;
 #pragma unroll
       for (int c = 0; c < kMaxDimsPerLane; ++c)
-        acc[u][c] = 0.0f;
-    }
-    for (int chunk = warp; chunk < batch_chunks; chunk += kWarps) {
-      const int begin = chunk * kAttentionChunk;
-      if (!cached) { // several chunks a warp: the batch loads them itself
-        if (lane < min(kAttentionChunk, batch_length - begin))
-          load_position(clamp_slot(slots[begin + lane], a.pool_size));
-        __pipeline_commit();
+        if (c * 32 + lane < hd)
+          my_acc[c * 32 + lane] = acc[u][c];
+      if (lane == 0) {
+        warp_ml[(warp * group_queries + i) * 2] = m[u];
+        warp_ml[(warp * group_queries + i) * 2 + 1] = l[u];
       }
-      float correction[kQueryBatch];
-      int valid_count[kQueryBatch];
+    };
+    for (int split = 0; split < batch_splits; ++split) {
 #pragma unroll
       for (int u = 0; u < kQueryBatch; ++u) {
-        valid_count[u] = min(kAttentionChunk, length[u] - begin); // <= 0 where the query has no such chunk
-        float m_u = m[u], l_u = l[u];
-        correction[u] =
-            chunk_scores<MAX_HEAD_DIM>(q_shared + static_cast<size_t>(query_index[u]) * hd, key,
-                                       lane < valid_count[u], hd, a.scale, p_shared[warp][u], m_u, l_u);
-        if (chunk < chunks[u]) { // a query takes only its own chunks
-          m[u] = m_u;
-          l[u] = l_u;
-        }
-      }
-      if (!cached)
-        __pipeline_wait_prior(0);
-      __syncwarp();
-      // chunk_values for the whole batch: acc *= correction, then the chunk's positions in order.
-#pragma unroll
-      for (int u = 0; u < kQueryBatch; ++u)
+        if (split > 0 && split >= splits[u])
+          continue; // a query's last split keeps its state (one split: for the merge after the batches)
+        m[u] = -INFINITY;
+        l[u] = 0.0f;
 #pragma unroll
         for (int c = 0; c < kMaxDimsPerLane; ++c)
-          if (chunk < chunks[u])
-            acc[u][c] *= correction[u];
-      const int batch_count = min(kAttentionChunk, batch_length - begin);
-      for (int i = 0; i < batch_count; ++i) {
+          acc[u][c] = 0.0f;
+      }
+      const int split_end = SPLIT ? min(batch_chunks, (split + 1) * kSplitChunks) : batch_chunks;
+      for (int chunk = split * kSplitChunks + warp; chunk < split_end; chunk += kWarps) {
+        const int begin = chunk * kAttentionChunk;
+        if (!cached) { // several chunks a warp: the batch loads them itself
+          if (lane < min(kAttentionChunk, batch_length - begin))
+            load_position(clamp_slot(slots[begin + lane], a.pool_size));
+          __pipeline_commit();
+        }
+        float correction[kQueryBatch];
+        int valid_count[kQueryBatch];
 #pragma unroll
-        for (int c = 0; c < kMaxDimsPerLane; ++c) {
-          if (c * 32 + lane < hd) {
-            const float value =
-                __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16);
-#pragma unroll
-            for (int u = 0; u < kQueryBatch; ++u)
-              if (i < valid_count[u])
-                acc[u][c] = fmaf(p_shared[warp][u][i], value, acc[u][c]);
+        for (int u = 0; u < kQueryBatch; ++u) {
+          valid_count[u] = min(kAttentionChunk, length[u] - begin); // <= 0 where the query has no such chunk
+          float m_u = m[u], l_u = l[u];
+          correction[u] =
+              chunk_scores<MAX_HEAD_DIM>(q_shared + static_cast<size_t>(query_index[u]) * hd, key,
+                                         lane < valid_count[u], hd, a.scale, p_shared[warp][u], m_u, l_u);
+          if (chunk < chunks[u]) { // a query takes only its own chunks
+            m[u] = m_u;
+            l[u] = l_u;
           }
         }
+        if (!cached)
+          __pipeline_wait_prior(0);
+        __syncwarp();
+        // chunk_values for the whole batch: acc *= correction, then the chunk's positions in order.
+#pragma unroll
+        for (int u = 0; u < kQueryBatch; ++u)
+#pragma unroll
+          for (int c = 0; c < kMaxDimsPerLane; ++c)
+            if (chunk < chunks[u])
+              acc[u][c] *= correction[u];
+        const int batch_count = min(kAttentionChunk, batch_length - begin);
+        for (int i = 0; i < batch_count; ++i) {
+#pragma unroll
+          for (int c = 0; c < kMaxDimsPerLane; ++c) {
+            if (c * 32 + lane < hd) {
+              const float value =
+                  __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16);
+#pragma unroll
+              for (int u = 0; u < kQueryBatch; ++u)
+                if (i < valid_count[u])
+                  acc[u][c] = fmaf(p_shared[warp][u][i], value, acc[u][c]);
+            }
+          }
+        }
+        __syncwarp(); // the next chunk or batch reuses the warp's p (and, uncached, value) rows
       }
-      __syncwarp(); // the next chunk or batch reuses the warp's p (and, uncached, value) rows
+      // The split's states of the batch's queries of several splits (none: nothing to do): their warps'
+      // partials, merged in warp order by the threads that keep their token states.
+      if constexpr (SPLIT) {
+        if (batch_splits > 1) {
+#pragma unroll
+          for (int u = 0; u < kQueryBatch; ++u)
+            if (b0 + u < count && splits[u] > 1 && split < splits[u] &&
+                warp < min(chunks[u] - split * kSplitChunks, kWarps))
+              store_partial(u, b0 + u);
+          __syncthreads();
+#pragma unroll
+          for (int k = 0; k < kStatesPerThread; ++k) {
+            // (the query's chunks from `lengths`: u is not a compile-time index here)
+            const int e = static_cast<int>(threadIdx.x) + k * kThreads, u = e / hd, d = e % hd, i = b0 + u;
+            const int query_chunks = u < kQueryBatch && i < count ? chunks_of(lengths[i]) : 0;
+            if (splits_of(query_chunks) <= 1 || split >= splits_of(query_chunks))
+              continue;
+            const int used = min(query_chunks - split * kSplitChunks, kWarps);
+            const SplitState state =
+                split_state(warp_ml + i * 2, group_queries * 2, warp_acc + static_cast<size_t>(i) * hd + d,
+                            group_queries * hd, used);
+            fold_split(token_states[e], state, split == 0);
+          }
+          __syncthreads(); // the next split rewrites the partials
+        }
+      }
+    }
+    // Queries of several splits: the output from the token state.
+    if (batch_splits > 1) {
+#pragma unroll
+      for (int k = 0; k < kStatesPerThread; ++k) {
+        const int e = static_cast<int>(threadIdx.x) + k * kThreads, u = e / hd, d = e % hd, i = b0 + u;
+        if (u >= kQueryBatch || i >= count || splits_of(chunks_of(lengths[i])) <= 1)
+          continue;
+        const int query = first + i;
+        const int t = r * a.tokens_per_row + query / group_heads,
+                  head = kv_head * group_heads + query % group_heads;
+        a.out[static_cast<size_t>(t) * q_dim + head * hd + d] =
+            float_to_bf16_bits(token_states[e].acc / token_states[e].l);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kQueryBatch; ++u) {
-      if (b0 + u >= count) // a repeated query
+      if (b0 + u >= count || splits[u] > 1) // a repeated query, or one of several splits (above)
         continue;
       const int i = b0 + u, query = first + i;
       const int t = r * a.tokens_per_row + query / group_heads,
@@ -489,15 +680,7 @@ __global__ void __launch_bounds__(kThreads)
               out[c * 32 + lane] = float_to_bf16_bits(acc[u][c] / l[u]);
         }
       } else if (warp < chunks[u]) {
-        float* my_acc = warp_acc + (static_cast<size_t>(warp) * group_queries + i) * hd;
-#pragma unroll
-        for (int c = 0; c < kMaxDimsPerLane; ++c)
-          if (c * 32 + lane < hd)
-            my_acc[c * 32 + lane] = acc[u][c];
-        if (lane == 0) {
-          warp_ml[(warp * group_queries + i) * 2] = m[u];
-          warp_ml[(warp * group_queries + i) * 2 + 1] = l[u];
-        }
+        store_partial(u, i);
       }
     }
   }
@@ -506,17 +689,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = threadIdx.x; e < count * hd; e += kThreads) {
     const int i = e / hd, d = e % hd, query = first + i;
     const int chunks = chunks_of(lengths[i]);
-    if (chunks <= 1)
+    if (chunks <= 1 || (SPLIT && chunks > kSplitChunks)) // one chunk, or several splits: written above
       continue;
     const int t = r * a.tokens_per_row + query / group_heads,
               head = kv_head * group_heads + query % group_heads;
-    const int used = min(chunks, kWarps);
-    float m_all = -INFINITY;
-    for (int w = 0; w < used; ++w)
-      m_all = fmaxf(m_all, warp_ml[(w * group_queries + i) * 2]);
     a.out[static_cast<size_t>(t) * q_dim + head * hd + d] =
         merge_warps(warp_ml + i * 2, group_queries * 2, warp_acc + static_cast<size_t>(i) * hd + d,
-                    group_queries * hd, used, m_all);
+                    group_queries * hd, min(chunks, kWarps));
   }
 }
 
@@ -560,15 +739,33 @@ __global__ void LlamaGatherRowsKernel(int hidden, const float* first, int64_t fi
 }
 
 /// Every attention kernel variant, for one call per attribute.
+template <bool SPLIT, class F> void for_each_attention_kernel_of(F&& f) {
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, true, SPLIT>), false);
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, false, SPLIT>), false);
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>), false);
+  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>), false);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, true, SPLIT>), true);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, false, SPLIT>), true);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>), true);
+  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>), true);
+}
 template <class F> void for_each_attention_kernel(F&& f) {
-  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, true>), false);
-  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, false>), false);
-  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, true>), false);
-  f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, false>), false);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, true>), true);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, false>), true);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true>), true);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false>), true);
+  for_each_attention_kernel_of<false>(f);
+  for_each_attention_kernel_of<true>(f);
+}
+
+/// The per-query and grouped kernels' instance for a head size and split mode.
+template <bool SPLIT> auto per_query_kernel(bool small, bool exact_small, bool exact_large) {
+  return small ? (exact_small ? LlamaAttentionKernel<kSmallHeadDim, true, SPLIT>
+                              : LlamaAttentionKernel<kSmallHeadDim, false, SPLIT>)
+               : (exact_large ? LlamaAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>
+                              : LlamaAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>);
+}
+template <bool SPLIT> auto grouped_kernel(bool small, bool exact_small, bool exact_large) {
+  return small ? (exact_small ? LlamaGroupedAttentionKernel<kSmallHeadDim, true, SPLIT>
+                              : LlamaGroupedAttentionKernel<kSmallHeadDim, false, SPLIT>)
+               : (exact_large ? LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>
+                              : LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>);
 }
 
 } // namespace
@@ -592,6 +789,12 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   require(a.head_dim % 8 == 0 && a.head_dim <= kLlamaMaxHeadDim, kWhere, "head_dim", a.head_dim,
           "must be a multiple of 8 and <= 128");
   require(a.kv_heads >= 1 && a.heads % a.kv_heads == 0, kWhere, "kv_heads", a.kv_heads, "must divide heads");
+  if (a.split_states != nullptr) {
+    require(a.split_tickets != nullptr, kWhere, "split_tickets", "null",
+            "must be a device pointer with split_states");
+    require(a.max_splits >= attention_max_splits(a.max_seq_len), kWhere, "max_splits", a.max_splits,
+            "must cover max_seq_len's splits");
+  }
   if (a.rows == 0)
     return;
   // Heads of up to 64 dimensions take the variant sized for them: its key and accumulator arrays hold 64
@@ -603,6 +806,9 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   const bool small = a.head_dim <= kSmallHeadDim;
   // Heads of exactly the variant's size take its EXACT instance (the head size a compile-time constant).
   const bool exact_small = a.head_dim == kSmallHeadDim, exact_large = a.head_dim == kLlamaMaxHeadDim;
+  // Rows of more than one split possible (max_seq_len > 512): the split instances, for every launch of the
+  // model (whatever its size or the workspace), so a token's bits do not depend on the launch.
+  const bool split = attention_max_splits(a.max_seq_len) > 1;
   // Grouped blocks (a block per row, KV head and up to kGroupMaxQueries of the queries that read it: each
   // position's K and V loaded once for them all) once the per-query grid is more than kGroupedMinWaves waves
   // of kPerQueryBlocksPerSm blocks an SM; below that, a block per query spreads one token's work widest. Both
@@ -614,12 +820,25 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
                         per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm *
                                                current_device_info().multiprocessors);
   if (!grouped) {
-    const auto kernel = small ? (exact_small ? LlamaAttentionKernel<kSmallHeadDim, true>
-                                             : LlamaAttentionKernel<kSmallHeadDim, false>)
-                              : (exact_large ? LlamaAttentionKernel<kLlamaMaxHeadDim, true>
-                                             : LlamaAttentionKernel<kLlamaMaxHeadDim, false>);
-    launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads), dim3(kThreads),
-               attention_smem_bytes(a.head_dim), stream, a);
+    const auto kernel = split ? per_query_kernel<true>(small, exact_small, exact_large)
+                              : per_query_kernel<false>(small, exact_small, exact_large);
+    // Split-KV: with the workspace, a launch of up to kAttentionSplitMaxTokens tokens gives each (token,
+    // head) as many blocks (split_blocks, at most max_splits) as fit in kSplitBlockWaves waves of the
+    // per-query blocks, so a long row's positions spread over the GPU instead of one block's 8 warps. A block
+    // past a token's splits returns at once; the bits are the same for any split_blocks (the kernel says
+    // why).
+    AttentionArgs launch = a;
+    launch.split_blocks = 1;
+    if (split && a.split_states != nullptr && a.max_splits > 1 &&
+        per_query_blocks <= kAttentionSplitMaxTokens * a.heads) {
+      const int64_t budget =
+          int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm * current_device_info().multiprocessors;
+      launch.split_blocks = static_cast<int>(std::min<int64_t>(a.max_splits, budget / per_query_blocks));
+      if (launch.split_blocks < 2)
+        launch.split_blocks = 1;
+    }
+    launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads * launch.split_blocks), dim3(kThreads),
+               attention_smem_bytes(a.head_dim), stream, launch);
     return;
   }
   // The row's queries in groups of at most kGroupMaxQueries, as even as they go.
@@ -627,10 +846,8 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   const int groups = static_cast<int>(detail::ceil_div(queries, kGroupMaxQueries));
   const int group_queries = static_cast<int>(detail::ceil_div(queries, groups));
   require(groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row, "gives too many query groups a row");
-  const auto kernel = small ? (exact_small ? LlamaGroupedAttentionKernel<kSmallHeadDim, true>
-                                           : LlamaGroupedAttentionKernel<kSmallHeadDim, false>)
-                            : (exact_large ? LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true>
-                                           : LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false>);
+  const auto kernel = split ? grouped_kernel<true>(small, exact_small, exact_large)
+                            : grouped_kernel<false>(small, exact_small, exact_large);
   launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads), dim3(kThreads),
              grouped_smem_bytes(a.head_dim, group_queries), stream, a, group_queries);
 }

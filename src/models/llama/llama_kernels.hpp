@@ -107,6 +107,18 @@ inline constexpr int kAttentionChunk = 32;
 /// SMCGRAPH_ATTENTION_GROUPING (by_size, per_query, grouped), for tests and A/B runs.
 enum class AttentionGrouping : int { kBySize = 0, kPerQuery = 1, kGrouped = 2 };
 
+/// Positions of a split: a token's positions are folded in splits of this many (16 chunks), the splits merged
+/// in order (llama_attention.cu), so a long row's attention can spread over several blocks (split-KV) and
+/// still give the same bits.
+inline constexpr int kAttentionSplitPositions = 16 * kAttentionChunk;
+/// Splits of a row of up to `max_seq_len` positions.
+inline int attention_max_splits(int max_seq_len) {
+  return (max_seq_len + kAttentionSplitPositions - 1) / kAttentionSplitPositions;
+}
+/// Launches of up to this many tokens may give a long token's splits blocks of their own (AttentionArgs'
+/// split workspace holds this many tokens' split states).
+inline constexpr int kAttentionSplitMaxTokens = 64;
+
 struct AttentionArgs {
   int rows = 0, tokens_per_row = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int max_seq_len = 0, pool_size = 0;
@@ -119,6 +131,15 @@ struct AttentionArgs {
   const uint8_t* live = nullptr;
   uint16_t* out = nullptr; ///< [T, heads * head_dim] bf16
   AttentionGrouping grouping = AttentionGrouping::kBySize;
+  /// Split-KV workspace (null: every token's splits in its own block). With it, a launch of per-query blocks
+  /// of up to kAttentionSplitMaxTokens tokens may give each (token, head) split_blocks blocks, block g
+  /// folding splits g, g + split_blocks, ...: split_states holds [kAttentionSplitMaxTokens, heads,
+  /// max_splits, head_dim + 2] floats, split_tickets [kAttentionSplitMaxTokens, heads] counters (zero; every
+  /// launch leaves them zero). The launcher picks split_blocks.
+  float* split_states = nullptr;
+  uint32_t* split_tickets = nullptr;
+  int max_splits = 1;   ///< attention_max_splits(max_seq_len), which the workspace is sized for
+  int split_blocks = 1; ///< set by attention(): blocks a (token, head), 1 without the workspace
 };
 
 /// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, cublaslt, own_gemm).

@@ -103,6 +103,11 @@ struct LlamaModel::Workspace {
   llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
   llama::GemmTiles gemm_tiles = llama::GemmTiles::kBySize;
   uint8_t gemm_narrow_warps = 0;
+  // Split-KV attention (llama_attention.cu): the split states of up to kAttentionSplitMaxTokens tokens and
+  // their tickets; empty where rows have one split (max_seq_len <= 512) or SMCGRAPH_ATTENTION_SPLIT=off.
+  DeviceBuffer<float> attention_states;
+  DeviceBuffer<uint32_t> attention_tickets;
+  int attention_max_splits = 1;
 };
 
 namespace {
@@ -176,6 +181,19 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
                                                                     {"pipelined", GemmTiles::kPipelined}});
   w.gemm_narrow_warps =
       choice_from_env<uint8_t>("SMCGRAPH_GEMM_NARROW_WARPS", {{"by_size", 0}, {"8", 8}, {"4", 4}});
+  const bool split_kv =
+      choice_from_env<bool>("SMCGRAPH_ATTENTION_SPLIT", {{"by_size", true}, {"off", false}});
+  w.attention_max_splits = llama::attention_max_splits(options_.max_seq_len);
+  if (split_kv && w.attention_max_splits > 1) {
+    const size_t split_tokens = std::min<size_t>(T, llama::kAttentionSplitMaxTokens);
+    w.attention_states =
+        DeviceBuffer<float>(split_tokens * c.heads * w.attention_max_splits * (size_t(c.head_dim) + 2));
+    w.attention_tickets = DeviceBuffer<uint32_t>(split_tokens * c.heads);
+    // Zero on the default stream, then wait: the caller's non-blocking streams do not wait for it.
+    SMCGRAPH_CUDA_CHECK(
+        cudaMemset(w.attention_tickets.data(), 0, w.attention_tickets.size() * sizeof(uint32_t)));
+    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
                                                                {"cublaslt", llama::HeadKernels::kCublasLt},
@@ -277,7 +295,10 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       .io_row_stride = args.io_stride(), .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
       .q = w.q.data(), .kv = nullptr,
       .slot_table = args.slot_table, .seq_lens = args.seq_lens, .positions = args.positions, .live = args.live,
-      .out = w.o.data(), .grouping = w.attention_grouping}; // .kv: each layer's
+      .out = w.o.data(), .grouping = w.attention_grouping,
+      .split_states = w.attention_states.size() > 0 ? w.attention_states.data() : nullptr,
+      .split_tickets = w.attention_tickets.size() > 0 ? w.attention_tickets.data() : nullptr,
+      .max_splits = w.attention_max_splits}; // .kv: each layer's
   // clang-format on
 
   llama::GemmArgs g;
