@@ -2,8 +2,8 @@
 // from its GGUF file): the chat template applied, SMC or speculative decoding, tokens/s.
 //
 //   ./run fetch-model                                   # once: .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
-//   build/examples/generate --prompt "What is the capital of France?"             # greedy (speculative, T =
-//   0) build/examples/generate --kind smc --particles 8 --steps 4 --prompt "Write a haiku about GPUs."
+//   build/examples/generate --prompt "What is the capital of France?"   # greedy (speculative, T = 0)
+//   build/examples/generate --kind smc --particles 8 --steps 4 --prompt "Write a haiku about GPUs."
 //   build/examples/generate --kind spec --temperature 0.8 --seed 7 --prompt "Tell me a story."
 //
 // --adaptive (greedy / spec): each cycle's K chosen on the device from the acceptance EMA, K in

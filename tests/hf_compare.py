@@ -35,6 +35,11 @@ two tokens' fp32 logits are within about twice the logit error at the top (~0.3 
 Usage (on a machine with a CUDA GPU, torch, transformers and the `gguf` package):
   python3 tests/hf_compare.py --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --tool build/examples/llama_logits
          [--prompts 6] [--greedy 48] [--max-abs 1.5] [--max-rel 0.03] [--near-tie 0.5] [--json FILE]
+  --long N                  long prompts instead: prompt i is a multi-turn chat of at least N tokens, the built-in
+                            questions from the i-th on, each answered by HF fp32's own greedy reply (up to 96 tokens,
+                            to <|im_end|>), ending with a question and the generation prompt. Past 512 positions the
+                            tool's attention folds a row in 512-position splits (split-KV, llama_attention.cu): the
+                            prefill's later queries and every greedy step read several splits
   --emulate                 compare smcgraph's numerics contract emulated in PyTorch (llama_torch.py, exact forward)
                             instead of running the tool: the expected numbers, and a check of this script
   --dump-reference DIR      also write HF's reference to DIR as .npy (prompt<i>_tokens, _logits_fp32 [T, V],
@@ -76,6 +81,8 @@ def parse_args():
     parser.add_argument("--emulate", action="store_true", help="emulate smcgraph in PyTorch instead of the tool")
     parser.add_argument("--prompts", type=int, default=6, help="built-in chat prompts to run (default 6)")
     parser.add_argument("--greedy", type=int, default=48, help="greedy tokens to compare (default 48)")
+    parser.add_argument("--long", type=int, default=0, metavar="N",
+                        help="multi-turn chat prompts of at least N tokens (HF fp32's own replies) instead")
     parser.add_argument("--max-abs", type=float, default=1.5, help="max |logit delta| vs HF fp32 (default 1.5)")
     parser.add_argument("--max-rel", type=float, default=0.03, help="relative error vs HF fp32 (default 0.03)")
     parser.add_argument("--near-tie", type=float, default=0.5,
@@ -114,6 +121,38 @@ def hf_greedy(torch, model, prompt, steps, device):
             np.array(top_ids, dtype=np.int64))
 
 
+def long_chat_prompts(torch, model, tokenizer, count, min_tokens, device):
+    """`count` multi-turn chats of at least `min_tokens` tokens: the built-in questions from the i-th on (cycled),
+    each answered by `model`'s greedy reply (up to 96 tokens, to <|im_end|>), then one more question and the
+    generation prompt."""
+    import llama_torch
+
+    def encode(messages):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    questions, replies, prompts = llama_torch.CHAT_MESSAGES, {}, []
+    for i in range(count):
+        messages, q = [], i
+        while True:
+            messages.append({"role": "user", "content": questions[q % len(questions)]})
+            ids = encode(messages)
+            if len(ids) >= min_tokens:
+                break
+            key = tuple(ids)
+            if key not in replies:  # the reply to this conversation so far (prompts share their beginnings)
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([ids], device=device), max_new_tokens=96, do_sample=False,
+                                         eos_token_id=end, pad_token_id=end)
+                reply = [int(t) for t in out[0, len(ids):].tolist() if int(t) != end]
+                replies[key] = tokenizer.decode(reply, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": replies[key]})
+            q += 1
+        prompts.append(ids)
+    return prompts
+
+
 def hf_reference(args):
     """Per prompt: tokens, fp32 / bf16 prefill logits, fp32 / bf16 greedy tokens, fp32 greedy top-k."""
     import torch
@@ -123,9 +162,10 @@ def hf_reference(args):
     torch.set_float32_matmul_precision("highest")
     device = torch.device(args.device)
     tokenizer = llama_torch.load_tokenizer(args.model)
-    prompts = llama_torch.chat_prompts(tokenizer, args.prompts)
-    reference = [{"tokens": np.array(p, dtype=np.int32)} for p in prompts]
     model32, loader = llama_torch.load_hf_model(torch, args.model, torch.float32, device, args.loader)
+    prompts = (long_chat_prompts(torch, model32, tokenizer, args.prompts, args.long, device) if args.long > 0
+               else llama_torch.chat_prompts(tokenizer, args.prompts))
+    reference = [{"tokens": np.array(p, dtype=np.int32)} for p in prompts]
     emulator = Emulator(torch, model32) if args.emulate else None
     for name in ("fp32", "bf16"):
         # bf16: round to nearest even of the same fp32 values, as transformers' bf16 load of the file
@@ -144,7 +184,7 @@ def hf_reference(args):
         torch.cuda.empty_cache()
     import transformers
 
-    info = {"model": os.path.abspath(args.model), "greedy": args.greedy, "prompts": len(prompts),
+    info = {"model": os.path.abspath(args.model), "greedy": args.greedy, "prompts": len(prompts), "long": args.long,
             "loader": loader, "torch": torch.__version__, "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     return reference, info, emulator
@@ -179,7 +219,8 @@ def run_tool(tool, model, tokens, steps, vocab):
     with tempfile.TemporaryDirectory(prefix="hf_compare-") as directory:
         logits_path, greedy_path = os.path.join(directory, "logits.f32"), os.path.join(directory, "greedy.txt")
         command = [tool, "--model", model, "--tokens", ",".join(str(int(t)) for t in tokens), "--logits-out",
-                   logits_path, "--greedy", str(steps), "--greedy-out", greedy_path]
+                   logits_path, "--greedy", str(steps), "--greedy-out", greedy_path,
+                   "--max-len", str(max(2048, len(tokens) + steps))]
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0:
             raise RuntimeError("%s exited %d:\n%s" % (" ".join(command[:3]) + " ...", result.returncode,
