@@ -557,6 +557,22 @@ TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits
   }
 }
 
+TEST_CASE("llama forward: early PDL triggers give the same bits") {
+  // SMCGRAPH_LLAMA_TRIGGER=early_o_down (the default) lets the O and down launches start their successors at
+  // their top, early the attention launches too, early_all the QKV launches too, early_max every layer launch
+  // (llama_model.cu): the same kernels and
+  // arithmetic, only the launch order's overlap changes, so the logits of decodes, verify blocks, padding
+  // rows and graphs are the same bits (a read before a wait that the early start made stale would change
+  // them).
+  for (const Shape& shape : kKOrderShapes) {
+    CAPTURE(shape.hidden);
+    check_same_logits_when_forced(shape, "SMCGRAPH_LLAMA_TRIGGER", "after_wait", "early_o_down");
+    check_same_logits_when_forced(shape, "SMCGRAPH_LLAMA_TRIGGER", "after_wait", "early");
+    check_same_logits_when_forced(shape, "SMCGRAPH_LLAMA_TRIGGER", "after_wait", "early_all");
+    check_same_logits_when_forced(shape, "SMCGRAPH_LLAMA_TRIGGER", "after_wait", "early_max");
+  }
+}
+
 TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
   // Forwards of up to 16 head rows take the small head (llama_head.cu: one kernel that normalises its rows
   // and chains one m16n8k16 MMA per 16 of K, the order of the pinned cuBLASLt matmul), larger ones the norm
@@ -625,7 +641,7 @@ TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
   for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
-                           "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT"}) {
+                           "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT", "SMCGRAPH_LLAMA_TRIGGER"}) {
     CAPTURE(name);
     const ScopedEnv scoped(name, "sideways");
     const std::string expected = std::string(name) + " = 'sideways'";

@@ -254,6 +254,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   static_assert(kLlamaMaxHeadDim <= kThreads, "a thread a dimension when the splits are folded");
   constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
   constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8; // 16-byte loads of one key
+  if (a.trigger_early)                                 // AttentionArgs::trigger_early
+    pdl_trigger();
   const int r = blockIdx.x, j = blockIdx.y;
   const int head = SPLIT ? static_cast<int>(blockIdx.z) % a.heads : static_cast<int>(blockIdx.z),
             block_of_token = SPLIT ? static_cast<int>(blockIdx.z) / a.heads : 0;
@@ -309,7 +311,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
     load_key_value<MAX_HEAD_DIM>(a, next_slot, kv_head, hd, v_shared + lane * hd, key);
   __pipeline_commit();
   pdl_wait();
-  pdl_trigger();
+  if (!a.trigger_early)
+    pdl_trigger();
   if (!live)
     return;
   uint16_t* out = a.out + static_cast<size_t>(t) * q_dim + head * hd;
@@ -459,6 +462,8 @@ __global__ void __launch_bounds__(kThreads)
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
   constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
   constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8;
+  if (a.trigger_early) // AttentionArgs::trigger_early
+    pdl_trigger();
   const int r = blockIdx.x, kv_head = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // EXACT: head_dim is MAX_HEAD_DIM, a constant, so the per-dimension guards fold away and the loops over a
@@ -508,7 +513,8 @@ __global__ void __launch_bounds__(kThreads)
     load_position(slot);
   __pipeline_commit();
   pdl_wait();
-  pdl_trigger();
+  if (!a.trigger_early)
+    pdl_trigger();
   if (!live)
     return;
   // The queries (this forward's QKV projection wrote them), and the cached chunk's own positions.

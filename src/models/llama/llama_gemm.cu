@@ -162,6 +162,8 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
+  if (a.trigger_early) // the next launch reads nothing before its wait that this kernel's predecessor writes
+    pdl_trigger();
   // The weights do not depend on the previous kernel: start copying this block's BN rows of W (narrow shape)
   // into shared memory before waiting for it (PDL), so their latency hides under its tail and the prologue.
   if (N_WARPS == 1 && stage_w) {
@@ -238,7 +240,19 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
       gamma[i] = lane + 32 * i < K / 4 ? norm4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
   pdl_wait();
-  pdl_trigger();
+  if (!a.trigger_early)
+    pdl_trigger();
+  if constexpr (kPrefetchResidual) {
+    // A residual that may still be written before the wait (GemmArgs::residual_ready_before_wait false):
+    // loaded right after it, its latency beside the A rows' rather than in the epilogue.
+    if (!residual_prefetched) {
+#pragma unroll
+      for (int i = 0; i < kEpiloguePerThread; ++i) {
+        const int e = threadIdx.x + i * THREADS, t = m0 + e / BN;
+        residual_early[i] = t < T ? a.residual[static_cast<size_t>(t) * N + n0 + e % BN] : 0.0f;
+      }
+    }
+  }
 
   // Prologue: stage A's rows (zeros past T) as bf16. Every global load of a row is issued before the first
   // one is used, so a row costs one memory latency, not one per 32 elements.
@@ -473,7 +487,7 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
     if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kResidualAdd)) {
       float* residual = a.residual + static_cast<size_t>(t) * N + col;
       if constexpr (kPrefetchResidual)
-        *residual = (residual_prefetched ? residual_early[i] : *residual) + value;
+        *residual = residual_early[i] + value; // loaded before or right after the wait
       else
         *residual += value;
     } else if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kLogits)) {
@@ -653,6 +667,8 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
         *reinterpret_cast<uint4*>(dst + i * kRowsPerPass * kPipeLd) = make_uint4(0u, 0u, 0u, 0u);
     }
   };
+  if (a.trigger_early) // as in LlamaGemmKernel
+    pdl_trigger();
   // The weights of the first stages before waiting (one commit group), then the epilogue's row inputs.
   for (int s = 0; s < kPipeStages - 1 && s < chunks; ++s)
     load_w(s, s);
@@ -661,7 +677,8 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
   if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kQkvRope))
     rows.load(a, m0, BM);
   pdl_wait();
-  pdl_trigger();
+  if (!a.trigger_early)
+    pdl_trigger();
   for (int s = 0; s < kPipeStages - 1; ++s) {
     if (s < chunks)
       load_a(s, s);

@@ -50,10 +50,10 @@ struct GemmArgs {
   const float* norm_weight = nullptr;
   float eps = 1e-5f;
   float* residual = nullptr; ///< [T, N] (kResidualAdd)
-  /// kResidualAdd: the kernel launched just before this one does not write `residual`, so it may be read
-  /// before the PDL wait (every earlier writer completed before that predecessor passed its own wait, and
-  /// this kernel starts only after that; pdl.hpp). The forward sets it: the O and down projections run two
-  /// launches after the last write of the residual stream.
+  /// kResidualAdd: `residual` may be read before the PDL wait: its last writer completed before the last
+  /// kernel of the chain that triggers after its own wait (a kernel without trigger_early) passed that wait,
+  /// and this kernel starts only after that (pdl.hpp). The forward sets it: the O and down projections run
+  /// two launches after the last write of the residual stream, behind QKV and gate/up.
   bool residual_ready_before_wait = false;
   /// The tiling (in the padding after the bool above, so the kernels' parameter block keeps its size).
   GemmTiles tiles = GemmTiles::kBySize;
@@ -61,6 +61,11 @@ struct GemmArgs {
   /// the token count (8 up to 16 tokens); the same bits either way (llama_gemm.cu). LlamaModel reads it from
   /// SMCGRAPH_GEMM_NARROW_WARPS (by_size, 8, 4).
   uint8_t narrow_warps = 0;
+  /// Let the next launch start (PDL's trigger) at the top of this kernel instead of after its pdl_wait(): the
+  /// next kernel's CTAs then become resident, and stage their weights, one kernel earlier. Only where every
+  /// read that kernel makes before its own wait is of weights or of data whose last writer completed before
+  /// this kernel's predecessor passed its wait (LlamaModel::forward sets it; pdl.hpp).
+  bool trigger_early = false;
   uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
   void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped
   int logits_cols = 0;
@@ -140,6 +145,8 @@ struct AttentionArgs {
   uint32_t* split_tickets = nullptr;
   int max_splits = 1;   ///< attention_max_splits(max_seq_len), which the workspace is sized for
   int split_blocks = 1; ///< set by attention(): blocks a (token, head), 1 without the workspace
+  /// As GemmArgs::trigger_early: the next launch may start at the top of this kernel.
+  bool trigger_early = false;
 };
 
 /// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, cublaslt, own_gemm).

@@ -108,6 +108,11 @@ struct LlamaModel::Workspace {
   DeviceBuffer<float> attention_states;
   DeviceBuffer<uint32_t> attention_tickets;
   int attention_max_splits = 1;
+  /// SMCGRAPH_LLAMA_TRIGGER, bits of the launches that trigger at their top: 1 attention, 2 O, 4 down (any
+  /// subset of these three: early_attention, early_o, early_down, their pairs, early = all three); 8 QKV
+  /// (early_all = 15: O then reads its residual after its wait); 16 gate/up (early_max = 31: down reads its
+  /// residual after its wait as well). 0: after_wait. Default early_o_down (6).
+  uint8_t early_trigger = 6;
 };
 
 namespace {
@@ -194,6 +199,25 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
         cudaMemset(w.attention_tickets.data(), 0, w.attention_tickets.size() * sizeof(uint32_t)));
     SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   }
+  // When the next launch of the chain may start (PDL): at the top of each layer's O and down launches and
+  // after the wait of the others (early_o_down, the default), or after every kernel's wait (after_wait), or
+  // another subset (forward() says why the successors' early reads stay safe). Bits: 1 attention, 2 O, 4
+  // down, 8 QKV, 16 gate/up trigger at their top. H100, SmolLM2, graph us a cycle, after_wait -> early_o_down
+  // (two rounds each, the modes alternating in one call): no draft at 1 / 8 requests 428.1-431.5 /
+  // 445.7-446.1 -> 407.5-407.7 / 439.7-440.2; greedy speculative K 4 2,016.5-2,018.5 / 2,120.7-2,121.2 ->
+  // 1,910.8-1,912.9 / 2,116.9-2,117.1; SMC N 8 K 4 1,925.4-1,926.8 / 4,238.3-4,257.5 -> 1,954.4-1,955.2 /
+  // 4,160.4-4,166.2 (the one loss). Triggering the attention early as well lost at 8 rows (early: 458.7-459.1
+  // at 8 requests).
+  w.early_trigger = choice_from_env<uint8_t>("SMCGRAPH_LLAMA_TRIGGER", {{"early_o_down", 6},
+                                                                        {"after_wait", 0},
+                                                                        {"early_attention", 1},
+                                                                        {"early_o", 2},
+                                                                        {"early_down", 4},
+                                                                        {"early_attention_o", 3},
+                                                                        {"early_attention_down", 5},
+                                                                        {"early", 7},
+                                                                        {"early_all", 15},
+                                                                        {"early_max", 31}});
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
                                                                {"cublaslt", llama::HeadKernels::kCublasLt},
@@ -333,10 +357,30 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       qkv.positions = att.positions;
       qkv.out_slots = out_slots;
       qkv.kv = kv;
+      // Early triggers (Workspace::early_trigger). A kernel may read before its wait only what completed
+      // before the last kernel of the chain that triggered after its own wait passed that wait.
+      // early (attention, O and down) and any subset of it, early_o_down the default among them: QKV and
+      // gate/up trigger after their wait, so attention's successor, O, reads the residual stream before its
+      // wait, whose last writer (down, embed or gather_rows) completed before QKV's wait; O's successor,
+      // gate/up (or the norm of pipelined tiles), reads only weights before its wait; down's successor, the
+      // next layer's QKV (or its norm), reads weights and the forward's inputs. At most four kernels of the
+      // chain are resident: QKV running, attention, O and gate/up waiting (early_o_down: gate/up running or
+      // waiting beside O, the next QKV beside down).
+      // early_all: QKV triggers early too, so only gate/up stops the cascade: after its wait, down, the next
+      // QKV, attention, O and gate/up may all start. Attention reads only the forward's inputs and older
+      // positions' KV (earlier forwards') before its wait, but the residual stream's last writer (down) may
+      // still run when O starts: O reads its residual after its wait.
+      // early_max: gate/up triggers early too, so nothing inside the layers stops the cascade: once embed (or
+      // gather_rows) passed its wait, every layer kernel may start as resources allow, staging its weights.
+      // Every read before a wait is then of weights, the forward's inputs or earlier forwards' KV; O and down
+      // read their residual after their wait.
+      // In all of them, a layer's last launch before the LM head or a hand-over keeps the late trigger.
+      qkv.trigger_early = (w.early_trigger & 8) != 0;
       normalize_for_pipelined_tiles(llama::GemmEpilogue::kQkvRope, qkv, w.normed.data(), stream);
       llama::gemm(llama::GemmEpilogue::kQkvRope, qkv, stream);
 
       att.kv = kv;
+      att.trigger_early = (w.early_trigger & 1) != 0;
       llama::attention(att, stream);
 
       llama::GemmArgs o = shape;
@@ -345,7 +389,9 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       o.weight = layer.o;
       o.a_bf16 = w.o.data();
       o.residual = x;
-      o.residual_ready_before_wait = true; // last written by the down projection (or embed) before QKV
+      // last written by the down projection (or embed) before QKV's wait (not with early_all: above)
+      o.residual_ready_before_wait = (w.early_trigger & 8) == 0;
+      o.trigger_early = (w.early_trigger & 2) != 0;
       llama::gemm(llama::GemmEpilogue::kResidualAdd, o, stream);
 
       llama::GemmArgs gate_up = shape;
@@ -355,6 +401,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       gate_up.x = x;
       gate_up.norm_weight = layer.ffn_norm;
       gate_up.out_bf16 = w.act.data();
+      gate_up.trigger_early = (w.early_trigger & 16) != 0;
       normalize_for_pipelined_tiles(llama::GemmEpilogue::kSwiGlu, gate_up, w.normed.data(), stream);
       llama::gemm(llama::GemmEpilogue::kSwiGlu, gate_up, stream);
 
@@ -364,7 +411,9 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       down.weight = layer.down;
       down.a_bf16 = w.act.data();
       down.residual = x;
-      down.residual_ready_before_wait = true; // last written by the O projection before gate/up
+      // last written by the O projection before gate/up's wait (not with early_max: above)
+      down.residual_ready_before_wait = (w.early_trigger & 16) == 0;
+      down.trigger_early = (w.early_trigger & 4) != 0 && local + 1 < last;
       llama::gemm(llama::GemmEpilogue::kResidualAdd, down, stream);
     }
   };

@@ -1,6 +1,9 @@
 // Programmatic dependent launch for the Llama forward's kernel chain: the shared helpers of
 // src/kernels/pdl.cuh (launch_pdl, pdl_wait, pdl_trigger; SMCGRAPH_DISABLE_PDL=1 turns it off). The GEMMs
-// prefetch their weight tiles before pdl_wait(), which is where this chain gains most.
+// prefetch their weight tiles before pdl_wait(), which is where this chain gains most. By default each
+// layer's O and down launches trigger at their top (SMCGRAPH_LLAMA_TRIGGER: early_o_down; after_wait, other
+// subsets, early_all with QKV, early_max with every layer launch), so gate/up and the next layer's QKV start
+// (and stage their weights) while O and down run; LlamaModel::forward says why their early reads stay safe.
 #pragma once
 
 #include "kernels/pdl.cuh"
