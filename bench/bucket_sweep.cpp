@@ -12,8 +12,8 @@
 // decoding, the setting of its PyTorch peer; tokens per cycle = accepted + 1). Each kind has its PyTorch
 // peer: bench/peers/smc_peer.py and bench/peers/spec_peer.py.
 //
-// Per bucket, in this order (every phase starts from freshly admitted 32-token prompts, so every phase times
-// rows of the same lengths, and the PyTorch peer starts from the same point):
+// Per bucket, in this order (every phase starts from freshly admitted 32-token prompts, or --context N
+// tokens, so every phase times rows of the same lengths, and the PyTorch peer starts from the same point):
 //   1. model forwards alone: draft head (rows x 2 tokens, or 1: draft_head_tokens), draft step (rows x 1),
 //      target verify (rows x K+1), each captured in a graph and replayed; model time per cycle = head + (K -
 //      1) steps + verify;
@@ -89,6 +89,9 @@ std::vector<std::vector<int32_t>> g_real_prompts;
 
 namespace {
 
+/// Tokens of every timed prompt (Options::context; run() sets it).
+int g_prompt_length = kPromptLength;
+
 // ---------------------------------------------------------------------------------------------------------
 // Small helpers
 
@@ -111,8 +114,8 @@ Summary summarize(std::vector<double> us) {
 std::vector<int32_t> timing_prompt(int q, int vocab) {
   if (!g_real_prompts.empty()) // the real model: chat prompts, so acceptance is that of real text
     return g_real_prompts[static_cast<size_t>(q) % g_real_prompts.size()];
-  std::vector<int32_t> prompt(kPromptLength);
-  for (int i = 0; i < kPromptLength; ++i)
+  std::vector<int32_t> prompt(g_prompt_length);
+  for (int i = 0; i < g_prompt_length; ++i)
     prompt[i] =
         static_cast<int32_t>((static_cast<int64_t>(q + 1) * 7919 + static_cast<int64_t>(i) * 104729) % vocab);
   return prompt;
@@ -388,9 +391,10 @@ public:
     return timing;
   }
 
-  /// Positions each row of a timed forward of `tokens_per_row` tokens reads (its KV up to its last token).
+  /// Positions each row of a timed forward of `tokens_per_row` tokens reads (its KV up to its last token):
+  /// about a timing phase's middle, 68 positions past the prompt (100 with the default 32-token prompts).
   int timed_length(int tokens_per_row) const {
-    return std::min(100, max_seq_len_ - tokens_per_row - 1) + tokens_per_row;
+    return std::min(g_prompt_length + 68, max_seq_len_ - tokens_per_row - 1) + tokens_per_row;
   }
 
   /// The floor of the forwards time_cycle_forwards times (issue 12's definition of a forward's floor): each
@@ -835,7 +839,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
       // target verify), each row's KV up to its length (mid-phase length), and the logits are written once
       // and read once by the samplers.
       row.model_name = "smollm2";
-      const double length = kPromptLength + 1 + (kWarmupCycles + 0.5 * o.cycles) * row.tokens_per_cycle;
+      const double length = g_prompt_length + 1 + (kWarmupCycles + 0.5 * o.cycles) * row.tokens_per_cycle;
       const double kv = rows * length *
                         (static_cast<double>(steps) * models.draft_kv_bytes_per_token +
                          static_cast<double>(models.target_kv_bytes_per_token));
@@ -959,7 +963,8 @@ int run(const Options& o, const char* argv0) {
   const int max_steps = *std::max_element(o.steps.begin(), o.steps.end());
   SweepConstants constants;
   // Every phase admits fresh prompts and runs warm-up + `cycles` (+ 1 for the host timing) cycles.
-  const int longest = kPromptLength + 1 + (kWarmupCycles + o.cycles + 2) * (max_steps + 1);
+  g_prompt_length = o.context;
+  const int longest = g_prompt_length + 1 + (kWarmupCycles + o.cycles + 2) * (max_steps + 1);
   const int validation_longest = kPromptLength + 1 + (kValidationCycles + 1) * (max_steps + 1);
   constants.max_seq_len = round_up(std::max({longest, validation_longest, 256}), 128);
   // Enough slots for the largest bucket and for the peers' validation engines (kValidationPrompts requests).
@@ -983,7 +988,7 @@ int run(const Options& o, const char* argv0) {
   std::printf(
       "}; %d cycles per phase after %d warm-up cycles from %d-token prompts; T_d %.2f, T_t %.2f, alpha "
       "%.2f, tau %.2f; ",
-      o.cycles, kWarmupCycles, kPromptLength, constants.engine_defaults.draft_temperature,
+      o.cycles, kWarmupCycles, g_prompt_length, constants.engine_defaults.draft_temperature,
       constants.engine_defaults.target_temperature, constants.engine_defaults.alpha,
       constants.engine_defaults.tau);
   if (real)
@@ -1023,13 +1028,20 @@ int run(const Options& o, const char* argv0) {
     gguf = std::make_unique<GgufFile>(GgufFile::open(model_path));
     llama_weights = load_llama_weights(*gguf);
     const Tokenizer tokenizer = Tokenizer::from_gguf(*gguf);
+    // Prompt i: the chat of question i (with --context, of the built-in questions from i on as user turns
+    // until it is long enough), its last g_prompt_length tokens.
+    constexpr size_t kQuestions = std::size(examples::kChatQuestions);
     for (int i = 0; i < examples::kSweepChatQuestions; ++i) {
-      const char* question = examples::kChatQuestions[i];
-      std::vector<int32_t> ids = tokenizer.encode(tokenizer.apply_chat_template({{"user", question}}, true));
-      if (ids.size() > static_cast<size_t>(kPromptLength))
-        ids.erase(ids.begin(), ids.end() - kPromptLength);
+      std::vector<std::pair<std::string, std::string>> messages;
+      std::vector<int32_t> ids;
+      do {
+        messages.emplace_back("user", examples::kChatQuestions[(i + messages.size()) % kQuestions]);
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, true));
+      } while (ids.size() < static_cast<size_t>(g_prompt_length) && g_prompt_length > kPromptLength);
+      if (ids.size() > static_cast<size_t>(g_prompt_length))
+        ids.erase(ids.begin(), ids.end() - g_prompt_length);
       while (ids.size() <
-             static_cast<size_t>(kPromptLength)) // pad at the front with the system prompt's start
+             static_cast<size_t>(g_prompt_length)) // pad at the front with the system prompt's start
         ids.insert(ids.begin(), tokenizer.bos_id());
       g_real_prompts.push_back(std::move(ids));
     }
@@ -1043,7 +1055,7 @@ int run(const Options& o, const char* argv0) {
         "model: SmolLM2-135M-Instruct (%s), %d layers; draft: spec %s, smc %s; timing prompts: the last %d "
         "tokens of %zu chat prompts\n",
         model_path.c_str(), llama_weights->config().layers, describe(CycleKind::kSpeculative).c_str(),
-        describe(CycleKind::kSmc).c_str(), kPromptLength, g_real_prompts.size());
+        describe(CycleKind::kSmc).c_str(), g_prompt_length, g_real_prompts.size());
   }
 
   for (const int vocab : vocabs) {

@@ -46,6 +46,9 @@ void print_usage() {
       "smollm2,\n"
       "                        a layer-prefix draft sharing the target's KV) lets a request draft nothing\n"
       "  --cycles C            timed cycles per phase (default 30)\n"
+      "  --context N           tokens of every timed prompt, 32-32768 (default 32; the real model: "
+      "multi-turn\n"
+      "                        chats of the built-in questions, their last N tokens); not with --peers\n"
       "  --perturbation P      draft head perturbation of the toy pair (default 0.3)\n"
       "  --csv PATH            CSV output (default results/bucket_sweep.csv); the peer files go beside it\n"
       "  --peers               run the PyTorch peers afterwards (same grid, same weights): "
@@ -184,15 +187,17 @@ int parse_options(int argc, char** argv, Options& o) {
       if (o.cycles < 1 || o.cycles > 10000)
         return bad(text);
       explicit_cycles = true;
-    } else if (arg == "--min-steps") {
+    } else if (arg == "--context" || arg == "--min-steps") {
       const char* text = value();
       if (!text)
         return 2;
+      const bool context = arg == "--context";
       char* end = nullptr;
-      const long steps = std::strtol(text, &end, 10);
-      if (end == text || *end != '\0' || steps < 0 || steps > 64)
+      const long number = std::strtol(text, &end, 10);
+      if (end == text || *end != '\0' || number < (context ? kPromptLength : 0) ||
+          number > (context ? 32768 : 64))
         return bad(text);
-      o.min_steps = static_cast<int>(steps);
+      (context ? o.context : o.min_steps) = static_cast<int>(number);
     } else if (arg == "--perturbation" || arg == "--draft-cost") {
       const char* text = value();
       if (!text)
@@ -228,6 +233,12 @@ int parse_options(int argc, char** argv, Options& o) {
       std::fprintf(stderr, "bucket_sweep: unknown argument '%s' (see --help)\n", arg.c_str());
       return 2;
     }
+  }
+  if (o.peers && o.context != kPromptLength) {
+    std::fprintf(stderr,
+                 "bucket_sweep: --context %d runs without --peers (the peers time %d-token prompts)\n",
+                 o.context, kPromptLength);
+    return 2;
   }
   if (o.quick) { // explicit lists win over --quick
     if (!explicit_lists[0])

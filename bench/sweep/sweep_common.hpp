@@ -59,6 +59,10 @@ struct Options {
   std::vector<int> vocabs{32000, 128256};
   std::vector<DType> dtypes{DType::kFloat32, DType::kBFloat16};
   int cycles = 30;
+  /// --context N: tokens of every timed prompt (default kPromptLength); the real model's are multi-turn chats
+  /// of the built-in questions cut to their last N tokens. Not with --peers (their prompts are
+  /// kPromptLength).
+  int context = kPromptLength;
   float draft_perturbation = 0.3f;
   std::string csv = "results/bucket_sweep.csv";
   bool quick = false, peers = false, plots = false, progress = true;
