@@ -477,6 +477,12 @@ int check_same_logits_when_forced(const Shape& shape, const char* name, const ch
   return s.done[0];
 }
 
+/// Shapes of the attention kernel-choice cases: 3 query heads a KV head (head_dim 32), 2 (head_dim 32), and 2
+/// with head_dim 128.
+const Shape kAttentionShapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                                  {2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                                  {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
+
 TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bits") {
   // The attention launch takes a block per query for small launches and a block per (row, KV head, group of
   // up to 16 queries) for large ones (llama_attention.cu); SMCGRAPH_ATTENTION_GROUPING forces either. Both
@@ -484,11 +490,8 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
   // (prefills of 1-9 chunks of positions: one chunk a warp, where the grouped block loads the positions once,
   // and more, where each query loads its own; the 270-token prefill's last queries see 9 chunks, so warp 0
   // takes two; verify blocks; decodes; padding rows; graphs), give the same logits bits. Shapes: 3 query
-  // heads a KV head (head_dim 32), 2 (head_dim 32), and 2 with head_dim 128.
-  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
-  for (const Shape& shape : shapes) {
+  // heads a KV head (head_dim 32), 2 (head_dim 32), and 2 with head_dim 128 (kAttentionShapes).
+  for (const Shape& shape : kAttentionShapes) {
     CAPTURE(shape.hidden);
     CAPTURE(shape.heads);
     const int done =
@@ -506,11 +509,8 @@ TEST_CASE("llama forward: split-KV attention blocks give the bits of one block a
   // their own (llama_attention.cu: split_blocks), whose states the token's last block folds in split order;
   // SMCGRAPH_ATTENTION_SPLIT=off folds every split in one block. The same order either way, so the same bits:
   // decodes and a 4-token verify block over rows of 2-3 splits, padding rows, graphs (replays find the
-  // tickets reset). Shapes: head_dim 32 (3 and 2 query heads a KV head) and 128.
-  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {2, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
-                          {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
-  for (const Shape& shape : shapes) {
+  // tickets reset). Shapes: head_dim 32 (3 and 2 query heads a KV head) and 128 (kAttentionShapes).
+  for (const Shape& shape : kAttentionShapes) {
     CAPTURE(shape.hidden);
     CHECK(check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_SPLIT", "off", "by_size", DType::kFloat32,
                                         long_rows()) > 512);

@@ -193,11 +193,7 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
     const size_t split_tokens = std::min<size_t>(T, llama::kAttentionSplitMaxTokens);
     w.attention_states =
         DeviceBuffer<float>(split_tokens * c.heads * w.attention_max_splits * (size_t(c.head_dim) + 2));
-    w.attention_tickets = DeviceBuffer<uint32_t>(split_tokens * c.heads);
-    // Zero on the default stream, then wait: the caller's non-blocking streams do not wait for it.
-    SMCGRAPH_CUDA_CHECK(
-        cudaMemset(w.attention_tickets.data(), 0, w.attention_tickets.size() * sizeof(uint32_t)));
-    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    w.attention_tickets = DeviceBuffer<uint32_t>(split_tokens * c.heads); // zeroed below; launches keep it
   }
   // When the next launch of the chain may start (PDL): at the top of each layer's O and down launches and
   // after the wait of the others (early_o_down, the default), or after every kernel's wait (after_wait), or
@@ -236,6 +232,7 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.q.fill_bytes(0, stream);
   w.o.fill_bytes(0, stream);
   w.act.fill_bytes(0, stream);
+  w.attention_tickets.fill_bytes(0, stream); // the split-KV tickets start at 0 (none without the workspace)
   stream.synchronize();
 }
 
@@ -320,8 +317,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       .q = w.q.data(), .kv = nullptr,
       .slot_table = args.slot_table, .seq_lens = args.seq_lens, .positions = args.positions, .live = args.live,
       .out = w.o.data(), .grouping = w.attention_grouping,
-      .split_states = w.attention_states.size() > 0 ? w.attention_states.data() : nullptr,
-      .split_tickets = w.attention_tickets.size() > 0 ? w.attention_tickets.data() : nullptr,
+      .split_states = w.attention_states.data(), .split_tickets = w.attention_tickets.data(), // null: none
       .max_splits = w.attention_max_splits}; // .kv: each layer's
   // clang-format on
 
