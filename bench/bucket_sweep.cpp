@@ -407,6 +407,10 @@ public:
     // A resumed verify reads the same weights (each layer once) and the same KV (each row's, per layer).
     const auto forward_floor = [&](Model& model, size_t weight_bytes, size_t kv_bytes_per_token,
                                    int tokens_per_row, Role role) {
+      // The LM head's bytes as its kernel for this forward's logits rows reads them (the int8 head: 1.125
+      // bytes a weight): a draft forward's logits are its rows' last tokens, a verify's all of its tokens.
+      if (const auto* llama = dynamic_cast<const LlamaModel*>(&model))
+        weight_bytes = llama->weight_bytes_per_forward(role == Role::kVerify ? rows * tokens_per_row : rows);
       const double bytes = static_cast<double>(weight_bytes) +
                            static_cast<double>(rows) * timed_length(tokens_per_row) * kv_bytes_per_token;
       return bytes / (copy_gbs * 1e3) +

@@ -15,11 +15,13 @@
 // real forward does). The floor is the bytes a launch must move (W, A, Y read and written) over the copy
 // bandwidth of the same run, plus one graph node; ours/flr compares the cold time with it.
 //
-// Then the LM head as the forward runs it (llama::LtHead, head 49152 x 576, fp32 logits from fp32 rows): the
-// small head (one kernel that normalises the rows itself, up to 16 tokens) against the norm kernel plus
-// cuBLASLt's pinned matmul, cold, after checking that they give the same bits (CSV rows with shape
-// "lm_head": smcgraph_* the small head, cublaslt_* the norm and cuBLASLt). Exit status: 0; 1 when any pair
-// disagrees; 2 when it cannot run (no GPU, bad flags).
+// Then the LM head as the forward runs it (llama::LtHead, head 49152 x 576, fp32 logits from fp32 rows, on
+// Q8_0 weights and their bf16 dequantisation, as SmolLM2's file gives them): the int8 head (up to 64
+// tokens) and the bf16 small head (up to 16; both one kernel that normalises the rows itself) against the
+// norm kernel plus cuBLASLt's pinned matmul, cold, after checking that they give the same bits (CSV rows with
+// shape "lm_head": smcgraph_cold_us the int8 head, pipelined_cold_us the bf16 small head, cublaslt_cold_us
+// the norm and cuBLASLt, floor_us the int8 head's bytes). Exit status: 0; 1 when any pair disagrees; 2 when
+// it cannot run (no GPU, bad flags).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -143,39 +145,77 @@ std::vector<DeviceBuffer<uint16_t>> cold_copies(const DeviceBuffer<uint16_t>& w,
   return cold;
 }
 
-/// The LM head's two paths (LtHead by size: the small head up to its token limit; LtHead with cuBLASLt
-/// only: the norm kernel and the matmul), checked for equal bits, then timed cold. False when they differ.
+/// The LM head's paths: the int8 head (LtHead by size with Q8_0 weights: up to kQ8HeadMaxTokens tokens), the
+/// bf16 small head (up to kSmallHeadMaxTokens) and the norm kernel plus cuBLASLt's matmul, on weights that
+/// are Q8_0 values and the bf16 of their dequantisation (as a Q8_0 file's head loads), checked for equal
+/// bits, then timed cold. False when any two differ.
 bool time_lm_head(const std::vector<int>& token_counts, double copy_gbs, double node_us, size_t cold_bytes,
                   std::mt19937_64& rng, cudaStream_t stream, bench::Csv& csv) {
   constexpr int kVocab = 49152, kHidden = 576;
   const size_t w_count = static_cast<size_t>(kVocab) * kHidden;
-  const DeviceBuffer<uint16_t> w = random_bf16(w_count, 0.05f, rng, stream);
+  // Q8_0 blocks: int8 values and fp16 scales of about 0.05 / 127 (weights of about 0.05, like SmolLM2's).
+  std::vector<int8_t> q8_rows(w_count);
+  std::vector<float> q8_row_scales(w_count / 32);
+  std::vector<uint16_t> host_w(w_count);
+  std::uniform_int_distribution<int> value(-127, 127);
+  std::uniform_real_distribution<float> scale(0.02f / 127.0f, 0.08f / 127.0f);
+  for (size_t b = 0; b < q8_row_scales.size(); ++b) {
+    // Round the scale to fp16 through its bits (an fp16 normal of the same exponent range).
+    const float f = scale(rng);
+    const uint32_t bits = __builtin_bit_cast(uint32_t, f);
+    const int exponent = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
+    const uint16_t half = static_cast<uint16_t>((exponent << 10) | ((bits >> 13) & 0x3ff));
+    q8_row_scales[b] = gguf_fp16_to_float(half);
+  }
+  for (size_t i = 0; i < w_count; ++i) {
+    q8_rows[i] = static_cast<int8_t>(value(rng));
+    host_w[i] = gguf_float_to_bf16(static_cast<float>(q8_rows[i]) * q8_row_scales[i / 32]);
+  }
+  std::vector<int8_t> q8_host;
+  std::vector<float> q8_scales_host;
+  llama::q8_head_layout(q8_rows.data(), q8_row_scales.data(), kVocab, kVocab, kHidden, q8_host,
+                        q8_scales_host);
+  DeviceBuffer<uint16_t> w(w_count);
+  w.copy_from_host(host_w.data(), w_count, stream);
   const std::vector<DeviceBuffer<uint16_t>> cold_w = cold_copies(w, w_count, cold_bytes, stream);
   const int copies = static_cast<int>(cold_w.size());
+  // The int8 weights' cold copies: as many as the bf16 ones (each 56% of their bytes, so they exceed 2x L2).
+  std::vector<DeviceBuffer<int8_t>> cold_q8;
+  std::vector<DeviceBuffer<float>> cold_scales;
+  for (int c = 0; c < copies; ++c) {
+    cold_q8.emplace_back(q8_host.size());
+    cold_q8.back().copy_from_host(q8_host.data(), q8_host.size(), stream);
+    cold_scales.emplace_back(q8_scales_host.size());
+    cold_scales.back().copy_from_host(q8_scales_host.data(), q8_scales_host.size(), stream);
+  }
   const int max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
-  llama::LtHead by_size(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kBySize);
+  llama::LtHead q8_head(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kBySize);
+  llama::LtHead small_head(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kSmallBf16);
   llama::LtHead lt_only(kVocab, kHidden, max_tokens, DType::kFloat32, llama::HeadKernels::kCublasLt);
   if (!lt_only.usable()) {
     std::printf("lm_head: cuBLASLt offers no pinned algorithm here; not timed\n");
     return true;
   }
   std::printf("\nLM head (llama::LtHead, %d x %d, fp32 logits; us a launch cold, CUDA graph median): small "
-              "head %s\n",
-              kVocab, kHidden, by_size.small_head_serves(1) ? "on" : "OFF (its probe found other bits)");
-  std::printf("%-8s %5s %10s %10s %8s %8s\n", "lm_head", "T", "small_cold", "lt_cold", "lt/small",
-              "floor_us");
+              "head %s; int8 head (Q8_0 values, 1.125 bytes a weight) ",
+              kVocab, kHidden, small_head.small_head_serves(1) ? "on" : "OFF (its probe found other bits)");
+  q8_head.use_q8_weights(cold_q8[0].data(), cold_scales[0].data());
+  std::printf("up to %d tokens\n", q8_head.q8_max_tokens());
+  std::printf("%-8s %5s %9s %10s %9s %8s %8s %8s %8s\n", "lm_head", "T", "q8_cold", "small_cold", "lt_cold",
+              "lt/q8", "lt/small", "flr_q8", "flr_bf16");
   bool valid = true;
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const int tokens : token_counts) {
-    if (!by_size.small_head_serves(tokens))
+    const bool q8_serves = tokens <= q8_head.q8_max_tokens(),
+               small_serves = small_head.small_head_serves(tokens);
+    if (!q8_serves && !small_serves)
       continue;
     std::vector<float> host_x(static_cast<size_t>(tokens) * kHidden), host_gamma(kHidden);
-    for (float& value : host_x)
-      value = normal(rng);
-    for (float& value : host_gamma)
-      value = 1.0f + 0.1f * normal(rng);
-    DeviceBuffer<float> x(host_x.size()), gamma(kHidden), small_logits(static_cast<size_t>(tokens) * kVocab),
-        lt_logits(static_cast<size_t>(tokens) * kVocab);
+    for (float& v : host_x)
+      v = normal(rng);
+    for (float& v : host_gamma)
+      v = 1.0f + 0.1f * normal(rng);
+    DeviceBuffer<float> x(host_x.size()), gamma(kHidden), logits(static_cast<size_t>(tokens) * kVocab);
     DeviceBuffer<uint16_t> normed(static_cast<size_t>(tokens) * kHidden);
     x.copy_from_host(host_x.data(), host_x.size(), stream);
     gamma.copy_from_host(host_gamma.data(), kHidden, stream);
@@ -188,36 +228,55 @@ bool time_lm_head(const std::vector<int>& token_counts, double copy_gbs, double 
     args.norm_weight = gamma.data();
     args.logits_cols = kVocab;
     args.logits_dtype = DType::kFloat32;
-    const auto launch = [&](llama::LtHead& head, float* logits, const uint16_t* weight, cudaStream_t s) {
+    args.logits = logits.data();
+    // Copy c of the weights (the int8 head takes copy c of its own weights).
+    const auto launch = [&](llama::LtHead& head, int c, cudaStream_t s) {
       llama::GemmArgs a = args;
-      a.weight = weight;
-      a.logits = logits;
+      a.weight = cold_w[c].data();
+      if (&head == &q8_head)
+        head.use_q8_weights(cold_q8[c].data(), cold_scales[c].data());
       require(head.run(a, normed.data(), s), "llama_gemm_bench", "lm_head tokens", tokens, "not served");
     };
-    launch(by_size, small_logits.data(), cold_w[0].data(), stream);
-    launch(lt_only, lt_logits.data(), cold_w[0].data(), stream);
-    std::vector<float> ours(static_cast<size_t>(tokens) * kVocab), theirs(ours.size());
-    small_logits.copy_to_host(ours.data(), ours.size(), stream);
-    lt_logits.copy_to_host(theirs.data(), theirs.size(), stream);
-    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const bool same = std::memcmp(ours.data(), theirs.data(), ours.size() * sizeof(float)) == 0;
-    valid = valid && same;
-    const auto time_cold = [&](llama::LtHead& head, float* logits) {
-      int next = 0;
-      return bench::time_graph(
-          [&](cudaStream_t s) { launch(head, logits, cold_w[next++ % copies].data(), s); }, stream, copies);
+    const auto logits_of = [&](llama::LtHead& head) {
+      logits.fill_bytes(0xff, stream);
+      launch(head, 0, stream);
+      std::vector<float> out(static_cast<size_t>(tokens) * kVocab);
+      logits.copy_to_host(out.data(), out.size(), stream);
+      SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return out;
     };
-    const bench::Timing small = time_cold(by_size, small_logits.data());
-    const bench::Timing lt = time_cold(lt_only, lt_logits.data());
-    const double bytes = 2.0 * w_count + 4.0 * tokens * kHidden + 4.0 * tokens * kVocab;
-    const double floor_us = bytes / (copy_gbs * 1e3) + node_us;
-    std::printf("%-8s %5d %10.2f %10.2f %8.2f %8.2f%s\n", "lm_head", tokens, small.median_us, lt.median_us,
-                lt.median_us / small.median_us, floor_us,
-                same ? "" : "  INVALID (the two paths differ in bits)");
+    const std::vector<float> theirs = logits_of(lt_only);
+    bool same = true;
+    if (q8_serves) {
+      const std::vector<float> q8 = logits_of(q8_head);
+      same = same && std::memcmp(q8.data(), theirs.data(), q8.size() * sizeof(float)) == 0;
+    }
+    if (small_serves) {
+      const std::vector<float> small = logits_of(small_head);
+      same = same && std::memcmp(small.data(), theirs.data(), small.size() * sizeof(float)) == 0;
+    }
+    valid = valid && same;
+    // use_q8_weights is host state: record each copy's launch with its own weights (outside capture, the
+    // recorded kernel parameters carry the pointers).
+    const auto time_cold = [&](llama::LtHead& head) {
+      int next = 0;
+      return bench::time_graph([&](cudaStream_t s) { launch(head, next++ % copies, s); }, stream, copies);
+    };
+    const double nan = std::nan("");
+    const double q8_us = q8_serves ? time_cold(q8_head).median_us : nan;
+    const double small_us = small_serves ? time_cold(small_head).median_us : nan;
+    const double lt_us = time_cold(lt_only).median_us;
+    const double io_bytes = 4.0 * tokens * kHidden + 4.0 * tokens * kVocab;
+    const double floor_q8 = (1.125 * w_count + io_bytes) / (copy_gbs * 1e3) + node_us;
+    const double floor_bf16 = (2.0 * w_count + io_bytes) / (copy_gbs * 1e3) + node_us;
+    std::printf("%-8s %5d %9.2f %10.2f %9.2f %8.2f %8.2f %8.2f %8.2f%s\n", "lm_head", tokens, q8_us, small_us,
+                lt_us, lt_us / q8_us, lt_us / small_us, floor_q8, floor_bf16,
+                same ? "" : "  INVALID (the paths differ in bits)");
     csv.row({bench::device_name(), "lm_head", std::to_string(kVocab), std::to_string(kHidden),
-             std::to_string(tokens), "", "", "", bench::format(small.median_us, 3), "",
-             bench::format(lt.median_us, 3), bench::format(floor_us, 3), same ? "0" : "nan", "", ""});
+             std::to_string(tokens), "", "", "", bench::format(q8_us, 3), bench::format(small_us, 3),
+             bench::format(lt_us, 3), bench::format(floor_q8, 3), same ? "0" : "nan", "", ""});
   }
+  q8_head.use_q8_weights(nullptr, nullptr);
   return valid;
 }
 

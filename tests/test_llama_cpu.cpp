@@ -266,6 +266,25 @@ TEST_CASE("llama host weights: shapes, bf16 of the file's values, and errors nam
     if (!tied)
       CHECK(w.output == bf16_of("output.weight", {128, spec.vocab}));
     CHECK(w.layers[0].attn_norm == file.tensor_f32("blk.0.attn_norm.weight", {128}));
+    // The head's Q8_0 blocks as the file stores them (the int8 head's weights): bf16(value * scale) is the
+    // head's bf16 weight, every one of them.
+    const std::vector<uint16_t>& head = tied ? w.token_embd : w.output;
+    REQUIRE(w.head_q8.size() == V * H);
+    REQUIRE(w.head_q8_scales.size() == V * H / 32);
+    size_t differing = 0;
+    for (size_t i = 0; i < head.size(); ++i)
+      differing +=
+          test::float_to_bf16(static_cast<float>(w.head_q8[i]) * w.head_q8_scales[i / 32]) != head[i];
+    CHECK(differing == 0);
+  }
+  {
+    // A head stored another way (here F16) has no int8 copy.
+    TinyLlamaSpec spec = tiny_spec(12, 2, 128, 4, 2);
+    spec.embedding_type = GgufType::kF16;
+    const LlamaHostWeights w =
+        smcgraph::load_llama_host_weights(GgufFile::from_bytes(test::make_tiny_llama_gguf(spec)));
+    CHECK(w.head_q8.empty());
+    CHECK(w.head_q8_scales.empty());
   }
   const TinyLlamaSpec spec = tiny_spec(5); // hidden 64, ffn 128
   {
@@ -615,6 +634,13 @@ TEST_CASE("the real SmolLM2 file: config facts, host weights, and a short greedy
   CHECK(w.output.empty());
   CHECK(w.token_embd.size() == size_t{49152} * 576);
   CHECK(w.layers[29].down.size() == size_t{576} * 1536);
+  // token_embd is Q8_0 in this file: the int8 head's weights are there and dequantise to the bf16 head.
+  REQUIRE(w.head_q8.size() == size_t{49152} * 576);
+  size_t differing = 0;
+  for (size_t i = 0; i < w.token_embd.size(); ++i)
+    differing +=
+        test::float_to_bf16(static_cast<float>(w.head_q8[i]) * w.head_q8_scales[i / 32]) != w.token_embd[i];
+  CHECK(differing == 0);
   MESSAGE("host weights loaded in ", load_s, " s");
 
   // "The capital of France is" (GPT-2 byte-level BPE of the file's vocabulary) -> " Paris" (7042).

@@ -577,10 +577,11 @@ TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
   // Forwards of up to 16 head rows take the small head (llama_head.cu: one kernel that normalises its rows
   // and chains one m16n8k16 MMA per 16 of K, the order of the pinned cuBLASLt matmul), larger ones the norm
   // kernel and cuBLASLt; the model checks the small head's bits against cuBLASLt's at construction and
-  // leaves it off where they differ, so here it must be on. Two models, by size and
-  // SMCGRAPH_LM_HEAD=cublaslt, fed the same forwards (decodes of 6 rows: 8-token variant; 2 tokens a row: 16;
-  // 5, 9 and 270: cuBLASLt in both; padding rows; graphs), give the same logits bits, fp32 and bf16.
-  // Shapes: hidden 192 with a vocabulary of 300 (the last block's rows past it), 96 and 256.
+  // leaves it off where they differ, so here it must be on. Two models, SMCGRAPH_LM_HEAD=small_bf16 (the
+  // small head without the int8 head, which by_size takes for Q8_0 heads: next case) and cublaslt, fed the
+  // same forwards (decodes of 6 rows: 8-token variant; 2 tokens a row: 16; 5, 9 and 270: cuBLASLt in both;
+  // padding rows; graphs), give the same logits bits, fp32 and bf16. Shapes: hidden 192 with a vocabulary of
+  // 300 (the last block's rows past it), 96 and 256.
   if (const char* head = std::getenv("SMCGRAPH_LM_HEAD");
       head != nullptr && std::string(head) == "own_gemm") {
     const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
@@ -599,6 +600,7 @@ TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
       CAPTURE(logits_dtype);
       {
         TinySetup setup(shape);
+        const ScopedEnv small("SMCGRAPH_LM_HEAD", "small_bf16");
         const LlamaModel model(setup.tiny->weights, options_of(256, 64, 64, logits));
         for (int tokens : {1, 8, 9, 16})
           CHECK(std::string(model.lm_head_kernel(tokens)) == "small");
@@ -607,9 +609,60 @@ TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
         const LlamaModel forced(setup.tiny->weights, options_of(256, 64, 64, logits));
         CHECK(std::string(forced.lm_head_kernel(1)) == "cublaslt");
       }
-      check_same_logits_when_forced(shape, "SMCGRAPH_LM_HEAD", "cublaslt", "by_size", logits);
+      check_same_logits_when_forced(shape, "SMCGRAPH_LM_HEAD", "cublaslt", "small_bf16", logits);
     }
   }
+}
+
+/// 8 rows, then forwards whose head rows cover both token-fragment counts of the int8 head (8 x 1-2 tokens a
+/// row: 1-2 fragments of 8) and cuBLASLt's sizes past it (24 and 800 head rows), some with padding rows.
+ForcedRun q8_head_rows() {
+  return {8, 220, 4096, 512, 2048, {{100, 2}, {1, 2}, {2, 2}, {2, 0}, {1, 0}, {3, 2}, {1, 2}}};
+}
+
+TEST_CASE("llama forward: the int8 LM head gives cuBLASLt's bits") {
+  // Where the file stores the head as Q8_0, forwards of up to 16 head rows take the int8 head (llama_head.cu:
+  // the small head's MMA chain over bf16(q * scale), the loader's own dequantisation, so its operands and
+  // order are the small head's), larger ones cuBLASLt. Two models, by size and SMCGRAPH_LM_HEAD=cublaslt, fed
+  // the same forwards (1-2 token fragments, 24 and 800 head rows on cuBLASLt; padding rows; graphs), give
+  // the same logits bits, fp32 and bf16. Shapes: a tied Q8_0 head of 300 rows (the last tile's groups past
+  // the padded 320 rows are never loaded), hidden 96 (K in 1.5 chunks of 64) and an untied Q8_0 head of
+  // hidden 128 with 320 rows; an F16 head leaves the int8 head off (the small head serves).
+  const Shape shapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {2, 96, 3, 1, 160, 320, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                          {1, 128, 4, 2, 256, 320, false, GgufType::kQ8_0, GgufType::kQ8_0}};
+  if (const char* head = std::getenv("SMCGRAPH_LM_HEAD"); head != nullptr && std::string(head) != "by_size")
+    return; // a forced head choice (the suite run with SMCGRAPH_LM_HEAD set) leaves nothing to compare
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    CAPTURE(shape.tied);
+    {
+      TinySetup setup(shape);
+      const LlamaModel model(setup.tiny->weights, options_of(256, 64, 128, DType::kFloat32));
+      for (int tokens : {1, 8, 9, 16})
+        CHECK(std::string(model.lm_head_kernel(tokens)) == "small_q8");
+      CHECK(std::string(model.lm_head_kernel(17)) == "cublaslt");
+      // The floor counts the bytes the int8 head reads: a byte a weight plus a float scale a 32.
+      const size_t bf16_head = size_t(shape.vocab) * shape.hidden * 2;
+      const size_t q8_head =
+          size_t(shape.vocab) * shape.hidden + size_t(shape.vocab) * (shape.hidden / 32) * 4;
+      CHECK(model.weight_bytes_per_forward(17) - model.weight_bytes_per_forward(1) == bf16_head - q8_head);
+      const ScopedEnv scoped("SMCGRAPH_LM_HEAD", "small_bf16");
+      const LlamaModel bf16(setup.tiny->weights, options_of(256, 64, 128, DType::kFloat32));
+      CHECK(std::string(bf16.lm_head_kernel(1)) == "small");
+    }
+    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
+      const int logits_dtype = static_cast<int>(logits);
+      CAPTURE(logits_dtype);
+      check_same_logits_when_forced(shape, "SMCGRAPH_LM_HEAD", "cublaslt", "by_size", logits, q8_head_rows());
+      check_same_logits_when_forced(shape, "SMCGRAPH_LM_HEAD", "small_bf16", "by_size", logits);
+    }
+  }
+  const Shape f16{1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16};
+  TinySetup setup(f16);
+  const LlamaModel model(setup.tiny->weights, options_of(256, 64, 64, DType::kFloat32));
+  CHECK(std::string(model.lm_head_kernel(1)) == "small");
+  CHECK(std::string(model.lm_head_kernel(17)) == "cublaslt");
 }
 
 TEST_CASE(

@@ -72,6 +72,12 @@ struct LlamaHostWeights {
   std::vector<uint16_t> output;     ///< [vocab, hidden]; empty when tied
   std::vector<float> output_norm;   ///< [hidden]
   std::vector<Layer> layers;
+  /// The LM head's Q8_0 blocks as the file stores them, where it stores them so (token_embd, or output when
+  /// untied) and every scale is finite: the int8 values [vocab, hidden] and each 32-value block's scale as
+  /// float [vocab, hidden / 32]; empty otherwise. bf16(value * scale) is the head's bf16 weight (the loader's
+  /// dequantisation), so the int8 head (llama_head.cu) reads 1.125 bytes a weight for the same bits.
+  std::vector<int8_t> head_q8;
+  std::vector<float> head_q8_scales;
 };
 LlamaHostWeights load_llama_host_weights(const GgufFile& file);
 
@@ -97,6 +103,17 @@ public:
   const float* rope_inv_freq() const { return rope_inv_freq_.data(); }
   /// Rows of token_embd() and head(): vocab rounded up to a multiple of 64 with zero rows.
   int vocab_padded() const { return vocab_padded_; }
+  /// The head's Q8_0 values (LlamaHostWeights::head_q8) in the int8 head's fragment order, or null where the
+  /// file's head is not Q8_0: for each 16-row group g of vocab_padded() rows and each 16-wide K step s, 256
+  /// bytes, lane l's 8 at 8 l: rows 16 g + l / 4 (r) and r + 8, columns c = 16 s + 2 (l % 4): (r, c), (r, c +
+  /// 1), (r + 8, c), (r + 8, c + 1), (r, c + 8), (r, c + 9), (r + 8, c + 8), (r + 8, c + 9): the m16n8k16 A
+  /// fragment's registers in order. Padding rows hold zeros.
+  const int8_t* head_q8() const { return head_q8_.size() > 0 ? head_q8_.data() : nullptr; }
+  /// The scales of head_q8(): for each 16-row group and each 32-wide block of K, the 16 rows' scales
+  /// (floats).
+  const float* head_q8_scales() const {
+    return head_q8_scales_.size() > 0 ? head_q8_scales_.data() : nullptr;
+  }
 
   /// Rows of gate and of up that alternate in gate_up (so one GEMM tile holds matching gate and up rows).
   static constexpr int kGateUpGroup = 16;
@@ -104,6 +121,8 @@ public:
 private:
   LlamaConfig config_;
   DeviceBuffer<uint16_t> token_embd_, output_;
+  DeviceBuffer<int8_t> head_q8_;
+  DeviceBuffer<float> head_q8_scales_;
   DeviceBuffer<float> output_norm_, rope_inv_freq_;
   std::vector<DeviceBuffer<float>> norms_;
   std::vector<DeviceBuffer<uint16_t>> matrices_;
@@ -184,12 +203,15 @@ public:
   /// many tokens add an RMSNorm kernel before each QKV / gate/up GEMM that takes the pipelined tiles.
   int launches_per_forward() const;
   /// The LM head's kernels for `tokens` head rows (rows x tokens_per_row, or rows with last_token_logits):
-  /// "small" (one own kernel with cuBLASLt's bits, up to 16 rows), "cublaslt" (a norm kernel and cuBLASLt's
-  /// matmul) or "own_gemm" (the own GEMM, where cuBLASLt is off or offers no algorithm).
-  /// SMCGRAPH_LM_HEAD=cublaslt (read at construction) turns the small head off, own_gemm both.
+  /// "small_q8" (one own kernel over the file's Q8_0 head values, where the file stores the head so, up to 64
+  /// rows), "small" (one own kernel over the bf16 head, up to 16 rows), both with cuBLASLt's bits,
+  /// "cublaslt" (a norm kernel and cuBLASLt's matmul) or "own_gemm" (the own GEMM, where cuBLASLt is off or
+  /// offers no algorithm). SMCGRAPH_LM_HEAD (read at construction): small_bf16 turns the int8 head off,
+  /// cublaslt both small heads, own_gemm all three.
   const char* lm_head_kernel(int tokens) const;
-  /// Bytes one forward must read at least: the weights of the layers run plus the LM head.
-  size_t weight_bytes_per_forward() const;
+  /// Bytes one forward must read at least: the weights of the layers run plus the LM head's, as the head
+  /// kernel for `head_tokens` rows reads them (1.125 bytes a weight for the int8 head, 2 otherwise).
+  size_t weight_bytes_per_forward(int head_tokens = 1) const;
 
   /// KV storage [layers().size(), pool_size, 2, kv_heads, head_dim] bf16 (tests read it): its own, or the
   /// first layers of kv_owner's.

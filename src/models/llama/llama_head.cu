@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
@@ -124,6 +125,10 @@ struct SmallHeadArgs {
   const uint16_t* weight = nullptr; ///< [round_up(vocab, 64), k]: whole 64-row blocks readable
   void* logits = nullptr;
   DType dtype = DType::kFloat32;
+  /// The int8 head's weights (LlamaWeights::head_q8 / head_q8_scales: fragment order, round_up(vocab, 64)
+  /// rows); null for the bf16 small head.
+  const int8_t* q8 = nullptr;
+  const float* q8_scales = nullptr;
 };
 
 constexpr int kSmallHeadWarps = 8;
@@ -138,6 +143,64 @@ size_t small_head_smem_bytes(int k, int n_frags) {
   return (static_cast<size_t>(kSmallHeadStages) * kSmallHeadRows * kSmallHeadLd +
           static_cast<size_t>(8 * n_frags) * (k + kSmallHeadPad)) *
          sizeof(uint16_t);
+}
+
+/// The small heads' prologue from their weight copies on: the norm weights (before the PDL wait), then the T
+/// token rows normalised (norm_row_bf16, as the norm kernel does) into sa ([8 N_FRAGS rows][lda] bf16), zeros
+/// past T, a warp a row (the main loop's first barrier publishes them).
+template <int N_FRAGS>
+__device__ __forceinline__ void small_head_rows(const SmallHeadArgs& a, __nv_bfloat16* sa, int lda, int warp,
+                                                int lane) {
+  float4 g[kMaxVectorsPerLane];
+  load_norm_weights(lane, a.k, a.gamma, g);
+  pdl_wait();
+  pdl_trigger();
+  for (int t = warp; t < 8 * N_FRAGS; t += kSmallHeadWarps) {
+    uint2* dst = reinterpret_cast<uint2*>(sa + t * lda);
+    if (t < a.tokens)
+      norm_row_bf16(lane, a.k, a.x + t * a.x_row_stride, g, a.eps, dst);
+    else
+      for (int q = lane; q < a.k / 4; q += 32)
+        dst[q] = make_uint2(0u, 0u);
+  }
+}
+
+/// One 16-wide K step of a warp's 16 weight rows (the A fragment wf) into every token fragment's accumulator:
+/// the token rows' B fragments from the normalised rows at a_step (this K step's column of lane's row).
+template <int N_FRAGS>
+__device__ __forceinline__ void small_head_mma(float (&d)[N_FRAGS][4], const uint32_t (&wf)[4],
+                                               const __nv_bfloat16* a_step, int lda) {
+#pragma unroll
+  for (int f = 0; f < N_FRAGS; ++f) {
+    uint32_t b[2];
+    ldmatrix_x2(b, a_step + f * 8 * lda);
+    mma_16816(d[f], wf, b[0], b[1]);
+  }
+}
+
+/// A warp's finished rows of the block's tile number `tile_of_block` (tile blockIdx.x + tile_of_block x
+/// gridDim.x): the logits of vocabulary rows lane / 4 (+ 8) of its 16 for every token of its fragments
+/// (m16n8k16 accumulator layout), stored where cuBLASLt writes them; the accumulators restart at 0.
+template <int N_FRAGS>
+__device__ __forceinline__ void small_head_store(const SmallHeadArgs& a, int tile_of_block, int warp,
+                                                 float (&d)[N_FRAGS][4], int lane) {
+  const int row = (blockIdx.x + tile_of_block * gridDim.x) * kSmallHeadRows + warp * 16 + lane / 4;
+#pragma unroll
+  for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int v = row + (i >= 2 ? 8 : 0), t = 8 * f + 2 * (lane % 4) + (i & 1);
+      if (t < a.tokens && v < a.vocab) {
+        const int64_t index =
+            (static_cast<int64_t>(t / a.tokens_per_row) * a.io_row_stride + t % a.tokens_per_row) * a.vocab +
+            v;
+        if (a.dtype == DType::kFloat32)
+          static_cast<float*>(a.logits)[index] = d[f][i];
+        else
+          static_cast<uint16_t*>(a.logits)[index] = float_to_bf16_bits(d[f][i]);
+      }
+      d[f][i] = 0.0f;
+    }
 }
 
 template <int N_FRAGS>
@@ -172,18 +235,7 @@ __global__ void __launch_bounds__(kSmallHeadThreads, 1) LlamaSmallHeadKernel(con
   };
   for (int u = 0; u < kSmallHeadStages - 1; ++u) // the weights are constant: before the wait
     issue(u);
-  float4 g[kMaxVectorsPerLane];
-  load_norm_weights(lane, a.k, a.gamma, g);
-  pdl_wait();
-  pdl_trigger();
-  for (int t = warp; t < 8 * N_FRAGS; t += kSmallHeadWarps) {
-    uint2* dst = reinterpret_cast<uint2*>(sa + t * lda);
-    if (t < a.tokens)
-      norm_row_bf16(lane, a.k, a.x + t * a.x_row_stride, g, a.eps, dst);
-    else
-      for (int q = lane; q < a.k / 4; q += 32)
-        dst[q] = make_uint2(0u, 0u);
-  }
+  small_head_rows<N_FRAGS>(a, sa, lda, warp, lane);
   // Lane addresses: A (weights) rows lane % 16 at column (lane / 16) 8; B (tokens) rows lane % 8 at column
   // (lane / 8 % 2) 8.
   const int w_offset = (warp * 16 + lane % 16) * kSmallHeadLd + (lane / 16) * 8;
@@ -201,54 +253,150 @@ __global__ void __launch_bounds__(kSmallHeadThreads, 1) LlamaSmallHeadKernel(con
       if (s < steps) {
         uint32_t wf[4];
         ldmatrix_x4(wf, w_lane + 16 * s);
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f) {
-          uint32_t b[2];
-          ldmatrix_x2(b, a_lane + f * 8 * lda + column + 16 * s);
-          mma_16816(d[f], wf, b[0], b[1]);
-        }
+        small_head_mma<N_FRAGS>(d, wf, a_lane + column + 16 * s, lda);
       }
     }
-    if (chunk != chunks - 1)
-      continue;
-    const int row = (blockIdx.x + (u / chunks) * gridDim.x) * kSmallHeadRows + warp * 16 + lane / 4;
-#pragma unroll
-    for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int v = row + (i >= 2 ? 8 : 0), t = 8 * f + 2 * (lane % 4) + (i & 1);
-        if (t < a.tokens && v < a.vocab) {
-          const int64_t index =
-              (static_cast<int64_t>(t / a.tokens_per_row) * a.io_row_stride + t % a.tokens_per_row) *
-                  a.vocab +
-              v;
-          if (a.dtype == DType::kFloat32)
-            static_cast<float*>(a.logits)[index] = d[f][i];
-          else
-            static_cast<uint16_t*>(a.logits)[index] = float_to_bf16_bits(d[f][i]);
-        }
-        d[f][i] = 0.0f;
-      }
+    if (chunk == chunks - 1)
+      small_head_store<N_FRAGS>(a, u / chunks, warp, d, lane);
   }
   __pipeline_wait_prior(0); // no copy outlives the block
 }
 
-template <int N_FRAGS> void launch_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
-  const int tiles = detail::ceil_div(s.vocab, kSmallHeadRows);
-  launch_pdl(LlamaSmallHeadKernel<N_FRAGS>,
-             dim3(static_cast<unsigned>(std::min(tiles, current_device_info().multiprocessors))),
-             dim3(kSmallHeadThreads), small_head_smem_bytes(s.k, N_FRAGS), stream, s);
+/// The int8 head: the small head's tiles, ring and MMA chain over the head's Q8_0 values instead of its bf16
+/// weights (SmallHeadArgs::q8), 1.125 bytes a weight instead of 2. A stage holds a tile's kSmallHeadRows rows
+/// x kSmallHeadChunk columns of int8 values in fragment order (LlamaWeights::head_q8: a warp's 16 rows and a
+/// 16-wide K step are 256 contiguous bytes, 8 a lane) and their 32-wide blocks' scales. Each lane turns its 8
+/// values into the A fragment's four bf16 pairs as the loader does, bf16(q * scale) (q * scale is exact in
+/// fp32: 8 by 11 significant bits; rounded to nearest even), so the MMAs see the bf16 small head's operands
+/// and chain them in its order: the same bits. The int8 to float step is exact too: byte q + 128 placed in
+/// the mantissa of 2^23 gives 2^23 + q + 128, and subtracting 2^23 + 128 leaves q. Its tiles stream at about
+/// the same rate in bytes as the bf16 head's, so it serves more tokens than the small head before cuBLASLt
+/// is faster (kQ8HeadMaxTokens; bench/llama_gemm_bench).
+/// Blocks an SM and their ring stages: the dequantisation is a chain of dependent instructions per K step
+/// that few warps a scheduler cannot hide. Measured (H100, `llama_gemm_bench`, 1 / 8 / 16 tokens, us cold;
+/// the bf16 small head 22.2 / 23.6 / 26.4): one block an SM with 12 stages 23.1 / 23.7 / 27.2; two of 8
+/// stages 19.6-19.9 / 20.5-20.8 / 24.1-24.4; three of 6 stages (at most 85 registers a thread) 16.1 / 17.1
+/// / 19.7. In the cycle (`bucket_sweep --model smollm2`, graph us, bf16 small head -> two -> three blocks):
+/// no draft at 1 request 408.5-408.7 -> 407.3-407.4 -> 402.5-402.8.
+constexpr int kQ8HeadBlocksPerSm = 3;
+constexpr int kQ8HeadStages = 6;
+constexpr int kQ8ValueBytes = kSmallHeadRows * kSmallHeadChunk; // a stage's int8 values
+constexpr int kQ8ScaleBytes = kSmallHeadRows * (kSmallHeadChunk / 32) * static_cast<int>(sizeof(float));
+constexpr int kQ8StageBytes = kQ8ValueBytes + kQ8ScaleBytes;
+
+size_t q8_head_smem_bytes(int k, int n_frags) {
+  return static_cast<size_t>(kQ8HeadStages) * kQ8StageBytes +
+         static_cast<size_t>(8 * n_frags) * (k + kSmallHeadPad) * sizeof(uint16_t);
 }
 
-/// One launch of the small head for s.tokens <= kSmallHeadMaxTokens (the fewest token fragments that hold
-/// them).
+/// Two int8 values of `biased` (each byte + 128: q ^ 0x80), bytes `first` and first + 1, times `scale` as a
+/// bf16 pair (the lower column in the low half, as ldmatrix leaves it).
+__device__ __forceinline__ uint32_t q8_pair_bf16(uint32_t biased, unsigned first, float scale) {
+  constexpr float kBias = 8388736.0f; // 2^23 + 128
+  const float v0 = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7440u + first)) - kBias;
+  const float v1 = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7441u + first)) - kBias;
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(v0 * scale, v1 * scale);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+template <int N_FRAGS>
+__global__ void __launch_bounds__(kSmallHeadThreads, kQ8HeadBlocksPerSm)
+    LlamaQ8HeadKernel(const SmallHeadArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned char* stages =
+      smem; // [stages][values: 8 warps x 4 K steps x 256 bytes; scales: 8 x 2 x 16 floats]
+  __nv_bfloat16* sa = reinterpret_cast<__nv_bfloat16*>(smem + kQ8HeadStages * kQ8StageBytes);
+  const int lda = a.k + kSmallHeadPad;
+  const int k_steps = a.k / 16, k_blocks = a.k / 32;
+  const int chunks = (a.k + kSmallHeadChunk - 1) / kSmallHeadChunk;
+  const int tiles = (a.vocab + kSmallHeadRows - 1) / kSmallHeadRows;
+  const int groups = (a.vocab + 63) / 64 * 4; // 16-row groups of the padded rows
+  const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int units = my_tiles * chunks;
+  const auto* values = reinterpret_cast<const unsigned char*>(a.q8);
+  const auto* scales = reinterpret_cast<const unsigned char*>(a.q8_scales);
+  // Unit u's copy: each warp's group, its chunk's (up to) 4 K steps of values (256 bytes each) and 2 blocks
+  // of scales (64 bytes each), 16 bytes a copy.
+  const auto issue = [&](int u) {
+    if (u < units) {
+      const int tile = blockIdx.x + (u / chunks) * gridDim.x, chunk = u % chunks;
+      unsigned char* dst = stages + (u % kQ8HeadStages) * kQ8StageBytes;
+      const int step0 = chunk * (kSmallHeadChunk / 16), steps = min(kSmallHeadChunk / 16, k_steps - step0);
+#pragma unroll
+      for (int i = 0; i < kQ8ValueBytes / 16 / kSmallHeadThreads; ++i) {
+        const int piece = threadIdx.x + i * kSmallHeadThreads;
+        const int w = piece / 64, step = piece % 64 / 16, offset = 16 * (piece % 16);
+        const int group = tile * kSmallHeadWarps + w;
+        if (step < steps && group < groups)
+          __pipeline_memcpy_async(
+              dst + (w * 4 + step) * 256 + offset,
+              values + (static_cast<int64_t>(group) * k_steps + step0 + step) * 256 + offset, 16);
+      }
+      if (threadIdx.x < kQ8ScaleBytes / 16) {
+        const int w = threadIdx.x / 8, block = threadIdx.x % 8 / 4, offset = 16 * (threadIdx.x % 4);
+        const int group = tile * kSmallHeadWarps + w;
+        if (2 * block < steps && group < groups)
+          __pipeline_memcpy_async(
+              dst + kQ8ValueBytes + (w * 2 + block) * 64 + offset,
+              scales + (static_cast<int64_t>(group) * k_blocks + step0 / 2 + block) * 64 + offset, 16);
+      }
+    }
+    __pipeline_commit();
+  };
+  for (int u = 0; u < kQ8HeadStages - 1; ++u) // the weights are constant: before the wait
+    issue(u);
+  small_head_rows<N_FRAGS>(a, sa, lda, warp, lane);
+  const __nv_bfloat16* a_lane = sa + (lane % 8) * lda + (lane / 8 % 2) * 8;
+  float d[N_FRAGS][4] = {};
+  for (int u = 0; u < units; ++u) {
+    __pipeline_wait_prior(kQ8HeadStages - 2);
+    __syncthreads();
+    issue(u + kQ8HeadStages - 1);
+    const int chunk = u % chunks, column = chunk * kSmallHeadChunk;
+    const unsigned char* stage = stages + (u % kQ8HeadStages) * kQ8StageBytes;
+    const unsigned char* lane_values = stage + warp * 4 * 256 + 8 * lane;
+    const float* warp_scales = reinterpret_cast<const float*>(stage + kQ8ValueBytes) + warp * 32;
+    const int steps = min(kSmallHeadChunk, a.k - column) / 16;
+#pragma unroll
+    for (int s = 0; s < kSmallHeadChunk / 16; ++s) {
+      if (s < steps) {
+        const uint2 q = *reinterpret_cast<const uint2*>(lane_values + 256 * s);
+        const float low = warp_scales[(s / 2) * 16 + lane / 4],
+                    high = warp_scales[(s / 2) * 16 + lane / 4 + 8];
+        const uint32_t x = q.x ^ 0x80808080u, y = q.y ^ 0x80808080u;
+        const uint32_t wf[4] = {q8_pair_bf16(x, 0, low), q8_pair_bf16(x, 2, high), q8_pair_bf16(y, 0, low),
+                                q8_pair_bf16(y, 2, high)};
+        small_head_mma<N_FRAGS>(d, wf, a_lane + column + 16 * s, lda);
+      }
+    }
+    if (chunk == chunks - 1)
+      small_head_store<N_FRAGS>(a, u / chunks, warp, d, lane);
+  }
+  __pipeline_wait_prior(0);
+}
+
+/// One launch of a small head for s.tokens <= 16 (the fewest token fragments that hold them): the int8 head
+/// where s.q8 is set (kQ8HeadBlocksPerSm blocks an SM), else the bf16 one (a block an SM).
+template <int N_FRAGS> void launch_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
+  const int tiles = detail::ceil_div(s.vocab, kSmallHeadRows), sms = current_device_info().multiprocessors;
+  if (s.q8 != nullptr)
+    launch_pdl(LlamaQ8HeadKernel<N_FRAGS>,
+               dim3(static_cast<unsigned>(std::min(tiles, kQ8HeadBlocksPerSm * sms))),
+               dim3(kSmallHeadThreads), q8_head_smem_bytes(s.k, N_FRAGS), stream, s);
+  else
+    launch_pdl(LlamaSmallHeadKernel<N_FRAGS>, dim3(static_cast<unsigned>(std::min(tiles, sms))),
+               dim3(kSmallHeadThreads), small_head_smem_bytes(s.k, N_FRAGS), stream, s);
+}
+
 void run_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
   if (s.tokens <= 8)
     launch_small_head<1>(s, stream);
   else
     launch_small_head<2>(s, stream);
 }
-static_assert(kSmallHeadMaxTokens == 16, "run_small_head's largest variant holds 2 x 8 tokens");
+static_assert(kSmallHeadMaxTokens == 16 && kQ8HeadMaxTokens == 16,
+              "run_small_head's largest variant holds 2 x 8 tokens");
 
 cudaDataType_t cuda_type(DType dtype) {
   return dtype == DType::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -281,9 +429,15 @@ struct LtHead::Impl {
   int vocab = 0, hidden = 0, max_tokens = 0;
   DType dtype = DType::kFloat32;
   bool usable = false;
-  /// run() takes the small head for up to kSmallHeadMaxTokens tokens (HeadKernels::kBySize, the probe at
-  /// construction passed).
+  /// run() takes the small head for up to kSmallHeadMaxTokens tokens (HeadKernels::kBySize or
+  /// kSmallBf16, the probe at construction passed).
   bool small = false;
+  HeadKernels kernels = HeadKernels::kBySize;
+  /// The int8 head's weights (use_q8_weights) and the most tokens it takes (0: off).
+  const int8_t* q8 = nullptr;
+  const float* q8_scales = nullptr;
+  int q8_max_tokens = 0;
+  bool q8_prepared = false; ///< the int8 kernels' shared-memory limits are set (once)
 
   Impl() = default;
   Impl(const Impl&) = delete;
@@ -337,6 +491,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
   m.hidden = hidden;
   m.max_tokens = max_tokens;
   m.dtype = logits_dtype;
+  m.kernels = kernels;
   if (kernels == HeadKernels::kOwnGemm) // run() declines, the own GEMM serves
     return;
   if (hidden % 4 != 0 || hidden > kLlamaMaxHidden ||
@@ -366,7 +521,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
     }
   }
   m.usable = true;
-  if (kernels == HeadKernels::kBySize && hidden % 16 == 0 &&
+  if ((kernels == HeadKernels::kBySize || kernels == HeadKernels::kSmallBf16) && hidden % 16 == 0 &&
       small_head_smem_bytes(hidden, 2) <=
           static_cast<size_t>(current_device_info().shared_memory_optin_bytes))
     m.small = m.small_head_gives_cublaslt_bits();
@@ -477,16 +632,73 @@ bool LtHead::Impl::small_head_gives_cublaslt_bits() {
   return true;
 }
 
+void q8_head_layout(const int8_t* row_values, const float* row_scales, int rows, int padded_rows, int k,
+                    std::vector<int8_t>& values, std::vector<float>& scales) {
+  constexpr const char* kWhere = "llama::q8_head_layout";
+  require(k >= 32 && k % 32 == 0, kWhere, "k", k, "must be a positive multiple of 32");
+  require(rows >= 1 && padded_rows >= rows && padded_rows % 64 == 0, kWhere, "padded_rows", padded_rows,
+          "must be a multiple of 64 that is >= rows");
+  const size_t groups = static_cast<size_t>(padded_rows) / 16, steps = static_cast<size_t>(k) / 16,
+               blocks = static_cast<size_t>(k) / 32, n_rows = static_cast<size_t>(rows);
+  values.assign(static_cast<size_t>(padded_rows) * k, 0);
+  scales.assign(groups * blocks * 16, 0.0f);
+  // Lane l's 8 bytes of (group, step): rows r = 16 group + l / 4 and r + 8, columns c = 16 step + 2 (l % 4):
+  // byte j is row r + 8 ((j / 2) % 2), column c + 8 (j / 4) + j % 2 (the A fragment's registers in order).
+  for (size_t g = 0; g < groups; ++g)
+    for (size_t step = 0; step < steps; ++step)
+      for (size_t lane = 0; lane < 32; ++lane)
+        for (size_t j = 0; j < 8; ++j) {
+          const size_t row = 16 * g + lane / 4 + ((j / 2) % 2) * 8;
+          const size_t col = 16 * step + 2 * (lane % 4) + (j / 4) * 8 + j % 2;
+          if (row < n_rows)
+            values[((g * steps + step) * 32 + lane) * 8 + j] = row_values[row * k + col];
+        }
+  for (size_t g = 0; g < groups; ++g)
+    for (size_t b = 0; b < blocks; ++b)
+      for (size_t r = 0; r < 16; ++r)
+        if (16 * g + r < n_rows)
+          scales[(g * blocks + b) * 16 + r] = row_scales[(16 * g + r) * blocks + b];
+}
+
 LtHead::~LtHead() = default;
 
 bool LtHead::usable() const {
   return impl_->usable;
 }
 
+void LtHead::use_q8_weights(const int8_t* values, const float* scales) {
+  Impl& m = *impl_;
+  m.q8 = nullptr;
+  m.q8_scales = nullptr;
+  m.q8_max_tokens = 0;
+  // The int8 head chains the small head's MMAs over the same bf16 operands, so it gives the bits the small
+  // head's probe found equal to cuBLASLt's; where that probe failed (or the small head is off) it stays off.
+  if (values == nullptr || scales == nullptr || !m.usable || !m.small || m.kernels != HeadKernels::kBySize ||
+      m.hidden % 32 != 0)
+    return;
+  if (q8_head_smem_bytes(m.hidden, 2) > static_cast<size_t>(current_device_info().shared_memory_optin_bytes))
+    return;
+  if (!m.q8_prepared) {
+    detail::prepare_forward_kernel(LlamaQ8HeadKernel<1>, q8_head_smem_bytes(m.hidden, 1));
+    detail::prepare_forward_kernel(LlamaQ8HeadKernel<2>, q8_head_smem_bytes(m.hidden, 2));
+    m.q8_prepared = true;
+  }
+  m.q8 = values;
+  m.q8_scales = scales;
+  m.q8_max_tokens = std::min(kQ8HeadMaxTokens, m.max_tokens);
+}
+
 bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
   Impl& m = *impl_;
   if (!m.usable || a.tokens < 1 || a.k != m.hidden || a.logits_cols != m.vocab || a.logits_dtype != m.dtype)
     return false;
+  if (a.tokens <= m.q8_max_tokens) {
+    SmallHeadArgs s = small_args(a);
+    s.q8 = m.q8;
+    s.q8_scales = m.q8_scales;
+    run_small_head(s, stream);
+    return true;
+  }
   if (m.small && a.tokens <= kSmallHeadMaxTokens) {
     run_small_head(small_args(a), stream);
     return true;
@@ -495,7 +707,22 @@ bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
 }
 
 bool LtHead::small_head_serves(int tokens) const {
-  return impl_->usable && impl_->small && tokens >= 1 && tokens <= kSmallHeadMaxTokens;
+  return std::string(kernel(tokens)).starts_with("small");
+}
+
+const char* LtHead::kernel(int tokens) const {
+  const Impl& m = *impl_;
+  if (!m.usable || tokens < 1)
+    return "own_gemm";
+  if (tokens <= m.q8_max_tokens)
+    return "small_q8";
+  if (m.small && tokens <= kSmallHeadMaxTokens)
+    return "small";
+  return "cublaslt";
+}
+
+int LtHead::q8_max_tokens() const {
+  return impl_->q8_max_tokens;
 }
 
 bool LtHead::Impl::run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -149,14 +150,24 @@ struct AttentionArgs {
   bool trigger_early = false;
 };
 
-/// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, cublaslt, own_gemm).
-/// by_size: forwards of up to kSmallHeadMaxTokens tokens take the small head (one kernel, the same bits as
-/// cuBLASLt's matmul: llama_head.cu), larger ones the norm kernel and cuBLASLt; cublaslt: the latter at every
-/// size; own_gemm: LtHead serves nothing and the forward runs gemm(kLogits).
-enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1, kOwnGemm = 2 };
+/// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, small_bf16, cublaslt,
+/// own_gemm). by_size: where the head's weights are Q8_0 in the file (LtHead::use_q8_weights), forwards of up
+/// to kQ8HeadMaxTokens tokens take the int8 head, else up to kSmallHeadMaxTokens the small head (one kernel
+/// each, the same bits as cuBLASLt's matmul: llama_head.cu); larger ones the norm kernel and cuBLASLt;
+/// small_bf16: the small head and cuBLASLt, never the int8 head; cublaslt: the norm kernel and cuBLASLt at
+/// every size; own_gemm: LtHead serves nothing and the forward runs gemm(kLogits).
+enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1, kOwnGemm = 2, kSmallBf16 = 3 };
 
 /// The most tokens (GEMM rows) a small-head launch takes.
 inline constexpr int kSmallHeadMaxTokens = 16;
+/// The most tokens an int8-head launch takes (fewer where its shared memory would not fit).
+inline constexpr int kQ8HeadMaxTokens = 16;
+
+/// The int8 head's weight layout (LlamaWeights::head_q8): `rows` rows of k int8 values (row-major) and their
+/// 32-wide blocks' scales ([rows, k / 32]) into `values` (padded_rows x k, fragment order, zeros past rows)
+/// and `scales` ([padded_rows / 16, k / 32, 16]). padded_rows: a multiple of 64 >= rows; k: a multiple of 32.
+void q8_head_layout(const int8_t* row_values, const float* row_scales, int rows, int padded_rows, int k,
+                    std::vector<int8_t>& values, std::vector<float>& scales);
 
 /// The LM head through cuBLASLt (llama_head.cu): an RMSNorm kernel into `normed` ([tokens, k] bf16), then one
 /// matmul with an algorithm chosen at construction and pinned for every token count (batch-invariant logits);
@@ -175,8 +186,17 @@ public:
   LtHead(const LtHead&) = delete;
   LtHead& operator=(const LtHead&) = delete;
   bool usable() const;
-  /// Whether run() takes the small head for `tokens` GEMM rows.
+  /// Whether run() takes one of the small heads (bf16 or int8) for `tokens` GEMM rows.
   bool small_head_serves(int tokens) const;
+  /// What run() takes for `tokens` GEMM rows: "small_q8", "small", "cublaslt" or "own_gemm" (run() declines).
+  const char* kernel(int tokens) const;
+  /// Hands the int8 head its weights (LlamaWeights::head_q8 and head_q8_scales, which must outlive this
+  /// head): with HeadKernels::kBySize, where the small head's probe passed and hidden % 32 == 0, forwards of
+  /// up to q8_max_tokens() tokens then take it. Null values turn it off. The first call sets the kernels'
+  /// shared-memory limits (outside capture); later ones only swap the pointers.
+  void use_q8_weights(const int8_t* values, const float* scales);
+  /// The most tokens the int8 head takes (0: off).
+  int q8_max_tokens() const;
   bool run(const GemmArgs& args, uint16_t* normed, cudaStream_t stream);
 
 private:

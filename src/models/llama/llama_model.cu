@@ -42,6 +42,19 @@ LlamaWeights::LlamaWeights(const LlamaHostWeights& host) : config_(host.config) 
     head_ = output_.data();
     stream.synchronize();
   }
+  if (!host.head_q8.empty()) { // the int8 head's fragment order (LlamaWeights::head_q8)
+    require(host.head_q8.size() == static_cast<size_t>(c.vocab) * H && H % 32 == 0 &&
+                host.head_q8_scales.size() == host.head_q8.size() / 32,
+            "LlamaWeights", "head_q8.size()", host.head_q8.size(),
+            "must be vocab x hidden (hidden % 32 == 0)");
+    std::vector<int8_t> q8;
+    std::vector<float> scales;
+    llama::q8_head_layout(host.head_q8.data(), host.head_q8_scales.data(), c.vocab, vocab_padded_, c.hidden,
+                          q8, scales);
+    head_q8_ = upload(q8, stream);
+    head_q8_scales_ = upload(scales, stream);
+    stream.synchronize();
+  }
   output_norm_ = upload(host.output_norm, stream);
   std::vector<float> inv_freq(c.head_dim / 2);
   for (int i = 0; i < c.head_dim / 2; ++i)
@@ -83,7 +96,8 @@ LlamaWeights::LlamaWeights(const LlamaHostWeights& host) : config_(host.config) 
 }
 
 size_t LlamaWeights::device_bytes() const {
-  size_t bytes = token_embd_.bytes() + output_.bytes() + output_norm_.bytes() + rope_inv_freq_.bytes();
+  size_t bytes = token_embd_.bytes() + output_.bytes() + head_q8_.bytes() + head_q8_scales_.bytes() +
+                 output_norm_.bytes() + rope_inv_freq_.bytes();
   for (const auto& m : matrices_)
     bytes += m.bytes();
   for (const auto& n : norms_)
@@ -216,10 +230,12 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
                                                                         {"early_max", 31}});
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
+                                                               {"small_bf16", llama::HeadKernels::kSmallBf16},
                                                                {"cublaslt", llama::HeadKernels::kCublasLt},
                                                                {"own_gemm", llama::HeadKernels::kOwnGemm}});
   w.head = std::make_unique<llama::LtHead>(c.vocab, c.hidden, static_cast<int>(T), options_.logits_dtype,
                                            head_kernels);
+  w.head->use_q8_weights(weights_->head_q8(), weights_->head_q8_scales());
   llama::prepare_gemm(std::max({c.hidden, static_cast<int>(qd), c.ffn}));
   llama::prepare_attention(c.head_dim);
   // Zero everything once: padding rows of the activations are read (and ignored) by the GEMMs.
@@ -265,17 +281,17 @@ int LlamaModel::launches_per_forward() const {
 }
 
 const char* LlamaModel::lm_head_kernel(int tokens) const {
-  const llama::LtHead& head = *workspace_->head;
-  if (head.small_head_serves(tokens))
-    return "small";
-  return head.usable() ? "cublaslt" : "own_gemm";
+  return workspace_->head->kernel(tokens);
 }
 
-size_t LlamaModel::weight_bytes_per_forward() const {
+size_t LlamaModel::weight_bytes_per_forward(int head_tokens) const {
   const LlamaConfig& c = config();
   const size_t H = c.hidden, qd = size_t(c.heads) * c.head_dim, kvd = size_t(c.kv_heads) * c.head_dim;
   const size_t per_layer = ((qd + 2 * kvd) * H + H * qd + 3 * size_t(c.ffn) * H) * 2 + 2 * H * 4;
-  return layers_.size() * per_layer + size_t(c.vocab) * H * 2 + H * 4;
+  // The int8 head reads a byte a weight and a float scale a 32 of them; the others the bf16 weights.
+  const bool q8 = std::string(lm_head_kernel(std::max(head_tokens, 1))) == "small_q8";
+  const size_t head = q8 ? size_t(c.vocab) * H + size_t(c.vocab) * (H / 32) * 4 : size_t(c.vocab) * H * 2;
+  return layers_.size() * per_layer + head + H * 4;
 }
 
 void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
