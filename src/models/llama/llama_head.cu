@@ -9,6 +9,12 @@
 // small / norm + cuBLASLt): 22.2 / 25.6 at 1 token, 23.5 / 26.4 at 8, 26.5 / 27.1 at 16; in the forward it
 // also saves the norm kernel's node (no draft, 1 request: 458-463 -> 453-456 us a cycle). A variant of 32
 // tokens (4 token fragments a warp) took 32.3 against 28.4 at 32 tokens, so forwards of 17+ stay on cuBLASLt.
+// Where the file stores the head as Q8_0 (SmolLM2's token_embd), the int8 head serves those forwards instead:
+// the small head's tiles and MMA chain over the file's int8 values and scales, dequantised in registers to the
+// loader's bf16 values (the same bits), 1.125 bytes a weight instead of 2. `llama_gemm_bench` (H100, cold,
+// us, int8 / bf16 small / norm + cuBLASLt): 16.1 / 22.3 / 25.0 at 1 token, 17.1 / 23.6 / 25.9 at 8, 19.7 /
+// 26.4 / 26.6 at 16; at 24-64 tokens (a variant of up to 8 token fragments) it lost to cuBLASLt (28.1 / 27.7
+// at 24, 44.5 / 31.1 at 64), so it stops at 16 too.
 #include <cublasLt.h>
 
 #include <algorithm>
