@@ -32,6 +32,7 @@
 // a branch, so each position cost a load latency; without them the loads issue ahead of the FMA chain.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
@@ -124,7 +125,7 @@ __device__ __forceinline__ void load_key_value(const AttentionArgs& a, int slot,
 /// scores, their max and sum (warp reductions) and the online-softmax rescaling of (m, l, acc) are the same
 /// operations in the same order in every kernel that calls these two: a query's output does not depend on
 /// which kernel, block or batch computed it.
-template <int MAX_HEAD_DIM>
+template <int MAX_HEAD_DIM, bool VEC_Q = false>
 __device__ __forceinline__ float chunk_scores(const float* q_row, const uint4 (&key)[MAX_HEAD_DIM / 8],
                                               bool valid, int hd, float scale, float* p_row, float& m,
                                               float& l) {
@@ -136,15 +137,27 @@ __device__ __forceinline__ float chunk_scores(const float* q_row, const uint4 (&
 #pragma unroll
     for (int v = 0; v < kMaxVectorsPerHead; ++v) {
       if (v < hd / 8) {
-        const float* qv = q_row + v * 8;
-        dot = fmaf(qv[0], bf16_low(key[v].x), dot);
-        dot = fmaf(qv[1], bf16_high(key[v].x), dot);
-        dot = fmaf(qv[2], bf16_low(key[v].y), dot);
-        dot = fmaf(qv[3], bf16_high(key[v].y), dot);
-        dot = fmaf(qv[4], bf16_low(key[v].z), dot);
-        dot = fmaf(qv[5], bf16_high(key[v].z), dot);
-        dot = fmaf(qv[6], bf16_low(key[v].w), dot);
-        dot = fmaf(qv[7], bf16_high(key[v].w), dot);
+        // VEC_Q: q_row is 16-byte aligned, two 16-byte loads for 8 dimensions (the grouped kernel's batch
+        // of queries then issues a quarter of the loads); else eight 4-byte loads (the per-query kernel,
+        // where the vector loads measured slower in SMC's 8-row forwards at 2,048 positions). The same
+        // values.
+        float4 q0, q1;
+        if constexpr (VEC_Q) {
+          q0 = reinterpret_cast<const float4*>(q_row)[2 * v];
+          q1 = reinterpret_cast<const float4*>(q_row)[2 * v + 1];
+        } else {
+          const float* qv = q_row + v * 8;
+          q0 = make_float4(qv[0], qv[1], qv[2], qv[3]);
+          q1 = make_float4(qv[4], qv[5], qv[6], qv[7]);
+        }
+        dot = fmaf(q0.x, bf16_low(key[v].x), dot);
+        dot = fmaf(q0.y, bf16_high(key[v].x), dot);
+        dot = fmaf(q0.z, bf16_low(key[v].y), dot);
+        dot = fmaf(q0.w, bf16_high(key[v].y), dot);
+        dot = fmaf(q1.x, bf16_low(key[v].z), dot);
+        dot = fmaf(q1.y, bf16_high(key[v].z), dot);
+        dot = fmaf(q1.z, bf16_low(key[v].w), dot);
+        dot = fmaf(q1.w, bf16_high(key[v].w), dot);
       }
     }
     score = dot * scale;
@@ -425,6 +438,14 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
 /// interleaved.
 constexpr int kGroupMaxQueries = 16;
 constexpr int kQueryBatch = 4;
+/// The batch of groups of up to 3 queries (a decode token of a model with 3 query heads a KV head, as
+/// SmolLM2): a batch of 4 would run a fourth, discarded copy of a query (a third more arithmetic a chunk).
+/// With it, the weights read four positions to a 16-byte load and the queries' 16-byte loads (the same
+/// arithmetic): H100, SmolLM2, SMC N 8 K 4 at 8 requests after 2,048-token prompts (64-row draft steps),
+/// grouped attention 98.7 -> 89.2 us a launch (ncu), `bucket_sweep --context 2048` 15,011.8-15,015.4 ->
+/// 13,834.7-13,847.3 us a cycle, from 32-token prompts 4,155.8-4,158.4 -> 4,056.0-4,057.0; every other
+/// cycle (per-query blocks) within 0.6%.
+constexpr int kGroupedSmallBatch = 3;
 /// The per-query kernel's blocks an SM (73 registers a thread in SmolLM2's variant, 64 dimensions EXACT:
 /// three 256-thread blocks), and the waves of them past which the launch takes grouped blocks. Grouped blocks
 /// forced on smaller launches are slower (H100, SmolLM2, graph us per cycle: no draft at 1 / 8 requests
@@ -456,9 +477,11 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // (a test checks it), and both stay batch-invariant. (The split loop raised head_dim 128's registers from 127
 // to 162, one block an SM instead of two; capping them at 128 spilled 48-76 bytes. Not measured either way:
 // SmolLM2's heads are 64 wide, 109 -> 123 registers, two blocks an SM before and after.)
-template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT>
+template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
 __global__ void __launch_bounds__(kThreads)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
+  static_assert(QB >= 1 && QB <= kQueryBatch, "a batch fits the token states' shared memory");
+  constexpr int kQueryBatch = QB; // this instance's batch (kGroupedSmallBatch for groups of up to 3 queries)
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
   constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
   constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8;
@@ -473,7 +496,7 @@ __global__ void __launch_bounds__(kThreads)
   const int first = static_cast<int>(blockIdx.y) * group_queries;
   const int count = min(group_queries, a.tokens_per_row * group_heads - first);
   extern __shared__ __align__(16) unsigned char attention_smem[];
-  __shared__ float p_shared[kWarps][kQueryBatch][kAttentionChunk];
+  __shared__ __align__(16) float p_shared[kWarps][kQueryBatch][kAttentionChunk];
   __shared__ int lengths[kGroupMaxQueries]; // each query's query_length()
   uint16_t* v_shared =
       reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
@@ -553,6 +576,12 @@ __global__ void __launch_bounds__(kThreads)
     const int batch_chunks = chunks_of(batch_length);
     // the same in every warp: a uniform loop
     const int batch_splits = SPLIT ? max(1, splits_of(batch_chunks)) : 1;
+    // Uncached (several chunks a warp): warp w takes chunks w, w + kWarps, w + 2 kWarps, ... across the
+    // splits (a split is 2 kWarps chunks), so the slot of its next chunk is known a chunk ahead and its load
+    // overlaps the current chunk (as in the per-query kernel), leaving one memory latency a chunk, not two.
+    int next_slot = 0;
+    if (!cached && warp * kAttentionChunk + lane < batch_length)
+      next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
     float m[kQueryBatch] = {}, l[kQueryBatch] = {}, acc[kQueryBatch][kMaxDimsPerLane] = {}; // set at split 0
     // This warp's partial (m, l, acc) of batch query u (the block's query i), for a merge in warp order.
     const auto store_partial = [&](int u, int i) {
@@ -581,8 +610,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int chunk = split * kSplitChunks + warp; chunk < split_end; chunk += kWarps) {
         const int begin = chunk * kAttentionChunk;
         if (!cached) { // several chunks a warp: the batch loads them itself
+          const int position_slot = next_slot, following = begin + kWarps * kAttentionChunk + lane;
+          if (following < batch_length)
+            next_slot = clamp_slot(slots[following], a.pool_size);
           if (lane < min(kAttentionChunk, batch_length - begin))
-            load_position(clamp_slot(slots[begin + lane], a.pool_size));
+            load_position(position_slot);
           __pipeline_commit();
         }
         float correction[kQueryBatch];
@@ -591,9 +623,9 @@ __global__ void __launch_bounds__(kThreads)
         for (int u = 0; u < kQueryBatch; ++u) {
           valid_count[u] = min(kAttentionChunk, length[u] - begin); // <= 0 where the query has no such chunk
           float m_u = m[u], l_u = l[u];
-          correction[u] =
-              chunk_scores<MAX_HEAD_DIM>(q_shared + static_cast<size_t>(query_index[u]) * hd, key,
-                                         lane < valid_count[u], hd, a.scale, p_shared[warp][u], m_u, l_u);
+          correction[u] = chunk_scores<MAX_HEAD_DIM, true>(
+              q_shared + static_cast<size_t>(query_index[u]) * hd, key, lane < valid_count[u], hd, a.scale,
+              p_shared[warp][u], m_u, l_u);
           if (chunk < chunks[u]) { // a query takes only its own chunks
             m[u] = m_u;
             l[u] = l_u;
@@ -610,16 +642,33 @@ __global__ void __launch_bounds__(kThreads)
             if (chunk < chunks[u])
               acc[u][c] *= correction[u];
         const int batch_count = min(kAttentionChunk, batch_length - begin);
-        for (int i = 0; i < batch_count; ++i) {
+        // The weights four positions at a time (one 16-byte load a query; entries past a query's positions
+        // are read and not used), the sums still one position after the other.
+        for (int i0 = 0; i0 < batch_count; i0 += 4) {
+          float4 weights[kQueryBatch];
 #pragma unroll
-          for (int c = 0; c < kMaxDimsPerLane; ++c) {
-            if (c * 32 + lane < hd) {
-              const float value =
-                  __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16);
+          for (int u = 0; u < kQueryBatch; ++u)
+            weights[u] = *reinterpret_cast<const float4*>(&p_shared[warp][u][i0]);
 #pragma unroll
-              for (int u = 0; u < kQueryBatch; ++u)
-                if (i < valid_count[u])
-                  acc[u][c] = fmaf(p_shared[warp][u][i], value, acc[u][c]);
+          for (int k = 0; k < 4; ++k) {
+            const int i = i0 + k;
+            if (i >= batch_count)
+              break;
+#pragma unroll
+            for (int c = 0; c < kMaxDimsPerLane; ++c) {
+              if (c * 32 + lane < hd) {
+                const float value =
+                    __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16);
+#pragma unroll
+                for (int u = 0; u < kQueryBatch; ++u) {
+                  const float weight = k == 0   ? weights[u].x
+                                       : k == 1 ? weights[u].y
+                                       : k == 2 ? weights[u].z
+                                                : weights[u].w;
+                  if (i < valid_count[u])
+                    acc[u][c] = fmaf(weight, value, acc[u][c]);
+                }
+              }
             }
           }
         }
@@ -750,10 +799,15 @@ template <bool SPLIT, class F> void for_each_attention_kernel_of(F&& f) {
   f(reinterpret_cast<const void*>(LlamaAttentionKernel<kSmallHeadDim, false, SPLIT>), false);
   f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>), false);
   f(reinterpret_cast<const void*>(LlamaAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>), false);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, true, SPLIT>), true);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, false, SPLIT>), true);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>), true);
-  f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>), true);
+  const auto grouped = [&](auto qb) {
+    constexpr int QB = decltype(qb)::value;
+    f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, true, SPLIT, QB>), true);
+    f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kSmallHeadDim, false, SPLIT, QB>), true);
+    f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true, SPLIT, QB>), true);
+    f(reinterpret_cast<const void*>(LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT, QB>), true);
+  };
+  grouped(std::integral_constant<int, kQueryBatch>{});
+  grouped(std::integral_constant<int, kGroupedSmallBatch>{});
 }
 template <class F> void for_each_attention_kernel(F&& f) {
   for_each_attention_kernel_of<false>(f);
@@ -767,11 +821,11 @@ template <bool SPLIT> auto per_query_kernel(bool small, bool exact_small, bool e
                : (exact_large ? LlamaAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>
                               : LlamaAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>);
 }
-template <bool SPLIT> auto grouped_kernel(bool small, bool exact_small, bool exact_large) {
-  return small ? (exact_small ? LlamaGroupedAttentionKernel<kSmallHeadDim, true, SPLIT>
-                              : LlamaGroupedAttentionKernel<kSmallHeadDim, false, SPLIT>)
-               : (exact_large ? LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true, SPLIT>
-                              : LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT>);
+template <bool SPLIT, int QB> auto grouped_kernel(bool small, bool exact_small, bool exact_large) {
+  return small ? (exact_small ? LlamaGroupedAttentionKernel<kSmallHeadDim, true, SPLIT, QB>
+                              : LlamaGroupedAttentionKernel<kSmallHeadDim, false, SPLIT, QB>)
+               : (exact_large ? LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, true, SPLIT, QB>
+                              : LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT, QB>);
 }
 
 } // namespace
@@ -852,8 +906,14 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   const int groups = static_cast<int>(detail::ceil_div(queries, kGroupMaxQueries));
   const int group_queries = static_cast<int>(detail::ceil_div(queries, groups));
   require(groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row, "gives too many query groups a row");
-  const auto kernel = split ? grouped_kernel<true>(small, exact_small, exact_large)
-                            : grouped_kernel<false>(small, exact_small, exact_large);
+  // Groups of up to 3 queries take batches of 3 (kGroupedSmallBatch), larger ones of 4: the same arithmetic
+  // a query either way.
+  const bool small_batch = group_queries <= kGroupedSmallBatch;
+  const auto kernel =
+      split ? (small_batch ? grouped_kernel<true, kGroupedSmallBatch>(small, exact_small, exact_large)
+                           : grouped_kernel<true, kQueryBatch>(small, exact_small, exact_large))
+            : (small_batch ? grouped_kernel<false, kGroupedSmallBatch>(small, exact_small, exact_large)
+                           : grouped_kernel<false, kQueryBatch>(small, exact_small, exact_large));
   launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads), dim3(kThreads),
              grouped_smem_bytes(a.head_dim, group_queries), stream, a, group_queries);
 }
