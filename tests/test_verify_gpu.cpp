@@ -364,9 +364,20 @@ TEST_CASE("verify_stochastic matches the reference token for token") {
     for (int j = 0; j <= p.draft_steps; ++j)
       p.target_logits[3 * p.target_row_stride + j * p.vocab + 7] = NAN;
     p.refresh_logprobs(3); // a NaN logit in every target row of row 3
-    p.target_t[4] = 1.0f;  // row 4 accepts every draft token and finds its bonus row fully masked
-    for (int j = 0; j < p.draft_steps; ++j)
+    // Row 4 accepts every draft token and finds its bonus row fully masked. Its tokens are the draft rows'
+    // argmax at T_d = 1 and log p = log q: a greedy draft (T_d = 0) whose drawn token tied the row's maximum
+    // but was not its smallest id had log q = -inf, so log p = -inf rejected it (seen once: bf16, V 128256).
+    p.target_t[4] = p.draft_t[4] = 1.0f;
+    for (int j = 0; j < p.draft_steps; ++j) {
+      const float* draft = &p.draft_logits[4 * p.draft_row_stride + j * p.vocab];
+      p.tokens[4 * p.draft_steps + j] =
+          static_cast<int32_t>(std::max_element(draft, draft + p.vocab) - draft);
+    }
+    p.refresh_logprobs(4);
+    for (int j = 0; j < p.draft_steps; ++j) {
+      REQUIRE(std::isfinite(p.draft_logprobs[4 * p.draft_steps + j]));
       p.target_logprobs[4 * p.draft_steps + j] = p.draft_logprobs[4 * p.draft_steps + j];
+    }
     for (int v = 0; v < p.vocab; ++v)
       p.target_logits[4 * p.target_row_stride + p.draft_steps * p.vocab + v] = -kInf;
     p.target_t[5] = p.draft_t[5] = 1.0f; // row 5: the draft proposes a token the target masks (p(d) = 0)
