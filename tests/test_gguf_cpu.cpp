@@ -299,6 +299,16 @@ TEST_CASE("dequantize_row follows the ggml block layouts") {
   smcgraph::dequantize_row(GgufType::kQ8_0, q8_0.data(), 32, out.data());
   for (int j = 0; j < 32; ++j)
     CHECK(out[j] == 0.25f * (j * 8 - 128));
+  // The same Q8_0 block split into its values and scale (the int8 LM head's weights): value * scale is
+  // dequantize_row's value.
+  std::vector<int8_t> values(32);
+  float scale = 0.0f;
+  smcgraph::split_q8_0(q8_0.data(), 32, values.data(), &scale);
+  CHECK(scale == 0.25f);
+  for (int j = 0; j < 32; ++j)
+    CHECK(static_cast<float>(values[j]) * scale == out[j]);
+  CHECK_THROWS_WITH_AS(smcgraph::split_q8_0(q8_0.data(), 31, values.data(), &scale),
+                       doctest::Contains("elements = 31"), Error);
   // Two blocks in a row, starting at an odd address (reads are unaligned-safe).
   std::vector<uint8_t> two(1 + 2 * q4_1.size());
   std::memcpy(two.data() + 1, q4_1.data(), q4_1.size());

@@ -97,6 +97,9 @@ private:
 
 /// Dequantises `elements` consecutive values (a whole number of blocks) of `type` from `src` into `dst`.
 void dequantize_row(GgufType type, const uint8_t* src, int64_t elements, float* dst);
+/// Q8_0 blocks as they are: `elements` (a multiple of 32) values into `values` and each block's scale into
+/// scales[elements / 32], so that dequantize_row's value i is values[i] * scales[i / 32].
+void split_q8_0(const uint8_t* src, int64_t elements, int8_t* values, float* scales);
 /// Values per block (1 for F32 / F16 / BF16, 32 for Q4_0 / Q4_1 / Q8_0).
 size_t gguf_type_block_elements(GgufType type);
 /// Bytes per block (4, 2, 2, 18, 20, 34).

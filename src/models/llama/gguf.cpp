@@ -742,4 +742,19 @@ void dequantize_row(GgufType type, const uint8_t* src, int64_t elements, float* 
   }
 }
 
+void split_q8_0(const uint8_t* src, int64_t elements, int8_t* values, float* scales) {
+  constexpr const char* kWhere = "split_q8_0";
+  require(elements >= 0 && elements % 32 == 0, kWhere, "elements", elements,
+          "must be a non-negative multiple of the Q8_0 block size (32)");
+  if (elements == 0)
+    return;
+  require(src != nullptr && values != nullptr && scales != nullptr, kWhere, "src/values/scales", "nullptr",
+          "must be non-null");
+  // The blocks dequantize_row reads: fp16 d, then 32 int8 values.
+  for (int64_t b = 0; b < elements / 32; ++b, src += 34) {
+    scales[b] = gguf_fp16_to_float(load<uint16_t>(src));
+    std::memcpy(values + 32 * b, src + 2, 32);
+  }
+}
+
 } // namespace smcgraph

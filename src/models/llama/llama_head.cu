@@ -21,7 +21,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <string>
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
@@ -713,7 +712,8 @@ bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
 }
 
 bool LtHead::small_head_serves(int tokens) const {
-  return std::string(kernel(tokens)).starts_with("small");
+  const Impl& m = *impl_;
+  return m.usable && tokens >= 1 && (tokens <= m.q8_max_tokens || (m.small && tokens <= kSmallHeadMaxTokens));
 }
 
 const char* LtHead::kernel(int tokens) const {

@@ -289,7 +289,7 @@ size_t LlamaModel::weight_bytes_per_forward(int head_tokens) const {
   const size_t H = c.hidden, qd = size_t(c.heads) * c.head_dim, kvd = size_t(c.kv_heads) * c.head_dim;
   const size_t per_layer = ((qd + 2 * kvd) * H + H * qd + 3 * size_t(c.ffn) * H) * 2 + 2 * H * 4;
   // The int8 head reads a byte a weight and a float scale a 32 of them; the others the bf16 weights.
-  const bool q8 = std::string(lm_head_kernel(std::max(head_tokens, 1))) == "small_q8";
+  const bool q8 = std::max(head_tokens, 1) <= workspace_->head->q8_max_tokens();
   const size_t head = q8 ? size_t(c.vocab) * H + size_t(c.vocab) * (H / 32) * 4 : size_t(c.vocab) * H * 2;
   return layers_.size() * per_layer + head + H * 4;
 }

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <sstream>
 #include <string>
@@ -107,19 +106,10 @@ LlamaHostWeights load_llama_host_weights(const GgufFile& file) {
   // The head's Q8_0 blocks as they are (the int8 head dequantises them itself, to the same bf16 values).
   const GgufTensorInfo& head = c.tied_head ? file.tensor("token_embd.weight") : file.tensor("output.weight");
   if (head.type == GgufType::kQ8_0 && H % 32 == 0) {
-    const size_t blocks = static_cast<size_t>(c.vocab) * static_cast<size_t>(H / 32);
-    const uint8_t* src = file.tensor_data(head);
-    std::vector<int8_t> values(blocks * 32);
-    std::vector<float> scales(blocks);
-    bool finite = true;
-    for (size_t b = 0; b < blocks; ++b, src += 34) {
-      uint16_t bits = 0;
-      std::memcpy(&bits, src, sizeof(bits));
-      scales[b] = gguf_fp16_to_float(bits);
-      finite = finite && std::isfinite(scales[b]);
-      std::memcpy(values.data() + 32 * b, src + 2, 32);
-    }
-    if (finite) {
+    std::vector<int8_t> values(static_cast<size_t>(head.elements));
+    std::vector<float> scales(values.size() / 32);
+    split_q8_0(file.tensor_data(head), head.elements, values.data(), scales.data());
+    if (std::all_of(scales.begin(), scales.end(), [](float scale) { return std::isfinite(scale); })) {
       w.head_q8 = std::move(values);
       w.head_q8_scales = std::move(scales);
     }
