@@ -470,18 +470,18 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // query head kv_head * group_heads + q % group_heads). The positions the block reads are loaded once for all
 // its queries (where a warp has one chunk: a row of up to 256 positions) instead of once a query: a 5-token
 // verify of SmolLM2 (3 query heads a KV head) reads each key and value once instead of 15 times. A warp runs
-// kQueryBatch queries at once, interleaved. Each query runs exactly the per-query kernel's arithmetic in the
-// same order (chunk c on warp c % kWarps, chunk_scores, chunk_values' rescale and position-order sums, the
-// warps merged in warp order by merge_warps; a query of several splits: each split's warps merged by
-// split_state and the splits folded in order by fold_split), so its output is the same bits in either kernel
-// (a test checks it), and both stay batch-invariant. (The split loop raised head_dim 128's registers from 127
-// to 162, one block an SM instead of two; capping them at 128 spilled 48-76 bytes. Not measured either way:
-// SmolLM2's heads are 64 wide, 109 -> 123 registers, two blocks an SM before and after.)
+// QB queries at once, interleaved (kQueryBatch, or kGroupedSmallBatch for groups of up to 3). Each query runs
+// exactly the per-query kernel's arithmetic in the same order (chunk c on warp c % kWarps, chunk_scores,
+// chunk_values' rescale and position-order sums, the warps merged in warp order by merge_warps; a query of
+// several splits: each split's warps merged by split_state and the splits folded in order by fold_split), so
+// its output is the same bits in either kernel (a test checks it), and both stay batch-invariant. (The split
+// loop raised head_dim 128's registers from 127 to 162, one block an SM instead of two; capping them at 128
+// spilled 48-76 bytes. Not measured either way: SmolLM2's heads are 64 wide, 109 -> 123 registers, two blocks
+// an SM before and after.)
 template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
 __global__ void __launch_bounds__(kThreads)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
   static_assert(QB >= 1 && QB <= kQueryBatch, "a batch fits the token states' shared memory");
-  constexpr int kQueryBatch = QB; // this instance's batch (kGroupedSmallBatch for groups of up to 3 queries)
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
   constexpr int kMaxDimsPerLane = MAX_HEAD_DIM / 32;
   constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8;
@@ -496,14 +496,14 @@ __global__ void __launch_bounds__(kThreads)
   const int first = static_cast<int>(blockIdx.y) * group_queries;
   const int count = min(group_queries, a.tokens_per_row * group_heads - first);
   extern __shared__ __align__(16) unsigned char attention_smem[];
-  __shared__ __align__(16) float p_shared[kWarps][kQueryBatch][kAttentionChunk];
+  __shared__ __align__(16) float p_shared[kWarps][QB][kAttentionChunk];
   __shared__ int lengths[kGroupMaxQueries]; // each query's query_length()
   uint16_t* v_shared =
       reinterpret_cast<uint16_t*>(attention_smem) + static_cast<size_t>(warp) * kAttentionChunk * hd;
   float* q_shared = reinterpret_cast<float*>(attention_smem + attention_smem_bytes(hd));
   float* warp_acc = q_shared + static_cast<size_t>(group_queries) * hd;         // [kWarps][queries][hd]
   float* warp_ml = warp_acc + static_cast<size_t>(kWarps) * group_queries * hd; // [kWarps][queries][2]
-  // [kQueryBatch][hd]: the token states of a batch's queries of several splits, entry e of thread e (mod
+  // [QB][hd]: the token states of a batch's queries of several splits, entry e of thread e (mod
   // kThreads)
   SplitState* token_states =
       reinterpret_cast<SplitState*>(warp_ml + static_cast<size_t>(kWarps) * group_queries * 2);
@@ -554,19 +554,19 @@ __global__ void __launch_bounds__(kThreads)
   __pipeline_wait_prior(0);
   __syncthreads();
 
-  // The queries in batches of kQueryBatch, interleaved: each query's steps are the per-query kernel's, in
+  // The queries in batches of QB, interleaved: each query's steps are the per-query kernel's, in
   // its order, but the batch's dot products, reductions and value sums are independent chains that overlap
   // (one query at a time leaves a warp waiting on each chain's latency), and a value row read from shared
   // memory serves the whole batch. A batch past the last query repeats that query and discards the copy.
   // A query of several splits (over 512 positions) folds each split as the per-query kernel does and its
   // splits in split order (fold_split): its warps' partials of a split go through shared memory at the
   // split's end, and thread e of the block keeps the token state of (batch query e / hd, dimension e % hd).
-  constexpr int kStatesPerThread = (kQueryBatch * MAX_HEAD_DIM + kThreads - 1) / kThreads;
-  for (int b0 = 0; b0 < count; b0 += kQueryBatch) {
-    int query_index[kQueryBatch], length[kQueryBatch], chunks[kQueryBatch], splits[kQueryBatch];
+  constexpr int kStatesPerThread = (QB * MAX_HEAD_DIM + kThreads - 1) / kThreads;
+  for (int b0 = 0; b0 < count; b0 += QB) {
+    int query_index[QB], length[QB], chunks[QB], splits[QB];
     int batch_length = 0;
 #pragma unroll
-    for (int u = 0; u < kQueryBatch; ++u) {
+    for (int u = 0; u < QB; ++u) {
       query_index[u] = min(b0 + u, count - 1);
       length[u] = lengths[query_index[u]];
       chunks[u] = chunks_of(length[u]);
@@ -579,10 +579,12 @@ __global__ void __launch_bounds__(kThreads)
     // Uncached (several chunks a warp): warp w takes chunks w, w + kWarps, w + 2 kWarps, ... across the
     // splits (a split is 2 kWarps chunks), so the slot of its next chunk is known a chunk ahead and its load
     // overlaps the current chunk (as in the per-query kernel), leaving one memory latency a chunk, not two.
+    // (Measured alone it did not pay: 99.3 -> 99.5 us a grouped launch at 2,048 positions, H100; it is part
+    // of the build whose batches of 3 gave the figures at kGroupedSmallBatch.)
     int next_slot = 0;
     if (!cached && warp * kAttentionChunk + lane < batch_length)
       next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
-    float m[kQueryBatch] = {}, l[kQueryBatch] = {}, acc[kQueryBatch][kMaxDimsPerLane] = {}; // set at split 0
+    float m[QB] = {}, l[QB] = {}, acc[QB][kMaxDimsPerLane] = {}; // set at split 0
     // This warp's partial (m, l, acc) of batch query u (the block's query i), for a merge in warp order.
     const auto store_partial = [&](int u, int i) {
       float* my_acc = warp_acc + (static_cast<size_t>(warp) * group_queries + i) * hd;
@@ -597,7 +599,7 @@ __global__ void __launch_bounds__(kThreads)
     };
     for (int split = 0; split < batch_splits; ++split) {
 #pragma unroll
-      for (int u = 0; u < kQueryBatch; ++u) {
+      for (int u = 0; u < QB; ++u) {
         if (split > 0 && split >= splits[u])
           continue; // a query's last split keeps its state (one split: for the merge after the batches)
         m[u] = -INFINITY;
@@ -617,10 +619,10 @@ __global__ void __launch_bounds__(kThreads)
             load_position(position_slot);
           __pipeline_commit();
         }
-        float correction[kQueryBatch];
-        int valid_count[kQueryBatch];
+        float correction[QB];
+        int valid_count[QB];
 #pragma unroll
-        for (int u = 0; u < kQueryBatch; ++u) {
+        for (int u = 0; u < QB; ++u) {
           valid_count[u] = min(kAttentionChunk, length[u] - begin); // <= 0 where the query has no such chunk
           float m_u = m[u], l_u = l[u];
           correction[u] = chunk_scores<MAX_HEAD_DIM, true>(
@@ -636,7 +638,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncwarp();
         // chunk_values for the whole batch: acc *= correction, then the chunk's positions in order.
 #pragma unroll
-        for (int u = 0; u < kQueryBatch; ++u)
+        for (int u = 0; u < QB; ++u)
 #pragma unroll
           for (int c = 0; c < kMaxDimsPerLane; ++c)
             if (chunk < chunks[u])
@@ -645,9 +647,9 @@ __global__ void __launch_bounds__(kThreads)
         // The weights four positions at a time (one 16-byte load a query; entries past a query's positions
         // are read and not used), the sums still one position after the other.
         for (int i0 = 0; i0 < batch_count; i0 += 4) {
-          float4 weights[kQueryBatch];
+          float4 weights[QB];
 #pragma unroll
-          for (int u = 0; u < kQueryBatch; ++u)
+          for (int u = 0; u < QB; ++u)
             weights[u] = *reinterpret_cast<const float4*>(&p_shared[warp][u][i0]);
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
@@ -660,7 +662,7 @@ __global__ void __launch_bounds__(kThreads)
                 const float value =
                     __uint_as_float(static_cast<uint32_t>(v_shared[i * hd + c * 32 + lane]) << 16);
 #pragma unroll
-                for (int u = 0; u < kQueryBatch; ++u) {
+                for (int u = 0; u < QB; ++u) {
                   const float weight = k == 0   ? weights[u].x
                                        : k == 1 ? weights[u].y
                                        : k == 2 ? weights[u].z
@@ -679,7 +681,7 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (SPLIT) {
         if (batch_splits > 1) {
 #pragma unroll
-          for (int u = 0; u < kQueryBatch; ++u)
+          for (int u = 0; u < QB; ++u)
             if (b0 + u < count && splits[u] > 1 && split < splits[u] &&
                 warp < min(chunks[u] - split * kSplitChunks, kWarps))
               store_partial(u, b0 + u);
@@ -688,7 +690,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int k = 0; k < kStatesPerThread; ++k) {
             // (the query's chunks from `lengths`: u is not a compile-time index here)
             const int e = static_cast<int>(threadIdx.x) + k * kThreads, u = e / hd, d = e % hd, i = b0 + u;
-            const int query_chunks = u < kQueryBatch && i < count ? chunks_of(lengths[i]) : 0;
+            const int query_chunks = u < QB && i < count ? chunks_of(lengths[i]) : 0;
             if (splits_of(query_chunks) <= 1 || split >= splits_of(query_chunks))
               continue;
             const int used = min(query_chunks - split * kSplitChunks, kWarps);
@@ -706,7 +708,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kStatesPerThread; ++k) {
         const int e = static_cast<int>(threadIdx.x) + k * kThreads, u = e / hd, d = e % hd, i = b0 + u;
-        if (u >= kQueryBatch || i >= count || splits_of(chunks_of(lengths[i])) <= 1)
+        if (u >= QB || i >= count || splits_of(chunks_of(lengths[i])) <= 1)
           continue;
         const int query = first + i;
         const int t = r * a.tokens_per_row + query / group_heads,
@@ -716,7 +718,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
 #pragma unroll
-    for (int u = 0; u < kQueryBatch; ++u) {
+    for (int u = 0; u < QB; ++u) {
       if (b0 + u >= count || splits[u] > 1) // a repeated query, or one of several splits (above)
         continue;
       const int i = b0 + u, query = first + i;

@@ -10,11 +10,11 @@
 // also saves the norm kernel's node (no draft, 1 request: 458-463 -> 453-456 us a cycle). A variant of 32
 // tokens (4 token fragments a warp) took 32.3 against 28.4 at 32 tokens, so forwards of 17+ stay on cuBLASLt.
 // Where the file stores the head as Q8_0 (SmolLM2's token_embd), the int8 head serves those forwards instead:
-// the small head's tiles and MMA chain over the file's int8 values and scales, dequantised in registers to the
-// loader's bf16 values (the same bits), 1.125 bytes a weight instead of 2. `llama_gemm_bench` (H100, cold,
-// us, int8 / bf16 small / norm + cuBLASLt): 16.1 / 22.3 / 25.0 at 1 token, 17.1 / 23.6 / 25.9 at 8, 19.7 /
-// 26.4 / 26.6 at 16; at 24-64 tokens (a variant of up to 8 token fragments) it lost to cuBLASLt (28.1 / 27.7
-// at 24, 44.5 / 31.1 at 64), so it stops at 16 too.
+// the small head's tiles and MMA chain over the file's int8 values and scales, dequantised in registers to
+// the loader's bf16 values (the same bits), 1.125 bytes a weight instead of 2. `llama_gemm_bench` (H100,
+// cold, us, int8 / bf16 small / norm + cuBLASLt): 16.1 / 22.3 / 25.0 at 1 token, 17.1 / 23.6 / 25.9 at
+// 8, 19.7 / 26.4 / 26.6 at 16; at 24-64 tokens (a variant of up to 8 token fragments) it lost to cuBLASLt
+// (28.1 / 27.7 at 24, 44.5 / 31.1 at 64), so it stops at 16 too.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -274,9 +274,8 @@ __global__ void __launch_bounds__(kSmallHeadThreads, 1) LlamaSmallHeadKernel(con
 /// values into the A fragment's four bf16 pairs as the loader does, bf16(q * scale) (q * scale is exact in
 /// fp32: 8 by 11 significant bits; rounded to nearest even), so the MMAs see the bf16 small head's operands
 /// and chain them in its order: the same bits. The int8 to float step is exact too: byte q + 128 placed in
-/// the mantissa of 2^23 gives 2^23 + q + 128, and subtracting 2^23 + 128 leaves q. Its tiles stream at about
-/// the same rate in bytes as the bf16 head's, so it serves more tokens than the small head before cuBLASLt
-/// is faster (kQ8HeadMaxTokens; bench/llama_gemm_bench).
+/// the mantissa of 2^23 gives 2^23 + q + 128, and subtracting 2^23 + 128 leaves q. It serves the small head's
+/// token counts (kQ8HeadMaxTokens): with more token fragments it lost to cuBLASLt (the file comment).
 /// Blocks an SM and their ring stages: the dequantisation is a chain of dependent instructions per K step
 /// that few warps a scheduler cannot hide. Measured (H100, `llama_gemm_bench`, 1 / 8 / 16 tokens, us cold;
 /// the bf16 small head 22.2 / 23.6 / 26.4): one block an SM with 12 stages 23.1 / 23.7 / 27.2; two of 8

@@ -160,7 +160,8 @@ enum class HeadKernels : uint8_t { kBySize = 0, kCublasLt = 1, kOwnGemm = 2, kSm
 
 /// The most tokens (GEMM rows) a small-head launch takes.
 inline constexpr int kSmallHeadMaxTokens = 16;
-/// The most tokens an int8-head launch takes (fewer where its shared memory would not fit).
+/// The most tokens an int8-head launch takes (LtHead::q8_max_tokens: fewer where the model's forwards have
+/// fewer, none where its shared memory would not fit).
 inline constexpr int kQ8HeadMaxTokens = 16;
 
 /// The int8 head's weight layout (LlamaWeights::head_q8): `rows` rows of k int8 values (row-major) and their
