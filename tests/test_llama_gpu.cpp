@@ -506,12 +506,18 @@ TEST_CASE("llama forward: grouped attention blocks give the per-query blocks' bi
 
 TEST_CASE("llama forward: split-KV attention blocks give the bits of one block a token") {
   // A launch of up to 64 tokens with rows of up to more than 512 positions gives a token's splits blocks of
-  // their own (llama_attention.cu: split_blocks), whose states the token's last block folds in split order;
+  // their own (llama_attention.cu: split_blocks; grouped blocks: a group's splits), whose states the token's
+  // (the group's) last block folds in split order;
   // SMCGRAPH_ATTENTION_SPLIT=off folds every split in one block. The same order either way, so the same bits:
   // decodes and a 4-token verify block over rows of 2-3 splits, padding rows, graphs (replays find the
   // tickets reset). Shapes: head_dim 32 (3 and 2 query heads a KV head) and 128 (kAttentionShapes).
   for (const Shape& shape : kAttentionShapes) {
     CAPTURE(shape.hidden);
+    CHECK(check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_SPLIT", "off", "by_size", DType::kFloat32,
+                                        long_rows()) > 512);
+    // Grouped blocks (forced) split the same way: a (row, group, KV head) of several splits takes blocks of
+    // its own, the group's last block folding its queries' splits.
+    const ScopedEnv grouped("SMCGRAPH_ATTENTION_GROUPING", "grouped");
     CHECK(check_same_logits_when_forced(shape, "SMCGRAPH_ATTENTION_SPLIT", "off", "by_size", DType::kFloat32,
                                         long_rows()) > 512);
   }

@@ -20,8 +20,9 @@
 // instead: one per (row, KV head, group of up to 16 of the queries that read that KV head), which load each
 // position's key and value once for the group, where the per-query blocks load them once a query head and
 // token. Each query runs the same arithmetic in the same order in both kernels (chunk_scores,
-// chunk_values, merge_warps), so both give the same bits. Heads of exactly 64 or 128 dimensions take
-// instances with the head size a compile-time constant (EXACT).
+// chunk_values, merge_warps), so both give the same bits. Grouped blocks split long rows too: in a small
+// launch a group's splits take blocks of their own, whose split states the group's last block folds. Heads
+// of exactly 64 or 128 dimensions take instances with the head size a compile-time constant (EXACT).
 //
 // H100, SmolLM2, graph us per cycle (A/B in one call, two rounds), before -> EXACT per-query blocks only ->
 // with grouped blocks too: no draft at 1 / 8 / 64 requests 475.7-477.0 / 496.0-497.6 / 973.7-979.3 ->
@@ -455,6 +456,13 @@ constexpr int kPerQueryBlocksPerSm = 3;
 constexpr int kGroupedMinWaves = 1;
 /// Waves of per-query blocks a split-KV launch may take (attention()).
 constexpr int kSplitBlockWaves = 2;
+/// Waves of grouped blocks (two an SM for heads of up to 64 dimensions, one for larger) a split-KV launch of
+/// grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: 4 waves gave SmolLM2's 64-row decodes 5
+/// blocks a group after 2,048 positions and gained, 2 waves gave 2 and lost).
+#ifndef SMCGRAPH_GROUPED_SPLIT_WAVES
+#define SMCGRAPH_GROUPED_SPLIT_WAVES 4
+#endif
+constexpr int kGroupedSplitBlockWaves = SMCGRAPH_GROUPED_SPLIT_WAVES;
 
 /// Dynamic shared memory of a grouped block: each warp's value rows, then the queries as floats, each warp's
 /// accumulators per query and each warp's (m, l) per query.
@@ -482,6 +490,15 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // order, so the bits are unchanged. The 64-wide instances are held to two blocks an SM by their launch bound
 // (94-123 registers, no spill); without it the no-split QB 3 instance spilled. H100: SMC N 8 K 4 at 8
 // requests and 2,048 positions 13,829 -> 13,545 us a cycle; 4,059 -> 4,049 from 32-token prompts.
+// Split-KV (SPLIT, a.split_blocks > 1: launches of up to kAttentionSplitMaxTokens tokens with the workspace):
+// block g of a (row, group, KV head) folds its queries' splits g, g + split_blocks, ..., each split's state
+// merged from its warps as above; a query of several splits publishes each split's state to the workspace
+// (the per-query kernel's entries of its token and head), and the group's last block (a ticket) folds them
+// in split order (fold_split), so the bits are those of one block a group. Queries of one split stay with
+// block 0. H100, SmolLM2, SMC N 8 K 4 at 8 requests (64-row draft steps: 192 groups, 5 blocks each after
+// 2,048 positions): 13,535-13,559 -> 13,083 us a cycle at 2,048 positions, 40,486-40,523 -> 37,294-37,344 at
+// 8,000; from 32-token prompts (one split) unchanged. Two waves (2 blocks a group at 2,048) lost:
+// 14,283-14,290.
 template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
 __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 1)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
@@ -491,7 +508,12 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
   constexpr int kMaxVectorsPerHead = MAX_HEAD_DIM / 8;
   if (a.trigger_early) // AttentionArgs::trigger_early
     pdl_trigger();
-  const int r = blockIdx.x, kv_head = blockIdx.z;
+  // Split-KV (SPLIT, with the workspace): blockIdx.z = g * kv_heads + kv_head, block g of the group folding
+  // its queries' splits g, g + split_blocks, ... (as the per-query kernel's blocks of a token do).
+  const int r = blockIdx.x;
+  const int kv_head = SPLIT ? static_cast<int>(blockIdx.z) % a.kv_heads : static_cast<int>(blockIdx.z),
+            block_of_group = SPLIT ? static_cast<int>(blockIdx.z) / a.kv_heads : 0;
+  const int split_blocks = SPLIT ? a.split_blocks : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // EXACT: head_dim is MAX_HEAD_DIM, a constant, so the per-dimension guards fold away and the loops over a
   // chunk's positions issue their shared-memory loads ahead of the FMA chain (no branch between them).
@@ -524,7 +546,15 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
     block_length = max(block_length, lengths[i]);
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
   const int block_chunks = chunks_of(block_length);
-  // A warp with one chunk (rows of up to kWarps chunks) loads its positions once for every query.
+  // A block past its queries' splits has nothing to fold (block 0 always stays: it writes the outputs of the
+  // queries of one split). With several blocks a group, its queries of several splits publish their split
+  // states to the workspace, and the group's last block folds them.
+  const int block_splits = SPLIT ? splits_of(block_chunks) : 1;
+  if (block_of_group > 0 && block_of_group >= block_splits)
+    return;
+  const bool publish = SPLIT && split_blocks > 1 && block_splits > 1;
+  // A warp with one chunk (rows of up to kWarps chunks) loads its positions once for every query (a row of
+  // one split: block 0 only).
   const bool cached = warp < block_chunks && warp + kWarps >= block_chunks;
   int slot = 0;
   if (live && warp < block_chunks && warp * kAttentionChunk + lane < block_length)
@@ -585,9 +615,18 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
     // overlaps the current chunk (as in the per-query kernel), leaving one memory latency a chunk, not two.
     // (Measured alone it did not pay: 99.3 -> 99.5 us a grouped launch at 2,048 positions, H100; it is part
     // of the build whose batches of 3 gave the figures at kGroupedSmallBatch.)
+    // The warp's chunk after `chunk` of split `split` (this block's splits: split_blocks apart).
+    const auto next_chunk_of = [&](int chunk, int split) {
+      if constexpr (!SPLIT)
+        return chunk + kWarps;
+      return chunk + kWarps < min(batch_chunks, (split + 1) * kSplitChunks)
+                 ? chunk + kWarps
+                 : (split + split_blocks) * kSplitChunks + warp;
+    };
     int next_slot = 0;
-    if (!cached && warp * kAttentionChunk + lane < batch_length)
-      next_slot = clamp_slot(slots[warp * kAttentionChunk + lane], a.pool_size);
+    const int first_position_of_warp = (block_of_group * kSplitChunks + warp) * kAttentionChunk + lane;
+    if (!cached && first_position_of_warp < batch_length)
+      next_slot = clamp_slot(slots[first_position_of_warp], a.pool_size);
     float m[QB] = {}, l[QB] = {}, acc[QB][kMaxDimsPerLane] = {}; // set at split 0
     // This warp's partial (m, l, acc) of batch query u (the block's query i), for a merge in warp order.
     const auto store_partial = [&](int u, int i) {
@@ -601,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
         warp_ml[(warp * group_queries + i) * 2 + 1] = l[u];
       }
     };
-    for (int split = 0; split < batch_splits; ++split) {
+    for (int split = block_of_group; split < batch_splits; split += split_blocks) {
 #pragma unroll
       for (int u = 0; u < QB; ++u) {
         if (split > 0 && split >= splits[u])
@@ -616,7 +655,8 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
       for (int chunk = split * kSplitChunks + warp; chunk < split_end; chunk += kWarps) {
         const int begin = chunk * kAttentionChunk;
         if (!cached) { // several chunks a warp: the batch loads them itself
-          const int position_slot = next_slot, following = begin + kWarps * kAttentionChunk + lane;
+          const int position_slot = next_slot,
+                    following = next_chunk_of(chunk, split) * kAttentionChunk + lane;
           if (following < batch_length)
             next_slot = clamp_slot(slots[following], a.pool_size);
           if (lane < min(kAttentionChunk, batch_length - begin))
@@ -715,14 +755,27 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
             const SplitState state =
                 split_state(warp_ml + i * 2, group_queries * 2, warp_acc + static_cast<size_t>(i) * hd + d,
                             group_queries * hd, used);
-            fold_split(token_states[e], state, split == 0);
+            if (publish) { // the query's entry for this split in the workspace (as the per-query kernel's)
+              const int query = first + i;
+              const int t = r * a.tokens_per_row + query / group_heads,
+                        head = kv_head * group_heads + query % group_heads;
+              float* entry = a.split_states +
+                             ((static_cast<size_t>(t) * a.heads + head) * a.max_splits + split) * (hd + 2);
+              entry[2 + d] = state.acc;
+              if (d == 0) {
+                entry[0] = state.m;
+                entry[1] = state.l;
+              }
+            } else {
+              fold_split(token_states[e], state, split == 0);
+            }
           }
           __syncthreads(); // the next split rewrites the partials
         }
       }
     }
-    // Queries of several splits: the output from the token state.
-    if (batch_splits > 1) {
+    // Queries of several splits: the output from the token state (published: the group's last block).
+    if (batch_splits > 1 && !publish) {
 #pragma unroll
       for (int k = 0; k < kStatesPerThread; ++k) {
         const int e = static_cast<int>(threadIdx.x) + k * kThreads, u = e / hd, d = e % hd, i = b0 + u;
@@ -737,7 +790,8 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
     }
 #pragma unroll
     for (int u = 0; u < QB; ++u) {
-      if (b0 + u >= count || splits[u] > 1) // a repeated query, or one of several splits (above)
+      // A repeated query, one of several splits (above), or a block other than split 0's.
+      if (b0 + u >= count || splits[u] > 1 || block_of_group > 0)
         continue;
       const int i = b0 + u, query = first + i;
       const int t = r * a.tokens_per_row + query / group_heads,
@@ -760,8 +814,8 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
     }
   }
   __syncthreads();
-  // The queries of several chunks: their warps' partials merged in warp order.
-  for (int e = threadIdx.x; e < count * hd; e += kThreads) {
+  // The queries of several chunks: their warps' partials merged in warp order (block 0's).
+  for (int e = threadIdx.x; e < count * hd && block_of_group == 0; e += kThreads) {
     const int i = e / hd, d = e % hd, query = first + i;
     const int chunks = chunks_of(lengths[i]);
     if (chunks <= 1 || (SPLIT && chunks > kSplitChunks)) // one chunk, or several splits: written above
@@ -771,6 +825,33 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
     a.out[static_cast<size_t>(t) * q_dim + head * hd + d] =
         merge_warps(warp_ml + i * 2, group_queries * 2, warp_acc + static_cast<size_t>(i) * hd + d,
                     group_queries * hd, min(chunks, kWarps));
+  }
+  if constexpr (SPLIT) {
+    if (!publish)
+      return;
+    // The group's blocks that hold a split (min(split_blocks, block_splits)) arrive, on the ticket of the
+    // group's first query (one per group); the last folds each query's split states in split order.
+    const int t0 = r * a.tokens_per_row + first / group_heads,
+              head0 = kv_head * group_heads + first % group_heads;
+    if (!device::last_to_arrive(&a.split_tickets[static_cast<size_t>(t0) * a.heads + head0],
+                                static_cast<uint32_t>(min(split_blocks, block_splits))))
+      return;
+    for (int e = threadIdx.x; e < count * hd; e += kThreads) {
+      const int i = e / hd, d = e % hd, query = first + i;
+      const int splits = splits_of(chunks_of(lengths[i]));
+      if (splits <= 1)
+        continue;
+      const int t = r * a.tokens_per_row + query / group_heads,
+                head = kv_head * group_heads + query % group_heads;
+      const float* entries =
+          a.split_states + (static_cast<size_t>(t) * a.heads + head) * a.max_splits * (hd + 2);
+      SplitState token{-INFINITY, 0.0f, 0.0f};
+      for (int split = 0; split < splits; ++split) {
+        const float* entry = entries + static_cast<size_t>(split) * (hd + 2);
+        fold_split(token, SplitState{__ldcg(entry), __ldcg(entry + 1), __ldcg(entry + 2 + d)}, split == 0);
+      }
+      a.out[static_cast<size_t>(t) * q_dim + head * hd + d] = float_to_bf16_bits(token.acc / token.l);
+    }
   }
 }
 
@@ -934,8 +1015,23 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
                            : grouped_kernel<true, kQueryBatch>(small, exact_small, exact_large))
             : (small_batch ? grouped_kernel<false, kGroupedSmallBatch>(small, exact_small, exact_large)
                            : grouped_kernel<false, kQueryBatch>(small, exact_small, exact_large));
-  launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads), dim3(kThreads),
-             grouped_smem_bytes(a.head_dim, group_queries), stream, a, group_queries);
+  // Split-KV for grouped blocks too: a launch of up to kAttentionSplitMaxTokens tokens with the workspace
+  // gives each (row, group, KV head) as many blocks (split_blocks, at most max_splits) as fit in
+  // kGroupedSplitBlockWaves waves of grouped blocks (SmolLM2's SMC at 8 requests: 64-row draft steps, 192
+  // groups); the same bits for any split_blocks (the kernel says why).
+  AttentionArgs launch = a;
+  launch.split_blocks = 1;
+  const int64_t grouped_blocks = static_cast<int64_t>(a.rows) * groups * a.kv_heads;
+  if (split && a.split_states != nullptr && a.max_splits > 1 &&
+      static_cast<int64_t>(a.rows) * a.tokens_per_row <= kAttentionSplitMaxTokens) {
+    const int64_t budget =
+        int64_t{kGroupedSplitBlockWaves} * (small ? 2 : 1) * current_device_info().multiprocessors;
+    launch.split_blocks = static_cast<int>(std::min<int64_t>(a.max_splits, budget / grouped_blocks));
+    if (launch.split_blocks < 2)
+      launch.split_blocks = 1;
+  }
+  launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads * launch.split_blocks), dim3(kThreads),
+             grouped_smem_bytes(a.head_dim, group_queries), stream, launch, group_queries);
 }
 
 void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden, int vocab,

@@ -137,15 +137,17 @@ struct AttentionArgs {
   const uint8_t* live = nullptr;
   uint16_t* out = nullptr; ///< [T, heads * head_dim] bf16
   AttentionGrouping grouping = AttentionGrouping::kBySize;
-  /// Split-KV workspace (null: every token's splits in its own block). With it, a launch of per-query blocks
-  /// of up to kAttentionSplitMaxTokens tokens may give each (token, head) split_blocks blocks, block g
-  /// folding splits g, g + split_blocks, ...: split_states holds [kAttentionSplitMaxTokens, heads,
-  /// max_splits, head_dim + 2] floats, split_tickets [kAttentionSplitMaxTokens, heads] counters (zero; every
-  /// launch leaves them zero). The launcher picks split_blocks.
+  /// Split-KV workspace (null: every token's splits in its own block). With it, a launch of up to
+  /// kAttentionSplitMaxTokens tokens may give each (token, head) of per-query blocks, or each (row, group, KV
+  /// head) of grouped blocks, split_blocks blocks, block g folding splits g, g + split_blocks, ...:
+  /// split_states holds [kAttentionSplitMaxTokens, heads, max_splits, head_dim + 2] floats (a query's entries
+  /// by its token and head in either kernel), split_tickets [kAttentionSplitMaxTokens, heads] counters (a
+  /// group takes its first query's; zero, and every launch leaves them zero). The launcher picks
+  /// split_blocks.
   float* split_states = nullptr;
   uint32_t* split_tickets = nullptr;
   int max_splits = 1;   ///< attention_max_splits(max_seq_len), which the workspace is sized for
-  int split_blocks = 1; ///< set by attention(): blocks a (token, head), 1 without the workspace
+  int split_blocks = 1; ///< set by attention(): blocks a (token, head) or group, 1 without the workspace
   /// As GemmArgs::trigger_early: the next launch may start at the top of this kernel.
   bool trigger_early = false;
 };
