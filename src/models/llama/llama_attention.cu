@@ -202,6 +202,18 @@ __device__ __forceinline__ int splits_of(int chunks) {
   return (chunks + kSplitChunks - 1) / kSplitChunks;
 }
 
+/// The chunk warp `warp` folds after `chunk` of split `split`, of a token (or a grouped batch) of `chunks`
+/// chunks whose splits this block takes `split_blocks` apart (past the chunks: none to fold). Without SPLIT
+/// a block folds every chunk: warp w takes w, w + kWarps, ...
+template <bool SPLIT>
+__device__ __forceinline__ int next_chunk_of(int chunk, int split, int chunks, int split_blocks, int warp) {
+  if constexpr (!SPLIT)
+    return chunk + kWarps;
+  return chunk + kWarps < min(chunks, (split + 1) * kSplitChunks)
+             ? chunk + kWarps
+             : (split + split_blocks) * kSplitChunks + warp;
+}
+
 /// One split's softmax state for one output dimension: the largest score m, the sum l of exp(score - m) and
 /// acc = the sum of exp(score - m) V[d].
 struct SplitState {
@@ -301,14 +313,6 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   if (block_of_token > 0 && block_of_token >= splits)
     return;
   const int first_chunk = block_of_token * kSplitChunks + warp; // this warp's first chunk
-  // The chunk this warp folds after `chunk` of split `split` (past the token's chunks: none).
-  const auto next_chunk_of = [&](int chunk, int split) {
-    if constexpr (!SPLIT)
-      return chunk + kWarps;
-    return chunk + kWarps < min(chunks, (split + 1) * kSplitChunks)
-               ? chunk + kWarps
-               : (split + split_blocks) * kSplitChunks + warp;
-  };
   int next_slot = 0;
   if (live && first_chunk < chunks && first_chunk * kAttentionChunk + lane < length)
     next_slot = clamp_slot(slots[first_chunk * kAttentionChunk + lane], a.pool_size);
@@ -359,7 +363,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
       const int begin = chunk * kAttentionChunk, count = min(kAttentionChunk, length - begin);
       const bool valid = lane < count;
       const int slot = next_slot;
-      const int following = next_chunk_of(chunk, split) * kAttentionChunk + lane;
+      const int following =
+          next_chunk_of<SPLIT>(chunk, split, chunks, split_blocks, warp) * kAttentionChunk + lane;
       if (following < length) // the warp's next chunk: its slot load overlaps this chunk
         next_slot = clamp_slot(slots[following], a.pool_size);
       const bool load = valid && !(early && chunk == first_chunk); // an early position's rows are in flight
@@ -615,14 +620,6 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
     // overlaps the current chunk (as in the per-query kernel), leaving one memory latency a chunk, not two.
     // (Measured alone it did not pay: 99.3 -> 99.5 us a grouped launch at 2,048 positions, H100; it is part
     // of the build whose batches of 3 gave the figures at kGroupedSmallBatch.)
-    // The warp's chunk after `chunk` of split `split` (this block's splits: split_blocks apart).
-    const auto next_chunk_of = [&](int chunk, int split) {
-      if constexpr (!SPLIT)
-        return chunk + kWarps;
-      return chunk + kWarps < min(batch_chunks, (split + 1) * kSplitChunks)
-                 ? chunk + kWarps
-                 : (split + split_blocks) * kSplitChunks + warp;
-    };
     int next_slot = 0;
     const int first_position_of_warp = (block_of_group * kSplitChunks + warp) * kAttentionChunk + lane;
     if (!cached && first_position_of_warp < batch_length)
@@ -656,7 +653,9 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 
         const int begin = chunk * kAttentionChunk;
         if (!cached) { // several chunks a warp: the batch loads them itself
           const int position_slot = next_slot,
-                    following = next_chunk_of(chunk, split) * kAttentionChunk + lane;
+                    following = next_chunk_of<SPLIT>(chunk, split, batch_chunks, split_blocks, warp) *
+                                    kAttentionChunk +
+                                lane;
           if (following < batch_length)
             next_slot = clamp_slot(slots[following], a.pool_size);
           if (lane < min(kAttentionChunk, batch_length - begin))
