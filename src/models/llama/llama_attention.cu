@@ -462,8 +462,9 @@ constexpr int kGroupedMinWaves = 1;
 /// Waves of per-query blocks a split-KV launch may take (attention()).
 constexpr int kSplitBlockWaves = 2;
 /// Waves of grouped blocks (two an SM for heads of up to 64 dimensions, one for larger) a split-KV launch of
-/// grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: 4 waves gave SmolLM2's 64-row decodes 5
-/// blocks a group after 2,048 positions and gained, 2 waves gave 2 and lost).
+/// grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: on an H100, 4 waves give SmolLM2's
+/// 64-row decodes up to 5 blocks a group, as many as the row has splits, and gained; 2 waves gave 2 and
+/// lost).
 #ifndef SMCGRAPH_GROUPED_SPLIT_WAVES
 #define SMCGRAPH_GROUPED_SPLIT_WAVES 4
 #endif
@@ -500,10 +501,10 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // merged from its warps as above; a query of several splits publishes each split's state to the workspace
 // (the per-query kernel's entries of its token and head), and the group's last block (a ticket) folds them
 // in split order (fold_split), so the bits are those of one block a group. Queries of one split stay with
-// block 0. H100, SmolLM2, SMC N 8 K 4 at 8 requests (64-row draft steps: 192 groups, 5 blocks each after
-// 2,048 positions): 13,535-13,559 -> 13,083 us a cycle at 2,048 positions, 40,486-40,523 -> 37,294-37,344 at
-// 8,000; from 32-token prompts (one split) unchanged. Two waves (2 blocks a group at 2,048) lost:
-// 14,283-14,290.
+// block 0. H100, SmolLM2, SMC N 8 K 4 at 8 requests (64-row draft steps: 192 groups, up to 5 blocks each,
+// as many as the row has splits): 13,535-13,559 -> 13,083 us a cycle at 2,048 positions, 40,486-40,523 ->
+// 37,294-37,344 at 8,000; from 32-token prompts (one split) unchanged. Two waves (2 blocks a group at 2,048)
+// lost: 14,283-14,290.
 template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
 __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 1)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
