@@ -286,6 +286,15 @@ double host_us_per_step(Engine& engine, int cycles, std::vector<RequestUpdate>& 
 // ---------------------------------------------------------------------------------------------------------
 // Model forwards on their own
 
+/// The weight bytes one forward of `model` reads for `head_tokens` logits rows: a LlamaModel's LM head as
+/// its kernel for that many rows reads it (LlamaModel::weight_bytes_per_forward: the int8 head, 1.125 bytes a
+/// weight, up to 16 rows; the bf16 copy beyond); `one_row_bytes` for any other model.
+size_t forward_weight_bytes(const Model& model, size_t one_row_bytes, int head_tokens) {
+  if (const auto* llama = dynamic_cast<const LlamaModel*>(&model))
+    return llama->weight_bytes_per_forward(head_tokens);
+  return one_row_bytes;
+}
+
 /// Inputs of the draft head / draft step / target verify forwards at a bucket's shape: random in-vocabulary
 /// tokens at mid-sequence positions (full window), valid distinct slots, every row live. The models' KV
 /// storage is written at free slots only (the bench calls this while the engine holds no request), and the
@@ -407,10 +416,10 @@ public:
     // A resumed verify reads the same weights (each layer once) and the same KV (each row's, per layer).
     const auto forward_floor = [&](Model& model, size_t weight_bytes, size_t kv_bytes_per_token,
                                    int tokens_per_row, Role role) {
-      // The LM head's bytes as its kernel for this forward's logits rows reads them (the int8 head: 1.125
-      // bytes a weight): a draft forward's logits are its rows' last tokens, a verify's all of its tokens.
-      if (const auto* llama = dynamic_cast<const LlamaModel*>(&model))
-        weight_bytes = llama->weight_bytes_per_forward(role == Role::kVerify ? rows * tokens_per_row : rows);
+      // The LM head's bytes as its kernel for this forward's logits rows reads them: a draft forward's logits
+      // are its rows' last tokens, a verify's all of its tokens.
+      weight_bytes =
+          forward_weight_bytes(model, weight_bytes, role == Role::kVerify ? rows * tokens_per_row : rows);
       const double bytes = static_cast<double>(weight_bytes) +
                            static_cast<double>(rows) * timed_length(tokens_per_row) * kv_bytes_per_token;
       return bytes / (copy_gbs * 1e3) +
@@ -840,16 +849,20 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     row.tokens_per_s = requests * row.tokens_per_cycle / (row.graph.median_us * 1e-6);
     if (models.real) {
       // HBM roofline of the whole cycle: every forward reads its weights once (draft head + K - 1 steps,
-      // target verify), each row's KV up to its length (mid-phase length), and the logits are written once
-      // and read once by the samplers.
+      // target verify; the LM head as its kernel for the forward's logits rows reads it: `rows` for a draft
+      // forward, rows x (K + 1) for the verify), each row's KV up to its length (mid-phase length), and the
+      // logits are written once and read once by the samplers.
       row.model_name = "smollm2";
       const double length = g_prompt_length + 1 + (kWarmupCycles + 0.5 * o.cycles) * row.tokens_per_cycle;
       const double kv = rows * length *
                         (static_cast<double>(steps) * models.draft_kv_bytes_per_token +
                          static_cast<double>(models.target_kv_bytes_per_token));
-      row.cycle_bytes = static_cast<int64_t>(static_cast<double>(steps) * models.draft_weight_bytes +
-                                             static_cast<double>(models.target_weight_bytes) + kv +
-                                             2.0 * static_cast<double>(row.logits_bytes));
+      const double draft_weights =
+          static_cast<double>(forward_weight_bytes(*models.draft, models.draft_weight_bytes, rows));
+      const double target_weights = static_cast<double>(
+          forward_weight_bytes(*models.target, models.target_weight_bytes, rows * (steps + 1)));
+      row.cycle_bytes = static_cast<int64_t>(static_cast<double>(steps) * draft_weights + target_weights +
+                                             kv + 2.0 * static_cast<double>(row.logits_bytes));
       row.roofline_us = static_cast<double>(row.cycle_bytes) / (env.copy_gbs * 1e3);
     }
     row.valid = check.ok;
