@@ -461,7 +461,10 @@ constexpr int kPerQueryBlocksPerSm = 3;
 constexpr int kGroupedMinWaves = 1;
 /// Waves of per-query blocks a split-KV launch may take (attention()).
 constexpr int kSplitBlockWaves = 2;
-/// Waves of grouped blocks (two an SM for heads of up to 64 dimensions, one for larger) a split-KV launch of
+/// Grouped blocks an SM for heads of up to kSmallHeadDim dimensions (their launch bound; one for larger
+/// heads).
+constexpr int kGroupedSmallHeadBlocksPerSm = 2;
+/// Waves of grouped blocks (kGroupedSmallHeadBlocksPerSm an SM, or one for larger heads) a split-KV launch of
 /// grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: on an H100, 4 waves give SmolLM2's
 /// 64-row decodes up to 5 blocks a group, as many as the row has splits, and gained; 2 waves gave 2 and
 /// lost).
@@ -506,7 +509,7 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // 37,294-37,344 at 8,000; from 32-token prompts (one split) unchanged. Two waves (2 blocks a group at 2,048)
 // lost: 14,283-14,290.
 template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
-__global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGroupedSmallHeadBlocksPerSm : 1)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
   static_assert(QB >= 1 && QB <= kQueryBatch, "a batch fits the token states' shared memory");
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
@@ -929,6 +932,19 @@ template <bool SPLIT, int QB> auto grouped_kernel(bool small, bool exact_small, 
                               : LlamaGroupedAttentionKernel<kLlamaMaxHeadDim, false, SPLIT, QB>);
 }
 
+/// Blocks a split-KV launch gives each of its `units` (a (token, head) of per-query blocks, a (row, group, KV
+/// head) of grouped ones): as many as `block_budget` blocks hold, at most max_splits; 1 (every split of a
+/// unit in one block) without the workspace, for rows of one split, for launches of more than
+/// kAttentionSplitMaxTokens tokens (the workspace holds that many), or where fewer than 2 fit. The bits are
+/// the same for any count (the kernels say why).
+int split_blocks_for(const AttentionArgs& a, bool split, int64_t units, int64_t block_budget) {
+  if (!split || a.split_states == nullptr || a.max_splits < 2 ||
+      static_cast<int64_t>(a.rows) * a.tokens_per_row > kAttentionSplitMaxTokens)
+    return 1;
+  const int64_t blocks = std::min<int64_t>(a.max_splits, block_budget / units);
+  return blocks < 2 ? 1 : static_cast<int>(blocks);
+}
+
 } // namespace
 
 void prepare_attention(int head_dim) {
@@ -989,15 +1005,9 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
     // past a token's splits returns at once; the bits are the same for any split_blocks (the kernel says
     // why).
     AttentionArgs launch = a;
-    launch.split_blocks = 1;
-    if (split && a.split_states != nullptr && a.max_splits > 1 &&
-        per_query_blocks <= kAttentionSplitMaxTokens * a.heads) {
-      const int64_t budget =
-          int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm * current_device_info().multiprocessors;
-      launch.split_blocks = static_cast<int>(std::min<int64_t>(a.max_splits, budget / per_query_blocks));
-      if (launch.split_blocks < 2)
-        launch.split_blocks = 1;
-    }
+    launch.split_blocks = split_blocks_for(a, split, per_query_blocks,
+                                           int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm *
+                                               current_device_info().multiprocessors);
     launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads * launch.split_blocks), dim3(kThreads),
                attention_smem_bytes(a.head_dim), stream, launch);
     return;
@@ -1020,16 +1030,10 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // kGroupedSplitBlockWaves waves of grouped blocks (SmolLM2's SMC at 8 requests: 64-row draft steps, 192
   // groups); the same bits for any split_blocks (the kernel says why).
   AttentionArgs launch = a;
-  launch.split_blocks = 1;
-  const int64_t grouped_blocks = static_cast<int64_t>(a.rows) * groups * a.kv_heads;
-  if (split && a.split_states != nullptr && a.max_splits > 1 &&
-      static_cast<int64_t>(a.rows) * a.tokens_per_row <= kAttentionSplitMaxTokens) {
-    const int64_t budget =
-        int64_t{kGroupedSplitBlockWaves} * (small ? 2 : 1) * current_device_info().multiprocessors;
-    launch.split_blocks = static_cast<int>(std::min<int64_t>(a.max_splits, budget / grouped_blocks));
-    if (launch.split_blocks < 2)
-      launch.split_blocks = 1;
-  }
+  launch.split_blocks =
+      split_blocks_for(a, split, static_cast<int64_t>(a.rows) * groups * a.kv_heads,
+                       int64_t{kGroupedSplitBlockWaves} * (small ? kGroupedSmallHeadBlocksPerSm : 1) *
+                           current_device_info().multiprocessors);
   launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads * launch.split_blocks), dim3(kThreads),
              grouped_smem_bytes(a.head_dim, group_queries), stream, launch, group_queries);
 }
