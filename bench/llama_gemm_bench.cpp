@@ -16,8 +16,8 @@
 // bandwidth of the same run, plus one graph node; ours/flr compares the cold time with it.
 //
 // Then the LM head as the forward runs it (llama::LtHead, head 49152 x 576, fp32 logits from fp32 rows, on
-// Q8_0 weights and their bf16 dequantisation, as SmolLM2's file gives them): the int8 head (up to 64
-// tokens) and the bf16 small head (up to 16; both one kernel that normalises the rows itself) against the
+// Q8_0 weights and their bf16 dequantisation, as SmolLM2's file gives them): the int8 head and the
+// bf16 small head (up to 16 tokens each; both one kernel that normalises the rows itself) against the
 // norm kernel plus cuBLASLt's pinned matmul, cold, after checking that they give the same bits (CSV rows with
 // shape "lm_head": smcgraph_cold_us the int8 head, pipelined_cold_us the bf16 small head, cublaslt_cold_us
 // the norm and cuBLASLt, floor_us the int8 head's bytes). Exit status: 0; 1 when any pair disagrees; 2 when

@@ -203,7 +203,7 @@ public:
   /// many tokens add an RMSNorm kernel before each QKV / gate/up GEMM that takes the pipelined tiles.
   int launches_per_forward() const;
   /// The LM head's kernels for `tokens` head rows (rows x tokens_per_row, or rows with last_token_logits):
-  /// "small_q8" (one own kernel over the file's Q8_0 head values, where the file stores the head so, up to 64
+  /// "small_q8" (one own kernel over the file's Q8_0 head values, where the file stores the head so, up to 16
   /// rows), "small" (one own kernel over the bf16 head, up to 16 rows), both with cuBLASLt's bits,
   /// "cublaslt" (a norm kernel and cuBLASLt's matmul) or "own_gemm" (the own GEMM, where cuBLASLt is off or
   /// offers no algorithm). SMCGRAPH_LM_HEAD (read at construction): small_bf16 turns the int8 head off,

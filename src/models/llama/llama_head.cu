@@ -696,15 +696,13 @@ bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
   Impl& m = *impl_;
   if (!m.usable || a.tokens < 1 || a.k != m.hidden || a.logits_cols != m.vocab || a.logits_dtype != m.dtype)
     return false;
-  if (a.tokens <= m.q8_max_tokens) {
+  if (m.small && a.tokens <= kSmallHeadMaxTokens) { // the int8 head only ever serves what the small head does
     SmallHeadArgs s = small_args(a);
-    s.q8 = m.q8;
-    s.q8_scales = m.q8_scales;
+    if (a.tokens <= m.q8_max_tokens) {
+      s.q8 = m.q8;
+      s.q8_scales = m.q8_scales;
+    }
     run_small_head(s, stream);
-    return true;
-  }
-  if (m.small && a.tokens <= kSmallHeadMaxTokens) {
-    run_small_head(small_args(a), stream);
     return true;
   }
   return m.run_cublaslt(a, normed, stream);
@@ -712,17 +710,15 @@ bool LtHead::run(const GemmArgs& a, uint16_t* normed, cudaStream_t stream) {
 
 bool LtHead::small_head_serves(int tokens) const {
   const Impl& m = *impl_;
-  return m.usable && tokens >= 1 && (tokens <= m.q8_max_tokens || (m.small && tokens <= kSmallHeadMaxTokens));
+  return m.usable && m.small && tokens >= 1 && tokens <= kSmallHeadMaxTokens; // the int8 head's too
 }
 
 const char* LtHead::kernel(int tokens) const {
   const Impl& m = *impl_;
   if (!m.usable || tokens < 1)
     return "own_gemm";
-  if (tokens <= m.q8_max_tokens)
-    return "small_q8";
-  if (m.small && tokens <= kSmallHeadMaxTokens)
-    return "small";
+  if (small_head_serves(tokens))
+    return tokens <= m.q8_max_tokens ? "small_q8" : "small";
   return "cublaslt";
 }
 
