@@ -242,8 +242,9 @@ struct Validation {
 
 /// Host two-level Gumbel-max on the logits the device saw (sample.hpp): the sub-tile s (sample_subtile())
 /// with the largest log Z_s - log(-log u_s) (u_s the word of element kTileDrawElement + s), then inside it
-/// the vocab id with the largest alpha l_v / T - log(-log u_v); plus the log-prob of the device's token and
-/// log Z, in double.
+/// the vocab id with the largest alpha l_v / T - log(-log u_v), u_v the word of element kRankDrawElement + j
+/// for v of rank j in the sub-tile (by ascending id); plus the log-prob of the device's token and log Z, in
+/// double.
 void check_row_against_host(const float* row_logits, const Shape& shape, int row, const RowSetup& setup,
                             const HostOutputs& device, Validation& validation) {
   const int request = row / setup.particles_per_request;
@@ -284,10 +285,15 @@ void check_row_against_host(const float* row_logits, const Shape& shape, int row
       static_cast<int>(std::max_element(tile_scores.begin(), tile_scores.end()) - tile_scores.begin());
   double best_score = -std::numeric_limits<double>::infinity();
   int best_token = -1;
+  std::vector<uint64_t> rank_of(shape.vocab, 0); // in its own sub-tile, by ascending id
+  std::vector<uint64_t> next_rank(sub_tiles, 0);
+  for (int v = 0; v < shape.vocab; ++v)
+    rank_of[v] = next_rank[sub_tile_of[v]]++;
+  const auto token_noise = [&](int v) { return noise(smcgraph::kRankDrawElement + rank_of[v]); };
   for (int v = 0; v < shape.vocab; ++v) {
     if (sub_tile_of[v] != best_tile)
       continue;
-    const double score = alpha * row_logits[v] * inverse_t + noise(v);
+    const double score = alpha * row_logits[v] * inverse_t + token_noise(v);
     if (score > best_score) {
       best_score = score;
       best_token = v;
@@ -301,7 +307,7 @@ void check_row_against_host(const float* row_logits, const Shape& shape, int row
     const int token_tile = sub_tile_of[token];
     const double best = token_tile == best_tile ? best_score : tile_scores[best_tile];
     const double gap = token_tile == best_tile
-                           ? best_score - (alpha * row_logits[token] * inverse_t + noise(token))
+                           ? best_score - (alpha * row_logits[token] * inverse_t + token_noise(token))
                            : tile_scores[best_tile] - tile_scores[token_tile];
     const double tie_tolerance = 1e-3 + 1e-5 * std::abs(best);
     if (gap <= tie_tolerance) {

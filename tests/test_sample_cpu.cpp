@@ -285,7 +285,8 @@ TEST_CASE("reference sampler: the two-level race follows softmax(alpha l / T) wh
   }
 }
 
-TEST_CASE("reference sampler: the sub-tile draw is element kTileDrawElement + s, the token draw element v") {
+TEST_CASE("reference sampler: the sub-tile draw is element kTileDrawElement + s, the token draw element "
+          "kRankDrawElement + its rank in the sub-tile") {
   smcgraph::test::Rng rng;
   INFO("seed " << rng.seed());
   // Tiles of 12 as 6 vectors of 2, 2 threads of one lane: sub-tiles {0, 1, 4, 5, 8, 9} and
@@ -325,15 +326,18 @@ TEST_CASE("reference sampler: the sub-tile draw is element kTileDrawElement + s,
       CHECK(result.tile == best_sub_tile / 2);
       CHECK(result.token == chosen[best_sub_tile]);
     }
-    // One finite sub-tile of equal logits: the member with the largest uniform of its own vocab id wins.
+    // One finite sub-tile of equal logits: the member with the largest uniform of its rank in the sub-tile
+    // (its index in members[s], which ascends) wins.
     const int s = static_cast<int>(rng.integer(0, sub_tiles - 1));
     std::fill(logits.begin(), logits.end(), kNegativeInfinity);
-    int best_token = members[s][0];
-    for (int v : members[s]) {
-      logits[v] = -0.5f;
-      if (uniform(seed, v, counter, particle) > uniform(seed, best_token, counter, particle))
-        best_token = v;
+    size_t best_rank = 0;
+    for (size_t j = 0; j < members[s].size(); ++j) {
+      logits[members[s][j]] = -0.5f;
+      if (uniform(seed, smcgraph::kRankDrawElement + j, counter, particle) >
+          uniform(seed, smcgraph::kRankDrawElement + best_rank, counter, particle))
+        best_rank = j;
     }
+    const int best_token = members[s][best_rank];
     result = smcgraph::reference::sample(logits.data(), vocab, layout, 1.3f, 2.0f, seed, counter, particle,
                                          stream_word);
     CHECK(result.sub_tile == s);

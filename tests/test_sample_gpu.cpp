@@ -484,7 +484,8 @@ TEST_CASE("two-level race: chi-square over 10^6 draws with the mass in one sub-t
   }
 }
 
-TEST_CASE("two-level race: the sub-tile draw is element kTileDrawElement + s, the token draws element v") {
+TEST_CASE("two-level race: the sub-tile draw is element kTileDrawElement + s, the token draws element "
+          "kRankDrawElement + its rank in the sub-tile") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
@@ -520,15 +521,18 @@ TEST_CASE("two-level race: the sub-tile draw is element kTileDrawElement + s, th
         }
         expected[r] = chosen[best];
       } else {
-        // One finite sub-tile of equal logits: the member with the largest uniform of its own element wins
-        // (the device races it over all 256 threads; ties go to the smaller id).
+        // One finite sub-tile of equal logits: the member with the largest uniform of its rank draw wins (its
+        // rank: its index in members[s], which ascends; the device races it over all 256 threads, ties to the
+        // smaller id).
         const int s = static_cast<int>(rng.integer(0, sub_tiles - 1));
-        expected[r] = members[s][0];
-        for (int v : members[s]) {
-          logits[v] = -0.75f;
-          if (uniform(batch, r, v) > uniform(batch, r, expected[r]))
-            expected[r] = v;
+        size_t best_rank = 0;
+        for (size_t j = 0; j < members[s].size(); ++j) {
+          logits[members[s][j]] = -0.75f;
+          if (uniform(batch, r, smcgraph::kRankDrawElement + j) >
+              uniform(batch, r, smcgraph::kRankDrawElement + best_rank))
+            best_rank = j;
         }
+        expected[r] = members[s][best_rank];
       }
     }
     DeviceBatch device(batch);

@@ -9,16 +9,17 @@
 //               salt << 24 | step }                  (c.w: which draw of the cycle)
 //   word    = element % 4
 //
-// The sampler's two-level race (sample.hpp) draws, under one (c.y, c.z, c.w), one word per vocab id v
-// (element = v, so c.x < 2^31) and one word per sub-tile t of the row (sample_subtile(); element =
-// kTileDrawElement + t, so c.x = 2^31 | t / 4): the high bit of c.x keeps the tile draws apart from the vocab
-// draws.
+// The sampler's two-level race (sample.hpp) draws, under one (c.y, c.z, c.w), one word per sub-tile t of the
+// row (sample_subtile(); element = kTileDrawElement + t, so c.x = 2^31 | t / 4) and one word per rank j
+// inside the winning sub-tile (element = kRankDrawElement + j, so c.x = 2^31 | 2^30 | j / 4). Other draws of
+// one value per vocab id (the stochastic verifier, verify.hpp) use element = v, so c.x < 2^31: the top two
+// bits of c.x keep the three kinds apart.
 //
-// Limits: vocab ids < 2^33 (and tiles < 2^33); 2^32 cycles per request before the draw counter wraps (a
-// wrap would repeat numbers: at 10^4 cycles/s that is 5 days of one request); particles < 2^32; steps
-// < 2^24, 255 salts.
-// Distinct (salt, step) pairs keep the draws of one cycle apart, the draw counter keeps cycles apart,
-// the particle keeps particles apart and the key keeps requests apart: no two draws share a counter.
+// Limits: vocab ids < 2^33, sub-tiles and ranks < 2^32; 2^32 cycles per request before the draw counter wraps
+// (a wrap would repeat numbers: at 10^4 cycles/s that is 5 days of one request); particles < 2^32; steps <
+// 2^24, 255 salts. Distinct (salt, step) pairs keep the draws of one cycle apart, the draw counter keeps
+// cycles apart, the particle keeps particles apart and the key keeps requests apart: no two draws share a
+// counter.
 //
 // Device code calls cuRAND's curand_Philox4x32_10 (see src/kernels/random.cuh); the host
 // implementation below is bit-for-bit the same function (tests compare them, and check the Random123
@@ -78,10 +79,16 @@ inline PhiloxKey philox_key(uint64_t seed) {
   return {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
 }
 
-/// Element id of the first tile draw of the two-level sampler: sub-tile t draws the word of element
+/// Element id of the first tile draw of the two-level sampler: sub-tile t (< 2^32) draws the word of element
 /// kTileDrawElement + t (counter word c.x = 2^31 | t / 4, word t % 4). Vocab ids stay below it.
 inline constexpr uint64_t kTileDrawElement = uint64_t{1} << 33;
 static_assert((kTileDrawElement >> 2) == 0x80000000u, "tile draws own the high bit of counter word c.x");
+
+/// Element id of the first rank draw of the two-level sampler's second level: the element of rank j (< 2^32;
+/// its place by ascending vocab id) inside the winning sub-tile draws the word of element kRankDrawElement +
+/// j (counter word c.x = 2^31 | 2^30 | j / 4, word j % 4), whichever sub-tile won. Tile draws stay below it.
+inline constexpr uint64_t kRankDrawElement = kTileDrawElement + (uint64_t{1} << 32);
+static_assert((kRankDrawElement >> 2) == 0xC0000000u, "rank draws own the top two bits of counter word c.x");
 
 /// The word smcgraph draws for (seed, element, draw counter, particle, stream) per the layout above.
 inline uint32_t philox_word(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,

@@ -9,9 +9,11 @@
 //   1. a sub-tile s by Gumbel-max over log Z_s, Z_s = sum over sub-tile s of exp(alpha l_v / T), one Philox
 //      word per sub-tile (philox.hpp: element kTileDrawElement + s, s numbered over the row);
 //   2. the token inside sub-tile s by Gumbel-max over alpha l_v / T of that sub-tile alone, one Philox word
-//      per element (element v), after re-reading the sub-tile (from L2; 1024 bf16 / 512 fp32 logits).
+//      per element by its rank j in the sub-tile (element kRankDrawElement + j, j by ascending vocab id),
+//      after re-reading the sub-tile (from L2; 1024 bf16 / 512 fp32 logits).
 // Exactness: P(s) = Z_s / Z and P(v | s) = exp(alpha l_v / T) / Z_s, because the sub-tile noises and the
-// element noises are distinct Philox words and so independent; the product is exp(alpha l_v / T) / Z, exactly
+// rank noises are distinct Philox words and so independent (the rank noises do not depend on which sub-tile
+// won, so the device draws them before it knows); the product is exp(alpha l_v / T) / Z, exactly
 // softmax(alpha l / T), the law of a single Gumbel-max over the row. Any partition of the row into sub-tiles
 // gives this law; the sampler's own (fixed per dtype) only decides which token a given key draws.
 // Per-element random numbers are drawn for one sub-tile only, so the pass is bound by bytes, not by Philox.
@@ -119,8 +121,8 @@ private:
 
 /// Samples one token per row from softmax(alpha * logits / T) by the two-level Gumbel-max above, with keyed
 /// noise (stream = the counter word w, see philox_stream): sub-tile s (sample_subtile()) draws the word of
-/// element kTileDrawElement + s, vocab id v the word of element v, both under (seed, draw counter, particle,
-/// w).
+/// element kTileDrawElement + s, and the token of rank j in the winning sub-tile (by ascending vocab id) the
+/// word of element kRankDrawElement + j, both under (seed, draw counter, particle, w).
 /// T = 0 is greedy (argmax, ties to the smallest id). Never allocates or synchronizes: capturable.
 void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
             const SampleOutputs& out, SampleWorkspace& workspace, cudaStream_t stream);

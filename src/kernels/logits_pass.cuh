@@ -15,25 +15,30 @@
 //
 //   1. sub-tile: s* = argmax_s log Z_s + G_s, where Z_s = sum over sub-tile s of exp(alpha l_v / T) and G_s
 //             is Gumbel noise from the tile draw of s (philox.hpp: element kTileDrawElement + s, s the
-//             sub-tile's index over the row). In base 2 and ratio-free form:
-//             argmax_s alpha (m_s - M) c + log2(sum_s) - log2(-log2 u_s), M the row max. One Philox word
-//             per sub-tile; sub-tiles that are entirely -inf (Z_s = 0), or empty, never win.
+//             sub-tile's index over the row). In base 2, up to an offset common to the row, and in double:
+//             argmax_s alpha m_s c + log2(sum_s) - log2(-log2 u_s) (offer_subtile). One Philox word per
+//             sub-tile; sub-tiles that are entirely -inf (Z_s = 0), or empty, never win. The key needs no
+//             row max, so this race is reduced in the same block reduction as the row's merged state.
 //   2. token: the last CTA re-reads sub-tile s* (an L2 hit: its CTA read it moments ago with L2's normal
 //             eviction policy), spread over all 256 threads (two per vector for fp32 and bf16), and runs
 //             the per-element race over it alone: argmax_v e_v / E_v with e_v = 2^(alpha (l_v - m_s*) c)
-//             and E_v = -log2 u_v, u_v from the vocab draw of v (element v), which is Gumbel-max over
-//             alpha l_v / T in ratio form (no division: fractions are compared by cross-multiplication).
-//             Ties go to the smallest vocab id.
+//             and E_v = -log2 u_v, u_v from the rank draw of v (element kRankDrawElement + j, j the rank of
+//             v in s* by ascending vocab id), which is Gumbel-max over alpha l_v / T in ratio form (no
+//             division: fractions are compared by cross-multiplication, across threads too). Ties go to the
+//             smallest vocab id. The rank draws do not depend on which sub-tile wins, so a CTA draws its
+//             share of them (draw_race_noise) before it knows: while its logits load (launches of up to a
+//             wave), or while the sub-tile states load.
 //
-// Exactness: the sub-tile draws and the vocab draws are distinct Philox words (c.x < 2^31 for vocab ids,
-// 2^31 | s / 4 for sub-tiles), so the noises are independent. Gumbel-max over the sub-tiles picks s with
-// probability Z_s / Z, and Gumbel-max inside s picks v with probability exp(alpha l_v / T) / Z_s,
-// independently of which noises decided the sub-tile; the product is exp(alpha l_v / T) / Z =
-// softmax(alpha l / T)_v, the same law as one Gumbel-max over the whole row. The sub-tiles only need to
-// partition the row (they need not be contiguous), so each is exactly the set of elements one warp folded.
-// Only the winning sub-tile draws per-element numbers (4 bf16 / 2 fp32 per thread), so the first read of the
-// logits is bound by bytes, and the last CTA's serial tail is short. A one-tile row (V <= one tile) runs the
-// same two levels over its 8 sub-tiles, from shared memory instead of the workspace.
+// Exactness: the sub-tile draws and the rank draws are distinct Philox words (c.x = 2^31 | s / 4 for
+// sub-tiles, 2^31 | 2^30 | j / 4 for ranks), so the noises are independent. Gumbel-max over the sub-tiles
+// picks s with probability Z_s / Z. Given s, the rank draws are i.i.d. and independent of the sub-tile draws
+// that decided s, so Gumbel-max inside s picks v with probability exp(alpha l_v / T) / Z_s; the product is
+// exp(alpha l_v / T) / Z = softmax(alpha l / T)_v, the same law as one Gumbel-max over the whole row. The
+// sub-tiles only need to partition the row (they need not be contiguous), so each is exactly the set of
+// elements one warp folded. Only the winning sub-tile's ranks get per-element numbers (4 bf16 / 2 fp32 per
+// thread), so the first read of the logits is bound by bytes, and the last CTA's serial tail is short. A
+// one-tile row (V <= one tile) runs the same two levels over its 8 sub-tiles, from shared memory instead of
+// the workspace.
 //
 // The host reference (tests/reference/sample_ref.cpp) runs the same two levels with the same Philox words
 // over the same sub-tiles.
@@ -103,22 +108,19 @@ __device__ __forceinline__ PassState empty_state() {
   return PassState{-INFINITY, 0.0f, 0.0f, -1, 0u};
 }
 
-/// A race's standing across threads: key = log2 of the best ratio e / E (element race) or the tile key
-/// (tile race), the winner's raw logit and its index (vocab id or tile); index -1 and key -inf when none.
-struct RaceBest {
-  float key;
-  float logit;
+/// The sub-tile race's standing across threads: the key of the best sub-tile (choose_subtile), its max raw
+/// logit and its index over the row; index -1 and key -inf when none.
+struct SubtileBest {
+  double key;
+  float max;
   int index;
 };
 
-/// The better of two race standings: the larger key, ties to the smaller index.
-struct RaceBestOp {
-  __device__ __forceinline__ RaceBest operator()(const RaceBest& a, const RaceBest& b) const {
-    const bool take_b =
-        b.index >= 0 && (a.index < 0 || b.key > a.key || (b.key == a.key && b.index < a.index));
-    return take_b ? b : a;
-  }
-};
+/// The better of two sub-tile standings: the larger key, ties to the smaller index.
+__device__ __forceinline__ SubtileBest better_subtile(const SubtileBest& a, const SubtileBest& b) {
+  const bool take_b = b.index >= 0 && (a.index < 0 || b.key > a.key || (b.key == a.key && b.index < a.index));
+  return take_b ? b : a;
+}
 
 template <DType DTYPE> struct DTypeTraits;
 template <> struct DTypeTraits<DType::kFloat32> {
@@ -241,38 +243,22 @@ struct RaceState {
   int index;         ///< -1 when none
 };
 
-/// Races up to N consecutive logits starting at vocab id `first` into `state`. N is 1, 2, 4 or 8 and `first`
-/// a multiple of N (of 4 when N = 8), so the N elements lie in N / 4 whole Philox groups (N >= 4) or inside
-/// one (N < 4). The Philox words, the exponentials and the logs are independent across the N elements; a
-/// fixed pairwise tree picks the chunk's best, which then meets the running best.
+/// Races up to N consecutive logits starting at vocab id `first` into `state`, element i against its noise
+/// E_i = noise[i] (draw_race_noise). A fixed pairwise tree picks the chunk's best, which then meets the
+/// running best. Masked (and missing) elements have e = 0: they never beat anything, and the sub-tile max (e
+/// = 1) is always a candidate.
 template <int N>
-__device__ __forceinline__ void race_chunk(RaceState& state, const float (&logits)[N], int first, int count,
-                                           const JobContext& job, float tile_max, float power_c) {
+__device__ __forceinline__ void race_chunk(RaceState& state, const float (&logits)[N],
+                                           const float (&noise)[N], int first, int count, float tile_max,
+                                           float power_c) {
   static_assert(N == 1 || N == 2 || N == 4 || N == 8, "a race chunk is 1, 2, 4 or 8 logits");
-  constexpr int kGroups = (N + 3) / 4;
-  uint4 groups[kGroups];
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) // issued first: independent of everything below
-    groups[g] = device::philox_group(job.seed, static_cast<uint32_t>((first >> 2) + g), job.draw_counter,
-                                     job.particle, job.stream_word);
-  uint32_t words[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if constexpr (N >= 4)
-      words[i] = device::group_word(groups[i / 4], static_cast<uint32_t>(i % 4));
-    else // a part of one group: its words start at first % 4
-      words[i] = device::group_word(groups[0], static_cast<uint32_t>((first & 3) + i));
-  }
-  // Ratios e / E, E = -log2 u. log2f, not lg2.approx: winners have u near 1 where the approximation's
-  // 2^-22 absolute error is a large relative error of E. Masked (and missing) elements have e = 0: they
-  // never beat anything, and the sub-tile max (e = 1) is always a candidate.
   float numerator[N], denominator[N], logit[N];
   int index[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     logit[i] = i < count ? logits[i] : -INFINITY;
     numerator[i] = fast_exp2((logit[i] - tile_max) * power_c);
-    denominator[i] = -log2f(device::uniform_open01(words[i]));
+    denominator[i] = noise[i];
     index[i] = first + i;
   }
 #pragma unroll
@@ -293,6 +279,16 @@ __device__ __forceinline__ void race_chunk(RaceState& state, const float (&logit
     state.index = index[0];
   }
 }
+
+/// The better of two element-race standings (a thread's best, then the CTA's): the larger ratio e / E by
+/// cross-multiplication, ties to the smaller vocab id; index -1 when none.
+struct RaceStateOp {
+  __device__ __forceinline__ RaceState operator()(const RaceState& a, const RaceState& b) const {
+    const float lhs = b.numerator * a.denominator, rhs = a.numerator * b.denominator;
+    const bool take_b = b.index >= 0 && (a.index < 0 || lhs > rhs || (lhs == rhs && b.index < a.index));
+    return take_b ? b : a;
+  }
+};
 
 /// Merges b into a (order-independent up to rounding; greedy ties go to the smaller vocab id).
 template <PassMode MODE>
@@ -530,21 +526,56 @@ __device__ __forceinline__ void load_run(const typename DTypeTraits<DTYPE>::Scal
   }
 }
 
+/// The element race's noise of this thread: E = -log2 u for each element of its runs of the winning sub-tile
+/// (race_runs: run t + 256 i of kRaceRun elements, i < kRunsPerThread), u from the rank draw of the element's
+/// rank inside the sub-tile (philox.hpp, kRankDrawElement), not from its vocab id. It depends on the job's
+/// keys alone, not on which sub-tile wins, so a CTA can draw it before the race (early: while its logits
+/// load) and the serial tail keeps only the exponentials and the comparisons. log2f, not lg2.approx: winners
+/// have u near 1 where the approximation's 2^-22 absolute error is a large relative error of E.
+template <DType DTYPE> struct RaceNoise {
+  static constexpr int kRun = kRaceRun<DTYPE>;
+  static constexpr int kRuns = kSubTileLength<DTYPE> / kRun;
+  static constexpr int kRunsPerThread = (kRuns + kPassThreads - 1) / kPassThreads;
+  float denominator[kRunsPerThread][kRun];
+};
+
+template <DType DTYPE> __device__ __forceinline__ RaceNoise<DTYPE> draw_race_noise(const JobContext& job) {
+  using Noise = RaceNoise<DTYPE>;
+  constexpr int kRun = Noise::kRun;
+  static_assert(kRun <= 4 && 4 % kRun == 0, "a run's ranks lie in one Philox group");
+  Noise noise;
+#pragma unroll
+  for (int i = 0; i < Noise::kRunsPerThread; ++i) {
+    // The run's first rank: its elements are ranks run * kRun .. run * kRun + kRun - 1 of the sub-tile.
+    const uint32_t rank = static_cast<uint32_t>((static_cast<int>(threadIdx.x) + i * kPassThreads) * kRun);
+    const uint4 group =
+        device::philox_rank_group(job.seed, rank >> 2, job.draw_counter, job.particle, job.stream_word);
+#pragma unroll
+    for (int e = 0; e < kRun; ++e)
+      noise.denominator[i][e] =
+          -log2f(device::uniform_open01(device::group_word(group, (rank & 3u) + static_cast<uint32_t>(e))));
+  }
+  return noise;
+}
+
 /// The element race over sub-tile `warp` of the tile starting at vocab id `tile_begin` (max tile_max): this
-/// thread's best, as a key log2(e / E). The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (tile
-/// vector k * 256 + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256,
-/// ... (one run per thread at the default tiling). Runs ascend with vocab ids, so "strictly better" keeps
-/// ties at the smaller id here as in the reduction across threads. power_c = alpha c (c when alpha = 1).
-/// load_run_at(first, vector, offset, count, values) gives a run's logits: vocab ids first .. first + count,
-/// at element `offset` of the tile's vector `vector` (missing ones -inf).
+/// thread's best ratio e / E. The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (tile vector k *
+/// 256
+/// + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256, ... (one run
+/// per thread at the default tiling). Run `run` holds ranks run * kRaceRun .. of the sub-tile (runs ascend
+/// with vocab ids), whose noise the thread drew in `noise`. "Strictly better" keeps ties at the smaller id
+/// here as in the reduction across threads. power_c = alpha c (c when alpha = 1). load_run_at(first, vector,
+/// offset, count, values) gives a run's logits: vocab ids first .. first + count, at element `offset` of the
+/// tile's vector `vector` (missing ones -inf).
 template <DType DTYPE, class LoadRun>
-__device__ __forceinline__ RaceBest race_runs(const LoadRun& load_run_at, int vocab, int tile_begin, int warp,
-                                              const JobContext& job, float tile_max, float power_c) {
+__device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int vocab, int tile_begin,
+                                               int warp, const RaceNoise<DTYPE>& noise, float tile_max,
+                                               float power_c) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   constexpr int kRun = kRaceRun<DTYPE>;
   constexpr int kRunsPerVector = kPerVector / kRun;
-  constexpr int kRuns = kSubTileLength<DTYPE> / kRun;
-  constexpr int kRunsPerThread = (kRuns + kPassThreads - 1) / kPassThreads;
+  constexpr int kRuns = RaceNoise<DTYPE>::kRuns;
+  constexpr int kRunsPerThread = RaceNoise<DTYPE>::kRunsPerThread;
   RaceState state{0.0f, 1.0f, -INFINITY, -1};
 #pragma unroll
   for (int i = 0; i < kRunsPerThread; ++i) {
@@ -560,32 +591,31 @@ __device__ __forceinline__ RaceBest race_runs(const LoadRun& load_run_at, int vo
       continue;
     float values[kRun];
     load_run_at(first, vector, offset, count, values);
-    race_chunk<kRun>(state, values, first, count, job, tile_max, power_c);
+    race_chunk<kRun>(state, values, noise.denominator[i], first, count, tile_max, power_c);
   }
-  if (state.index < 0)
-    return RaceBest{-INFINITY, -INFINITY, -1};
-  return RaceBest{log2f(state.numerator) - log2f(state.denominator), state.logit, state.index};
+  return state;
 }
 
 /// The element race over the row in global memory (ticket mode: the re-read from L2).
 template <DType DTYPE>
-__device__ __forceinline__ RaceBest race_subtile(const typename DTypeTraits<DTYPE>::Scalar* row, int vocab,
-                                                 int tile_begin, int warp, bool aligned,
-                                                 const JobContext& job, float tile_max, float power_c) {
+__device__ __forceinline__ RaceState race_subtile(const typename DTypeTraits<DTYPE>::Scalar* row, int vocab,
+                                                  int tile_begin, int warp, bool aligned,
+                                                  const RaceNoise<DTYPE>& noise, float tile_max,
+                                                  float power_c) {
   constexpr int kRun = kRaceRun<DTYPE>;
   const auto load = [&](int first, int, int, int count, float(&values)[kRun]) {
     load_run<DTYPE, kRun>(row, first, count, aligned, values);
   };
-  return race_runs<DTYPE>(load, vocab, tile_begin, warp, job, tile_max, power_c);
+  return race_runs<DTYPE>(load, vocab, tile_begin, warp, noise, tile_max, power_c);
 }
 
 /// The element race over this CTA's shared copy of its tile (cluster mode: the CTA owns the winning
 /// sub-tile): the same runs, threads and arithmetic, so the same winner. `tile` holds the tile's vectors in
 /// order, the elements past the end of the row as -inf (load_vector's fill, or a whole -inf vector).
 template <DType DTYPE>
-__device__ __forceinline__ RaceBest race_subtile_shared(const uint4* tile, int vocab, int tile_begin,
-                                                        int warp, const JobContext& job, float tile_max,
-                                                        float power_c) {
+__device__ __forceinline__ RaceState race_subtile_shared(const uint4* tile, int vocab, int tile_begin,
+                                                         int warp, const RaceNoise<DTYPE>& noise,
+                                                         float tile_max, float power_c) {
   constexpr int kRun = kRaceRun<DTYPE>;
   constexpr int kElementsPerWord = DTYPE == DType::kFloat32 ? 1 : 2;
   const auto load = [&](int, int vector, int offset, int, float(&values)[kRun]) {
@@ -599,7 +629,7 @@ __device__ __forceinline__ RaceBest race_subtile_shared(const uint4* tile, int v
       values[e] = element_to_float<DTYPE>(kElementsPerWord == 1 ? word : word >> (16 * (element % 2)));
     }
   };
-  return race_runs<DTYPE>(load, vocab, tile_begin, warp, job, tile_max, power_c);
+  return race_runs<DTYPE>(load, vocab, tile_begin, warp, noise, tile_max, power_c);
 }
 
 /// Cluster mode's limits (the launcher also checks that the device schedules the cluster): at most 8 tiles a
@@ -654,35 +684,45 @@ struct SubTileStates {
   }
 };
 
-/// This thread's best sub-tile of a job (it looks at sub-tiles threadIdx.x, + 256, ...; `mine` is the state
-/// of sub-tile threadIdx.x, already loaded): key = log2 Z_s relative to the row max M (alpha (m_s - M) c +
-/// log2 sum_s) minus log2 E_s, E_s = -log2 u_s from the tile draw of s (element kTileDrawElement + s).
-/// Sub-tiles that are entirely -inf or empty (Z_s = 0) never win.
-/// log2 E_s of sub-tile s's tile draw (E_s = -log2 u_s): the noise term of its key in choose_subtile.
+/// log2 E_s of sub-tile s's tile draw (E_s = -log2 u_s, element kTileDrawElement + s): the noise term of its
+/// key in offer_subtile.
 __device__ __forceinline__ float subtile_noise(const JobContext& job, int s) {
   const uint32_t word = device::philox_tile_word(job.seed, static_cast<uint32_t>(s), job.draw_counter,
                                                  job.particle, job.stream_word);
   return log2f(-log2f(device::uniform_open01(word)));
 }
 
-/// `mine_noise` is subtile_noise(job, threadIdx.x), which the caller computed while the states were loading.
+/// Offers sub-tile s (state `sub`, noise log2 E_s) to this thread's sub-tile race; a thread offers its
+/// sub-tiles in ascending order, so ties keep the first. The key is log2 Z_s up to an offset common to the
+/// row, minus log2 E_s: m_s alpha c + log2 sum_s - log2 E_s (alpha c = power_c), in double, so m_s alpha c
+/// loses nothing to rounding at any scale of the logits. It does not subtract the row max M as
+/// log Z_s = (m_s - M) alpha c + log2 sum_s + M alpha c would: M is common to every sub-tile, so the winner
+/// is the same without it, and the race can run beside the row's merge (one block reduction for both).
+/// Sub-tiles that are entirely -inf or empty (Z_s = 0) never win.
 template <PassMode MODE>
-__device__ __forceinline__ RaceBest choose_subtile(const SubTileStates& subtiles, const PassState& mine,
-                                                   float mine_noise, int count, float row_max,
-                                                   const JobContext& job, float power_c) {
-  RaceBest best{-INFINITY, -INFINITY, -1};
-  for (int s = threadIdx.x; s < count; s += kPassThreads) { // ascending: ties keep the first
-    const bool own = s == static_cast<int>(threadIdx.x);
-    const PassState sub = own ? mine : subtiles.load(s);
-    if (sub.max == -INFINITY)
-      continue;
-    const float sum = MODE == PassMode::kRacePower ? sub.sum_power : sub.sum;
-    const float key = (sub.max - row_max) * power_c + log2f(sum) - (own ? mine_noise : subtile_noise(job, s));
-    if (best.index < 0 || key > best.key)
-      best = RaceBest{key, sub.max, s};
-  }
-  return best;
+__device__ __forceinline__ void offer_subtile(SubtileBest& best, const PassState& sub, float noise, int s,
+                                              float power_c) {
+  if (sub.max == -INFINITY)
+    return;
+  const float sum = MODE == PassMode::kRacePower ? sub.sum_power : sub.sum;
+  const double key = fma(static_cast<double>(sub.max), static_cast<double>(power_c),
+                         static_cast<double>(log2f(sum) - noise));
+  if (best.index < 0 || key > best.key)
+    best = SubtileBest{key, sub.max, s};
 }
+
+/// A job's merged state and its sub-tile race's standing, reduced together across the CTA.
+struct RowStanding {
+  PassState state;
+  SubtileBest subtile;
+};
+
+template <PassMode MODE> struct RowStandingOp {
+  float c, alpha;
+  __device__ __forceinline__ RowStanding operator()(const RowStanding& a, const RowStanding& b) const {
+    return RowStanding{merge_states<MODE>(a.state, b.state, c, alpha), better_subtile(a.subtile, b.subtile)};
+  }
+};
 
 /// Arguments of the pass kernel (launch arguments: fixed for the life of a captured graph).
 struct PassArgs {
@@ -706,6 +746,10 @@ struct PassArgs {
   // set by launch_logits_pass
   int splits{};   ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
   bool cluster{}; ///< a job's CTAs are one thread-block cluster (splits > 1; header comment)
+  /// Every CTA of a sampling job draws its element-race noise (draw_race_noise) while its logits load, not
+  /// only the job's last CTA after the merge: for launches of at most one wave, where the other CTAs' draws
+  /// cost nothing and the last CTA's tail gets shorter. The same numbers either way.
+  bool early_noise{};
   /// splits * kSubTiles sub-tile states per job: sub-tile s (over the row) of job j at j * splits * 8 + s
   PassState* partials{};
   uint32_t* tickets{};
@@ -725,8 +769,6 @@ template <DType DTYPE, PassMode MODE>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
                         uint32_t param_flags, uint4* tile_copy) {
-  using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
-  __shared__ typename BlockReduce::TempStorage reduce_storage;
   __shared__ PassState warp_states[kSubTiles]; // a one-tile or cluster job's sub-tile states
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -741,9 +783,15 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
           tile.count[u] > 0 ? tile.raw[u] : make_uint4(fill, fill, fill, fill);
     }
   }
+  // The element race's noise: drawn here, while the tile's loads are in flight, in launches of at most a
+  // wave; after the merge, by the CTAs that race, otherwise (PassArgs::early_noise).
+  RaceNoise<DTYPE> noise;
+  if constexpr (kRaces) {
+    if (args.early_noise)
+      noise = draw_race_noise<DTYPE>(job);
+  }
 
   PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
-  const MergeOp<MODE> merge{job.c, job.alpha};
   // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
   state = warp_merge<MODE>(state, job.c, job.alpha);
 
@@ -770,62 +818,68 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   // reduction), the same whatever else the launch holds.
   const int thread = static_cast<int>(threadIdx.x);
   const PassState mine = thread < subtile_count ? states.load(thread) : empty_state();
-  // The noise of this thread's sub-tile depends only on the job's keys: its Philox call and logs run while
-  // the states load (from L2 or a peer), off the serial tail after the reductions.
-  float mine_noise = 0.0f;
-  if constexpr (kRaces) {
-    if (thread < subtile_count)
-      mine_noise = subtile_noise(job, thread);
-  }
-  state = mine;
-  for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
-    state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
-  state = BlockReduce(reduce_storage).Reduce(state, merge);
   static_assert(kMaxClusterTiles * kSubTiles <= kPassThreads, "a cluster job's sub-tiles: one per thread");
-  // choose_subtile below reads only `mine` (subtile_count <= kMaxClusterTiles * kSubTiles <= kPassThreads),
-  // and the reduction has consumed every loaded state, so the peers' shared memory is no longer needed: they
-  // may leave once every CTA has arrived here.
-  if (cluster)
-    cluster_arrive();
   bool writer = !cluster || place.split == 0; // the CTA that writes the job's outputs
-
-  // Sampling: the two-level race (header comment). Every thread takes part, so the row's merged state
-  // goes through shared memory first.
-  RaceBest winner{-INFINITY, -INFINITY, -1};
-  if constexpr (MODE == PassMode::kRace || MODE == PassMode::kRacePower) {
-    using RaceReduce = cub::BlockReduce<RaceBest, kPassThreads>;
-    __shared__ typename RaceReduce::TempStorage race_storage;
-    __shared__ PassState row_state;
-    __shared__ RaceBest subtile_winner;
+  RaceState winner{0.0f, 1.0f, -INFINITY, -1};
+  if constexpr (kRaces) {
+    // Sampling: the row's merge and the sub-tile race (offer_subtile) in one block reduction, then the
+    // element race over the winning sub-tile (header comment). The noises depend only on the job's keys:
+    // the Philox calls and logs run while the states load (from L2 or a peer), off the serial tail.
+    const float mine_noise = thread < subtile_count ? subtile_noise(job, thread) : 0.0f;
+    if (!args.early_noise)
+      noise = draw_race_noise<DTYPE>(job);
+    const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
+    SubtileBest subtile{-INFINITY, -INFINITY, -1};
+    if (thread < subtile_count)
+      offer_subtile<MODE>(subtile, mine, mine_noise, thread, power_c);
+    state = mine;
+    for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads) { // ascending
+      const PassState sub = states.load(s);
+      state = merge_states<MODE>(state, sub, job.c, job.alpha);
+      offer_subtile<MODE>(subtile, sub, subtile_noise(job, s), s, power_c);
+    }
+    using StandingReduce = cub::BlockReduce<RowStanding, kPassThreads>;
+    __shared__ typename StandingReduce::TempStorage standing_storage;
+    __shared__ RowStanding row_standing;
+    const RowStanding standing =
+        StandingReduce(standing_storage)
+            .Reduce(RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha});
+    // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
+    // shared memory is no longer needed: they may leave once every CTA has arrived here.
+    if (cluster)
+      cluster_arrive();
     if (threadIdx.x == 0)
-      row_state = state;
+      row_standing = standing;
     __syncthreads();
-    const PassState total = row_state; // uniform across the CTA, so are the branches below
-    if (!total.flags && total.max != -INFINITY) {
-      const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
-      RaceBest subtile =
-          choose_subtile<MODE>(states, mine, mine_noise, subtile_count, total.max, job, power_c);
-      subtile = RaceReduce(race_storage).Reduce(subtile, RaceBestOp{});
-      if (threadIdx.x == 0)
-        subtile_winner = subtile;
-      __syncthreads();
-      subtile = subtile_winner; // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
+    state = row_standing.state; // uniform across the CTA, so are the branches below
+    subtile = row_standing.subtile;
+    if (!state.flags && state.max != -INFINITY) {
+      // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
+      using RaceReduce = cub::BlockReduce<RaceState, kPassThreads>;
+      __shared__ typename RaceReduce::TempStorage race_storage;
       const int tile_begin = (subtile.index / kSubTiles) * kSplitLength<DTYPE>;
       if (cluster) { // the owner of the winning sub-tile races it from its shared copy; the others are done
         writer = subtile.index / kSubTiles == place.split;
         if (writer) {
           winner = race_subtile_shared<DTYPE>(tile_copy, args.logits.vocab, tile_begin,
-                                              subtile.index % kSubTiles, job, subtile.logit, power_c);
-          __syncthreads(); // race_storage is reused
-          winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
+                                              subtile.index % kSubTiles, noise, subtile.max, power_c);
+          winner = RaceReduce(race_storage).Reduce(winner, RaceStateOp{});
         }
       } else {
         winner = race_subtile<DTYPE>(row_logits, args.logits.vocab, tile_begin, subtile.index % kSubTiles,
-                                     place.aligned, job, subtile.logit, power_c);
-        __syncthreads(); // race_storage is reused
-        winner = RaceReduce(race_storage).Reduce(winner, RaceBestOp{});
+                                     place.aligned, noise, subtile.max, power_c);
+        winner = RaceReduce(race_storage).Reduce(winner, RaceStateOp{});
       }
     }
+  } else {
+    using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
+    __shared__ typename BlockReduce::TempStorage reduce_storage;
+    state = mine;
+    for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
+      state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
+    state = BlockReduce(reduce_storage).Reduce(state, MergeOp<MODE>{job.c, job.alpha});
+    if (cluster)
+      cluster_arrive(); // every loaded state is consumed (above)
   }
   if (cluster)
     cluster_wait(); // the peers have read this CTA's states: its shared memory may go

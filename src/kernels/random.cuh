@@ -32,6 +32,15 @@ __device__ __forceinline__ uint32_t philox_tile_word(uint64_t seed, uint32_t til
                     tile & 3u);
 }
 
+/// The sampler's rank draws (philox.hpp): Philox group `group` of element kRankDrawElement + 4 group, i.e.
+/// the counter {2^31 | 2^30 | group, draw_counter, particle, stream_word}: the words of ranks 4 group .. 4
+/// group + 3 of the winning sub-tile.
+__device__ __forceinline__ uint4 philox_rank_group(uint64_t seed, uint32_t group, uint32_t draw_counter,
+                                                   uint32_t particle, uint32_t stream_word) {
+  constexpr uint32_t kRankGroupBase = static_cast<uint32_t>(kRankDrawElement >> 2);
+  return philox_group(seed, kRankGroupBase | group, draw_counter, particle, stream_word);
+}
+
 /// Same value as smcgraph::uniform_open01 ((2k + 1) * 2^-24 from the top 23 bits), without an int->float
 /// conversion: 1 + k * 2^-23 built from bits, minus (1 - 2^-24), is exact (Sterbenz).
 __device__ __forceinline__ float uniform_open01(uint32_t word) {

@@ -199,6 +199,10 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   // With programmatic dependent launch: the pass waits for its predecessor before any read.
   const PassKernel kernel = pass_kernel(dtype);
   args.cluster = cluster_schedulable(kernel, jobs, args.splits);
+  // One wave of the pass kernel (its launch bound: SMCGRAPH_PASS_MIN_BLOCKS CTAs an SM) or less: every CTA
+  // draws its race noise early (PassArgs::early_noise).
+  args.early_noise =
+      jobs * args.splits <= int64_t{current_device_info().multiprocessors} * SMCGRAPH_PASS_MIN_BLOCKS;
   launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(jobs * args.splits)), dim3(kPassThreads), 0,
                        args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
 }

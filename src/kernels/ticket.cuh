@@ -9,20 +9,22 @@ namespace smcgraph::device {
 
 /// Called by every thread of a CTA once its writes are done (no early return before it): true in the CTA that
 /// arrives last of `arrivals` at `ticket`, which it resets to 0 so the next launch or graph replay needs no
-/// memset. The fences make the other CTAs' writes before their arrival visible to that CTA (its loads of
-/// them must still bypass L1: __ldcg, as L1 is not coherent across CTAs).
+/// memset. Thread 0 takes the ticket with one acquire-release atomic at GPU scope: the CTA barrier before it
+/// orders the CTA's writes before its release, and the barrier after it orders its acquire of the other
+/// CTAs' writes before this CTA's reads of them (which must still bypass L1: __ldcg, as L1 is not coherent
+/// across CTAs). No sequentially consistent fence (__threadfence) is needed for this pattern, and none is
+/// paid.
 __device__ __forceinline__ bool last_to_arrive(uint32_t* ticket, uint32_t arrivals) {
   __shared__ bool last;
-  __syncthreads(); // the CTA's writes happen before thread 0's fence (fences are cumulative)
+  __syncthreads(); // the CTA's writes happen before thread 0's release
   if (threadIdx.x == 0) {
-    __threadfence(); // publish them before taking a ticket
-    last = atomicAdd(ticket, 1u) == arrivals - 1;
+    uint32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(ticket) : "memory");
+    last = before == arrivals - 1;
     if (last)
       *ticket = 0u;
   }
-  __syncthreads();
-  if (last)
-    __threadfence(); // acquire the other CTAs' writes
+  __syncthreads(); // thread 0's acquire happens before the CTA's reads
   return last;
 }
 

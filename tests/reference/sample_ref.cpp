@@ -160,14 +160,18 @@ SampleResult sample(const float* logits, int vocab, const TileLayout& layout, fl
                                         particle, stream_word),
                    s);
   }
-  // Level 2: the token by Gumbel-max over alpha l / T inside the winning sub-tile only (by ascending id).
+  // Level 2: the token by Gumbel-max over alpha l / T inside the winning sub-tile only (by ascending id), the
+  // element of rank j (its place in the sub-tile by ascending id) with the word of element kRankDrawElement +
+  // j.
   Race race;
+  uint64_t rank = 0;
   for (int v = 0; v < vocab; ++v) {
-    if (sub_tile_of[v] != sub_race.index || logits[v] == -std::numeric_limits<float>::infinity())
+    if (sub_tile_of[v] != sub_race.index)
       continue;
-    race.offer(power_scale * logits[v] +
-                   gumbel_noise(seed, static_cast<uint64_t>(v), draw_counter, particle, stream_word),
-               v);
+    const uint64_t element = kRankDrawElement + rank++;
+    if (logits[v] == -std::numeric_limits<float>::infinity())
+      continue;
+    race.offer(power_scale * logits[v] + gumbel_noise(seed, element, draw_counter, particle, stream_word), v);
   }
   double m = 0.0;
   const double lse = log_sum_exp(logits, vocab, scale, &m);

@@ -45,8 +45,8 @@ struct SampleResult {
   bool near_tie() const;
 };
 
-/// Gumbel noise -log(-log u), in double, of the Philox word of `element` (a vocab id, or kTileDrawElement + a
-/// sub-tile) under (seed, draw_counter, particle, stream_word): the noise of the sampler's and the stochastic
+/// Gumbel noise -log(-log u), in double, of the Philox word of `element` (a vocab id, kTileDrawElement + a
+/// sub-tile, or kRankDrawElement + a rank) under (seed, draw_counter, particle, stream_word): the noise of the sampler's and the stochastic
 /// verifier's races.
 double gumbel_noise(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
                     uint32_t stream_word);
@@ -54,7 +54,8 @@ double gumbel_noise(uint64_t seed, uint64_t element, uint32_t draw_counter, uint
 /// Samples from softmax(alpha * logits / T) exactly as the device does, in double: the two-level Gumbel-max
 /// over the sub-tiles of `layout`, sub-tile s (the row-wide index, TileLayout::sub_tile) scored
 /// log Z_s + Gumbel from the Philox word of element kTileDrawElement + s, then the tokens of the winning
-/// sub-tile alone scored alpha l_v / T + Gumbel from the word of element v, all under (seed, draw_counter,
+/// sub-tile alone scored alpha l_v / T + Gumbel from the word of element kRankDrawElement + j, j the token's
+/// rank in the sub-tile by ascending id (0 for its smallest id), all under (seed, draw_counter,
 /// particle, stream_word) and uniform_open01. Sub-tiles that are all -inf (or empty) never win; ties go to
 /// the smaller index at both levels.
 SampleResult sample(const float* logits, int vocab, const TileLayout& layout, float temperature, float alpha,

@@ -251,6 +251,32 @@ __device__ __forceinline__ void fold_split(SplitState& token, const SplitState& 
   token.m = m;
 }
 
+/// The workspace's entry of split `split` of query (token t, head `head`): head_dim + 2 floats (m, l, then
+/// acc by dimension), max_splits entries a query, where each kernel publishes a split's state and the last
+/// block folds them.
+__device__ __forceinline__ float* split_entry(const AttentionArgs& a, int t, int head, int split, int hd) {
+  return a.split_states + ((static_cast<size_t>(t) * a.heads + head) * a.max_splits + split) * (hd + 2);
+}
+
+/// Thread d's share of a split's state in its entry: dimension d's acc, and m and l from thread 0.
+__device__ __forceinline__ void publish_split(float* entry, const SplitState& state, int d) {
+  entry[2 + d] = state.acc;
+  if (d == 0) {
+    entry[0] = state.m;
+    entry[1] = state.l;
+  }
+}
+
+/// Dimension d of a query's `splits` published entries folded into `token` in split order (the first taken
+/// as it is; read through L2: other blocks wrote them).
+__device__ __forceinline__ void fold_published(SplitState& token, const float* entries, int splits, int hd,
+                                               int d) {
+  for (int split = 0; split < splits; ++split) {
+    const float* entry = entries + static_cast<size_t>(split) * (hd + 2);
+    fold_split(token, SplitState{__ldcg(entry), __ldcg(entry + 1), __ldcg(entry + 2 + d)}, split == 0);
+  }
+}
+
 /// A query of one split: its output from its warps' partials, dimension d.
 __device__ __forceinline__ uint16_t merge_warps(const float* ml, int ml_stride, const float* acc,
                                                 int acc_stride, int used) {
@@ -347,9 +373,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   // Split-KV: a token of several splits whose splits more than one block shares writes each split's state
   // to the workspace (an entry of head_dim + 2 floats: m, l, acc).
   const bool publish = SPLIT && split_blocks > 1 && splits > 1;
-  float* token_states =
-      publish ? a.split_states + (static_cast<size_t>(t) * a.heads + head) * a.max_splits * (hd + 2)
-              : nullptr;
+  float* token_states = publish ? split_entry(a, t, head, 0, hd) : nullptr;
   SplitState token{-INFINITY, 0.0f, 0.0f}; // thread d's dimension of the token's state (threads < hd)
   for (int split = block_of_token; split < splits; split += split_blocks) {
     float m = -INFINITY, l = 0.0f, acc[kMaxDimsPerLane];
@@ -405,12 +429,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
     if (d < hd) {
       const SplitState state = split_state(&warp_ml[0][0], 2, &warp_acc[0][d], MAX_HEAD_DIM, used);
       if (publish) {
-        float* entry = token_states + static_cast<size_t>(split) * (hd + 2);
-        entry[2 + d] = state.acc;
-        if (d == 0) {
-          entry[0] = state.m;
-          entry[1] = state.l;
-        }
+        publish_split(token_states + static_cast<size_t>(split) * (hd + 2), state, d);
       } else {
         fold_split(token, state, split == 0);
       }
@@ -432,10 +451,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
     return;
   const int d = threadIdx.x;
   if (d < hd) {
-    for (int split = 0; split < splits; ++split) {
-      const float* entry = token_states + static_cast<size_t>(split) * (hd + 2);
-      fold_split(token, SplitState{__ldcg(entry), __ldcg(entry + 1), __ldcg(entry + 2 + d)}, split == 0);
-    }
+    fold_published(token, token_states, splits, hd, d);
     out[d] = float_to_bf16_bits(token.acc / token.l);
   }
 }
@@ -762,13 +778,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
               const int query = first + i;
               const int t = r * a.tokens_per_row + query / group_heads,
                         head = kv_head * group_heads + query % group_heads;
-              float* entry = a.split_states +
-                             ((static_cast<size_t>(t) * a.heads + head) * a.max_splits + split) * (hd + 2);
-              entry[2 + d] = state.acc;
-              if (d == 0) {
-                entry[0] = state.m;
-                entry[1] = state.l;
-              }
+              publish_split(split_entry(a, t, head, split, hd), state, d);
             } else {
               fold_split(token_states[e], state, split == 0);
             }
