@@ -935,13 +935,19 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
 
 /// grid.x = jobs * splits (one CTA per tile); block = kPassThreads; in cluster mode a cluster of `splits`
 /// CTAs a job. Launched with programmatic dependent launch (kernels/pdl.cuh): nothing is read before the
-/// wait.
+/// wait. Two instances a dtype, of the same code and so the same bits: MIN_BLOCKS = kPassMinBlocks CTAs an SM
+/// (64 registers), and kPassMinBlocksLarge (40 registers, a few bytes of spills) for launches of many
+/// waves, where more CTAs in flight hide more of each CTA's latency chain (launch_logits_pass picks).
 #ifndef SMCGRAPH_PASS_MIN_BLOCKS
 #define SMCGRAPH_PASS_MIN_BLOCKS 4
 #endif
-template <DType DTYPE>
-__global__ void __launch_bounds__(kPassThreads, SMCGRAPH_PASS_MIN_BLOCKS)
-    LogitsPassKernel(const PassArgs args) {
+#ifndef SMCGRAPH_PASS_MIN_BLOCKS_LARGE
+#define SMCGRAPH_PASS_MIN_BLOCKS_LARGE 6
+#endif
+inline constexpr int kPassMinBlocks = SMCGRAPH_PASS_MIN_BLOCKS;
+inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
+template <DType DTYPE, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it).
   __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];

@@ -112,19 +112,28 @@ std::atomic<bool>& sampler_clusters() {
   return enabled;
 }
 
-/// The pass kernel of a dtype.
+/// The pass kernel of a dtype: the kPassMinBlocks instance, or the kPassMinBlocksLarge one (`large`).
 using PassKernel = void (*)(PassArgs);
-PassKernel pass_kernel(DType dtype) {
+PassKernel pass_kernel(DType dtype, bool large = false) {
   switch (dtype) {
   case DType::kFloat32:
-    return LogitsPassKernel<DType::kFloat32>;
+    return large ? LogitsPassKernel<DType::kFloat32, kPassMinBlocksLarge>
+                 : LogitsPassKernel<DType::kFloat32, kPassMinBlocks>;
   case DType::kBFloat16:
-    return LogitsPassKernel<DType::kBFloat16>;
+    return large ? LogitsPassKernel<DType::kBFloat16, kPassMinBlocksLarge>
+                 : LogitsPassKernel<DType::kBFloat16, kPassMinBlocks>;
   case DType::kFloat16:
-    return LogitsPassKernel<DType::kFloat16>;
+    return large ? LogitsPassKernel<DType::kFloat16, kPassMinBlocksLarge>
+                 : LogitsPassKernel<DType::kFloat16, kPassMinBlocks>;
   }
   return nullptr;
 }
+
+/// Waves of the kPassMinBlocks instance past which a ticket-mode launch takes the kPassMinBlocksLarge one.
+/// H100, sample_bench graph us a launch, 4 / 6 CTAs an SM: 64 x 128256 bf16 (1,024 CTAs, 1.9 waves) 15.67 /
+/// 16.83; 256 x 128256 bf16 (4,096 CTAs) 42.89 / 40.74, fp32 66.05 / 60.08; 1-8 rows 0.1-0.2 us slower at 6.
+/// The toy SMC cycle at 64 requests (512-row samples, 8,192 CTAs) 2,079.0, 2,067.6 -> 1,991.3, 1,995.9 us.
+constexpr int kLargePassWaves = 4;
 
 /// Whether a launch of `jobs` jobs of `splits` tiles runs in cluster mode (logits_pass.cuh): within the
 /// mode's limits, and the current device runs `kernel` as clusters of `splits` CTAs (Hopper or later, at
@@ -197,12 +206,12 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
   // With programmatic dependent launch: the pass waits for its predecessor before any read.
-  const PassKernel kernel = pass_kernel(dtype);
-  args.cluster = cluster_schedulable(kernel, jobs, args.splits);
-  // One wave of the pass kernel (its launch bound: SMCGRAPH_PASS_MIN_BLOCKS CTAs an SM) or less: every CTA
-  // draws its race noise early (PassArgs::early_noise).
-  args.early_noise =
-      jobs * args.splits <= int64_t{current_device_info().multiprocessors} * SMCGRAPH_PASS_MIN_BLOCKS;
+  args.cluster = cluster_schedulable(pass_kernel(dtype), jobs, args.splits);
+  const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
+  const PassKernel kernel = pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
+  // One wave of the pass kernel (kPassMinBlocks CTAs an SM) or less: every CTA draws its race noise early
+  // (PassArgs::early_noise).
+  args.early_noise = jobs * args.splits <= wave;
   launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(jobs * args.splits)), dim3(kPassThreads), 0,
                        args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
 }
