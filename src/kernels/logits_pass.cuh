@@ -108,7 +108,7 @@ __device__ __forceinline__ PassState empty_state() {
   return PassState{-INFINITY, 0.0f, 0.0f, -1, 0u};
 }
 
-/// The sub-tile race's standing across threads: the key of the best sub-tile (choose_subtile), its max raw
+/// The sub-tile race's standing across threads: the key of the best sub-tile (offer_subtile), its max raw
 /// logit and its index over the row; index -1 and key -inf when none.
 struct SubtileBest {
   double key;
@@ -559,14 +559,13 @@ template <DType DTYPE> __device__ __forceinline__ RaceNoise<DTYPE> draw_race_noi
 }
 
 /// The element race over sub-tile `warp` of the tile starting at vocab id `tile_begin` (max tile_max): this
-/// thread's best ratio e / E. The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (tile vector k *
-/// 256
-/// + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256, ... (one run
-/// per thread at the default tiling). Run `run` holds ranks run * kRaceRun .. of the sub-tile (runs ascend
-/// with vocab ids), whose noise the thread drew in `noise`. "Strictly better" keeps ties at the smaller id
-/// here as in the reduction across threads. power_c = alpha c (c when alpha = 1). load_run_at(first, vector,
-/// offset, count, values) gives a run's logits: vocab ids first .. first + count, at element `offset` of the
-/// tile's vector `vector` (missing ones -inf).
+/// thread's best ratio e / E. The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (the tile's
+/// vector k * 256 + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256,
+/// ... (one run per thread at the default tiling). Run `run` holds ranks run * kRaceRun .. of the sub-tile
+/// (runs ascend with vocab ids), whose noise the thread drew in `noise`. "Strictly better" keeps ties at the
+/// smaller id here as in the reduction across threads. power_c = alpha c (c when alpha = 1).
+/// load_run_at(first, vector, offset, count, values) gives a run's logits: vocab ids first .. first + count,
+/// at element `offset` of the tile's vector `vector` (missing ones -inf).
 template <DType DTYPE, class LoadRun>
 __device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int vocab, int tile_begin,
                                                int warp, const RaceNoise<DTYPE>& noise, float tile_max,
