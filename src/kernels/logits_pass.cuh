@@ -746,8 +746,8 @@ struct PassArgs {
   int splits{};   ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
   bool cluster{}; ///< a job's CTAs are one thread-block cluster (splits > 1; header comment)
   /// Every CTA of a sampling job draws its element-race noise (draw_race_noise) while its logits load, not
-  /// only the job's last CTA after the merge: for launches of at most one wave, where the other CTAs' draws
-  /// cost nothing and the last CTA's tail gets shorter. The same numbers either way.
+  /// only the job's last CTA after the merge: for launches whose sample positions' CTAs fit one wave, where
+  /// the other CTAs' draws cost nothing and the last CTA's tail gets shorter. The same numbers either way.
   bool early_noise{};
   /// splits * kSubTiles sub-tile states per job: sub-tile s (over the row) of job j at j * splits * 8 + s
   PassState* partials{};
@@ -840,9 +840,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     using StandingReduce = cub::BlockReduce<RowStanding, kPassThreads>;
     __shared__ typename StandingReduce::TempStorage standing_storage;
     __shared__ RowStanding row_standing;
+    // Only the threads that hold a sub-tile take part (an empty state merges exactly: a 128-sub-tile row's
+    // serial step merges 4 warp aggregates, not 8).
+    const int valid_threads = min(subtile_count, kPassThreads);
     const RowStanding standing =
         StandingReduce(standing_storage)
-            .Reduce(RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha});
+            .Reduce(RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha}, valid_threads);
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
     if (cluster)
@@ -876,6 +879,8 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     state = mine;
     for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
       state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
+    // The whole CTA (cub's partial-block path measured slower here: greedy draft samples of the toy's
+    // speculative cycle, +3 us a cycle at 1 request).
     state = BlockReduce(reduce_storage).Reduce(state, MergeOp<MODE>{job.c, job.alpha});
     if (cluster)
       cluster_arrive(); // every loaded state is consumed (above)

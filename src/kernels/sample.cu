@@ -209,9 +209,9 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.cluster = cluster_schedulable(pass_kernel(dtype), jobs, args.splits);
   const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
   const PassKernel kernel = pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
-  // One wave of the pass kernel (kPassMinBlocks CTAs an SM) or less: every CTA draws its race noise early
-  // (PassArgs::early_noise).
-  args.early_noise = jobs * args.splits <= wave;
+  // The CTAs of sample positions (one a row: score()'s other positions draw nothing) fit one wave of the pass
+  // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise).
+  args.early_noise = int64_t{logits.rows} * args.splits <= wave;
   launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(jobs * args.splits)), dim3(kPassThreads), 0,
                        args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
 }
