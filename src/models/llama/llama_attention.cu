@@ -546,6 +546,9 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
   const int group_heads = a.heads / a.kv_heads;
   const int first = static_cast<int>(blockIdx.y) * group_queries;
   const int count = min(group_queries, a.tokens_per_row * group_heads - first);
+  // Query q of the row's tokens_per_row x group_heads queries of this KV head: its token and query head.
+  const auto token_of = [&](int q) { return r * a.tokens_per_row + q / group_heads; };
+  const auto head_of = [&](int q) { return kv_head * group_heads + q % group_heads; };
   extern __shared__ __align__(16) unsigned char attention_smem[];
   __shared__ __align__(16) float p_shared[kWarps][QB][kAttentionChunk];
   __shared__ int lengths[kGroupMaxQueries]; // each query's query_length()
@@ -562,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
   // (its token's position), the block's longest, the first chunk's slots and the early positions' K and V.
   const bool live = a.live[r];
   if (threadIdx.x < count) { // one position load a query, all in flight together
-    const int t = r * a.tokens_per_row + (first + static_cast<int>(threadIdx.x)) / group_heads;
+    const int t = token_of(first + static_cast<int>(threadIdx.x));
     lengths[threadIdx.x] = query_length(a, r, t);
   }
   __syncthreads();
@@ -602,8 +605,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
   // The queries (this forward's QKV projection wrote them), and the cached chunk's own positions.
   for (int e = threadIdx.x; e < count * hd; e += kThreads) {
     const int i = e / hd, d = e % hd, query = first + i;
-    const int t = r * a.tokens_per_row + query / group_heads,
-              head = kv_head * group_heads + query % group_heads;
+    const int t = token_of(query), head = head_of(query);
     q_shared[e] =
         __uint_as_float(static_cast<uint32_t>(a.q[static_cast<size_t>(t) * q_dim + head * hd + d]) << 16);
   }
@@ -776,8 +778,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
                             group_queries * hd, used);
             if (publish) { // the query's entry for this split in the workspace (as the per-query kernel's)
               const int query = first + i;
-              const int t = r * a.tokens_per_row + query / group_heads,
-                        head = kv_head * group_heads + query % group_heads;
+              const int t = token_of(query), head = head_of(query);
               publish_split(split_entry(a, t, head, split, hd), state, d);
             } else {
               fold_split(token_states[e], state, split == 0);
@@ -795,8 +796,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
         if (u >= QB || i >= count || splits_of(chunks_of(lengths[i])) <= 1)
           continue;
         const int query = first + i;
-        const int t = r * a.tokens_per_row + query / group_heads,
-                  head = kv_head * group_heads + query % group_heads;
+        const int t = token_of(query), head = head_of(query);
         a.out[static_cast<size_t>(t) * q_dim + head * hd + d] =
             float_to_bf16_bits(token_states[e].acc / token_states[e].l);
       }
@@ -807,8 +807,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
       if (b0 + u >= count || splits[u] > 1 || block_of_group > 0)
         continue;
       const int i = b0 + u, query = first + i;
-      const int t = r * a.tokens_per_row + query / group_heads,
-                head = kv_head * group_heads + query % group_heads;
+      const int t = token_of(query), head = head_of(query);
       uint16_t* out = a.out + static_cast<size_t>(t) * q_dim + head * hd;
       if (chunks[u] == 0) { // a token that sees no position (bad positions): zeros
         if (warp == 0)
@@ -833,8 +832,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
     const int chunks = chunks_of(lengths[i]);
     if (chunks <= 1 || (SPLIT && chunks > kSplitChunks)) // one chunk, or several splits: written above
       continue;
-    const int t = r * a.tokens_per_row + query / group_heads,
-              head = kv_head * group_heads + query % group_heads;
+    const int t = token_of(query), head = head_of(query);
     a.out[static_cast<size_t>(t) * q_dim + head * hd + d] =
         merge_warps(warp_ml + i * 2, group_queries * 2, warp_acc + static_cast<size_t>(i) * hd + d,
                     group_queries * hd, min(chunks, kWarps));
@@ -844,25 +842,18 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
       return;
     // The group's blocks that hold a split (min(split_blocks, block_splits)) arrive, on the ticket of the
     // group's first query (one per group); the last folds each query's split states in split order.
-    const int t0 = r * a.tokens_per_row + first / group_heads,
-              head0 = kv_head * group_heads + first % group_heads;
-    if (!device::last_to_arrive(&a.split_tickets[static_cast<size_t>(t0) * a.heads + head0],
-                                static_cast<uint32_t>(min(split_blocks, block_splits))))
+    if (!device::last_to_arrive(
+            &a.split_tickets[static_cast<size_t>(token_of(first)) * a.heads + head_of(first)],
+            static_cast<uint32_t>(min(split_blocks, block_splits))))
       return;
     for (int e = threadIdx.x; e < count * hd; e += kThreads) {
       const int i = e / hd, d = e % hd, query = first + i;
       const int splits = splits_of(chunks_of(lengths[i]));
       if (splits <= 1)
         continue;
-      const int t = r * a.tokens_per_row + query / group_heads,
-                head = kv_head * group_heads + query % group_heads;
-      const float* entries =
-          a.split_states + (static_cast<size_t>(t) * a.heads + head) * a.max_splits * (hd + 2);
+      const int t = token_of(query), head = head_of(query);
       SplitState token{-INFINITY, 0.0f, 0.0f};
-      for (int split = 0; split < splits; ++split) {
-        const float* entry = entries + static_cast<size_t>(split) * (hd + 2);
-        fold_split(token, SplitState{__ldcg(entry), __ldcg(entry + 1), __ldcg(entry + 2 + d)}, split == 0);
-      }
+      fold_published(token, split_entry(a, t, head, 0, hd), splits, hd, d);
       a.out[static_cast<size_t>(t) * q_dim + head * hd + d] = float_to_bf16_bits(token.acc / token.l);
     }
   }
