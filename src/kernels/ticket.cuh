@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include <cuda/atomic>
+
 namespace smcgraph::device {
 
 /// Called by every thread of a CTA once its writes are done (no early return before it): true in the CTA that
@@ -18,8 +20,9 @@ __device__ __forceinline__ bool last_to_arrive(uint32_t* ticket, uint32_t arriva
   __shared__ bool last;
   __syncthreads(); // the CTA's writes happen before thread 0's release
   if (threadIdx.x == 0) {
-    uint32_t before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(ticket) : "memory");
+    // atom.add.acq_rel.gpu on sm_70 and later.
+    const uint32_t before = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(*ticket).fetch_add(
+        1u, cuda::memory_order_acq_rel);
     last = before == arrivals - 1;
     if (last)
       *ticket = 0u;
