@@ -1,5 +1,6 @@
-// sample_bench: smcgraph::sample() on realistic logits, validated against a host two-level Gumbel-max, then
-// timed as graph replays over rotating logits buffers (more bytes than 3x L2, so it measures HBM, not L2).
+// sample_bench: smcgraph::sample() on realistic logits, validated against the host reference's two-level
+// Gumbel-max (tests/reference/sample_ref.cpp, compiled in), then timed as graph replays over rotating logits
+// buffers (more bytes than 3x L2, so it measures HBM, not L2).
 //
 //   build-bench/bench/sample_bench [--csv results/sample_bench.csv] [--quick] [--shapes 1x49152:bf16,...]
 //                                  [--peers] [--python python3]
@@ -23,6 +24,7 @@
 
 #include "bench_util.hpp"
 #include "cli.hpp"
+#include "reference/sample_ref.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
 #include "smcgraph/runtime.hpp"
@@ -240,94 +242,43 @@ struct Validation {
   }
 };
 
-/// Host two-level Gumbel-max on the logits the device saw (sample.hpp): the sub-tile s (sample_subtile())
-/// with the largest log Z_s - log(-log u_s) (u_s the word of element kTileDrawElement + s), then inside it
-/// the vocab id with the largest alpha l_v / T - log(-log u_v), u_v the word of element kRankDrawElement + j
-/// for v of rank j in the sub-tile (by ascending id); plus the log-prob of the device's token and log Z, in
-/// double.
+/// The device's row against the host reference (tests/reference/sample_ref.hpp: the same two-level Gumbel-max
+/// with the same Philox words, in double): the token, its log-prob under softmax(alpha l / T) and log Z.
 void check_row_against_host(const float* row_logits, const Shape& shape, int row, const RowSetup& setup,
                             const HostOutputs& device, Validation& validation) {
   const int request = row / setup.particles_per_request;
   const uint32_t particle = static_cast<uint32_t>(row % setup.particles_per_request);
-  const uint64_t seed = setup.seeds[request];
-  const uint32_t draw_counter = setup.draw_counters[request];
-  const double alpha = shape.alpha, inverse_t = 1.0 / static_cast<double>(kTemperature);
   const int token = device.tokens[row];
-  const auto noise = [&](uint64_t element) {
-    const float u =
-        smcgraph::uniform_open01(smcgraph::philox_word(seed, element, draw_counter, particle, kStreamWord));
-    return -std::log(-std::log(static_cast<double>(u)));
-  };
-  const int sub_tiles = smcgraph::sample_splits(shape.vocab, shape.dtype) * smcgraph::kSampleSubTilesPerTile;
-  std::vector<int> sub_tile_of(shape.vocab);
-  for (int v = 0; v < shape.vocab; ++v)
-    sub_tile_of[v] = smcgraph::sample_subtile(v, shape.dtype);
-
-  // Per sub-tile: lse of alpha l / T (the sub-tile race's log Z_s), and the row's lse of l / T and of
-  // alpha l / T.
-  double max_x = -std::numeric_limits<double>::infinity(), max_plain = max_x;
-  for (int v = 0; v < shape.vocab; ++v) {
-    max_plain = std::max(max_plain, row_logits[v] * inverse_t);
-    max_x = std::max(max_x, alpha * row_logits[v] * inverse_t);
-  }
-  double sum_x = 0.0, sum_plain = 0.0;
-  std::vector<double> sub_sums(sub_tiles, 0.0), tile_scores(sub_tiles);
-  for (int v = 0; v < shape.vocab; ++v) {
-    const double x = std::exp(alpha * row_logits[v] * inverse_t - max_x);
-    sub_sums[sub_tile_of[v]] += x;
-    sum_x += x;
-    sum_plain += std::exp(row_logits[v] * inverse_t - max_plain);
-  }
-  for (int s = 0; s < sub_tiles; ++s) // an empty or all -inf sub-tile scores -inf: it never wins
-    tile_scores[s] = std::log(sub_sums[s]) + noise(smcgraph::kTileDrawElement + s);
-  const double lse_x = max_x + std::log(sum_x), lse_plain = max_plain + std::log(sum_plain);
-  const int best_tile =
-      static_cast<int>(std::max_element(tile_scores.begin(), tile_scores.end()) - tile_scores.begin());
-  double best_score = -std::numeric_limits<double>::infinity();
-  int best_token = -1;
-  std::vector<uint64_t> rank_of(shape.vocab, 0); // in its own sub-tile, by ascending id
-  std::vector<uint64_t> next_rank(sub_tiles, 0);
-  for (int v = 0; v < shape.vocab; ++v)
-    rank_of[v] = next_rank[sub_tile_of[v]]++;
-  const auto token_noise = [&](int v) { return noise(smcgraph::kRankDrawElement + rank_of[v]); };
-  for (int v = 0; v < shape.vocab; ++v) {
-    if (sub_tile_of[v] != best_tile)
-      continue;
-    const double score = alpha * row_logits[v] * inverse_t + token_noise(v);
-    if (score > best_score) {
-      best_score = score;
-      best_token = v;
-    }
-  }
-
+  const auto expected = smcgraph::reference::sample(
+      row_logits, shape.vocab, smcgraph::sample_tile_length(shape.dtype), kTemperature, shape.alpha,
+      setup.seeds[request], setup.draw_counters[request], particle, kStreamWord);
   ++validation.checked_rows;
-  if (token != best_token) {
-    // The device works in fp32 with approximate exp2/log2: a gap this small is a tie, not a bug (between
-    // sub-tiles when the device's token lies in another sub-tile, else between tokens of the sub-tile).
-    const int token_tile = sub_tile_of[token];
-    const double best = token_tile == best_tile ? best_score : tile_scores[best_tile];
-    const double gap = token_tile == best_tile
-                           ? best_score - (alpha * row_logits[token] * inverse_t + token_noise(token))
-                           : tile_scores[best_tile] - tile_scores[token_tile];
-    const double tie_tolerance = 1e-3 + 1e-5 * std::abs(best);
-    if (gap <= tie_tolerance) {
+  if (token != expected.token) {
+    // The device works in fp32 with approximate exp2/log2: a gap this small between the reference's two best
+    // scores, at the level where the device's token differs (its sub-tile, else its token), is a tie.
+    const bool other_sub_tile = smcgraph::sample_subtile(token, shape.dtype) != expected.sub_tile;
+    const double best = other_sub_tile ? expected.sub_tile_best_score : expected.best_score;
+    const double gap = best - (other_sub_tile ? expected.sub_tile_runner_up_score : expected.runner_up_score);
+    if (expected.near_tie() || gap <= 1e-3 + 1e-5 * std::abs(best)) {
       ++validation.near_ties;
     } else {
       validation.fail("row " + std::to_string(row) + ": token " + std::to_string(token) +
-                      " but host two-level argmax " + std::to_string(best_token) + " (score gap " +
+                      " but host two-level argmax " + std::to_string(expected.token) + " (score gap " +
                       format(gap, 6) + ")");
       return;
     }
   }
-  const double logprob_ref = alpha * row_logits[token] * inverse_t - lse_x;
-  if (std::abs(device.logprobs[row] - logprob_ref) > 2e-3 + 1e-4 * std::abs(logprob_ref)) {
+  // log softmax(alpha l / T) of the device's token: T / alpha as the reference's temperature.
+  uint32_t flags = 0;
+  const double logprob_ref =
+      smcgraph::reference::token_logprob(row_logits, shape.vocab, kTemperature / shape.alpha, token, &flags);
+  if (flags != 0 || std::abs(device.logprobs[row] - logprob_ref) > 2e-3 + 1e-4 * std::abs(logprob_ref)) {
     validation.fail("row " + std::to_string(row) + ": logprob " + format(device.logprobs[row], 6) +
                     " vs host " + format(logprob_ref, 6));
   }
-  const double logz_ref = lse_x - alpha * lse_plain;
-  if (std::abs(device.logz[row] - logz_ref) > 2e-3 + 1e-4 * std::abs(logz_ref)) {
+  if (std::abs(device.logz[row] - expected.logz) > 2e-3 + 1e-4 * std::abs(expected.logz)) {
     validation.fail("row " + std::to_string(row) + ": logz " + format(device.logz[row], 6) + " vs host " +
-                    format(logz_ref, 6));
+                    format(expected.logz, 6));
   }
 }
 
