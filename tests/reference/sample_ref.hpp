@@ -46,8 +46,8 @@ struct SampleResult {
 };
 
 /// Gumbel noise -log(-log u), in double, of the Philox word of `element` (a vocab id, kTileDrawElement + a
-/// sub-tile, or kRankDrawElement + a rank) under (seed, draw_counter, particle, stream_word): the noise of the sampler's and the stochastic
-/// verifier's races.
+/// sub-tile, or kRankDrawElement + a rank) under (seed, draw_counter, particle, stream_word): the noise of
+/// the sampler's and the stochastic verifier's races.
 double gumbel_noise(uint64_t seed, uint64_t element, uint32_t draw_counter, uint32_t particle,
                     uint32_t stream_word);
 
