@@ -2,6 +2,12 @@
 // against the host reference, then timed as graph replays (and eagerly) over rotating payload buffers (more
 // bytes than 3x L2 where memory allows, so large configurations measure HBM, not L2).
 //
+// Methods: smcgraph_fused_graph marks the payload ready before the launch's PDL wait
+// (PayloadView::ready_before_wait: in a speculative cycle the draft's KV is written by the draft forward,
+// kernels before the verify), so small launches preload it (pack_preloads; "pre" in the grid column);
+// smcgraph_fused_graph_late leaves it unmarked (as if the previous kernel wrote the payload);
+// smcgraph_fused_eager is the marked launch outside a graph.
+//
 //   build/bench/verify_pack_bench [results/verify_pack.csv] [--peer-csv results/verify_pack_peer.csv]
 //
 // Floors: bytes moved (payload read + written, tokens read, per-row outputs written) / the device-to-device
@@ -154,66 +160,84 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
     slot.tokens = smcgraph::DeviceBuffer<int32_t>(static_cast<size_t>(rows) * draft_steps);
   }
   int next_slot = 0;
+  bool ready = true; // PayloadView::ready_before_wait of the launches
   const smcgraph::TokenVerifyInputs inputs{draft.data(), draft_steps, target.data(), draft_steps + 1,
                                            rows,         draft_steps, kVocab};
   const smcgraph::VerifyOutputs verdict{accepted.data(), next_tokens.data(), mismatch.data()};
   const auto launch = [&](cudaStream_t s) {
     Slot& slot = rotation[next_slot++ % slots];
     smcgraph::verify_and_pack(
-        inputs, {slot.payload.data(), kPayloadDType, config.kv_dim, int64_t{draft_steps} * config.kv_dim},
+        inputs,
+        {slot.payload.data(), kPayloadDType, config.kv_dim, int64_t{draft_steps} * config.kv_dim, ready},
         false, verdict,
         {slot.packed.data(), int64_t{rows} * draft_steps, offsets.data(), total.data(), slot.tokens.data()},
         workspace, s);
   };
 
-  // Validate (eagerly, slot 0) before timing.
-  rotation[0].packed.fill_bytes(0xff, stream);
-  next_slot = 0;
-  launch(stream);
-  std::vector<int32_t> h_accepted(rows), h_next(rows), h_offsets(rows),
-      h_tokens(static_cast<size_t>(rows) * draft_steps);
-  std::vector<uint8_t> h_mismatch(rows), h_packed(payload_bytes);
-  int32_t h_total = -1;
-  accepted.copy_to_host(h_accepted.data(), rows, stream);
-  next_tokens.copy_to_host(h_next.data(), rows, stream);
-  mismatch.copy_to_host(h_mismatch.data(), rows, stream);
-  offsets.copy_to_host(h_offsets.data(), rows, stream);
-  total.copy_to_host(&h_total, 1, stream);
-  rotation[0].packed.copy_to_host(h_packed.data(), h_packed.size(), stream);
-  rotation[0].tokens.copy_to_host(h_tokens.data(), h_tokens.size(), stream);
-  stream.synchronize();
+  // Validate (eagerly, slot 0, with the payload marked ready and not) before timing.
   const auto expected_verdict = smcgraph::reference::verify_greedy(
       batch.draft.data(), draft_steps, batch.target.data(), draft_steps + 1, rows, draft_steps, kVocab);
   const auto expected = smcgraph::reference::pack(
       expected_verdict.accepted.data(), expected_verdict.next_tokens.data(), batch.draft.data(), draft_steps,
       payload.data(), int64_t{draft_steps} * config.kv_dim, rows, draft_steps, config.kv_dim,
       smcgraph::dtype_bytes(kPayloadDType), false);
-  if (expected_verdict.accepted != batch.accepted)
+  if (expected_verdict.accepted != batch.accepted) {
     *failure = "the reference disagrees with the oracle";
-  else if (h_accepted != expected_verdict.accepted)
-    *failure = "accepted lengths differ from the reference";
-  else if (h_next != expected_verdict.next_tokens)
-    *failure = "next tokens differ from the reference";
-  else if (h_mismatch != expected_verdict.mismatch)
-    *failure = "mismatch flags differ from the reference";
-  else if (h_offsets != expected.offsets)
-    *failure = "offsets differ from the reference";
-  else if (h_total != expected.total)
-    *failure = "total differs from the reference";
-  else if (std::memcmp(h_packed.data(), expected.bytes.data(), expected.bytes.size()) != 0)
-    *failure = "packed payload differs from the reference";
-  else if (!std::equal(expected.tokens.begin(), expected.tokens.end(), h_tokens.begin()))
-    *failure = "packed tokens differ from the reference";
-  if (!failure->empty())
     return {};
+  }
+  int32_t h_total = -1;
+  for (const bool marked : {false, true}) {
+    ready = marked;
+    rotation[0].packed.fill_bytes(0xff, stream);
+    rotation[0].tokens.fill_bytes(0xff, stream);
+    for (auto* buffer : {&accepted, &next_tokens, &offsets, &total})
+      buffer->fill_bytes(0xff, stream);
+    mismatch.fill_bytes(0xff, stream);
+    next_slot = 0;
+    launch(stream);
+    std::vector<int32_t> h_accepted(rows), h_next(rows), h_offsets(rows),
+        h_tokens(static_cast<size_t>(rows) * draft_steps);
+    std::vector<uint8_t> h_mismatch(rows), h_packed(payload_bytes);
+    accepted.copy_to_host(h_accepted.data(), rows, stream);
+    next_tokens.copy_to_host(h_next.data(), rows, stream);
+    mismatch.copy_to_host(h_mismatch.data(), rows, stream);
+    offsets.copy_to_host(h_offsets.data(), rows, stream);
+    total.copy_to_host(&h_total, 1, stream);
+    rotation[0].packed.copy_to_host(h_packed.data(), h_packed.size(), stream);
+    rotation[0].tokens.copy_to_host(h_tokens.data(), h_tokens.size(), stream);
+    stream.synchronize();
+    if (h_accepted != expected_verdict.accepted)
+      *failure = "accepted lengths differ from the reference";
+    else if (h_next != expected_verdict.next_tokens)
+      *failure = "next tokens differ from the reference";
+    else if (h_mismatch != expected_verdict.mismatch)
+      *failure = "mismatch flags differ from the reference";
+    else if (h_offsets != expected.offsets)
+      *failure = "offsets differ from the reference";
+    else if (h_total != expected.total)
+      *failure = "total differs from the reference";
+    else if (std::memcmp(h_packed.data(), expected.bytes.data(), expected.bytes.size()) != 0)
+      *failure = "packed payload differs from the reference";
+    else if (!std::equal(expected.tokens.begin(), expected.tokens.end(), h_tokens.begin()))
+      *failure = "packed tokens differ from the reference";
+    if (!failure->empty()) {
+      *failure += marked ? " (payload marked ready before the wait)" : " (payload not marked)";
+      return {};
+    }
+  }
 
   // Bytes a launch must move: the packed payload read and written, the tokens read, the outputs written.
   const double bytes = 2.0 * h_total * position_bytes + 4.0 * rows * (2 * draft_steps + 1) + 4.0 * h_total +
                        rows * (4.0 + 4.0 + 1.0 + 4.0) + 4.0;
   std::vector<Row> results;
   const int launches_per_graph = std::max(slots, kMinLaunchesPerGraph);
+  ready = true;
   results.push_back({"smcgraph_fused_graph", config, h_total,
                      smcgraph::bench::time_graph(launch, stream, launches_per_graph), bytes});
+  ready = false;
+  results.push_back({"smcgraph_fused_graph_late", config, h_total,
+                     smcgraph::bench::time_graph(launch, stream, launches_per_graph), bytes});
+  ready = true;
   results.push_back(
       {"smcgraph_fused_eager", config, h_total, smcgraph::bench::time_eager(launch, stream, 200, 20), bytes});
   return results;
@@ -254,9 +278,9 @@ int main(int argc, char** argv) {
              "min_us", "p90_us", "gbs", "fraction_of_copy", "device"});
     const PeerTable peers = peer_csv.empty() ? PeerTable{} : read_peer_csv(peer_csv);
     smcgraph::PackWorkspace workspace(256);
-    std::printf("%-22s %5s %11s %5s %6s %7s %6s %10s %10s %9s %8s %6s  %s\n", "method", "rows", "draft_steps",
-                "alpha", "kv_dim", "packed", "tiles", "median_us", "p90_us", "GB/s", "of_copy", "floor",
-                "vs peers");
+    std::printf("%-26s %5s %11s %5s %6s %7s %-9s %10s %10s %9s %8s %6s  %s\n", "method", "rows",
+                "draft_steps", "alpha", "kv_dim", "packed", "grid", "median_us", "p90_us", "GB/s", "of_copy",
+                "floor", "vs peers");
     bool all_valid = true;
     for (const Config& config : make_configs()) {
       std::string failure;
@@ -269,6 +293,12 @@ int main(int argc, char** argv) {
       }
       const smcgraph::PackLaunchShape shape = smcgraph::pack_launch_shape(
           config.rows, config.draft_steps, config.kv_dim, kPayloadDType, false, false);
+      // The bench's fp16 rows are 16-byte aligned: 16-byte copies whenever a position is a multiple of 16
+      // bytes.
+      const int64_t position_bytes = int64_t{config.kv_dim} * smcgraph::dtype_bytes(kPayloadDType);
+      const bool preloads =
+          smcgraph::pack_preloads(config.rows, config.draft_steps, config.kv_dim, kPayloadDType, false, false,
+                                  position_bytes % 16 == 0 ? 16 : 2);
       for (const Row& row : results) {
         csv.row(csv_cells(row, copy_gbs, device_name));
         const double gbs = row.bytes / (row.timing.median_us * 1e3);
@@ -278,9 +308,11 @@ int main(int argc, char** argv) {
         if (it != peers.end())
           for (const auto& [method, median_us] : it->second)
             versus += method + " " + format(median_us / row.timing.median_us, 2) + "x  ";
-        std::printf("%-22s %5d %11d %5.2f %6d %7d %3dx%-3d %10s %10s %9s %8s %6s  %s\n", row.method.c_str(),
+        const std::string grid = std::to_string(shape.tiles) + "x" + std::to_string(shape.splits) +
+                                 (preloads && row.method != "smcgraph_fused_graph_late" ? " pre" : "");
+        std::printf("%-26s %5d %11d %5.2f %6d %7d %-9s %10s %10s %9s %8s %6s  %s\n", row.method.c_str(),
                     config.rows, config.draft_steps, config.alpha, config.kv_dim, row.packed_rows,
-                    shape.tiles, shape.splits, format(row.timing.median_us, 2).c_str(),
+                    grid.c_str(), format(row.timing.median_us, 2).c_str(),
                     format(row.timing.p90_us, 2).c_str(), format(gbs, 1).c_str(),
                     format(gbs / copy_gbs, 3).c_str(), format(floor_us / row.timing.median_us, 2).c_str(),
                     versus.c_str());

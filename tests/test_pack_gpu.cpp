@@ -33,13 +33,15 @@ struct PackCase {
   int vocab = 4096;
   int64_t extra_row_stride = 0; // payload elements between rows beyond positions * width
   int payload_offset = 0;       // elements: a misaligned payload start
+  bool ready = false;           // PayloadView::ready_before_wait (small launches preload the payload)
 };
 
 std::string describe(const PackCase& c) {
   return "rows " + std::to_string(c.rows) + " draft_steps " + std::to_string(c.draft_steps) + " alpha " +
          std::to_string(c.alpha) + " D " + std::to_string(c.width) + " " + smcgraph::dtype_name(c.dtype) +
          (c.include_next ? " +next" : "") + (c.with_tokens ? " +tokens" : "") + " stride+" +
-         std::to_string(c.extra_row_stride) + " offset " + std::to_string(c.payload_offset);
+         std::to_string(c.extra_row_stride) + " offset " + std::to_string(c.payload_offset) +
+         (c.ready ? " ready" : "");
 }
 
 struct Outputs {
@@ -116,7 +118,7 @@ struct DeviceCase {
     return {draft.data(), c.draft_steps, target.data(), c.draft_steps + 1, c.rows, c.draft_steps, c.vocab};
   }
   smcgraph::PayloadView payload_view() const {
-    return {payload_buffer.data() + c.payload_offset * element_bytes, c.dtype, c.width, row_stride};
+    return {payload_buffer.data() + c.payload_offset * element_bytes, c.dtype, c.width, row_stride, c.ready};
   }
   smcgraph::PackOutputs pack_outputs() {
     return {packed.data(), capacity, offsets.data(), total.data(), c.with_tokens ? tokens.data() : nullptr};
@@ -254,6 +256,48 @@ TEST_CASE("verify_and_pack: any number of rows (no single-block ceiling)") {
           1);
     run_case(c, rng, stream, workspace);
   }
+}
+
+TEST_CASE("verify_and_pack: payloads ready before the wait, preloaded or not") {
+  // PayloadView::ready_before_wait lets a small single-tile launch load every stored position before its PDL
+  // wait and store the accepted ones after the scan (pack_preloads); chained or larger launches, or shares of
+  // more than one copy batch, copy as without it. Same bits as the reference either way: eager, captured, and
+  // pack_accepted.
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  smcgraph::Stream stream;
+  smcgraph::PackWorkspace workspace(512);
+  const DType f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
+  struct Expected {
+    PackCase c;
+    int vector_bytes; // the copy unit the launcher picks for these (aligned) buffers
+    bool preload;
+  };
+  const std::vector<Expected> cases = {
+      {{32, 8, 0.3, 128, f16}, 16, true},                        // seed 000's small shape, 4 CTAs
+      {{32, 8, 0.6, 128, bf16, true}, 16, true},                 // + next: 9 positions, 5 CTAs
+      {{4, 8, 0.9, 2048, f16}, 16, true},                        // 8 CTAs of one batch
+      {{32, 128, 0.3, 128, f16}, 16, false},                     // 16 chained tiles
+      {{64, 4, 0.7, 128, f16, true, false}, 16, false},          // 2 chained tiles, no tokens
+      {{9, 8, 0.6, 3, f32}, 4, true},                            // 12-byte positions
+      {{7, 5, 0.6, 1, f16}, 2, true},                            // 2-byte positions
+      {{12, 16, 0.5, 64, f16, true, true, 4096, 24}, 16, true},  // padded rows, one tile
+      {{20, 16, 0.5, 64, f16, true, true, 4096, 24}, 16, false}, // padded rows, 2 tiles
+      {{33, 8, 0.7, 100, f16}, 8, false},                        // 2 tiles of two 8-byte batches a CTA
+      {{32, 128, 0.9, 2048, f16}, 16, false},                    // 16 MB: more than 16 KiB an SM
+      {{300, 3, 0.5, 40, f32, true, true, 50, 0, 3}, 4, false},  // misaligned, several tiles
+  };
+  for (Expected e : cases) {
+    e.c.ready = true;
+    INFO(describe(e.c));
+    CHECK(smcgraph::pack_preloads(e.c.rows, e.c.draft_steps, e.c.width, e.c.dtype, e.c.include_next, false,
+                                  e.vector_bytes) == e.preload);
+    run_case(e.c, rng, stream, workspace);
+  }
+  CHECK_THROWS_WITH(smcgraph::pack_preloads(4, 8, 3, f16, false, false, 4),
+                    doctest::Contains("vector_bytes"));
+  CHECK_THROWS_WITH(smcgraph::pack_preloads(4, 8, 8, f16, false, false, 32),
+                    doctest::Contains("vector_bytes"));
 }
 
 TEST_CASE("verify_and_pack: all accepted, all rejected, out-of-range ids") {

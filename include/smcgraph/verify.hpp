@@ -149,6 +149,12 @@ struct PayloadView {
   DType dtype = DType::kFloat16; ///< only its size matters: the copy moves bits
   int width = 0;                 ///< D
   int64_t row_stride = 0;        ///< >= packed positions per row (draft_steps, or draft_steps + 1) * width
+  /// The caller vouches that these bytes were written by work that completed before the kernel just before
+  /// the pack in the stream began (in a speculative cycle the draft forward wrote the draft's KV, and the
+  /// target's forward and argmax ran after it). A small launch (pack_preloads) may then load its payload
+  /// before its PDL wait, while that kernel finishes, instead of after the verify. Leave it false when the
+  /// previous kernel writes the payload. The results are the same bits either way.
+  bool ready_before_wait = false;
 };
 
 /// Outputs of the pack. Row i's packed positions are j = 0 .. k_i - 1, plus j = k_i when include_next;
@@ -213,5 +219,13 @@ struct PackLaunchShape {
 };
 PackLaunchShape pack_launch_shape(int rows, int draft_steps, int width, DType dtype, bool include_next,
                                   bool counts_given);
+
+/// Whether a launch of this shape preloads a payload marked ready_before_wait: it is one row tile (no
+/// look-back across tiles), its whole payload (rows x (draft_steps + include_next) positions, accepted or
+/// not) is at most multiprocessors x 16 KiB, and each CTA's share of it is one batch of its copy loop (256
+/// threads x 4 copies of `vector_bytes`, the widest of 16, 8, 4 and 2 that divides a position, the row
+/// stride and both pointers).
+bool pack_preloads(int rows, int draft_steps, int width, DType dtype, bool include_next, bool counts_given,
+                   int vector_bytes);
 
 } // namespace smcgraph

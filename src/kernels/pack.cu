@@ -12,6 +12,11 @@
 // (one batch of 256 threads x 4 x 16-byte copies) and, for big payloads, about total / (4 x SMs), so the
 // copy spreads over the whole GPU whatever the batch size.
 //
+// Preload (PayloadView::ready_before_wait, small launches: pack_preloads): each CTA loads its share of its
+// tile's payload as stored, every position accepted or not, before its PDL wait, so the payload's memory
+// latency hides under the previous kernel instead of following the verify and the scan; once the counts are
+// scanned it stores the accepted positions where the packed layout puts them. The bytes are the same.
+//
 // Graph safety: tile statuses carry the launch's generation; the last CTA to finish (an exit counter)
 // resets the counter and advances the generation, so a replay finds the workspace ready and stale statuses
 // never match. A single-tile launch touches no workspace at all. Forward progress relies on CTAs being
@@ -81,6 +86,7 @@ struct PackArgs {
   int64_t payload_row_stride_bytes = 0, position_bytes = 0;
   PackOutputs out{};
   int rows_per_tile = 0, tiles = 0, splits = 0;
+  int preload = 0; ///< pack_preloads: this CTA's share of the stored payload is loaded before the PDL wait
   Word* workspace = nullptr;
 };
 
@@ -135,7 +141,6 @@ __device__ __forceinline__ int row_of(const int32_t* prefix, int tile_rows, int6
 
 template <int VECTOR_BYTES, bool COUNTS_GIVEN>
 __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs args) {
-  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   using Vector = typename VectorOf<VECTOR_BYTES>::type;
   using WarpScan = cub::WarpScan<int32_t>;
   using WarpReduce = cub::WarpReduce<uint32_t>;
@@ -155,6 +160,31 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
   const int row0 = tile * args.rows_per_tile;
   const int tile_rows = min(args.rows_per_tile, args.rows - row0);
   Word* const statuses = args.workspace + kStatusWords;
+  const char* const tile_payload = args.payload + row0 * args.payload_row_stride_bytes;
+  const int64_t units_per_position = args.position_bytes / VECTOR_BYTES;
+
+  // 0. Preload: this CTA's 1/splits of the tile's stored units (row r's positions in order, rows in order;
+  // one batch at most, pack_preloads), loaded before the PDL wait: the caller vouches that the payload was
+  // complete before the previous kernel began (PayloadView::ready_before_wait). 32-bit: a preloaded payload
+  // is at most multiprocessors x 16 KiB.
+  const int row_units =
+      args.preload ? (args.draft_steps + args.include_next) * static_cast<int>(units_per_position) : 0;
+  const int source_units = tile_rows * row_units;
+  const int source_begin = static_cast<int>(int64_t{source_units} * split / args.splits);
+  const int source_end = static_cast<int>(int64_t{source_units} * (split + 1) / args.splits);
+  Vector preloaded[kCopyUnroll];
+  if (args.preload) {
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int unit = source_begin + u * kPackThreads + static_cast<int>(threadIdx.x);
+      if (unit < source_end) {
+        const int r = unit / row_units;
+        preloaded[u] = *reinterpret_cast<const Vector*>(tile_payload + r * args.payload_row_stride_bytes +
+                                                        int64_t{unit - r * row_units} * VECTOR_BYTES);
+      }
+    }
+  }
+  detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
 
   if (chained && threadIdx.x == 0)
     generation = static_cast<uint32_t>(
@@ -224,11 +254,9 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
 
   // 3. This CTA's share of the tile's packed units: loads, (first batch only) the look-back, stores.
   const int32_t tile_count = prefix[kMaxRowsPerTile];
-  const int64_t units_per_position = args.position_bytes / VECTOR_BYTES;
-  const int64_t tile_units = int64_t{tile_count} * units_per_position;
+  const int64_t tile_units = args.preload ? 0 : int64_t{tile_count} * units_per_position; // preload: 3'
   const int64_t begin = tile_units * split / args.splits;
   const int64_t end = tile_units * (split + 1) / args.splits;
-  const char* const tile_payload = args.payload + row0 * args.payload_row_stride_bytes;
   bool have_offset = !chained || tile == 0;
   uint32_t tile_offset = 0;
   const auto find_offset = [&] { // warp-collective
@@ -259,6 +287,24 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
       const int64_t unit = batch + u * kPackThreads + threadIdx.x;
       if (unit < end)
         *reinterpret_cast<Vector*>(destination + unit * VECTOR_BYTES) = data[u];
+    }
+  }
+  if (args.preload) { // CTA-uniform
+    // 3'. The preloaded units that are packed: unit i of row r's stored positions, when i < row r's packed
+    // count x units_per_position, goes to packed unit prefix[r] x units_per_position + i of the tile.
+    find_offset();
+    char* const destination =
+        static_cast<char*>(args.out.packed) + int64_t{tile_offset} * args.position_bytes;
+    const int position_units = static_cast<int>(units_per_position);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int unit = source_begin + u * kPackThreads + static_cast<int>(threadIdx.x);
+      if (unit < source_end) {
+        const int r = unit / row_units, in_row = unit - r * row_units;
+        if (in_row < (prefix[r + 1] - prefix[r]) * position_units)
+          *reinterpret_cast<Vector*>(destination + int64_t{prefix[r] * position_units + in_row} *
+                                                       VECTOR_BYTES) = preloaded[u];
+      }
     }
   }
   if (leader)
@@ -329,6 +375,20 @@ PackLaunchShape shape_for(int rows, int draft_steps, int positions, int64_t posi
       std::max(kMinChunkBytes, ceil_div(total_bytes, int64_t{multiprocessors} * kCtasPerSm));
   shape.splits = static_cast<int>(std::max<int64_t>(1, ceil_div(tile_bytes, chunk_bytes)));
   return shape;
+}
+
+/// Whether a launch of `shape` preloads (pack_preloads): one tile (no look-back), the whole payload fits
+/// 16 KiB a CTA on one CTA an SM, and every CTA's share of the tile's stored units is one batch of the copy
+/// loop. Chained launches do not: 32 rows x 128 positions of 256 bytes (16 tiles x 4 CTAs) went from 4.15 to
+/// 4.38 us a launch at acceptance 0.3 on an H200 (4.18 -> 4.38 on an H100), while single-tile launches
+/// gained 0.3-1.4 us (verify_pack_bench).
+bool preloads(const PackLaunchShape& shape, int rows, int positions, int64_t position_bytes, int vector_bytes,
+              int multiprocessors) {
+  const int64_t total_bytes = int64_t{rows} * positions * position_bytes;
+  const int64_t tile_units =
+      int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes / vector_bytes;
+  return shape.tiles == 1 && total_bytes <= int64_t{multiprocessors} * kMinChunkBytes &&
+         ceil_div(tile_units, int64_t{shape.splits}) <= int64_t{kPackThreads} * kCopyUnroll;
 }
 
 /// Widest copy unit (16, 8, 4 or 2 bytes) that divides a position and keeps every access aligned.
@@ -409,9 +469,11 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
   args.rows_per_tile = shape.rows_per_tile;
   args.tiles = shape.tiles;
   args.splits = shape.splits;
-  launch<COUNTS_GIVEN>(
-      vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes), args,
-      stream);
+  const int vector_bytes =
+      vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes);
+  args.preload = payload.ready_before_wait && preloads(shape, args.rows, positions, args.position_bytes,
+                                                       vector_bytes, current_device_info().multiprocessors);
+  launch<COUNTS_GIVEN>(vector_bytes, args, stream);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
@@ -448,6 +510,20 @@ PackLaunchShape pack_launch_shape(int rows, int draft_steps, int width, DType dt
   require(width >= 1, kWhere, "width", width, "must be >= 1");
   return shape_for(rows, draft_steps, draft_steps + (include_next ? 1 : 0),
                    int64_t{width} * dtype_bytes(dtype), counts_given, current_device_info().multiprocessors);
+}
+
+bool pack_preloads(int rows, int draft_steps, int width, DType dtype, bool include_next, bool counts_given,
+                   int vector_bytes) {
+  constexpr const char* kWhere = "smcgraph::pack_preloads";
+  require(vector_bytes == 16 || vector_bytes == 8 || vector_bytes == 4 || vector_bytes == 2, kWhere,
+          "vector_bytes", vector_bytes, "must be 16, 8, 4 or 2");
+  const int64_t position_bytes = int64_t{width} * dtype_bytes(dtype);
+  require(position_bytes % vector_bytes == 0, kWhere, "vector_bytes", vector_bytes,
+          "must divide a position's bytes (width * dtype size)");
+  const PackLaunchShape shape =
+      pack_launch_shape(rows, draft_steps, width, dtype, include_next, counts_given);
+  return preloads(shape, rows, draft_steps + (include_next ? 1 : 0), position_bytes, vector_bytes,
+                  current_device_info().multiprocessors);
 }
 
 void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
