@@ -74,6 +74,7 @@ template <class View> __device__ __forceinline__ CommitRow commit_row(const View
     return row;
   const int stride = b.draft_steps + 1;
   int32_t* cycle = b.cycle_tokens + row.r * stride;
+  const int length = b.tables.seq_len[row.r]; // loaded beside live, not after it
   if (!b.tables.live[row.r]) {
     for (int k = 0; k < stride; ++k)
       cycle[k] = kInvalidToken;
@@ -82,7 +83,7 @@ template <class View> __device__ __forceinline__ CommitRow commit_row(const View
   }
   row.cycle = cycle;
   row.tokens = b.tables.token_table + static_cast<int64_t>(row.r) * b.tables.max_seq_len;
-  row.L = b.tables.seq_len[row.r];
+  row.L = length;
   return row;
 }
 
@@ -95,25 +96,37 @@ struct FoldedWeights {
   int32_t* first_eos = nullptr;
 };
 
-/// Row `row_index`'s SMC commit (>= rows: nothing), its weight first when folded in (it sets first_eos of the
-/// row, which the commit reads: the same thread, so no barrier).
+/// Row `row_index`'s SMC commit (>= rows: nothing), its weight first when folded in (accumulate_row_weight
+/// returns the row's first_eos, which the commit needs). The commit's loads (the row's length, flags and
+/// cycle tokens) are issued before the weight's, and those before the first store, so the row costs about
+/// one memory latency before it stores (prefix_load.cuh).
 __device__ __forceinline__ void commit_smc_row(const CommitView& b, int rows, int row_index,
                                                const FoldedWeights& weights) {
-  if (weights.on && row_index < rows)
-    accumulate_row_weight(weights.in, row_index, weights.logw, weights.finished, weights.first_eos);
-  const CommitRow row = commit_row(b, rows, row_index);
-  if (row.cycle == nullptr)
+  if (row_index >= rows)
     return;
-  const int r = row.r, L = row.L, stride = b.draft_steps + 1;
-  int32_t *cycle = row.cycle, *tokens = row.tokens;
-  for (int k = 0; k < b.draft_steps; ++k)
-    cycle[k] = tokens[L + k] = b.draft_tokens[r * stride + 1 + k];
-  cycle[b.draft_steps] = tokens[L + b.draft_steps] = b.bonus_tokens[r];
+  const int r = row_index, K = b.draft_steps, stride = K + 1;
+  const bool live = b.tables.live[r] != 0;
+  const int L = b.tables.seq_len[r];
+  const device::PrefixLoad<8, int32_t> drafted(b.draft_tokens + r * stride + 1, K);
+  const int32_t bonus = b.bonus_tokens[r];
+  const uint32_t flags = b.row_flags[r];
+  const int eos =
+      weights.on ? accumulate_row_weight(weights.in, r, weights.logw, weights.finished, weights.first_eos)
+                 : b.first_eos[r];
+  int32_t* cycle = b.cycle_tokens + r * stride;
+  if (!live) { // nothing of this cycle counts
+    for (int k = 0; k < stride; ++k)
+      cycle[k] = kInvalidToken;
+    b.committed[r] = 0;
+    return;
+  }
+  int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
+  drafted.for_each([&](int k, int32_t token) { cycle[k] = tokens[L + k] = token; });
+  cycle[K] = tokens[L + K] = bonus;
   b.tables.seq_len[r] = L + stride;
   // first_eos (from the weights): -1 nothing counts (finished before), K none, else the EOS column.
-  const int eos = b.first_eos[r];
-  b.committed[r] = eos < 0 ? 0 : (eos >= b.draft_steps ? stride : eos + 1);
-  if (b.row_flags[r] & kRowDataFaults)
+  b.committed[r] = eos < 0 ? 0 : (eos >= K ? stride : eos + 1);
+  if (flags & kRowDataFaults)
     b.tables.live[r] = 0; // the request fails; its rows stop here
 }
 
@@ -126,11 +139,10 @@ __global__ void CommitCycleKernel(CommitView b, int rows, FoldedWeights weights)
 /// contiguous), so every stage after the first reads only rows its own CTA wrote, and a __syncthreads()
 /// between the stages orders them: the weights and the commit (a thread a row), the resampling (warp 0,
 /// resample_device.cuh), the reshuffle (a warp a row, reshuffle_device.cuh), then the launch's last CTA
-/// collects the freed slots. The same device code in the same order per row and request as the three launches
-/// it replaces, so the same results. (A CTA of up to 32 requests measured slower at 8 and 64 requests: fewer
-/// CTAs did the same serial work.)
+/// collects the freed slots. The same results per row and request as the three launches it replaces (the
+/// reshuffle by the whole CTA, reshuffle_request, as reshuffle_row does it). (A CTA of up to 32 requests
+/// measured slower at 8 and 64 requests: fewer CTAs did the same serial work.)
 constexpr int kEndThreads = device::kCollectThreads;
-constexpr int kEndWarps = kEndThreads / 32;
 static_assert(kEndThreads >= kMaxResampleParticles, "a thread per row of a request");
 
 struct SmcEndArgs {
@@ -148,6 +160,7 @@ struct SmcEndArgs {
 __global__ void __launch_bounds__(kEndThreads) SmcCycleEndKernel(SmcEndArgs a) {
   pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
   __shared__ device::ResampleWarpStorage resample_storage;
+  __shared__ device::ReshuffleRequestStorage<kMaxResampleParticles> reshuffle_storage;
   const int n = a.resample.particles_per_request, request = static_cast<int>(blockIdx.x);
   const int first_row = request * n, warp = static_cast<int>(threadIdx.x) / 32;
   if (static_cast<int>(threadIdx.x) < n)
@@ -156,9 +169,8 @@ __global__ void __launch_bounds__(kEndThreads) SmcCycleEndKernel(SmcEndArgs a) {
   if (warp == 0)
     device::resample_request(a.resample, a.logw, a.plan, request, resample_storage);
   __syncthreads(); // the request's plan
-  const auto warp_group = cooperative_groups::tiled_partition<32>(cooperative_groups::this_thread_block());
-  for (int i = warp; i < n; i += kEndWarps)
-    device::reshuffle_row(a.pool, a.tables, a.plan.ancestor, a.finished, first_row + i, warp_group);
+  device::reshuffle_request<kEndThreads>(a.pool, a.tables, a.plan.ancestor, a.finished, first_row, n,
+                                         reshuffle_storage);
   device::collect_freed_after_launch<kEndThreads>(a.pool, a.collect_ticket);
 }
 

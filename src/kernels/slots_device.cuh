@@ -39,6 +39,37 @@ __device__ __forceinline__ void release_slot(const SlotPoolView& pool, int32_t s
   }
 }
 
+/// The positions part of copy_row_refcounted for lengths read before: the caller's thread `rank` of `size`
+/// takes positions rank, rank + size, ... A position's loads (dst's old slot, the source's slot and token)
+/// are issued together before its first store or atomic, so it costs one memory latency and then its
+/// reference moves.
+__device__ __forceinline__ void copy_row_positions(const SlotPoolView& pool, const RowTablesView& tables,
+                                                   int source, int dst, int source_len, int dst_len, int rank,
+                                                   int size) {
+  const int max_len = tables.max_seq_len;
+  int32_t* dst_slots = tables.slot_table + static_cast<int64_t>(dst) * max_len;
+  int32_t* dst_tokens = tables.token_table + static_cast<int64_t>(dst) * max_len;
+  const int32_t* source_slots = tables.slot_table + static_cast<int64_t>(source) * max_len;
+  const int32_t* source_tokens = tables.token_table + static_cast<int64_t>(source) * max_len;
+  for (int j = rank; j < max(source_len, dst_len); j += size) {
+    const bool taken = j < source_len; // the position exists in the source
+    const int32_t old_slot = dst_slots[j];
+    const int32_t new_slot = taken ? source_slots[j] : 0;
+    const int32_t token = taken ? source_tokens[j] : 0;
+    if (taken) {
+      if (j < dst_len && new_slot == old_slot) { // shared (a common prefix): its references do not change
+        dst_tokens[j] = token;
+        continue;
+      }
+      acquire_slot(pool, new_slot);
+      dst_slots[j] = new_slot;
+      dst_tokens[j] = token;
+    }
+    if (j < dst_len)
+      release_slot(pool, old_slot);
+  }
+}
+
 /// Called by every thread of `group` (a CTA or a warp: cooperative_groups' thread_block or
 /// thread_block_tile<32>): row `dst` becomes a copy of row `source` (slots and tokens up to the
 /// source's length, seq_len, live) with the references moved accordingly. Each position acquires its new
@@ -52,26 +83,8 @@ __device__ __forceinline__ void copy_row_refcounted(const SlotPoolView& pool, co
   const int max_len = tables.max_seq_len;
   const int source_len = min(max(tables.seq_len[source], 0), max_len);
   const int dst_len = min(max(tables.seq_len[dst], 0), max_len);
-  int32_t* dst_slots = tables.slot_table + static_cast<int64_t>(dst) * max_len;
-  int32_t* dst_tokens = tables.token_table + static_cast<int64_t>(dst) * max_len;
-  const int32_t* source_slots = tables.slot_table + static_cast<int64_t>(source) * max_len;
-  const int32_t* source_tokens = tables.token_table + static_cast<int64_t>(source) * max_len;
-  for (int j = static_cast<int>(group.thread_rank()); j < max(source_len, dst_len);
-       j += static_cast<int>(group.size())) {
-    const int32_t old_slot = dst_slots[j];
-    if (j < source_len) {
-      const int32_t new_slot = source_slots[j];
-      if (j < dst_len && new_slot == old_slot) { // shared (a common prefix): its references do not change
-        dst_tokens[j] = source_tokens[j];
-        continue;
-      }
-      acquire_slot(pool, new_slot);
-      dst_slots[j] = new_slot;
-      dst_tokens[j] = source_tokens[j];
-    }
-    if (j < dst_len)
-      release_slot(pool, old_slot);
-  }
+  copy_row_positions(pool, tables, source, dst, source_len, dst_len, static_cast<int>(group.thread_rank()),
+                     static_cast<int>(group.size()));
   group.sync(); // every thread has read dst's old length before it changes
   if (group.thread_rank() == 0) {
     tables.seq_len[dst] = source_len;
