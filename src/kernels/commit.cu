@@ -138,10 +138,11 @@ __global__ void CommitCycleKernel(CommitView b, int rows, FoldedWeights weights)
 /// The SMC cycle's end in one launch (smc_cycle_end): a CTA of kEndThreads takes one request (its N rows are
 /// contiguous), so every stage after the first reads only rows its own CTA wrote, and a __syncthreads()
 /// between the stages orders them: the weights and the commit (a thread a row), the resampling (warp 0,
-/// resample_device.cuh), the reshuffle (a warp a row, reshuffle_device.cuh), then the launch's last CTA
-/// collects the freed slots. The same results per row and request as the three launches it replaces (the
-/// reshuffle by the whole CTA, reshuffle_request, as reshuffle_row does it). (A CTA of up to 32 requests
-/// measured slower at 8 and 64 requests: fewer CTAs did the same serial work.)
+/// resample_device.cuh), the reshuffle (the whole CTA, 1024 / n' threads a row: reshuffle_request in
+/// reshuffle_device.cuh), then the launch's last CTA collects the freed slots. The same results per row and
+/// request as the three launches it replaces (the reshuffle by the whole CTA, reshuffle_request, as
+/// reshuffle_row does it). (A CTA of up to 32 requests measured slower at 8 and 64 requests: fewer CTAs did
+/// the same serial work.)
 constexpr int kEndThreads = device::kCollectThreads;
 static_assert(kEndThreads >= kMaxResampleParticles, "a thread per row of a request");
 
