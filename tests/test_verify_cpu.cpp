@@ -493,6 +493,11 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
   CHECK(counts(good_counts, good_pack()) == where_counts + "workspace.max_rows = 0: must be >= rows");
   CHECK(error_of([] { smcgraph::PackWorkspace bad(0); }) ==
         "smcgraph::PackWorkspace: max_rows = 0: must be >= 1");
+  // pack_preloads() checks its copy unit before it asks the device anything.
+  CHECK(error_of([] { smcgraph::pack_preloads(32, 8, 128, DType::kFloat16, false, false, 32); }) ==
+        "smcgraph::pack_preloads: vector_bytes = 32: must be 16, 8, 4 or 2");
+  CHECK(error_of([] { smcgraph::pack_preloads(32, 8, 3, DType::kFloat16, false, false, 4); }) ==
+        "smcgraph::pack_preloads: vector_bytes = 4: must divide a position's bytes (width * dtype size)");
 }
 
 TEST_CASE("verify_stochastic names the bad parameter and its value") {
