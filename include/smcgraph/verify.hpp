@@ -25,6 +25,7 @@
 //   smcgraph::PackWorkspace workspace(max_rows);                        // once, before capture
 //   smcgraph::TokenVerifyInputs in{d_draft, K, d_target, K + 1, rows, /*draft_steps=*/K, vocab};
 //   smcgraph::PayloadView kv{d_kv, smcgraph::DType::kFloat16, kv_dim, int64_t{K} * kv_dim};
+//   kv.ready_before_wait = true; // optional: the draft forward wrote d_kv before the target's kernels ran
 //   smcgraph::VerifyOutputs verdict{d_accepted, d_next_tokens, d_mismatch};
 //   smcgraph::PackOutputs packed{d_packed_kv, int64_t{rows} * K, d_offsets, d_total};
 //   smcgraph::verify_and_pack(in, kv, /*include_next=*/false, verdict, packed, workspace, stream);
