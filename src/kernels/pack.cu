@@ -462,8 +462,9 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
   args.payload_row_stride_bytes = payload.row_stride * element_bytes;
   args.out = out;
   args.workspace = workspace.words();
-  const PackLaunchShape shape = shape_for(args.rows, args.draft_steps, positions, args.position_bytes,
-                                          COUNTS_GIVEN, current_device_info().multiprocessors);
+  const int multiprocessors = current_device_info().multiprocessors;
+  const PackLaunchShape shape =
+      shape_for(args.rows, args.draft_steps, positions, args.position_bytes, COUNTS_GIVEN, multiprocessors);
   require(int64_t{shape.tiles} * shape.splits <= INT32_MAX, where, "grid (tiles * splits)",
           int64_t{shape.tiles} * shape.splits, "must be < 2^31");
   args.rows_per_tile = shape.rows_per_tile;
@@ -471,8 +472,8 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
   args.splits = shape.splits;
   const int vector_bytes =
       vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes);
-  args.preload = payload.ready_before_wait && preloads(shape, args.rows, positions, args.position_bytes,
-                                                       vector_bytes, current_device_info().multiprocessors);
+  args.preload = payload.ready_before_wait &&
+                 preloads(shape, args.rows, positions, args.position_bytes, vector_bytes, multiprocessors);
   launch<COUNTS_GIVEN>(vector_bytes, args, stream);
   SMCGRAPH_CHECK_LAUNCH();
 }

@@ -9,6 +9,14 @@
 
 namespace smcgraph::device {
 
+/// Whether row dst copies row `source` under the plan: another row of the bucket whose own plan entry
+/// (ancestor_of(source), asked only for a source in range) is itself, so no row is both a source and a
+/// destination.
+template <class AncestorOf>
+__device__ __forceinline__ bool plan_copies(int source, int dst, int rows, const AncestorOf& ancestor_of) {
+  return source != dst && source >= 0 && source < rows && ancestor_of(source) == source;
+}
+
 /// Row dst's part of the plan, by `group` (a CTA or a warp). A source is never a destination, so no group
 /// reads a row another one writes (no snapshot needed); a plan that breaks this is ignored rather than raced
 /// on.
@@ -17,7 +25,7 @@ __device__ __forceinline__ void reshuffle_row(const SlotPoolView& pool, const Ro
                                               const int32_t* ancestor, uint8_t* finished, int dst,
                                               const Group& group) {
   const int source = ancestor[dst];
-  if (source == dst || source < 0 || source >= tables.rows || ancestor[source] != source)
+  if (!plan_copies(source, dst, tables.rows, [&](int s) { return ancestor[s]; }))
     return; // uniform across the group
   device::copy_row_refcounted(pool, tables, source, dst, group);
   if (group.thread_rank() == 0)
@@ -67,8 +75,8 @@ __device__ __forceinline__ void reshuffle_request(const SlotPoolView& pool, cons
   if (tid < n) {
     const int dst = first_row + tid, source = storage.ancestor[tid], s = source - first_row;
     const bool inside = s >= 0 && s < n;
-    const bool copies = source != dst && source >= 0 && source < tables.rows &&
-                        (inside ? storage.ancestor[s] : outside_ancestor) == source;
+    const bool copies = plan_copies(source, dst, tables.rows,
+                                    [&](int) { return inside ? storage.ancestor[s] : outside_ancestor; });
     storage.source[tid] = copies ? source : -1;
     storage.source_length[tid] = inside ? storage.length[s] : outside_length;
     storage.source_live[tid] = inside ? storage.live[s] : outside_live;
