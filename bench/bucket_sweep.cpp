@@ -14,9 +14,11 @@
 //
 // Per bucket, in this order (every phase starts from freshly admitted 32-token prompts, or --context N
 // tokens, so every phase times rows of the same lengths, and the PyTorch peer starts from the same point):
-//   1. model forwards alone: draft head (rows x 2 tokens, or 1: draft_head_tokens), draft step (rows x 1),
-//      target verify (rows x K+1), each captured in a graph and replayed; model time per cycle = head + (K -
-//      1) steps + verify;
+//   1. model forwards alone, their rows as long as the graph phase's rows halfway through its timed cycles
+//      (prompt + 1 + (3 + cycles / 2) x the tokens a row commits per cycle; timed again after step 2 where
+//      a speculative bucket's tokens per cycle differ from the prediction): draft head (rows x 2 tokens,
+//      or 1: draft_head_tokens), draft step (rows x 1), target verify (rows x K+1), each captured in a graph
+//      and replayed; model time per cycle = head + (K - 1) steps + verify;
 //   2. graph: 3 warm-up cycles, validated (no failed request, N particles x K + 1 in-vocabulary tokens, or
 //      1 .. K + 1 for spec, slot invariants), then `cycles` replays with an event after each step(): median
 //      GPU time per cycle;
@@ -295,6 +297,13 @@ size_t forward_weight_bytes(const Model& model, size_t one_row_bytes, int head_t
   return one_row_bytes;
 }
 
+/// A row's length halfway through a graph phase's `cycles` timed cycles: its prompt, the token admission
+/// samples, the warm-up cycles and half the timed ones at `tokens_per_cycle` tokens a cycle. The forwards
+/// are timed there, and the KV of their floor and of the HBM roofline is counted there.
+double mid_phase_length(int cycles, double tokens_per_cycle) {
+  return g_prompt_length + 1 + (kWarmupCycles + 0.5 * cycles) * tokens_per_cycle;
+}
+
 /// Inputs of the draft head / draft step / target verify forwards at a bucket's shape: random in-vocabulary
 /// tokens at mid-sequence positions (full window), valid distinct slots, every row live. The models' KV
 /// storage is written at free slots only (the bench calls this while the engine holds no request), and the
@@ -400,10 +409,16 @@ public:
     return timing;
   }
 
-  /// Positions each row of a timed forward of `tokens_per_row` tokens reads (its KV up to its last token):
-  /// about a timing phase's middle, 68 positions past the prompt (100 with the default 32-token prompts).
+  /// The positions each row holds before a timed forward's tokens: set_context(mid_phase_length(...)) puts
+  /// the forwards where the timed cycles are halfway through (so model time and non-model time = graph
+  /// time - model time compare rows of the same lengths however many cycles a phase runs); the default,
+  /// 68 past the prompt, is that point for 20 SMC cycles of K 4 (the cost-aware K's draft_cost is measured
+  /// there).
+  void set_context(double positions) { context_ = static_cast<int>(std::lround(positions)); }
+
+  /// Positions each row of a timed forward of `tokens_per_row` tokens reads (its KV up to its last token).
   int timed_length(int tokens_per_row) const {
-    return std::min(g_prompt_length + 68, max_seq_len_ - tokens_per_row - 1) + tokens_per_row;
+    return std::min(context_, max_seq_len_ - tokens_per_row - 1) + tokens_per_row;
   }
 
   /// The floor of the forwards time_cycle_forwards times (issue 12's definition of a forward's floor): each
@@ -461,6 +476,7 @@ public:
 
 private:
   int max_rows_, max_tokens_, vocab_, max_seq_len_, pool_size_;
+  int context_ = g_prompt_length + 68;
   DeviceBuffer<int32_t> tokens_, positions_, out_slots_, slot_table_, seq_lens_;
   DeviceBuffer<uint8_t> live_;
   DeviceBuffer<uint8_t> logits_;
@@ -729,6 +745,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
   print_table_header();
 
   std::vector<RequestId> ids;
+  double spec_tokens_per_cycle = (steps + 2) / 2.0; // the last bucket's, for the next prediction
   for (const BucketInfo& info : engine.buckets()) {
     const int requests = info.requests;
     const int rows = requests * particles;
@@ -750,16 +767,27 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     UpdateCheck check;
     std::vector<RequestUpdate> updates;
 
-    // 1. The model forwards on their own, while the engine holds no request.
-    ctx.progress->update(*ctx.done, std::string(label) + ": model forwards");
-    drain(engine, updates);
-    for (const RequestId id : ids)
-      engine.release(id);
-    ids.clear();
-    engine.synchronize();
-    row.model = forwards.time_cycle_forwards(*models.draft, *models.target, rows, steps, stream);
-    row.model.floor_us =
-        forwards.model_floor_us(models, rows, steps, env.copy_gbs, env.node_floor_us, stream);
+    // 1. The model forwards on their own, while the engine holds no request, at the length a row has halfway
+    //    through the graph phase's timed cycles as predicted (an SMC row commits K + 1 tokens a cycle, a
+    //    no-draft row 1, a speculative row what the last bucket's rows did); timed again after the graph
+    //    phase where the prediction missed (step 2). They run first as before: they also bring the GPU to
+    //    its working state for the graph phase (timed after them, the real SMC cycle at 1 request measured
+    //    1,975 us; timed first, 2,017-2,019: H100, same call).
+    const auto time_forwards_at = [&](double tokens_per_cycle) {
+      ctx.progress->update(*ctx.done, std::string(label) + ": model forwards");
+      drain(engine, updates);
+      for (const RequestId id : ids)
+        engine.release(id);
+      ids.clear();
+      engine.synchronize();
+      forwards.set_context(mid_phase_length(o.cycles, tokens_per_cycle));
+      row.model = forwards.time_cycle_forwards(*models.draft, *models.target, rows, steps, stream);
+      row.model.floor_us =
+          forwards.model_floor_us(models, rows, steps, env.copy_gbs, env.node_floor_us, stream);
+    };
+    const double predicted_tokens_per_cycle =
+        kind == CycleKind::kSmc ? steps + 1.0 : (steps == 0 ? 1.0 : spec_tokens_per_cycle);
+    time_forwards_at(predicted_tokens_per_cycle);
     const int64_t bucket_model_nodes = model_nodes_of(rows);
 
     // 2. Graph replay: validated warm-up, then timed cycles (validated too), then the slot invariants.
@@ -794,6 +822,11 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
       row.ess_over_n = ess / (static_cast<double>(updates.size()) * particles);
       row.resample_rate = static_cast<double>(resampled) / static_cast<double>(updates.size());
     }
+    if (kind == CycleKind::kSpeculative && steps > 0)
+      spec_tokens_per_cycle = row.tokens_per_cycle;
+    const double mid_length = mid_phase_length(o.cycles, row.tokens_per_cycle);
+    if (std::lround(mid_length) != std::lround(mid_phase_length(o.cycles, predicted_tokens_per_cycle)))
+      time_forwards_at(row.tokens_per_cycle);
 
     // 3. Host time per step() (graph replay).
     ctx.progress->update(*ctx.done, std::string(label) + ": host step");
@@ -853,8 +886,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
       // forward, rows x (K + 1) for the verify), each row's KV up to its length (mid-phase length), and the
       // logits are written once and read once by the samplers.
       row.model_name = "smollm2";
-      const double length = g_prompt_length + 1 + (kWarmupCycles + 0.5 * o.cycles) * row.tokens_per_cycle;
-      const double kv = rows * length *
+      const double kv = rows * mid_length *
                         (static_cast<double>(steps) * models.draft_kv_bytes_per_token +
                          static_cast<double>(models.target_kv_bytes_per_token));
       const double draft_weights =
@@ -1016,7 +1048,8 @@ int run(const Options& o, const char* argv0) {
   std::printf("; max_seq_len %d, slot pool %d\n", constants.max_seq_len, constants.pool_size);
   std::printf(
       "graph/eager = median GPU time per cycle; host = host time per step(); model = draft head + "
-      "(K-1) draft steps + verify timed alone; nonmodel = graph - model (it can be slightly negative "
+      "(K-1) draft steps + verify timed alone at the rows' mid-phase length; nonmodel = graph - model (it "
+      "can be slightly negative "
       "with the real model: inside the cycle's graph a forward's first launch overlaps the end of the "
       "stage before it (programmatic dependent launch), timed alone it does not); floor = (logits the "
       "samplers read: K draft + K+1 target columns per row, + state) / copy bandwidth + non-model "

@@ -209,6 +209,12 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
           s.captured_branch_nodes = 0;
           // The cycle's last launch writes the parity's pinned host block.
           detail::enqueue_cycle(s, requests, detail::Enqueue::kCapture, s.stream, s.outputs_mapped[parity]);
+          // The event the host waits on before it reads that block, recorded by the graph itself (an event
+          // record node), so that step() makes one driver call, cudaGraphLaunch, instead of two. H100, toy
+          // pair, host us per step() (step-time stamps, two rounds; the launch's own time varies most):
+          // the separate cudaEventRecord took 0.24-1.65 us of it, the node adds no GPU time per cycle.
+          SMCGRAPH_CUDA_CHECK(
+              cudaEventRecordWithFlags(s.outputs_ready[parity]->get(), s.stream, cudaEventRecordExternal));
         } catch (const Error& e) {
           failure = e.what();
           failure_code = e.cuda_error();
@@ -252,7 +258,8 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
         captured.exec = exec;
         size_t top_nodes = 0;
         SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &top_nodes));
-        s.bucket_info[i].graph_nodes = top_nodes + s.captured_branch_nodes;
+        // The cycle's nodes: its launches, not the event record node that ends it.
+        s.bucket_info[i].graph_nodes = top_nodes - 1 + s.captured_branch_nodes;
       }
       s.bucket_info[i].capture_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -496,10 +503,11 @@ void Engine::step() {
     NvtxRange range("cycle.eager");
     detail::enqueue_cycle(s, cycle.bucket_requests, detail::Enqueue::kEager, s.stream,
                           s.outputs_mapped[parity]);
+    s.outputs_ready[parity]->record(s.stream);
   } else {
+    // The graph records outputs_ready[parity] itself (its last node).
     SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(s.graphs[bucket][parity].exec, s.stream));
   }
-  s.outputs_ready[parity]->record(s.stream);
   s.in_flight.push();
   ++s.cycles_launched;
 }

@@ -121,6 +121,7 @@ struct Engine::State {
   /// last launch writes it directly (no copy node), and the host reads it once outputs_ready[parity] fired.
   std::array<PinnedBuffer<uint8_t>, 2> outputs_host;
   std::array<uint8_t*, 2> outputs_mapped{}; ///< outputs_host[p] as the device addresses it
+  /// Recorded by the captured cycle's last node (an event record node), or by step() after an eager cycle.
   std::array<std::unique_ptr<Event>, 2> outputs_ready;
   SampleWorkspace workspace;
   detail::CycleBuffers buffers;
