@@ -365,6 +365,15 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
       out[d] = 0;
     return;
   }
+  // The warp's first chunk's positions of this forward (the QKV projection just wrote their K and V: not
+  // loaded early) go out beside q's load, so both cost one memory latency, as in the grouped kernel (they
+  // went out after q's load and barrier before). H100, SmolLM2, graph us a cycle, two rounds in one call:
+  // speculative K 4 at 8 requests 2,094.9, 2,090.5 -> 2,078.0, 2,075.2; SMC N 8 K 4 at 1 request 1,949.6,
+  // 1,962.2 -> 1,939.1, 1,946.3; no draft at 8 requests 433.8, 435.4 -> 437.6, 437.4 (at 1: unchanged).
+  const bool late = first_chunk < chunks && early_position < length && !early;
+  if (late)
+    load_key_value<MAX_HEAD_DIM>(a, next_slot, kv_head, hd, v_shared + lane * hd, key);
+  __pipeline_commit();
   const uint16_t* q = a.q + static_cast<size_t>(t) * q_dim + head * hd;
   for (int d = threadIdx.x; d < hd; d += kThreads)
     q_shared[d] = __uint_as_float(static_cast<uint32_t>(q[d]) << 16);
@@ -391,7 +400,8 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
           next_chunk_of<SPLIT>(chunk, split, chunks, split_blocks, warp) * kAttentionChunk + lane;
       if (following < length) // the warp's next chunk: its slot load overlaps this chunk
         next_slot = clamp_slot(slots[following], a.pool_size);
-      const bool load = valid && !(early && chunk == first_chunk); // an early position's rows are in flight
+      // The first chunk's rows are in flight already (loaded before the wait, or right after it).
+      const bool load = valid && !((early || late) && chunk == first_chunk);
       if (load)
         load_key_value<MAX_HEAD_DIM>(a, slot, kv_head, hd, v_shared + lane * hd, key);
       __pipeline_commit();
