@@ -67,6 +67,14 @@ struct CommitRow {
   int32_t* tokens = nullptr;
 };
 
+/// A row that is not live commits nothing this cycle: its cycle tokens are invalid and none counts.
+template <class View> __device__ __forceinline__ void commit_nothing(const View& b, int r) {
+  int32_t* cycle = b.cycle_tokens + r * (b.draft_steps + 1);
+  for (int k = 0; k <= b.draft_steps; ++k)
+    cycle[k] = kInvalidToken;
+  b.committed[r] = 0;
+}
+
 template <class View> __device__ __forceinline__ CommitRow commit_row(const View& b, int rows, int r) {
   CommitRow row;
   row.r = r;
@@ -76,9 +84,7 @@ template <class View> __device__ __forceinline__ CommitRow commit_row(const View
   int32_t* cycle = b.cycle_tokens + row.r * stride;
   const int length = b.tables.seq_len[row.r]; // loaded beside live, not after it
   if (!b.tables.live[row.r]) {
-    for (int k = 0; k < stride; ++k)
-      cycle[k] = kInvalidToken;
-    b.committed[row.r] = 0;
+    commit_nothing(b, row.r);
     return row;
   }
   row.cycle = cycle;
@@ -113,13 +119,11 @@ __device__ __forceinline__ void commit_smc_row(const CommitView& b, int rows, in
   const int eos =
       weights.on ? accumulate_row_weight(weights.in, r, weights.logw, weights.finished, weights.first_eos)
                  : b.first_eos[r];
-  int32_t* cycle = b.cycle_tokens + r * stride;
-  if (!live) { // nothing of this cycle counts
-    for (int k = 0; k < stride; ++k)
-      cycle[k] = kInvalidToken;
-    b.committed[r] = 0;
+  if (!live) {
+    commit_nothing(b, r);
     return;
   }
+  int32_t* cycle = b.cycle_tokens + r * stride;
   int32_t* tokens = b.tables.token_table + static_cast<int64_t>(r) * b.tables.max_seq_len;
   drafted.for_each([&](int k, int32_t token) { cycle[k] = tokens[L + k] = token; });
   cycle[K] = tokens[L + K] = bonus;
