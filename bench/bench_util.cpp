@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <string>
 
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
@@ -124,7 +125,117 @@ private:
   cudaKernel_t kernel_ = nullptr;
 };
 
+/// The PTX of launch_cold_kernel(): a grid-stride read of `words` 32-bit words of `buffer` (0: none), then
+/// kColdInstructions multiply-adds in four independent chains, each with its own immediate (so ptxas can
+/// fold nothing and every one is a distinct instruction), whose sum is stored only if it equals a value it
+/// never takes (the work stays live).
+constexpr int kColdInstructions = 16384; // 16 B a Hopper SASS instruction: 256 KiB of code
+
+std::string cold_kernel_ptx() {
+  std::string ptx = R"(.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry smcgraph_bench_cold_kernel(.param .u64 buffer, .param .u64 words, .param .u64 sink)
+{
+  .reg .pred %p<3>;
+  .reg .b32 %r<16>;
+  .reg .b64 %rd<12>;
+  mov.u32 %r1, %tid.x;
+  mov.u32 %r2, %ctaid.x;
+  mov.u32 %r3, %ntid.x;
+  mov.u32 %r4, %nctaid.x;
+  mad.lo.u32 %r5, %r2, %r3, %r1;
+  mul.lo.u32 %r6, %r3, %r4;
+  ld.param.u64 %rd1, [buffer];
+  ld.param.u64 %rd2, [words];
+  ld.param.u64 %rd9, [sink];
+  cvt.u64.u32 %rd3, %r5;
+  cvt.u64.u32 %rd4, %r6;
+  mov.u32 %r7, %r5;
+  add.u32 %r8, %r5, 1;
+  add.u32 %r9, %r5, 2;
+  add.u32 %r10, %r5, 3;
+READ:
+  setp.ge.u64 %p1, %rd3, %rd2;
+  @%p1 bra CODE;
+  shl.b64 %rd5, %rd3, 2;
+  add.u64 %rd6, %rd1, %rd5;
+  ld.global.cg.u32 %r11, [%rd6];
+  xor.b32 %r7, %r7, %r11;
+  add.u64 %rd3, %rd3, %rd4;
+  bra READ;
+CODE:
+)";
+  for (int i = 0; i < kColdInstructions; ++i) {
+    const int chain = 7 + i % 4;
+    ptx += "  mad.lo.u32 %r" + std::to_string(chain) + ", %r" + std::to_string(chain) + ", %r5, " +
+           std::to_string(2654435761u * static_cast<uint32_t>(i + 1) | 1u) + ";\n";
+  }
+  ptx += R"(  add.u32 %r12, %r7, %r8;
+  add.u32 %r12, %r12, %r9;
+  add.u32 %r12, %r12, %r10;
+  setp.eq.u32 %p2, %r12, 1234567;
+  @%p2 st.global.u32 [%rd9], %r12;
+  ret;
+}
+)";
+  return ptx;
+}
+
+class ColdKernel {
+public:
+  ColdKernel() : flush_(static_cast<size_t>(l2_rotation_bytes())), sink_(1) {
+    const std::string ptx = cold_kernel_ptx();
+    SMCGRAPH_CUDA_CHECK(
+        cudaLibraryLoadData(&library_, ptx.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0));
+    SMCGRAPH_CUDA_CHECK(cudaLibraryGetKernel(&kernel_, library_, "smcgraph_bench_cold_kernel"));
+    int device = 0;
+    SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device));
+    flush_.fill_bytes(0x3c, nullptr);
+    SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  ~ColdKernel() {
+    if (library_)
+      cudaLibraryUnload(library_);
+  }
+  ColdKernel(const ColdKernel&) = delete;
+  ColdKernel& operator=(const ColdKernel&) = delete;
+
+  void launch(cudaStream_t stream, bool l2_flush) {
+    void* buffer = flush_.data();
+    uint64_t words = l2_flush ? flush_.bytes() / 4 : 0;
+    void* sink = sink_.data();
+    void* params[] = {&buffer, &words, &sink};
+    SMCGRAPH_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel_),
+                                         dim3(static_cast<unsigned>(2 * multiprocessors_)), dim3(256), params,
+                                         0, stream));
+  }
+
+private:
+  cudaLibrary_t library_ = nullptr;
+  cudaKernel_t kernel_ = nullptr;
+  int multiprocessors_ = 1;
+  DeviceBuffer<unsigned char> flush_;
+  DeviceBuffer<uint32_t> sink_;
+};
+
+const EmptyKernel& empty_kernel() {
+  static const EmptyKernel kernel; // loaded once per process
+  return kernel;
+}
+
 } // namespace
+
+void launch_empty_kernel(cudaStream_t stream) {
+  empty_kernel().launch(stream);
+}
+
+void launch_cold_kernel(cudaStream_t stream, bool l2_flush) {
+  static ColdKernel kernel; // loaded once per process
+  kernel.launch(stream, l2_flush);
+}
 
 double measure_copy_bandwidth_gbs(cudaStream_t stream) {
   constexpr size_t kBytes = size_t{1} << 30;
@@ -167,11 +278,10 @@ Timing time_eager(const std::function<void(cudaStream_t)>& work, cudaStream_t st
 }
 
 double node_floor_us(cudaStream_t stream) {
-  static const EmptyKernel empty_kernel; // loaded once per process
   // One eager launch first: with lazy module loading the first launch loads the code, outside any capture.
-  empty_kernel.launch(stream);
+  empty_kernel().launch(stream);
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return time_graph([](cudaStream_t s) { empty_kernel.launch(s); }, stream, 100, 50, 5).median_us;
+  return time_graph([](cudaStream_t s) { empty_kernel().launch(s); }, stream, 100, 50, 5).median_us;
 }
 
 std::string device_name() {

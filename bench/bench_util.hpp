@@ -50,6 +50,16 @@ Timing time_eager(const std::function<void(cudaStream_t)>& work, cudaStream_t st
 /// moves almost nothing.
 double node_floor_us(cudaStream_t stream);
 
+/// Launches the chain's empty kernel (the node floor's) once on `stream`: a predecessor that does not let a
+/// programmatic dependent launch start early, so the next kernel runs alone.
+void launch_empty_kernel(cudaStream_t stream);
+
+/// A kernel that leaves the launch after it cold, as a cycle leaves a stage kernel: on 2 CTAs an SM it
+/// executes about 256 KiB of distinct instructions (more than an SM's instruction caches hold), and, when
+/// `l2_flush` is true, first reads l2_rotation_bytes() of its own buffer (evicting L2). Not a programmatic
+/// predecessor either. Loaded once per process (its PTX is generated and JIT-compiled at the first call).
+void launch_cold_kernel(cudaStream_t stream, bool l2_flush);
+
 /// The current device's name ("NVIDIA H200").
 std::string device_name();
 

@@ -5,6 +5,13 @@
 //   build-bench/bench/sample_bench [--csv results/sample_bench.csv] [--quick] [--shapes 1x49152:bf16,...]
 //                                  [--peers] [--python python3]
 //
+// The graph column is a chain of launches, where programmatic dependent launch lets each one start while
+// the one before finishes. A cycle runs each pass after a different kernel, so three more columns time the
+// pass after a predecessor that does not let it start early (alone_us: an empty kernel; cold_us: a kernel
+// that runs 256 KiB of other code, leaving the SM's instruction caches cold; coldL2_us: that kernel after
+// reading 3x L2, so the pass's code and its small inputs also come from HBM), each as the time of a graph of
+// (predecessor, pass) pairs minus the predecessors' own, per pair.
+//
 // Floors: bytes of logits read / copy bandwidth, where the copy bandwidth counts bytes read + written by a
 // 1 GiB device-to-device copy (a read-only kernel at full DRAM throughput reaches fraction 1.0), and the
 // per-node time of a chain of empty kernels (the floor of a launch that moves almost nothing).
@@ -15,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -42,6 +50,8 @@ constexpr int kMaxVocab = 151936;
 constexpr int kMinLaunchesPerGraph = 20;
 constexpr int kMaxLaunchesPerGraph = 4096;
 constexpr int kValidatedRowsPerShape = 4;
+constexpr int kPairedLaunches = 32; // (predecessor, pass) pairs in a graph of the alone / cold columns
+constexpr int kPairedRepetitions = 20;
 constexpr size_t kBufferAlignment = 256;
 const uint32_t kStreamWord = smcgraph::philox_stream(smcgraph::Salt::kUser, 0);
 
@@ -295,10 +305,14 @@ Validation validate(const Shape& shape, const HostOutputs& device, const std::ve
       validation.fail(where + "token " + std::to_string(device.tokens[r]) + " out of range");
     if (!std::isfinite(device.logprobs[r]) || device.logprobs[r] > 0.0f)
       validation.fail(where + "logprob " + format(device.logprobs[r], 6) + " not finite and <= 0");
-    const bool logz_ok = shape.alpha == 1.0f ? device.logz[r] == 0.0f
-                                             : std::isfinite(device.logz[r]) && device.logz[r] <= 1e-5f;
+    // log Z = log sum_v p_v^alpha: 0 at alpha 1, <= 0 above it, >= 0 below it (p^alpha vs p for p <= 1).
+    const float logz = device.logz[r];
+    const bool logz_ok = shape.alpha == 1.0f    ? logz == 0.0f
+                         : !std::isfinite(logz) ? false
+                         : shape.alpha > 1.0f   ? logz <= 1e-5f
+                                                : logz >= -1e-5f;
     if (!logz_ok)
-      validation.fail(where + "logz " + format(device.logz[r], 6) + " (want 0 at alpha 1, <= 0 else)");
+      validation.fail(where + "logz " + format(logz, 6) + " (want 0 at alpha 1, <= 0 above it, >= 0 below)");
   }
   if (!validation.ok)
     return validation;
@@ -544,6 +558,9 @@ int run(const Options& options, const char* argv0) {
            "graph_min_us",
            "graph_p90_us",
            "eager_median_us",
+           "alone_median_us",
+           "cold_median_us",
+           "cold_l2_median_us",
            "gbs",
            "copy_gbs",
            "fraction_of_copy",
@@ -552,8 +569,9 @@ int run(const Options& options, const char* argv0) {
            "fraction_of_floor",
            "valid",
            "near_ties"});
-  std::printf("%5s %7s %5s %5s %6s %9s %9s %9s %8s %8s %9s %8s  %s\n", "rows", "vocab", "dtype", "alpha",
-              "launch", "graph_us", "p90_us", "eager_us", "GB/s", "of_copy", "floor_us", "of_floor", "check");
+  std::printf("%5s %7s %5s %5s %6s %9s %9s %9s %9s %9s %9s %8s %8s %9s %8s  %s\n", "rows", "vocab", "dtype",
+              "alpha", "launch", "graph_us", "p90_us", "eager_us", "alone_us", "cold_us", "coldL2_us", "GB/s",
+              "of_copy", "floor_us", "of_floor", "check");
 
   std::vector<Result> results;
   bool all_valid = true;
@@ -567,6 +585,10 @@ int run(const Options& options, const char* argv0) {
     // The workspace zeroes its tickets with cudaMemset on the legacy default stream, which a non-blocking
     // stream does not wait for: finish it before the first launch.
     SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
+    // The predecessors of the alone / cold columns, launched once outside any capture (lazy loading).
+    smcgraph::bench::launch_empty_kernel(stream);
+    smcgraph::bench::launch_cold_kernel(stream, true);
+    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
 
     std::vector<float> host_logits; // fp32 as generated; reused across the dtypes of one (rows, vocab)
     int host_rows = 0, host_vocab = 0;
@@ -625,6 +647,7 @@ int run(const Options& options, const char* argv0) {
       Validation validation = validate(shape, eager, seen_logits, setup);
 
       smcgraph::bench::Timing graph{NAN, NAN, NAN}, eager_timing{NAN, NAN, NAN};
+      double alone_us = NAN, cold_us = NAN, cold_l2_us = NAN;
       if (validation.ok) {
         int next_buffer = 0;
         const auto work = [&](cudaStream_t s) {
@@ -634,6 +657,19 @@ int run(const Options& options, const char* argv0) {
         graph = smcgraph::bench::time_graph(work, stream, rotation.launches_per_graph);
         compare_with_eager(eager, read_outputs(outputs, shape.rows, stream), shape.rows, validation);
         eager_timing = smcgraph::bench::time_eager(work, stream);
+        // A pass after `before`, which does not let it start early: pairs minus the predecessors alone.
+        const auto after = [&](const std::function<void(cudaStream_t)>& before) {
+          const int pairs = std::min(rotation.launches_per_graph, kPairedLaunches);
+          const auto pair = [&](cudaStream_t s) {
+            before(s);
+            work(s);
+          };
+          return smcgraph::bench::time_graph(pair, stream, pairs, kPairedRepetitions).median_us -
+                 smcgraph::bench::time_graph(before, stream, pairs, kPairedRepetitions).median_us;
+        };
+        alone_us = after([](cudaStream_t s) { smcgraph::bench::launch_empty_kernel(s); });
+        cold_us = after([](cudaStream_t s) { smcgraph::bench::launch_cold_kernel(s, false); });
+        cold_l2_us = after([](cudaStream_t s) { smcgraph::bench::launch_cold_kernel(s, true); });
       }
       all_valid = all_valid && validation.ok;
 
@@ -646,10 +682,11 @@ int run(const Options& options, const char* argv0) {
               ? "ok" + (validation.near_ties ? " (" + std::to_string(validation.near_ties) + " near-tie)"
                                              : std::string())
               : "FAIL: " + validation.message;
-      std::printf("%5d %7d %5s %5s %6d %9s %9s %9s %8s %8s %9s %8s  %s\n", shape.rows, shape.vocab,
-                  smcgraph::dtype_name(shape.dtype), format(shape.alpha, 1).c_str(),
+      std::printf("%5d %7d %5s %5s %6d %9s %9s %9s %9s %9s %9s %8s %8s %9s %8s  %s\n", shape.rows,
+                  shape.vocab, smcgraph::dtype_name(shape.dtype), format(shape.alpha, 1).c_str(),
                   rotation.launches_per_graph, format(graph.median_us, 2).c_str(),
                   format(graph.p90_us, 2).c_str(), format(eager_timing.median_us, 2).c_str(),
+                  format(alone_us, 2).c_str(), format(cold_us, 2).c_str(), format(cold_l2_us, 2).c_str(),
                   format(gbs, 0).c_str(), format(gbs / copy_gbs, 3).c_str(), format(floor_us, 2).c_str(),
                   format(floor_us / graph.median_us, 3).c_str(), check.c_str());
       std::fflush(stdout);
@@ -666,6 +703,9 @@ int run(const Options& options, const char* argv0) {
                format(graph.min_us, 3),
                format(graph.p90_us, 3),
                format(eager_timing.median_us, 3),
+               format(alone_us, 3),
+               format(cold_us, 3),
+               format(cold_l2_us, 3),
                format(gbs, 1),
                format(copy_gbs, 1),
                format(gbs / copy_gbs, 4),
