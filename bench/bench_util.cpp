@@ -100,24 +100,24 @@ constexpr const char* kEmptyKernelPtx = R"(.version 7.0
 }
 )";
 
-class EmptyKernel {
+/// A kernel of hand-written PTX (`entry` in `ptx`), loaded through the runtime's library API and unloaded
+/// with it. A cudaKernel_t cast to a function pointer is accepted by cudaLaunchKernel (CUDA >= 12.0).
+class PtxKernel {
 public:
-  EmptyKernel() {
-    SMCGRAPH_CUDA_CHECK(
-        cudaLibraryLoadData(&library_, kEmptyKernelPtx, nullptr, nullptr, 0, nullptr, nullptr, 0));
-    SMCGRAPH_CUDA_CHECK(cudaLibraryGetKernel(&kernel_, library_, "smcgraph_bench_empty_kernel"));
+  PtxKernel(const char* ptx, const char* entry) {
+    SMCGRAPH_CUDA_CHECK(cudaLibraryLoadData(&library_, ptx, nullptr, nullptr, 0, nullptr, nullptr, 0));
+    SMCGRAPH_CUDA_CHECK(cudaLibraryGetKernel(&kernel_, library_, entry));
   }
-  ~EmptyKernel() {
+  ~PtxKernel() {
     if (library_)
       cudaLibraryUnload(library_);
   }
-  EmptyKernel(const EmptyKernel&) = delete;
-  EmptyKernel& operator=(const EmptyKernel&) = delete;
+  PtxKernel(const PtxKernel&) = delete;
+  PtxKernel& operator=(const PtxKernel&) = delete;
 
-  void launch(cudaStream_t stream) const {
-    // A cudaKernel_t cast to a function pointer is accepted by cudaLaunchKernel (CUDA >= 12.0).
+  void launch(dim3 grid, dim3 block, void** params, cudaStream_t stream) const {
     SMCGRAPH_CUDA_CHECK(
-        cudaLaunchKernel(reinterpret_cast<const void*>(kernel_), dim3(1), dim3(1), nullptr, 0, stream));
+        cudaLaunchKernel(reinterpret_cast<const void*>(kernel_), grid, block, params, 0, stream));
   }
 
 private:
@@ -185,51 +185,40 @@ CODE:
 
 class ColdKernel {
 public:
-  ColdKernel() : flush_(static_cast<size_t>(l2_rotation_bytes())), sink_(1) {
-    const std::string ptx = cold_kernel_ptx();
-    SMCGRAPH_CUDA_CHECK(
-        cudaLibraryLoadData(&library_, ptx.c_str(), nullptr, nullptr, 0, nullptr, nullptr, 0));
-    SMCGRAPH_CUDA_CHECK(cudaLibraryGetKernel(&kernel_, library_, "smcgraph_bench_cold_kernel"));
+  ColdKernel()
+      : kernel_(cold_kernel_ptx().c_str(), "smcgraph_bench_cold_kernel"),
+        flush_(static_cast<size_t>(l2_rotation_bytes())), sink_(1) {
     int device = 0;
     SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
     SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device));
     flush_.fill_bytes(0x3c, nullptr);
     SMCGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  ~ColdKernel() {
-    if (library_)
-      cudaLibraryUnload(library_);
-  }
-  ColdKernel(const ColdKernel&) = delete;
-  ColdKernel& operator=(const ColdKernel&) = delete;
 
   void launch(cudaStream_t stream, bool l2_flush) {
     void* buffer = flush_.data();
     uint64_t words = l2_flush ? flush_.bytes() / 4 : 0;
     void* sink = sink_.data();
     void* params[] = {&buffer, &words, &sink};
-    SMCGRAPH_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel_),
-                                         dim3(static_cast<unsigned>(2 * multiprocessors_)), dim3(256), params,
-                                         0, stream));
+    kernel_.launch(dim3(static_cast<unsigned>(2 * multiprocessors_)), dim3(256), params, stream);
   }
 
 private:
-  cudaLibrary_t library_ = nullptr;
-  cudaKernel_t kernel_ = nullptr;
+  PtxKernel kernel_;
   int multiprocessors_ = 1;
   DeviceBuffer<unsigned char> flush_;
   DeviceBuffer<uint32_t> sink_;
 };
 
-const EmptyKernel& empty_kernel() {
-  static const EmptyKernel kernel; // loaded once per process
+const PtxKernel& empty_kernel() {
+  static const PtxKernel kernel(kEmptyKernelPtx, "smcgraph_bench_empty_kernel"); // loaded once per process
   return kernel;
 }
 
 } // namespace
 
 void launch_empty_kernel(cudaStream_t stream) {
-  empty_kernel().launch(stream);
+  empty_kernel().launch(dim3(1), dim3(1), nullptr, stream);
 }
 
 void launch_cold_kernel(cudaStream_t stream, bool l2_flush) {
@@ -279,9 +268,9 @@ Timing time_eager(const std::function<void(cudaStream_t)>& work, cudaStream_t st
 
 double node_floor_us(cudaStream_t stream) {
   // One eager launch first: with lazy module loading the first launch loads the code, outside any capture.
-  empty_kernel().launch(stream);
+  launch_empty_kernel(stream);
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return time_graph([](cudaStream_t s) { empty_kernel().launch(s); }, stream, 100, 50, 5).median_us;
+  return time_graph(launch_empty_kernel, stream, 100, 50, 5).median_us;
 }
 
 std::string device_name() {
