@@ -62,7 +62,6 @@
 #include <cstdint>
 
 #include <cooperative_groups.h>
-#include <cub/block/block_reduce.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -336,7 +335,7 @@ template <PassMode MODE> struct MergeOp {
 template <PassMode MODE>
 __device__ __forceinline__ PassState warp_merge(PassState state, float c, float alpha) {
   constexpr unsigned kAll = 0xffffffffu;
-#pragma unroll
+#pragma unroll 1 // five merges: a loop keeps the pass's code short (it runs cold in a cycle)
   for (int offset = 16; offset >= 1; offset /= 2) {
     PassState other;
     other.max = __shfl_xor_sync(kAll, state.max, offset);
@@ -457,6 +456,56 @@ __device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, c
 inline constexpr int kWarpSize = 32;
 inline constexpr int kSubTiles = kPassThreads / kWarpSize;
 static_assert(kPassThreads % kWarpSize == 0, "a CTA is whole warps");
+
+/// Shuffles every 32-bit word of `value` down by `offset` lanes (a struct of 4-byte-multiple size).
+template <class T> __device__ __forceinline__ T shuffle_down_words(const T& value, int offset) {
+  static_assert(sizeof(T) % 4 == 0, "shuffled as 32-bit words");
+  T out;
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(&value);
+  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i)
+    words[i] = __shfl_down_sync(0xffffffffu, in[i], offset);
+  return out;
+}
+
+/// cub::BlockReduce<T, kPassThreads>::Reduce(value, op, valid) (the warp-reductions algorithm): the same
+/// operations in the same order, so the same bits, written as loops. Each warp folds lane l + offset into
+/// lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane), then thread 0 folds the warps'
+/// totals in warp order (the warps that hold a valid thread). cub unrolls all of it for every operator, which
+/// made the reductions about a fifth of the pass's code; a cycle runs the pass from cold instruction caches
+/// and a flushed L2, where its time follows its code size (sample_bench's cold columns). The result is
+/// thread 0's; `totals` is kPassThreads / kWarpSize shared slots; the call holds a __syncthreads().
+/// With the Philox rounds and warp_merge as loops too (random.cuh), the bf16 pass went from 9,648 to 5,904
+/// SASS instructions. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch, in the chain /
+/// after a kernel that flushed L2: 1 x 128256 bf16 6.64-6.67 / 14.91-15.64 -> 7.03 / 9.23-9.46, 8 x
+/// 49152 6.37-6.40 / 14.60-14.70 -> 6.60-6.61 / 8.53-8.58, 64 x 128256 14.92-14.95 / 18.36-18.50
+/// -> 15.88-15.89 / 16.92-17.02 (warm, a loop costs issue slots; cold, fewer bytes of code come from HBM).
+/// The real SMC cycle (N 8, K 4, with resample_device.cuh's loops) at 1 / 8 requests 1,933.2-1,936.4 /
+/// 3,983.8-3,993.7 -> 1,904.8-1,905.9 / 3,957.4-3,960.4 us, its non-model time 95.6-99.0 -> 64.0-66.1 us at 1
+/// request; the toy SMC cycle at 64 requests (512-row passes, the large instance) 1,955.7-1,956.3 ->
+/// 1,965.1-1,965.3.
+template <class T, class Op>
+__device__ __forceinline__ T block_reduce_in_order(T value, const Op& op, int valid, T* totals) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
+            warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int last_lane = min(valid - warp * kWarpSize, kWarpSize) - 1;
+#pragma unroll 1
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const T other = shuffle_down_words(value, offset);
+    if (offset + lane <= last_lane)
+      value = op(value, other);
+  }
+  if (lane == 0)
+    totals[warp] = value;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll 1
+    for (int w = 1; w < kPassThreads / kWarpSize && w * kWarpSize < valid; ++w)
+      value = op(value, totals[w]);
+  }
+  return value;
+}
 template <DType DTYPE> inline constexpr int kSubTileLength = kSplitLength<DTYPE> / kSubTiles;
 
 /// Logits per run of the element race: the winning sub-tile spread over the CTA's threads (4 bf16 / 2 fp32
@@ -837,15 +886,13 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       state = merge_states<MODE>(state, sub, job.c, job.alpha);
       offer_subtile<MODE>(subtile, sub, subtile_noise(job, s), s, power_c);
     }
-    using StandingReduce = cub::BlockReduce<RowStanding, kPassThreads>;
-    __shared__ typename StandingReduce::TempStorage standing_storage;
+    __shared__ RowStanding standing_totals[kPassThreads / kWarpSize];
     __shared__ RowStanding row_standing;
     // Only the threads that hold a sub-tile take part (an empty state merges exactly: a 128-sub-tile row's
     // serial step merges 4 warp aggregates, not 8).
     const int valid_threads = min(subtile_count, kPassThreads);
-    const RowStanding standing =
-        StandingReduce(standing_storage)
-            .Reduce(RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha}, valid_threads);
+    const RowStanding standing = block_reduce_in_order(
+        RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha}, valid_threads, standing_totals);
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
     if (cluster)
@@ -857,31 +904,29 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     subtile = row_standing.subtile;
     if (!state.flags && state.max != -INFINITY) {
       // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
-      using RaceReduce = cub::BlockReduce<RaceState, kPassThreads>;
-      __shared__ typename RaceReduce::TempStorage race_storage;
+      __shared__ RaceState race_totals[kPassThreads / kWarpSize];
       const int tile_begin = (subtile.index / kSubTiles) * kSplitLength<DTYPE>;
       if (cluster) { // the owner of the winning sub-tile races it from its shared copy; the others are done
         writer = subtile.index / kSubTiles == place.split;
         if (writer) {
           winner = race_subtile_shared<DTYPE>(tile_copy, args.logits.vocab, tile_begin,
                                               subtile.index % kSubTiles, noise, subtile.max, power_c);
-          winner = RaceReduce(race_storage).Reduce(winner, RaceStateOp{});
+          winner = block_reduce_in_order(winner, RaceStateOp{}, kPassThreads, race_totals);
         }
       } else {
         winner = race_subtile<DTYPE>(row_logits, args.logits.vocab, tile_begin, subtile.index % kSubTiles,
                                      place.aligned, noise, subtile.max, power_c);
-        winner = RaceReduce(race_storage).Reduce(winner, RaceStateOp{});
+        winner = block_reduce_in_order(winner, RaceStateOp{}, kPassThreads, race_totals);
       }
     }
   } else {
-    using BlockReduce = cub::BlockReduce<PassState, kPassThreads>;
-    __shared__ typename BlockReduce::TempStorage reduce_storage;
+    __shared__ PassState merge_totals[kPassThreads / kWarpSize];
     state = mine;
     for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
       state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
     // The whole CTA (cub's partial-block path measured slower here: greedy draft samples of the toy's
     // speculative cycle, +3 us a cycle at 1 request).
-    state = BlockReduce(reduce_storage).Reduce(state, MergeOp<MODE>{job.c, job.alpha});
+    state = block_reduce_in_order(state, MergeOp<MODE>{job.c, job.alpha}, kPassThreads, merge_totals);
     if (cluster)
       cluster_arrive(); // every loaded state is consumed (above)
   }
