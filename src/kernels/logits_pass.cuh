@@ -332,10 +332,10 @@ template <PassMode MODE> struct MergeOp {
 /// The merged state of a warp's 32 lanes (a sub-tile's state), on every lane: a fixed xor-butterfly of
 /// merges, so a sub-tile's state does not depend on anything but its logits. Only the fields MODE uses travel
 /// (merge_states copies sum into sum_power outside kRacePower and ignores max_index outside kGreedy).
-template <PassMode MODE>
+template <PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState warp_merge(PassState state, float c, float alpha) {
   constexpr unsigned kAll = 0xffffffffu;
-#pragma unroll 1 // five merges: a loop keeps the pass's code short (it runs cold in a cycle)
+#pragma unroll(UNROLL) // five merges: as a loop (UNROLL 1) the pass's code is short (it runs cold in a cycle)
   for (int offset = 16; offset >= 1; offset /= 2) {
     PassState other;
     other.max = __shfl_xor_sync(kAll, state.max, offset);
@@ -470,27 +470,27 @@ template <class T> __device__ __forceinline__ T shuffle_down_words(const T& valu
 }
 
 /// cub::BlockReduce<T, kPassThreads>::Reduce(value, op, valid) (the warp-reductions algorithm): the same
-/// operations in the same order, so the same bits, written as loops. Each warp folds lane l + offset into
-/// lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane), then thread 0 folds the warps'
-/// totals in warp order (the warps that hold a valid thread). cub unrolls all of it for every operator, which
-/// made the reductions about a fifth of the pass's code; a cycle runs the pass from cold instruction caches
-/// and a flushed L2, where its time follows its code size (sample_bench's cold columns). The result is
-/// thread 0's; `totals` is kPassThreads / kWarpSize shared slots; the call holds a __syncthreads().
-/// With the Philox rounds and warp_merge as loops too (random.cuh), the bf16 pass went from 9,648 to 5,904
-/// SASS instructions. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch, in the chain /
-/// after a kernel that flushed L2: 1 x 128256 bf16 6.64-6.67 / 14.91-15.64 -> 7.03 / 9.23-9.46, 8 x
-/// 49152 6.37-6.40 / 14.60-14.70 -> 6.60-6.61 / 8.53-8.58, 64 x 128256 14.92-14.95 / 18.36-18.50
+/// operations in the same order, so the same bits, written as loops (UNROLL: kPassUnroll). Each warp folds
+/// lane l + offset into lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane), then thread 0
+/// folds the warps' totals in warp order (the warps that hold a valid thread). cub unrolls all of it for
+/// every operator, which made the reductions about a fifth of the pass's code; a cycle runs the pass from
+/// cold instruction caches and a flushed L2, where its time follows its code size (sample_bench's cold
+/// columns). The result is thread 0's; `totals` is kPassThreads / kWarpSize shared slots; the call holds a
+/// __syncthreads(). With the Philox rounds and warp_merge as loops too (random.cuh), the bf16 pass went from
+/// 9,648 to 5,904 SASS instructions. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch, in
+/// the chain / after a kernel that flushed L2: 1 x 128256 bf16 6.64-6.67 / 14.91-15.64 -> 7.03 / 9.23-9.46, 8
+/// x 49152 6.37-6.40 / 14.60-14.70 -> 6.60-6.61 / 8.53-8.58, 64 x 128256 14.92-14.95 / 18.36-18.50
 /// -> 15.88-15.89 / 16.92-17.02 (warm, a loop costs issue slots; cold, fewer bytes of code come from HBM).
 /// The real SMC cycle (N 8, K 4, with resample_device.cuh's loops) at 1 / 8 requests 1,933.2-1,936.4 /
 /// 3,983.8-3,993.7 -> 1,904.8-1,905.9 / 3,957.4-3,960.4 us, its non-model time 95.6-99.0 -> 64.0-66.1 us at 1
 /// request; the toy SMC cycle at 64 requests (512-row passes, the large instance) 1,955.7-1,956.3 ->
 /// 1,965.1-1,965.3.
-template <class T, class Op>
+template <int UNROLL, class T, class Op>
 __device__ __forceinline__ T block_reduce_in_order(T value, const Op& op, int valid, T* totals) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int last_lane = min(valid - warp * kWarpSize, kWarpSize) - 1;
-#pragma unroll 1
+#pragma unroll(UNROLL)
   for (int offset = 1; offset < kWarpSize; offset *= 2) {
     const T other = shuffle_down_words(value, offset);
     if (offset + lane <= last_lane)
@@ -500,7 +500,7 @@ __device__ __forceinline__ T block_reduce_in_order(T value, const Op& op, int va
     totals[warp] = value;
   __syncthreads();
   if (threadIdx.x == 0) {
-#pragma unroll 1
+#pragma unroll(UNROLL)
     for (int w = 1; w < kPassThreads / kWarpSize && w * kWarpSize < valid; ++w)
       value = op(value, totals[w]);
   }
@@ -588,7 +588,8 @@ template <DType DTYPE> struct RaceNoise {
   float denominator[kRunsPerThread][kRun];
 };
 
-template <DType DTYPE> __device__ __forceinline__ RaceNoise<DTYPE> draw_race_noise(const JobContext& job) {
+template <DType DTYPE, int UNROLL>
+__device__ __forceinline__ RaceNoise<DTYPE> draw_race_noise(const JobContext& job) {
   using Noise = RaceNoise<DTYPE>;
   constexpr int kRun = Noise::kRun;
   static_assert(kRun <= 4 && 4 % kRun == 0, "a run's ranks lie in one Philox group");
@@ -597,8 +598,8 @@ template <DType DTYPE> __device__ __forceinline__ RaceNoise<DTYPE> draw_race_noi
   for (int i = 0; i < Noise::kRunsPerThread; ++i) {
     // The run's first rank: its elements are ranks run * kRun .. run * kRun + kRun - 1 of the sub-tile.
     const uint32_t rank = static_cast<uint32_t>((static_cast<int>(threadIdx.x) + i * kPassThreads) * kRun);
-    const uint4 group =
-        device::philox_rank_group(job.seed, rank >> 2, job.draw_counter, job.particle, job.stream_word);
+    const uint4 group = device::philox_rank_group<UNROLL>(job.seed, rank >> 2, job.draw_counter, job.particle,
+                                                          job.stream_word);
 #pragma unroll
     for (int e = 0; e < kRun; ++e)
       noise.denominator[i][e] =
@@ -734,9 +735,9 @@ struct SubTileStates {
 
 /// log2 E_s of sub-tile s's tile draw (E_s = -log2 u_s, element kTileDrawElement + s): the noise term of its
 /// key in offer_subtile.
-__device__ __forceinline__ float subtile_noise(const JobContext& job, int s) {
-  const uint32_t word = device::philox_tile_word(job.seed, static_cast<uint32_t>(s), job.draw_counter,
-                                                 job.particle, job.stream_word);
+template <int UNROLL> __device__ __forceinline__ float subtile_noise(const JobContext& job, int s) {
+  const uint32_t word = device::philox_tile_word<UNROLL>(job.seed, static_cast<uint32_t>(s), job.draw_counter,
+                                                         job.particle, job.stream_word);
   return log2f(-log2f(device::uniform_open01(word)));
 }
 
@@ -813,7 +814,7 @@ struct JobPlace {
 /// One tile of one job, after the CTA issued its loads: fold it into sub-tile states; for a job of several
 /// tiles, the job's last CTA (a ticket counter) then merges every sub-tile state in a fixed order, runs the
 /// two-level race and writes the outputs.
-template <DType DTYPE, PassMode MODE>
+template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
                         uint32_t param_flags, uint4* tile_copy) {
@@ -836,12 +837,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   RaceNoise<DTYPE> noise;
   if constexpr (kRaces) {
     if (args.early_noise)
-      noise = draw_race_noise<DTYPE>(job);
+      noise = draw_race_noise<DTYPE, UNROLL>(job);
   }
 
   PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
   // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
-  state = warp_merge<MODE>(state, job.c, job.alpha);
+  state = warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
 
   const int subtile_count = args.splits * kSubTiles;
   PassState* subtiles = args.partials + static_cast<int64_t>(place.job_index) * subtile_count;
@@ -873,9 +874,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // Sampling: the row's merge and the sub-tile race (offer_subtile) in one block reduction, then the
     // element race over the winning sub-tile (header comment). The noises depend only on the job's keys:
     // the Philox calls and logs run while the states load (from L2 or a peer), off the serial tail.
-    const float mine_noise = thread < subtile_count ? subtile_noise(job, thread) : 0.0f;
+    const float mine_noise = thread < subtile_count ? subtile_noise<UNROLL>(job, thread) : 0.0f;
     if (!args.early_noise)
-      noise = draw_race_noise<DTYPE>(job);
+      noise = draw_race_noise<DTYPE, UNROLL>(job);
     const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
     SubtileBest subtile{-INFINITY, -INFINITY, -1};
     if (thread < subtile_count)
@@ -884,14 +885,14 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads) { // ascending
       const PassState sub = states.load(s);
       state = merge_states<MODE>(state, sub, job.c, job.alpha);
-      offer_subtile<MODE>(subtile, sub, subtile_noise(job, s), s, power_c);
+      offer_subtile<MODE>(subtile, sub, subtile_noise<UNROLL>(job, s), s, power_c);
     }
     __shared__ RowStanding standing_totals[kPassThreads / kWarpSize];
     __shared__ RowStanding row_standing;
     // Only the threads that hold a sub-tile take part (an empty state merges exactly: a 128-sub-tile row's
     // serial step merges 4 warp aggregates, not 8).
     const int valid_threads = min(subtile_count, kPassThreads);
-    const RowStanding standing = block_reduce_in_order(
+    const RowStanding standing = block_reduce_in_order<UNROLL>(
         RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha}, valid_threads, standing_totals);
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
@@ -911,12 +912,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
         if (writer) {
           winner = race_subtile_shared<DTYPE>(tile_copy, args.logits.vocab, tile_begin,
                                               subtile.index % kSubTiles, noise, subtile.max, power_c);
-          winner = block_reduce_in_order(winner, RaceStateOp{}, kPassThreads, race_totals);
+          winner = block_reduce_in_order<UNROLL>(winner, RaceStateOp{}, kPassThreads, race_totals);
         }
       } else {
         winner = race_subtile<DTYPE>(row_logits, args.logits.vocab, tile_begin, subtile.index % kSubTiles,
                                      place.aligned, noise, subtile.max, power_c);
-        winner = block_reduce_in_order(winner, RaceStateOp{}, kPassThreads, race_totals);
+        winner = block_reduce_in_order<UNROLL>(winner, RaceStateOp{}, kPassThreads, race_totals);
       }
     }
   } else {
@@ -926,7 +927,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
     // The whole CTA (cub's partial-block path measured slower here: greedy draft samples of the toy's
     // speculative cycle, +3 us a cycle at 1 request).
-    state = block_reduce_in_order(state, MergeOp<MODE>{job.c, job.alpha}, kPassThreads, merge_totals);
+    state = block_reduce_in_order<UNROLL>(state, MergeOp<MODE>{job.c, job.alpha}, kPassThreads, merge_totals);
     if (cluster)
       cluster_arrive(); // every loaded state is consumed (above)
   }
@@ -995,9 +996,19 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
 #endif
 inline constexpr int kPassMinBlocks = SMCGRAPH_PASS_MIN_BLOCKS;
 inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
+/// The unrolling of the pass's fixed-count loops (the Philox rounds, warp_merge, block_reduce_in_order) in an
+/// instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or less run cold in a cycle and
+/// wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one, whose launches of many waves
+/// fetch their code once and are bound by instruction issue. The same bits either way. NVIDIA H200, A/B in
+/// one call, two rounds, sample_bench us a launch (loops in both instances -> unrolled in the large one):
+/// 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x 128256 bf16 25.41-25.58
+/// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us.
+template <int MIN_BLOCKS>
+inline constexpr int kPassUnroll = MIN_BLOCKS == kPassMinBlocksLarge&& MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
 template <DType DTYPE, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
+  constexpr int kUnroll = kPassUnroll<MIN_BLOCKS>;
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it).
   __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
   pdl_enter();
@@ -1053,13 +1064,13 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy>(args, job, place, row_logits, tile, param_flags, tile_copy);
+    run_job<DTYPE, PassMode::kGreedy, kUnroll>(args, job, place, row_logits, tile, param_flags, tile_copy);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kScore, kUnroll>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRace, kUnroll>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else {
-    run_job<DTYPE, PassMode::kRacePower>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRacePower, kUnroll>(args, job, place, row_logits, tile, 0u, tile_copy);
   }
 }
 

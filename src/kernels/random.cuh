@@ -12,14 +12,16 @@ namespace smcgraph::device {
 /// The ten rounds run as a loop, not unrolled (cuRAND's curand_Philox4x32_10 unrolls them): the same words
 /// (include/smcgraph/philox.hpp's host version is the reference), about a tenth of the code at each call
 /// site, which matters where a kernel runs from cold instruction caches and a flushed L2, as the cycle's
-/// kernels do (sample_bench's cold columns).
+/// kernels do (sample_bench's cold columns). UNROLL > 1 unrolls them (UNROLL >= 10: all ten), for a kernel
+/// whose launches are bound by instruction issue rather than by fetching its code (the same words).
+template <int UNROLL = 1>
 __device__ __forceinline__ uint4 philox_group(uint64_t seed, uint32_t group, uint32_t draw_counter,
                                               uint32_t particle, uint32_t stream_word) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   uint32_t c0 = group, c1 = draw_counter, c2 = particle, c3 = stream_word;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#pragma unroll 1
+#pragma unroll(UNROLL)
   for (int round = 0; round < 10; ++round) {
     const uint32_t hi0 = __umulhi(kMul0, c0), lo0 = kMul0 * c0;
     const uint32_t hi1 = __umulhi(kMul1, c2), lo1 = kMul1 * c2;
@@ -41,20 +43,23 @@ __device__ __forceinline__ uint32_t group_word(const uint4& words, uint32_t lane
 /// The sampler's sub-tile draw (philox.hpp): the word of element kTileDrawElement + tile (the row's sub-tile
 /// index), i.e. word tile % 4 of
 /// the counter {2^31 | tile / 4, draw_counter, particle, stream_word}. Vocab draws keep c.x < 2^31.
+template <int UNROLL = 1>
 __device__ __forceinline__ uint32_t philox_tile_word(uint64_t seed, uint32_t tile, uint32_t draw_counter,
                                                      uint32_t particle, uint32_t stream_word) {
   constexpr uint32_t kTileGroupBase = static_cast<uint32_t>(kTileDrawElement >> 2);
-  return group_word(philox_group(seed, kTileGroupBase | (tile >> 2), draw_counter, particle, stream_word),
-                    tile & 3u);
+  return group_word(
+      philox_group<UNROLL>(seed, kTileGroupBase | (tile >> 2), draw_counter, particle, stream_word),
+      tile & 3u);
 }
 
 /// The sampler's rank draws (philox.hpp): Philox group `group` of element kRankDrawElement + 4 group, i.e.
 /// the counter {2^31 | 2^30 | group, draw_counter, particle, stream_word}: the words of ranks 4 group .. 4
 /// group + 3 of the winning sub-tile.
+template <int UNROLL = 1>
 __device__ __forceinline__ uint4 philox_rank_group(uint64_t seed, uint32_t group, uint32_t draw_counter,
                                                    uint32_t particle, uint32_t stream_word) {
   constexpr uint32_t kRankGroupBase = static_cast<uint32_t>(kRankDrawElement >> 2);
-  return philox_group(seed, kRankGroupBase | group, draw_counter, particle, stream_word);
+  return philox_group<UNROLL>(seed, kRankGroupBase | group, draw_counter, particle, stream_word);
 }
 
 /// Same value as smcgraph::uniform_open01 ((2k + 1) * 2^-24 from the top 23 bits), without an int->float
