@@ -40,22 +40,23 @@ std::map<std::string, uint32_t> g_name_index;
 constexpr size_t kMaxRecords = 4u << 20;
 constexpr size_t kBufferBytes = 8u << 20;
 
-std::string short_name(const char* mangled) {
+/// A kernel's name without its parameter list: demangled where `raw` is a mangled name, then the trailing
+/// balanced "(...)" group cut off. Any other parentheses stay ("(anonymous namespace)", however a demangler
+/// spells it; a function-pointer parameter sits inside the cut group), and a name that does not end in ')'
+/// stays whole, so a name is never cut inside its scope.
+std::string short_name(const char* raw) {
   int status = 0;
-  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
-  std::string name = status == 0 && demangled ? demangled : mangled;
+  char* demangled = abi::__cxa_demangle(raw, nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled ? demangled : raw;
   std::free(demangled);
+  if (name.empty() || name.back() != ')')
+    return name;
   int depth = 0;
-  static const std::string anonymous = "(anonymous namespace)";
-  for (size_t i = 0; i < name.size(); ++i) {
-    if (name.compare(i, anonymous.size(), anonymous) == 0)
-      i += anonymous.size() - 1;
-    else if (name[i] == '<')
+  for (size_t i = name.size(); i-- > 0;) {
+    if (name[i] == ')')
       ++depth;
-    else if (name[i] == '>')
-      --depth;
-    else if (name[i] == '(' && depth == 0)
-      return name.substr(0, i);
+    else if (name[i] == '(' && --depth == 0)
+      return i > 0 ? name.substr(0, i) : name;
   }
   return name;
 }
