@@ -470,7 +470,7 @@ template <class T> __device__ __forceinline__ T shuffle_down_words(const T& valu
 }
 
 /// cub::BlockReduce<T, kPassThreads>::Reduce(value, op, valid) (the warp-reductions algorithm): the same
-/// operations in the same order, so the same bits, written as loops (UNROLL: kPassUnroll). Each warp folds
+/// operations in the same order, so the same bits, written as loops (UNROLL: pass_unroll). Each warp folds
 /// lane l + offset into lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane), then thread 0
 /// folds the warps' totals in warp order (the warps that hold a valid thread). cub unrolls all of it for
 /// every operator, which made the reductions about a fifth of the pass's code; a cycle runs the pass from
@@ -1003,12 +1003,13 @@ inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
 /// one call, two rounds, sample_bench us a launch (loops in both instances -> unrolled in the large one):
 /// 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x 128256 bf16 25.41-25.58
 /// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us.
-template <int MIN_BLOCKS>
-inline constexpr int kPassUnroll = MIN_BLOCKS == kPassMinBlocksLarge&& MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
+template <int MIN_BLOCKS> __host__ __device__ constexpr int pass_unroll() {
+  return MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
+}
 template <DType DTYPE, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
-  constexpr int kUnroll = kPassUnroll<MIN_BLOCKS>;
+  constexpr int kUnroll = pass_unroll<MIN_BLOCKS>();
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it).
   __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
   pdl_enter();
