@@ -17,13 +17,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cxxabi.h>
 #include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include <cupti.h>
+
+#include "kernel_name.hpp"
 
 namespace {
 
@@ -40,27 +41,6 @@ std::map<std::string, uint32_t> g_name_index;
 constexpr size_t kMaxRecords = 4u << 20;
 constexpr size_t kBufferBytes = 8u << 20;
 
-/// A kernel's name without its parameter list: demangled where `raw` is a mangled name, then the trailing
-/// balanced "(...)" group cut off. Any other parentheses stay ("(anonymous namespace)", however a demangler
-/// spells it; a function-pointer parameter sits inside the cut group), and a name that does not end in ')'
-/// stays whole, so a name is never cut inside its scope.
-std::string short_name(const char* raw) {
-  int status = 0;
-  char* demangled = abi::__cxa_demangle(raw, nullptr, nullptr, &status);
-  std::string name = status == 0 && demangled ? demangled : raw;
-  std::free(demangled);
-  if (name.empty() || name.back() != ')')
-    return name;
-  int depth = 0;
-  for (size_t i = name.size(); i-- > 0;) {
-    if (name[i] == ')')
-      ++depth;
-    else if (name[i] == '(' && --depth == 0)
-      return i > 0 ? name.substr(0, i) : name;
-  }
-  return name;
-}
-
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
   *size = kBufferBytes;
@@ -76,7 +56,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
     const auto* kernel = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
     if (g_records.size() >= kMaxRecords)
       continue;
-    const std::string name = short_name(kernel->name ? kernel->name : "?");
+    const std::string name = smcgraph::tools::kernel_short_name(kernel->name ? kernel->name : "?");
     auto [it, inserted] = g_name_index.emplace(name, static_cast<uint32_t>(g_names.size()));
     if (inserted)
       g_names.push_back(name);
