@@ -69,6 +69,7 @@
 #include "kernels/random.cuh"
 #include "kernels/ticket.cuh"
 #include "kernels/tree_sum.cuh"
+#include "kernels/warp_in_order.cuh"
 #include "smcgraph/sample.hpp"
 
 namespace smcgraph::detail {
@@ -457,21 +458,10 @@ inline constexpr int kWarpSize = 32;
 inline constexpr int kSubTiles = kPassThreads / kWarpSize;
 static_assert(kPassThreads % kWarpSize == 0, "a CTA is whole warps");
 
-/// Shuffles every 32-bit word of `value` down by `offset` lanes (a struct of 4-byte-multiple size).
-template <class T> __device__ __forceinline__ T shuffle_down_words(const T& value, int offset) {
-  static_assert(sizeof(T) % 4 == 0, "shuffled as 32-bit words");
-  T out;
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(&value);
-  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i)
-    words[i] = __shfl_down_sync(0xffffffffu, in[i], offset);
-  return out;
-}
-
 /// cub::BlockReduce<T, kPassThreads>::Reduce(value, op, valid) (the warp-reductions algorithm): the same
 /// operations in the same order, so the same bits, written as loops (UNROLL: pass_unroll). Each warp folds
-/// lane l + offset into lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane), then thread 0
+/// lane l + offset into lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane:
+/// device::warp_in_order::reduce_down), then thread 0
 /// folds the warps' totals in warp order (the warps that hold a valid thread). cub unrolls all of it for
 /// every operator, which made the reductions about a fifth of the pass's code; a cycle runs the pass from
 /// cold instruction caches and a flushed L2, where its time follows its code size (sample_bench's cold
@@ -489,13 +479,7 @@ template <int UNROLL, class T, class Op>
 __device__ __forceinline__ T block_reduce_in_order(T value, const Op& op, int valid, T* totals) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int last_lane = min(valid - warp * kWarpSize, kWarpSize) - 1;
-#pragma unroll(UNROLL)
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const T other = shuffle_down_words(value, offset);
-    if (offset + lane <= last_lane)
-      value = op(value, other);
-  }
+  value = device::warp_in_order::reduce_down<UNROLL>(value, op, min(valid - warp * kWarpSize, kWarpSize) - 1);
   if (lane == 0)
     totals[warp] = value;
   __syncthreads();

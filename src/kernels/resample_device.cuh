@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kernels/random.cuh"
+#include "kernels/warp_in_order.cuh"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
 
@@ -14,80 +15,39 @@ struct ResampleWarpStorage {
   int dead_particles[kMaxResampleParticles];
 };
 
-/// The warp collectives of the resampling, each with cub's order of operations for a full 32-lane warp
-/// (cub::WarpReduce / cub::WarpScan on shuffles, CUDA 13.0), so the same bits, written as loops: cub unrolls
-/// them, and the resampling's time in a cycle follows its code size (it runs cold, resample_request below).
-/// Sums of doubles depend on the order; the maxima and the integer scans do not, but keep it too.
+/// The warp collectives of the resampling, in cub's order for a full 32-lane warp (warp_in_order.cuh), so the
+/// same bits, as loops: the resampling's time in a cycle follows its code size (it runs cold,
+/// resample_request below). Sums of doubles depend on the order; the maxima and the integer scans do not, but
+/// keep it too.
 /// (SmcCycleEndKernel 7,856 -> 6,832 SASS instructions. Measured on an NVIDIA H200 only together with the
 /// sampler pass's loops, logits_pass.cuh; the GPU suite, including the resampling's host-reference and
 /// batch-invariance tests, passed, and `generate --kind smc` gave the same text with and without them.)
 namespace warp_in_order {
-constexpr unsigned kFullMask = 0xffffffffu;
-
-/// cub's reduction tree: lane l folds lane l + offset into itself (op(mine, other)) for offset 1, 2, 4, 8,
-/// 16; lane 0's result.
-template <class T, class Op> __device__ __forceinline__ T reduce_down(T x, const Op& op) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-#pragma unroll 1
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const T other = __shfl_down_sync(kFullMask, x, offset);
-    if (lane + offset < 32)
-      x = op(x, other);
-  }
-  return x;
-}
-
-/// cub's inclusive scan: lane l folds lane l - offset into itself (op(other, mine), the lower lane first) for
-/// offset 1, 2, 4, 8, 16.
-template <class T, class Op> __device__ __forceinline__ T inclusive_scan_up(T x, const Op& op) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-#pragma unroll 1
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const T other = __shfl_up_sync(kFullMask, x, offset);
-    if (lane >= offset)
-      x = op(other, x);
-  }
-  return x;
-}
-
-struct Plus {
-  template <class T> __device__ T operator()(T a, T b) const { return a + b; }
-};
-/// cuda::maximum: b if a < b, else a (so NaNs and signed zeros come out as cub's do).
-struct Max {
-  template <class T> __device__ T operator()(T a, T b) const { return a < b ? b : a; }
-};
-
-/// The inclusive scan `x` (lane l) shifted up a lane, `first` in lane 0.
-template <class T> __device__ __forceinline__ T shift_up(T x, T first) {
-  const T exclusive = __shfl_up_sync(kFullMask, x, 1);
-  return threadIdx.x % 32 == 0 ? first : exclusive;
-}
 
 /// cub::WarpReduce<double>::Sum; lane 0's result.
 __device__ __forceinline__ double sum(double x) {
-  return reduce_down(x, Plus{});
+  return reduce_down(x, cuda::std::plus<>{});
 }
 
 /// cub::WarpReduce<double>::Reduce(x, cuda::maximum<>{}); lane 0's result.
 __device__ __forceinline__ double max(double x) {
-  return reduce_down(x, Max{});
+  return reduce_down(x, cuda::maximum<>{});
 }
 
 /// cub::WarpScan<double>::ExclusiveSum: the inclusive scan, 0.0 + it, shifted up a lane; lane 0 gets 0.0.
 __device__ __forceinline__ double exclusive_sum(double x) {
-  return shift_up(0.0 + inclusive_scan_up(x, Plus{}), 0.0);
+  return shift_up(0.0 + inclusive_scan_up(x, cuda::std::plus<>{}), 0.0);
 }
 
 /// cub::WarpScan<int>::ExclusiveSum: the inclusive scan, minus the lane's own input.
 __device__ __forceinline__ int exclusive_sum(int x) {
-  return inclusive_scan_up(x, Plus{}) - x;
+  return inclusive_scan_up(x, cuda::std::plus<>{}) - x;
 }
 
 /// cub::WarpScan<int>::ExclusiveScan(x, out, 0, cuda::maximum<>{}): the running max of the lanes below, 0 in
 /// lane 0 (the inclusive scan, max(0, it), shifted up a lane).
 __device__ __forceinline__ int exclusive_max(int x) {
-  return shift_up(Max{}(0, inclusive_scan_up(x, Max{})), 0);
+  return shift_up(cuda::maximum<>{}(0, inclusive_scan_up(x, cuda::maximum<>{})), 0);
 }
 } // namespace warp_in_order
 
