@@ -3,36 +3,31 @@
 
 #include <cstdint>
 
+#include <curand_philox4x32_x.h>
+
 #include "smcgraph/philox.hpp"
 
 namespace smcgraph::device {
 
 /// Philox4x32-10 of the counter {element / 4, draw_counter, particle, stream_word} under `seed`; the
-/// four words are the draws of elements 4 * group .. 4 * group + 3.
-/// The ten rounds run as a loop, not unrolled (cuRAND's curand_Philox4x32_10 unrolls them): the same words
-/// (include/smcgraph/philox.hpp's host version is the reference), about a tenth of the code at each call
-/// site, which matters where a kernel runs from cold instruction caches and a flushed L2, as the cycle's
-/// kernels do (sample_bench's cold columns). UNROLL > 1 unrolls them (UNROLL >= 10: all ten), for a kernel
-/// whose launches are bound by instruction issue rather than by fetching its code (the same words).
+/// four words are the draws of elements 4 * group .. 4 * group + 3 (include/smcgraph/philox.hpp's host
+/// version is the reference). cuRAND's round and key schedule, as a loop: curand_Philox4x32_10 unrolls its
+/// ten rounds, about ten times the code at each call site, which matters where a kernel runs from cold
+/// instruction caches and a flushed L2, as the cycle's kernels do (sample_bench's cold columns). UNROLL > 1
+/// unrolls them (UNROLL >= 10: all ten), for a kernel whose launches are bound by instruction issue rather
+/// than by fetching its code. The same words either way.
 template <int UNROLL = 1>
 __device__ __forceinline__ uint4 philox_group(uint64_t seed, uint32_t group, uint32_t draw_counter,
                                               uint32_t particle, uint32_t stream_word) {
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-  uint32_t c0 = group, c1 = draw_counter, c2 = particle, c3 = stream_word;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  uint4 counter = make_uint4(group, draw_counter, particle, stream_word);
+  uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 #pragma unroll(UNROLL)
   for (int round = 0; round < 10; ++round) {
-    const uint32_t hi0 = __umulhi(kMul0, c0), lo0 = kMul0 * c0;
-    const uint32_t hi1 = __umulhi(kMul1, c2), lo1 = kMul1 * c2;
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-    k0 += kWeyl0;
-    k1 += kWeyl1;
+    counter = _philox4x32round(counter, key);
+    key.x += PHILOX_W32_0;
+    key.y += PHILOX_W32_1;
   }
-  return make_uint4(c0, c1, c2, c3);
+  return counter;
 }
 
 /// Word `lane` (0..3) of a Philox group.
