@@ -980,6 +980,14 @@ struct ClusterModeGuard {
   ~ClusterModeGuard() { smcgraph::set_sample_clusters(enabled); }
 };
 
+/// Restores the sampler's walk-mode threshold as the case found it when the case ends.
+struct WalkModeGuard {
+  const int min_jobs = smcgraph::sample_walk_min_jobs();
+  ~WalkModeGuard() { smcgraph::set_sample_walk_min_jobs(min_jobs); }
+};
+
+constexpr int kWalkOff = std::numeric_limits<int>::max();
+
 bool device_has_clusters() {
   int device = 0, major = 0;
   SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
@@ -989,10 +997,11 @@ bool device_has_clusters() {
 
 } // namespace
 
-TEST_CASE("sample(): cluster mode and ticket mode give the same bits, and the reference's tokens") {
+TEST_CASE("sample(): cluster, walk and ticket modes give the same bits, and the reference's tokens") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   const ClusterModeGuard guard;
+  const WalkModeGuard walk_guard;
   struct Shape {
     DType dtype;
     int vocab, rows;
@@ -1021,9 +1030,15 @@ TEST_CASE("sample(): cluster mode and ticket mode give the same bits, and the re
       smcgraph::set_sample_clusters(true);
       const Outputs clustered = device.run(captured);
       smcgraph::set_sample_clusters(false);
+      smcgraph::set_sample_walk_min_jobs(kWalkOff);
       REQUIRE_FALSE(smcgraph::sample_uses_clusters(shape.rows, shape.vocab, shape.dtype));
+      REQUIRE_FALSE(smcgraph::sample_uses_walk(shape.rows, shape.vocab, shape.dtype));
       const Outputs ticketed = device.run(captured);
       CHECK(clustered.bitwise_equal(ticketed));
+      smcgraph::set_sample_walk_min_jobs(1);
+      REQUIRE(smcgraph::sample_uses_walk(shape.rows, shape.vocab, shape.dtype));
+      CHECK(device.run(captured).bitwise_equal(ticketed));
+      smcgraph::set_sample_walk_min_jobs(kWalkOff);
       for (int r = 0; r < batch.rows; ++r)
         check_row(batch, clustered, r, tally);
     }
@@ -1032,10 +1047,11 @@ TEST_CASE("sample(): cluster mode and ticket mode give the same bits, and the re
 }
 
 TEST_CASE(
-    "score(): cluster mode and ticket mode give the same bits (scored, unscored and sample positions)") {
+    "score(): cluster, walk and ticket modes give the same bits (scored, unscored and sample positions)") {
   test::Rng rng;
   INFO("seed " << rng.seed());
   const ClusterModeGuard guard;
+  const WalkModeGuard walk_guard;
   // 4 rows x 4 positions of 32001 bf16 logits: 16 jobs of 4 tiles, 64 CTAs (cluster mode's largest launch).
   // Rows sample at T > 0 or T = 0 (score positions in kScore or greedy mode), alpha 1 or 2; request 0 samples
   // at position 1 (positions 2, 3 are not read: NaN there), request 1 at position 3; one token out of range.
@@ -1060,20 +1076,25 @@ TEST_CASE(
                            temperature, alpha, seeds,     counters, tokens,    steps};
   const uint32_t stream_word = inputs.stream_word;
   DeviceScore device(inputs);
-  const auto run = [&](bool clusters, bool captured) {
+  const auto run = [&](bool clusters, int walk_min_jobs, bool captured) {
     smcgraph::set_sample_clusters(clusters);
+    smcgraph::set_sample_walk_min_jobs(walk_min_jobs);
+    REQUIRE(smcgraph::sample_uses_walk(rows * positions, vocab, dtype) == (!clusters && walk_min_jobs == 1));
     return device.run(captured);
   };
   for (bool captured : {false, true}) {
     CAPTURE(captured);
-    const ScoreResults clustered = run(true, captured);
-    const ScoreResults ticketed = run(false, captured);
-    CHECK(clustered.bonus == ticketed.bonus);
-    CHECK(clustered.flags == ticketed.flags);
-    CHECK(std::memcmp(clustered.token_logprobs.data(), ticketed.token_logprobs.data(),
-                      clustered.token_logprobs.size() * 4) == 0);
-    CHECK(std::memcmp(clustered.bonus_logprobs.data(), ticketed.bonus_logprobs.data(), rows * 4) == 0);
-    CHECK(std::memcmp(clustered.logz.data(), ticketed.logz.data(), rows * 4) == 0);
+    const ScoreResults clustered = run(true, kWalkOff, captured);
+    const ScoreResults ticketed = run(false, kWalkOff, captured);
+    const ScoreResults walked = run(false, 1, captured);
+    for (const ScoreResults* other : {&ticketed, &walked}) {
+      CHECK(clustered.bonus == other->bonus);
+      CHECK(clustered.flags == other->flags);
+      CHECK(std::memcmp(clustered.token_logprobs.data(), other->token_logprobs.data(),
+                        clustered.token_logprobs.size() * 4) == 0);
+      CHECK(std::memcmp(clustered.bonus_logprobs.data(), other->bonus_logprobs.data(), rows * 4) == 0);
+      CHECK(std::memcmp(clustered.logz.data(), other->logz.data(), rows * 4) == 0);
+    }
     // And the cluster mode's values are the reference's.
     CHECK((clustered.flags[3] & smcgraph::kFlagTokenOutOfRange) != 0);
     for (int r = 0; r < rows; ++r) {
@@ -1104,4 +1125,70 @@ TEST_CASE(
         CHECK(clustered.bonus[r] == expected_bonus.token);
     }
   }
+}
+
+TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, and the reference's tokens") {
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  const ClusterModeGuard guard;
+  const WalkModeGuard walk_guard;
+  smcgraph::set_sample_clusters(false);
+  struct Shape {
+    DType dtype;
+    int vocab, rows;
+    int64_t row_stride; ///< vocab + 1: every other row starts off a 16-byte boundary
+    double mask_fraction;
+  };
+  // Llama 3's 128256 bf16 (16 tiles) and fp32 (32), fp16 with a partial last vector, unaligned rows, rows
+  // that are mostly -inf, and walk mode's largest job (64 tiles).
+  const Shape shapes[] = {{DType::kBFloat16, 128256, 12, 128256, 0.01},
+                          {DType::kFloat32, 128256, 5, 128256, 0.01},
+                          {DType::kFloat16, 9 * 8192 - 3, 7, 9 * 8192 - 3, 0.01},
+                          {DType::kBFloat16, 3 * 8192 + 5, 6, 3 * 8192 + 6, 0.01},
+                          {DType::kFloat32, 20 * 4096 + 1, 8, 20 * 4096 + 1, 0.999},
+                          {DType::kBFloat16, 64 * 8192, 2, 64 * 8192, 0.01}};
+  for (const Shape& shape : shapes) {
+    CAPTURE(smcgraph::dtype_name(shape.dtype));
+    CAPTURE(shape.vocab);
+    CAPTURE(shape.rows);
+    Batch batch =
+        random_batch(rng, shape.dtype, shape.rows, shape.vocab, shape.row_stride, shape.mask_fraction);
+    if (shape.rows > 2)
+      batch.temperature[2] = -1.0f; // a bad parameter: flagged, sentinels, in both modes
+    batch.temperature[0] = 0.0f;    // a greedy row
+    batch.temperature[1] = 0.9f;    // a sampled one
+    DeviceBatch device(batch);
+    Tally tally;
+    for (bool captured : {false, true}) {
+      CAPTURE(captured);
+      smcgraph::set_sample_walk_min_jobs(kWalkOff);
+      REQUIRE_FALSE(smcgraph::sample_uses_walk(shape.rows, shape.vocab, shape.dtype));
+      const Outputs ticketed = device.run(captured);
+      smcgraph::set_sample_walk_min_jobs(1);
+      REQUIRE(smcgraph::sample_uses_walk(shape.rows, shape.vocab, shape.dtype));
+      const Outputs walked = device.run(captured);
+      CHECK(walked.bitwise_equal(ticketed));
+      for (int r = 0; r < batch.rows; ++r)
+        check_row(batch, walked, r, tally);
+    }
+    CHECK(tally.mismatches == 0);
+  }
+  // Past 64 tiles a job, or at one tile, the launch does not walk.
+  smcgraph::set_sample_walk_min_jobs(1);
+  CHECK_FALSE(smcgraph::sample_uses_walk(4, 64 * 8192 + 1, DType::kBFloat16));
+  CHECK_FALSE(smcgraph::sample_uses_walk(4, 8192, DType::kBFloat16));
+  CHECK(smcgraph::sample_uses_walk(4, 8193, DType::kBFloat16));
+  smcgraph::set_sample_walk_min_jobs(5);
+  CHECK_FALSE(smcgraph::sample_uses_walk(4, 8193, DType::kBFloat16));
+  CHECK_THROWS_AS(smcgraph::set_sample_walk_min_jobs(-1), smcgraph::Error);
+  // By default, the launches whose CTAs (one a job) fill at least 95% of their waves of walk CTAs.
+  smcgraph::set_sample_walk_min_jobs(0);
+  int device = 0, sms = 0;
+  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+  SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int slots = 2 * sms; // kPassMinBlocksWalk CTAs an SM
+  CHECK(smcgraph::sample_uses_walk(slots, 128256, DType::kBFloat16));
+  CHECK(smcgraph::sample_uses_walk(2 * slots - 1, 128256, DType::kBFloat16));
+  CHECK_FALSE(smcgraph::sample_uses_walk(slots / 2, 128256, DType::kBFloat16));
+  CHECK_FALSE(smcgraph::sample_uses_walk(slots + 1, 128256, DType::kBFloat16));
 }

@@ -186,4 +186,25 @@ bool sample_clusters_enabled();
 /// device runs in cluster mode.
 bool sample_uses_clusters(int jobs, int vocab, DType dtype);
 
+/// Walk mode, the third way (besides clusters and tickets) for a job's tiles to meet in sample() and score():
+/// one CTA a job folds the job's tiles one after another, the next two tiles' loads in flight while it folds
+/// one, and keeps the sub-tile states in shared memory: no workspace, fence, ticket or second CTA. Each tile
+/// is folded by the same threads in the same order as a tile's own CTA folds it, and the states merge in the
+/// same order, so the bits are those of the other modes. It serves launches that cluster mode does not take,
+/// with 2 to 64 tiles a job, and by default only those whose CTAs (one a job) fill at least 95% of the waves
+/// they take: a walk CTA reads its tiles in sequence, so it wins with whole waves of jobs (256 x 128256 bf16:
+/// 15% faster on an H200) and loses with a partial one (64-192 rows: up to 51% slower).
+/// set_sample_walk_min_jobs(n) walks every launch of at least n jobs instead (1: all it can take), INT_MAX
+/// none, 0 restores the default; SMCGRAPH_SAMPLER_WALK_MIN_JOBS=<n> sets it at start and
+/// SMCGRAPH_DISABLE_SAMPLER_WALK=1 turns the mode off. For benches and tests; not synchronised with launches
+/// on other host threads.
+void set_sample_walk_min_jobs(int jobs);
+
+/// The setting set_sample_walk_min_jobs() sets (0: the default rule).
+int sample_walk_min_jobs();
+
+/// Whether a launch of `jobs` over `vocab` logits of `dtype` made now on the current device runs in walk
+/// mode.
+bool sample_uses_walk(int jobs, int vocab, DType dtype);
+
 } // namespace smcgraph

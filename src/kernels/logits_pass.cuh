@@ -43,7 +43,8 @@
 // The host reference (tests/reference/sample_ref.cpp) runs the same two levels with the same Philox words
 // over the same sub-tiles.
 //
-// Two ways for a job's CTAs to meet (launch_logits_pass picks one per launch; the results are the same bits).
+// Three ways for a job's tiles to meet (launch_logits_pass picks one per launch; the results are the same
+// bits).
 //
 // Cluster mode (a job of 2 to kMaxClusterTiles tiles, a launch of at most kMaxClusterCtas CTAs, on a device
 // that schedules such a thread-block cluster; SMCGRAPH_DISABLE_SAMPLER_CLUSTER=1 turns it off): the job's
@@ -57,6 +58,12 @@
 // Ticket mode (more tiles or CTAs, or no cluster support): each CTA writes its sub-tile states to the
 // workspace, and the job's last CTA to arrive (a ticket) merges them and re-reads the winning sub-tile from
 // L2.
+//
+// Walk mode (launches that ticket mode would run and whose jobs fill whole waves of one CTA a job;
+// sample.cu's walk_mode, smcgraph::set_sample_walk_min_jobs): the job's only CTA folds its tiles one after
+// another (walk_tiles: each as the tile's own CTA would, two tiles' loads in flight ahead), keeps the
+// sub-tile states in shared memory and merges and races as the last CTA of ticket mode does. No workspace,
+// fence or ticket.
 #pragma once
 
 #include <cstdint>
@@ -673,6 +680,10 @@ __device__ __forceinline__ RaceState race_subtile_shared(const uint4* tile, int 
 inline constexpr int kMaxClusterTiles = 8;
 inline constexpr int kMaxClusterCtas = 64;
 
+/// Walk mode's limit: the sub-tile states of a job (kSubTiles a tile) that its CTA keeps in shared memory, so
+/// at most 64 tiles a job (bf16 / fp16 vocabularies up to 524288, fp32 up to 262144).
+inline constexpr int kMaxWalkSubTiles = 512;
+
 /// The cluster barrier in two halves (all threads of every CTA of the cluster; release / acquire order the
 /// shared-memory writes before the arrival with the peers' reads after their wait). Written out because
 /// cooperative_groups' cluster_group::barrier_arrive / barrier_wait emit the non-.aligned instructions (the
@@ -779,6 +790,7 @@ struct PassArgs {
   // set by launch_logits_pass
   int splits{};   ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
   bool cluster{}; ///< a job's CTAs are one thread-block cluster (splits > 1; header comment)
+  bool walk{};    ///< one CTA a job walks the job's tiles in order (walk mode; header comment)
   /// Every CTA of a sampling job draws its element-race noise (draw_race_noise) while its logits load, not
   /// only the job's last CTA after the merge: for launches whose sample positions' CTAs fit one wave, where
   /// the other CTAs' draws cost nothing and the last CTA's tail gets shorter. The same numbers either way.
@@ -795,10 +807,50 @@ struct JobPlace {
   bool aligned; ///< the job's logits are 16-byte aligned
 };
 
+/// Walk mode's first read: the CTA folds every tile of its job in order, each exactly as a tile's own CTA
+/// would (the same threads, vectors and warp merge), and keeps sub-tile s's state at states[s]. The loads of
+/// the next kWalkTilesAhead tiles are in flight while a tile is folded, so the walk runs at the memory's
+/// throughput rather than one latency a tile. `first` holds tile 0's loads, issued by the kernel.
+inline constexpr int kWalkTilesAhead = 2;
+template <DType DTYPE, PassMode MODE, int UNROLL>
+__device__ __forceinline__ void walk_tiles(const PassArgs& args, const JobContext& job, const JobPlace& place,
+                                           const typename DTypeTraits<DTYPE>::Scalar* row_logits,
+                                           const TileVectors<DTYPE>& first, uint32_t param_flags,
+                                           PassState* states) {
+  static_assert(kWalkTilesAhead == 2, "the walk's register ring holds tiles c, c + 1 and c + 2");
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const auto load = [&](TileVectors<DTYPE>& tile, int c) {
+    const int begin = c * kSplitLength<DTYPE>;
+    const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
+    if (place.sample_position)
+      load_tile<DTYPE, false>(tile, row_logits, begin, end, place.aligned);
+    else
+      load_tile<DTYPE, true>(tile, row_logits, begin, end, place.aligned);
+  };
+  TileVectors<DTYPE> current = first, ahead;
+  if (args.splits > 1)
+    load(ahead, 1);
+#pragma unroll 1
+  for (int c = 0; c < args.splits; ++c) {
+    TileVectors<DTYPE> next;
+    if (c + 2 < args.splits)
+      load(next, c + 2);
+    PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(current, job);
+    state = warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+    if (threadIdx.x % kWarpSize == 0)
+      states[c * kSubTiles + warp] = state;
+    if (c + 1 < args.splits)
+      current = ahead;
+    if (c + 2 < args.splits)
+      ahead = next;
+  }
+}
+
 /// One tile of one job, after the CTA issued its loads: fold it into sub-tile states; for a job of several
 /// tiles, the job's last CTA (a ticket counter) then merges every sub-tile state in a fixed order, runs the
-/// two-level race and writes the outputs.
-template <DType DTYPE, PassMode MODE, int UNROLL>
+/// two-level race and writes the outputs. WALK: the CTA is the job's only one and folds all its tiles
+/// (walk_tiles) before the same merge and race.
+template <DType DTYPE, PassMode MODE, int UNROLL, bool WALK>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
                         uint32_t param_flags, uint4* tile_copy) {
@@ -807,7 +859,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
   constexpr bool kRaces = MODE == PassMode::kRace || MODE == PassMode::kRacePower;
-  const bool cluster = args.cluster; // uniform across the launch
+  const bool cluster = !WALK && args.cluster; // uniform across the launch
+  // Walk mode keeps the job's sub-tile states where cluster mode keeps its tile copy (kMaxWalkSubTiles fit).
+  PassState* walk_states = reinterpret_cast<PassState*>(tile_copy);
   if (kRaces && cluster) {
 #pragma unroll
     for (int u = 0; u < kUnrollVectors; ++u) {
@@ -824,29 +878,37 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       noise = draw_race_noise<DTYPE, UNROLL>(job);
   }
 
-  PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
-  // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
-  state = warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
-
+  PassState state;
+  if constexpr (WALK) {
+    walk_tiles<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, param_flags, walk_states);
+    __syncthreads(); // every sub-tile state, for the merge below
+  } else {
+    state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
+    // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
+    state = warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+  }
   const int subtile_count = args.splits * kSubTiles;
   PassState* subtiles = args.partials + static_cast<int64_t>(place.job_index) * subtile_count;
-  if (args.splits > 1 && !cluster) {
-    if (warp_leader)
-      subtiles[place.split * kSubTiles + warp] = state;
-    // The job's last CTA merges (the partials are read with __ldcg below).
-    if (!device::last_to_arrive(&args.tickets[place.job_index], static_cast<uint32_t>(args.splits)))
-      return;
-  } else {
-    if (warp_leader)
-      warp_states[warp] = state;
-    if (cluster) { // every CTA of the job: its peers' states (and its own tile copy) are ready after this
-      cluster_arrive();
-      cluster_wait();
+  if constexpr (!WALK) {
+    if (args.splits > 1 && !cluster) {
+      if (warp_leader)
+        subtiles[place.split * kSubTiles + warp] = state;
+      // The job's last CTA merges (the partials are read with __ldcg below).
+      if (!device::last_to_arrive(&args.tickets[place.job_index], static_cast<uint32_t>(args.splits)))
+        return;
     } else {
-      __syncthreads();
+      if (warp_leader)
+        warp_states[warp] = state;
+      if (cluster) { // every CTA of the job: its peers' states (and its own tile copy) are ready after this
+        cluster_arrive();
+        cluster_wait();
+      } else {
+        __syncthreads();
+      }
     }
   }
-  const SubTileStates states{args.splits > 1 && !cluster ? subtiles : nullptr, warp_states, cluster};
+  const SubTileStates states{!WALK && args.splits > 1 && !cluster ? subtiles : nullptr,
+                             WALK ? walk_states : warp_states, cluster};
   // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
   // reduction), the same whatever else the launch holds.
   const int thread = static_cast<int>(threadIdx.x);
@@ -978,8 +1040,13 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
 #ifndef SMCGRAPH_PASS_MIN_BLOCKS_LARGE
 #define SMCGRAPH_PASS_MIN_BLOCKS_LARGE 6
 #endif
+#ifndef SMCGRAPH_PASS_MIN_BLOCKS_WALK
+#define SMCGRAPH_PASS_MIN_BLOCKS_WALK 2
+#endif
 inline constexpr int kPassMinBlocks = SMCGRAPH_PASS_MIN_BLOCKS;
 inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
+/// Walk mode's instance (a CTA a job, three tiles' loads in registers at once): its CTAs an SM.
+inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// The unrolling of the pass's fixed-count loops (the Philox rounds, warp_merge, block_reduce_in_order) in an
 /// instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or less run cold in a cycle and
 /// wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one, whose launches of many waves
@@ -990,16 +1057,18 @@ inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
 template <int MIN_BLOCKS> __host__ __device__ constexpr int pass_unroll() {
   return MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
 }
-template <DType DTYPE, int MIN_BLOCKS>
+template <DType DTYPE, int MIN_BLOCKS, bool WALK = false>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
-  constexpr int kUnroll = pass_unroll<MIN_BLOCKS>();
-  // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it).
+  constexpr int kUnroll = WALK ? 16 : pass_unroll<MIN_BLOCKS>();
+  // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it). Walk
+  // mode: the job's sub-tile states.
   __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
+  static_assert(kMaxWalkSubTiles * sizeof(PassState) <= sizeof(tile_copy), "walk mode's states fit");
   pdl_enter();
   JobPlace place;
-  place.split = static_cast<int>(blockIdx.x) % args.splits;
-  place.job_index = static_cast<int>(blockIdx.x) / args.splits;
+  place.split = WALK ? 0 : static_cast<int>(blockIdx.x) % args.splits;
+  place.job_index = WALK ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) / args.splits;
   place.row = place.job_index / args.logits.positions;
   place.position = place.job_index % args.logits.positions;
   const int row = place.row, position = place.position;
@@ -1049,13 +1118,14 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy, kUnroll>(args, job, place, row_logits, tile, param_flags, tile_copy);
+    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK>(args, job, place, row_logits, tile, param_flags,
+                                                     tile_copy);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore, kUnroll>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kScore, kUnroll, WALK>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace, kUnroll>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRace, kUnroll, WALK>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else {
-    run_job<DTYPE, PassMode::kRacePower, kUnroll>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK>(args, job, place, row_logits, tile, 0u, tile_copy);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -129,6 +130,63 @@ PassKernel pass_kernel(DType dtype, bool large = false) {
   return nullptr;
 }
 
+/// set_sample_walk_min_jobs()'s setting: 0 (the default) walks the launches that fill their waves of walk
+/// CTAs (walk_mode), INT_MAX none, n every launch of at least n jobs that walk mode can take.
+std::atomic<int>& sampler_walk_min_jobs() {
+  static std::atomic<int> min_jobs = [] {
+    if (const char* value = std::getenv("SMCGRAPH_DISABLE_SAMPLER_WALK");
+        value && std::strcmp(value, "1") == 0)
+      return std::numeric_limits<int>::max();
+    if (const char* value = std::getenv("SMCGRAPH_SAMPLER_WALK_MIN_JOBS"); value && *value) {
+      char* end = nullptr;
+      const long jobs = std::strtol(value, &end, 10);
+      if (*end == '\0' && jobs >= 0 && jobs <= std::numeric_limits<int>::max())
+        return static_cast<int>(jobs);
+    }
+    return 0;
+  }();
+  return min_jobs;
+}
+
+/// Walk mode's instance of a dtype.
+PassKernel pass_walk_kernel(DType dtype) {
+  switch (dtype) {
+  case DType::kFloat32:
+    return LogitsPassKernel<DType::kFloat32, kPassMinBlocksWalk, true>;
+  case DType::kBFloat16:
+    return LogitsPassKernel<DType::kBFloat16, kPassMinBlocksWalk, true>;
+  case DType::kFloat16:
+    return LogitsPassKernel<DType::kFloat16, kPassMinBlocksWalk, true>;
+  }
+  return nullptr;
+}
+
+/// Whether a launch of `jobs` jobs of `splits` tiles that cluster mode does not take runs in walk mode. By
+/// default (setting 0), when its CTAs (one a job) fill at least kWalkMinWaveFill of the waves they take
+/// (kPassMinBlocksWalk CTAs an SM). A walk CTA is slow, one tile after another; it wins only where every SM
+/// runs as many of them as the others. NVIDIA H200 (132 SMs: waves of 264), sample_bench graph us a launch,
+/// ticket -> walk, two rounds in one call: 256 x 128256 bf16 38.7-38.9 -> 33.1-33.2 (39.8% -> 46.6% of copy),
+/// fp32 57.2-57.3 -> 46.1-46.2, 256 x 49152 bf16 22.0 -> 16.0-16.1, 256 x 32000 17.4-17.5 -> 12.4; 128 x
+/// 128256 bf16 25.3-25.5 -> 24.3 (one CTA an SM); but 64 / 96 / 192 x 128256 bf16 16.0 / 20.7-20.8 / 30.9 ->
+/// 24.1 / 24.2 / 32.5, 128 x 128256 fp32 32.9-33.0 -> 36.4-36.5. The toy cycle (bucket_sweep, V 128256 bf16,
+/// walking from 128 jobs): SMC at 64 requests (512-row samples, 2,560-job scores) 1,962.3 -> 1,930.9 us, but
+/// SMC at 8 and speculative at 64 requests (320-job scores: 1.2 waves) 371.3 -> 380.2 and 374.5 -> 402.3.
+/// With this rule (one call, walk off -> default): the toy SMC cycle at 64 requests 1,958.0 -> 1,936.1 us
+/// (non-model 633.2 -> 612.8), the other toy and real-model cycles within noise (none of their launches
+/// walks), 1 / 8 / 64 / 128 / 192 x 128256 bf16 unchanged.
+constexpr double kWalkMinWaveFill = 0.95;
+
+bool walk_mode(int64_t jobs, int splits) {
+  if (splits < 2 || splits * kSubTiles > kMaxWalkSubTiles)
+    return false;
+  const int setting = sampler_walk_min_jobs().load(std::memory_order_relaxed);
+  if (setting > 0)
+    return jobs >= setting;
+  const int64_t slots = int64_t{current_device_info().multiprocessors} * kPassMinBlocksWalk;
+  const int64_t waves = (jobs + slots - 1) / slots;
+  return static_cast<double>(jobs) >= kWalkMinWaveFill * static_cast<double>(waves * slots);
+}
+
 /// Waves of the kPassMinBlocks instance past which a ticket-mode launch takes the kPassMinBlocksLarge one.
 /// H100, sample_bench graph us a launch, 4 / 6 CTAs an SM: 64 x 128256 bf16 (1,024 CTAs, 1.9 waves) 15.67 /
 /// 16.83; 256 x 128256 bf16 (4,096 CTAs) 42.89 / 40.74, fp32 66.05 / 60.08; 1-8 rows 0.1-0.2 us slower at 6.
@@ -207,12 +265,17 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
 
   // With programmatic dependent launch: the pass waits for its predecessor before any read.
   args.cluster = cluster_schedulable(pass_kernel(dtype), jobs, args.splits);
+  args.walk = !args.cluster && walk_mode(jobs, args.splits);
   const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
-  const PassKernel kernel = pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
+  const PassKernel kernel =
+      args.walk ? pass_walk_kernel(dtype)
+                : pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
   // The CTAs of sample positions (one a row: score()'s other positions draw nothing) fit one wave of the pass
-  // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise).
-  args.early_noise = int64_t{logits.rows} * args.splits <= wave;
-  launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(jobs * args.splits)), dim3(kPassThreads), 0,
+  // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A walk
+  // CTA draws it while its first tile loads.
+  args.early_noise = args.walk || int64_t{logits.rows} * args.splits <= wave;
+  const int64_t ctas = args.walk ? jobs : jobs * args.splits;
+  launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kPassThreads), 0,
                        args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
 }
 
@@ -224,6 +287,23 @@ void set_sample_clusters(bool enabled) {
 
 bool sample_clusters_enabled() {
   return detail::sampler_clusters().load(std::memory_order_relaxed);
+}
+
+void set_sample_walk_min_jobs(int jobs) {
+  require(jobs >= 0, "set_sample_walk_min_jobs", "jobs", jobs,
+          "must be >= 0 (0: launches that fill their waves; INT_MAX: walk mode off)");
+  detail::sampler_walk_min_jobs().store(jobs, std::memory_order_relaxed);
+}
+
+int sample_walk_min_jobs() {
+  return detail::sampler_walk_min_jobs().load(std::memory_order_relaxed);
+}
+
+bool sample_uses_walk(int jobs, int vocab, DType dtype) {
+  require(jobs >= 1, "sample_uses_walk", "jobs", jobs, "must be >= 1");
+  const int splits = sample_splits(vocab, dtype);
+  return !detail::cluster_schedulable(detail::pass_kernel(dtype), jobs, splits) &&
+         detail::walk_mode(jobs, splits);
 }
 
 bool sample_uses_clusters(int jobs, int vocab, DType dtype) {
