@@ -809,15 +809,15 @@ struct JobPlace {
 
 /// Walk mode's first read: the CTA folds every tile of its job in order, each exactly as a tile's own CTA
 /// would (the same threads, vectors and warp merge), and keeps sub-tile s's state at states[s]. The loads of
-/// the next kWalkTilesAhead tiles are in flight while a tile is folded, so the walk runs at the memory's
-/// throughput rather than one latency a tile. `first` holds tile 0's loads, issued by the kernel.
-inline constexpr int kWalkTilesAhead = 2;
+/// the next two tiles are in flight while a tile is folded (three tiles in registers: 126 of them in the
+/// walk instance), so a tile does not wait one memory latency after the fold of the one before. `first` holds
+/// tile 0's loads, issued by the kernel. (One tile ahead, 3 CTAs an SM: 256 x 128256 bf16 44.9 us against
+/// 33.1 with two, H200.)
 template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ void walk_tiles(const PassArgs& args, const JobContext& job, const JobPlace& place,
                                            const typename DTypeTraits<DTYPE>::Scalar* row_logits,
                                            const TileVectors<DTYPE>& first, uint32_t param_flags,
                                            PassState* states) {
-  static_assert(kWalkTilesAhead == 2, "the walk's register ring holds tiles c, c + 1 and c + 2");
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const auto load = [&](TileVectors<DTYPE>& tile, int c) {
     const int begin = c * kSplitLength<DTYPE>;
