@@ -15,41 +15,12 @@ struct ResampleWarpStorage {
   int dead_particles[kMaxResampleParticles];
 };
 
-/// The warp collectives of the resampling, in cub's order for a full 32-lane warp (warp_in_order.cuh), so the
-/// same bits, as loops: the resampling's time in a cycle follows its code size (it runs cold,
-/// resample_request below). Sums of doubles depend on the order; the maxima and the integer scans do not, but
-/// keep it too.
-/// (SmcCycleEndKernel 7,856 -> 6,832 SASS instructions. Measured on an NVIDIA H200 only together with the
-/// sampler pass's loops, logits_pass.cuh; the GPU suite, including the resampling's host-reference and
-/// batch-invariance tests, passed, and `generate --kind smc` gave the same text with and without them.)
-namespace warp_in_order {
-
-/// cub::WarpReduce<double>::Sum; lane 0's result.
-__device__ __forceinline__ double sum(double x) {
-  return reduce_down(x, cuda::std::plus<>{});
-}
-
-/// cub::WarpReduce<double>::Reduce(x, cuda::maximum<>{}); lane 0's result.
-__device__ __forceinline__ double max(double x) {
-  return reduce_down(x, cuda::maximum<>{});
-}
-
-/// cub::WarpScan<double>::ExclusiveSum: the inclusive scan, 0.0 + it, shifted up a lane; lane 0 gets 0.0.
-__device__ __forceinline__ double exclusive_sum(double x) {
-  return shift_up(0.0 + inclusive_scan_up(x, cuda::std::plus<>{}), 0.0);
-}
-
-/// cub::WarpScan<int>::ExclusiveSum: the inclusive scan, minus the lane's own input.
-__device__ __forceinline__ int exclusive_sum(int x) {
-  return inclusive_scan_up(x, cuda::std::plus<>{}) - x;
-}
-
-/// cub::WarpScan<int>::ExclusiveScan(x, out, 0, cuda::maximum<>{}): the running max of the lanes below, 0 in
-/// lane 0 (the inclusive scan, max(0, it), shifted up a lane).
-__device__ __forceinline__ int exclusive_max(int x) {
-  return shift_up(cuda::maximum<>{}(0, inclusive_scan_up(x, cuda::maximum<>{})), 0);
-}
-} // namespace warp_in_order
+/// The resampling's warp collectives are warp_in_order.cuh's cub-order loops (sum, max, exclusive_sum,
+/// exclusive_max), so the same bits as cub's: the resampling's time in a cycle follows its code size (it runs
+/// cold, resample_request below). (SmcCycleEndKernel 7,856 -> 6,832 SASS instructions. Measured on an NVIDIA
+/// H200 only together with the sampler pass's loops, logits_pass.cuh; the GPU suite, including the
+/// resampling's host-reference and batch-invariance tests, passed, and `generate --kind smc` gave the same
+/// text with and without them.)
 
 /// resample_request for requests of up to 32 * PER_LANE particles (lane l owns particles l * ceil(n / 32) ..,
 /// at most PER_LANE of them): the same arithmetic, in the same order, for any PER_LANE that covers n.

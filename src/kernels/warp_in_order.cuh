@@ -62,4 +62,33 @@ template <class T> __device__ __forceinline__ T shift_up(T x, T first) {
   return threadIdx.x % 32 == 0 ? first : exclusive;
 }
 
+/// cub's warp collectives by name, for a full 32-lane warp (the resampling's, resample_device.cuh). Sums of
+/// doubles depend on the order; the maxima and the integer scans do not, but keep it too.
+
+/// cub::WarpReduce<double>::Sum; lane 0's result.
+__device__ __forceinline__ double sum(double x) {
+  return reduce_down(x, cuda::std::plus<>{});
+}
+
+/// cub::WarpReduce<double>::Reduce(x, cuda::maximum<>{}); lane 0's result.
+__device__ __forceinline__ double max(double x) {
+  return reduce_down(x, cuda::maximum<>{});
+}
+
+/// cub::WarpScan<double>::ExclusiveSum: the inclusive scan, 0.0 + it, shifted up a lane; lane 0 gets 0.0.
+__device__ __forceinline__ double exclusive_sum(double x) {
+  return shift_up(0.0 + inclusive_scan_up(x, cuda::std::plus<>{}), 0.0);
+}
+
+/// cub::WarpScan<int>::ExclusiveSum: the inclusive scan, minus the lane's own input.
+__device__ __forceinline__ int exclusive_sum(int x) {
+  return inclusive_scan_up(x, cuda::std::plus<>{}) - x;
+}
+
+/// cub::WarpScan<int>::ExclusiveScan(x, out, 0, cuda::maximum<>{}): the running max of the lanes below, 0 in
+/// lane 0 (the inclusive scan, max(0, it), shifted up a lane).
+__device__ __forceinline__ int exclusive_max(int x) {
+  return shift_up(cuda::maximum<>{}(0, inclusive_scan_up(x, cuda::maximum<>{})), 0);
+}
+
 } // namespace smcgraph::device::warp_in_order
