@@ -434,6 +434,20 @@ __device__ __forceinline__ void load_tile(TileVectors<DTYPE>& tile,
   }
 }
 
+/// Issues this thread's loads of tile `c` of a job's row: a sample position keeps L2's normal policy (the
+/// race re-reads its winning sub-tile), score positions stream (load_vector).
+template <DType DTYPE>
+__device__ __forceinline__ void load_job_tile(TileVectors<DTYPE>& tile,
+                                              const typename DTypeTraits<DTYPE>::Scalar* row, int c,
+                                              int vocab, bool sample_position, bool aligned) {
+  const int begin = c * kSplitLength<DTYPE>;
+  const int end = min(vocab, begin + kSplitLength<DTYPE>);
+  if (sample_position)
+    load_tile<DTYPE, false>(tile, row, begin, end, aligned);
+  else
+    load_tile<DTYPE, true>(tile, row, begin, end, aligned);
+}
+
 /// The first read of one tile of one job, from its loaded vectors: this thread's max and sums (the vectors
 /// are folded in the order they were loaded).
 template <DType DTYPE, PassMode MODE>
@@ -820,12 +834,7 @@ __device__ __forceinline__ void walk_tiles(const PassArgs& args, const JobContex
                                            PassState* states) {
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const auto load = [&](TileVectors<DTYPE>& tile, int c) {
-    const int begin = c * kSplitLength<DTYPE>;
-    const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
-    if (place.sample_position)
-      load_tile<DTYPE, false>(tile, row_logits, begin, end, place.aligned);
-    else
-      load_tile<DTYPE, true>(tile, row_logits, begin, end, place.aligned);
+    load_job_tile<DTYPE>(tile, row_logits, c, args.logits.vocab, place.sample_position, place.aligned);
   };
   TileVectors<DTYPE> current = first, ahead;
   if (args.splits > 1)
@@ -1053,14 +1062,15 @@ inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// fetch their code once and are bound by instruction issue. The same bits either way. NVIDIA H200, A/B in
 /// one call, two rounds, sample_bench us a launch (loops in both instances -> unrolled in the large one):
 /// 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x 128256 bf16 25.41-25.58
-/// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us.
-template <int MIN_BLOCKS> __host__ __device__ constexpr int pass_unroll() {
-  return MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
+/// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us. The walk instance
+/// (WALK) is unrolled too: its launches fill whole waves.
+template <int MIN_BLOCKS, bool WALK = false> __host__ __device__ constexpr int pass_unroll() {
+  return WALK || (MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks) ? 16 : 1;
 }
 template <DType DTYPE, int MIN_BLOCKS, bool WALK = false>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
-  constexpr int kUnroll = WALK ? 16 : pass_unroll<MIN_BLOCKS>();
+  constexpr int kUnroll = pass_unroll<MIN_BLOCKS, WALK>();
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it). Walk
   // mode: the job's sub-tile states.
   __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
@@ -1092,13 +1102,9 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
   const Scalar* row_logits = static_cast<const Scalar*>(args.logits.data) + row * args.logits.row_stride +
                              position * args.logits.position_stride;
   place.aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
-  const int begin = place.split * kSplitLength<DTYPE>;
-  const int end = min(args.logits.vocab, begin + kSplitLength<DTYPE>);
   TileVectors<DTYPE> tile;
-  if (place.sample_position)
-    load_tile<DTYPE, false>(tile, row_logits, begin, end, place.aligned);
-  else
-    load_tile<DTYPE, true>(tile, row_logits, begin, end, place.aligned);
+  load_job_tile<DTYPE>(tile, row_logits, place.split, args.logits.vocab, place.sample_position,
+                       place.aligned);
 
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
