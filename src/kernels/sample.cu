@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "smcgraph/error.hpp"
@@ -137,13 +139,16 @@ std::atomic<int>& sampler_walk_min_jobs() {
     if (const char* value = std::getenv("SMCGRAPH_DISABLE_SAMPLER_WALK");
         value && std::strcmp(value, "1") == 0)
       return std::numeric_limits<int>::max();
-    if (const char* value = std::getenv("SMCGRAPH_SAMPLER_WALK_MIN_JOBS"); value && *value) {
-      char* end = nullptr;
-      const long jobs = std::strtol(value, &end, 10);
-      if (*end == '\0' && jobs >= 0 && jobs <= std::numeric_limits<int>::max())
-        return static_cast<int>(jobs);
-    }
-    return 0;
+    const char* value = std::getenv("SMCGRAPH_SAMPLER_WALK_MIN_JOBS");
+    if (value == nullptr || *value == '\0')
+      return 0;
+    char* end = nullptr;
+    errno = 0;
+    const long jobs = std::strtol(value, &end, 10);
+    if (*end != '\0' || errno != 0 || jobs < 0 || jobs > std::numeric_limits<int>::max())
+      throw Error("smcgraph: SMCGRAPH_SAMPLER_WALK_MIN_JOBS = \"" + std::string(value) +
+                  "\": must be a whole number of jobs, 0 to 2147483647 (0: the default rule)");
+    return static_cast<int>(jobs);
   }();
   return min_jobs;
 }
