@@ -115,21 +115,24 @@ std::atomic<bool>& sampler_clusters() {
   return enabled;
 }
 
-/// The pass kernel of a dtype: the kPassMinBlocks instance, or the kPassMinBlocksLarge one (`large`).
 using PassKernel = void (*)(PassArgs);
-PassKernel pass_kernel(DType dtype, bool large = false) {
+
+/// The pass kernel's instance <dtype, MIN_BLOCKS, WALK>.
+template <int MIN_BLOCKS, bool WALK = false> PassKernel pass_instance(DType dtype) {
   switch (dtype) {
   case DType::kFloat32:
-    return large ? LogitsPassKernel<DType::kFloat32, kPassMinBlocksLarge>
-                 : LogitsPassKernel<DType::kFloat32, kPassMinBlocks>;
+    return LogitsPassKernel<DType::kFloat32, MIN_BLOCKS, WALK>;
   case DType::kBFloat16:
-    return large ? LogitsPassKernel<DType::kBFloat16, kPassMinBlocksLarge>
-                 : LogitsPassKernel<DType::kBFloat16, kPassMinBlocks>;
+    return LogitsPassKernel<DType::kBFloat16, MIN_BLOCKS, WALK>;
   case DType::kFloat16:
-    return large ? LogitsPassKernel<DType::kFloat16, kPassMinBlocksLarge>
-                 : LogitsPassKernel<DType::kFloat16, kPassMinBlocks>;
+    return LogitsPassKernel<DType::kFloat16, MIN_BLOCKS, WALK>;
   }
   return nullptr;
+}
+
+/// The pass kernel of a dtype: the kPassMinBlocks instance, or the kPassMinBlocksLarge one (`large`).
+PassKernel pass_kernel(DType dtype, bool large = false) {
+  return large ? pass_instance<kPassMinBlocksLarge>(dtype) : pass_instance<kPassMinBlocks>(dtype);
 }
 
 /// set_sample_walk_min_jobs()'s setting: 0 (the default) walks the launches that fill their waves of walk
@@ -151,19 +154,6 @@ std::atomic<int>& sampler_walk_min_jobs() {
     return static_cast<int>(jobs);
   }();
   return min_jobs;
-}
-
-/// Walk mode's instance of a dtype.
-PassKernel pass_walk_kernel(DType dtype) {
-  switch (dtype) {
-  case DType::kFloat32:
-    return LogitsPassKernel<DType::kFloat32, kPassMinBlocksWalk, true>;
-  case DType::kBFloat16:
-    return LogitsPassKernel<DType::kBFloat16, kPassMinBlocksWalk, true>;
-  case DType::kFloat16:
-    return LogitsPassKernel<DType::kFloat16, kPassMinBlocksWalk, true>;
-  }
-  return nullptr;
 }
 
 /// Whether a launch of `jobs` jobs of `splits` tiles that cluster mode does not take runs in walk mode. By
@@ -273,7 +263,7 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.walk = !args.cluster && walk_mode(jobs, args.splits);
   const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
   const PassKernel kernel =
-      args.walk ? pass_walk_kernel(dtype)
+      args.walk ? pass_instance<kPassMinBlocksWalk, true>(dtype)
                 : pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
   // The CTAs of sample positions (one a row: score()'s other positions draw nothing) fit one wave of the pass
   // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A walk
