@@ -61,7 +61,6 @@ __device__ __forceinline__ void resample_request_lanes(const ResampleInputs& in,
   const bool all_live = __all_sync(kFullMask, lane_live);
   const bool any_nan = __any_sync(kFullMask, lane_nan);
   const double max_logw = __shfl_sync(kFullMask, warp_in_order::max(lane_max), 0);
-  __syncwarp();
   // Not taking part (padding, a request being torn down) or nothing to normalise: leave it alone.
   if (!all_live || any_nan || !isfinite(max_logw)) {
     write_identity_plan();
@@ -79,7 +78,6 @@ __device__ __forceinline__ void resample_request_lanes(const ResampleInputs& in,
     lane_sum += weight[t];
   }
   const double total = __shfl_sync(kFullMask, warp_in_order::sum(lane_sum), 0);
-  __syncwarp();
   double lane_normalised = 0.0, lane_squares = 0.0;
 #pragma unroll
   for (int t = 0; t < kPerLane; ++t) {
@@ -88,7 +86,6 @@ __device__ __forceinline__ void resample_request_lanes(const ResampleInputs& in,
     lane_squares += weight[t] * weight[t];
   }
   const double sum_squares = __shfl_sync(kFullMask, warp_in_order::sum(lane_squares), 0);
-  __syncwarp();
   const double ess = 1.0 / sum_squares;
   const bool resample_now = ess < static_cast<double>(in.tau[request]) * n;
   if (lane == 0) {
@@ -108,7 +105,6 @@ __device__ __forceinline__ void resample_request_lanes(const ResampleInputs& in,
   // running max makes F monotone even where the scan's rounding differs from the in-lane sums, so the
   // counts are never negative and always add up to F_{N-1} = N (C_{N-1} is forced to 1).
   double cumulative = warp_in_order::exclusive_sum(lane_normalised);
-  __syncwarp();
   int offspring_end[kPerLane];
   int lane_end = 0;
 #pragma unroll
@@ -123,7 +119,6 @@ __device__ __forceinline__ void resample_request_lanes(const ResampleInputs& in,
     offspring_end[t] = lane_end;
   }
   const int end_before = warp_in_order::exclusive_max(lane_end);
-  __syncwarp();
   int count[kPerLane];
   int previous_end = end_before, lane_dead = 0, lane_extra = 0;
 #pragma unroll
