@@ -707,6 +707,17 @@ __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 #endif
 }
+/// The second barrier's arrival ("done reading the peers' shared memory"): every value this CTA loaded from
+/// its peers was consumed before it, so those loads are complete and no release is needed. The release form
+/// puts a MEMBAR.ALL.GPU (a GPU-scope fence) before the arrival; this one does not. NVIDIA H200, sample_bench
+/// graph us a launch, release -> relaxed, two rounds in one call: 1 x 16384 / 32000 / 49152 bf16 6.33 / 6.41-
+/// 6.42 / 6.58 -> 6.15-6.21 / 6.26-6.29 / 6.40-6.46, 8 x 49152 6.68 -> 6.55, 8 x 32000 fp32 6.35 -> 6.23;
+/// after a kernel that flushed L2, 8 x 49152 9.27-9.28 -> 9.08-9.14, the other shapes within noise.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -952,7 +963,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
     if (cluster)
-      cluster_arrive();
+      cluster_arrive_relaxed();
     if (threadIdx.x == 0)
       row_standing = standing;
     __syncthreads();
@@ -984,7 +995,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // speculative cycle, +3 us a cycle at 1 request).
     state = block_reduce_in_order<UNROLL>(state, MergeOp<MODE>{job.c, job.alpha}, kPassThreads, merge_totals);
     if (cluster)
-      cluster_arrive(); // every loaded state is consumed (above)
+      cluster_arrive_relaxed(); // every loaded state is consumed (above)
   }
   if (cluster)
     cluster_wait(); // the peers have read this CTA's states: its shared memory may go
