@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -14,6 +15,7 @@
 #include "fuzz/engine_fuzz_input.hpp"
 #include "reference/cycle_ref.hpp"
 #include "runtime/cycle_state.hpp"
+#include "runtime/env.hpp"
 #include "runtime/engine_validation.hpp"
 #include "runtime/request_outcome.hpp"
 #include "smcgraph/engine.hpp"
@@ -384,4 +386,34 @@ TEST_CASE("adaptive draft length: bad fields and pins are errors naming them (an
     }
     CHECK(rejected == (pin == 0 || pin == 9));
   }
+}
+
+TEST_CASE(
+    "environment switches: flags are exactly \"1\", integers in range or an error naming the variable") {
+  const char* name = "SMCGRAPH_TEST_ENV_SWITCH";
+  ::unsetenv(name);
+  CHECK_FALSE(smcgraph::detail::env_flag(name));
+  CHECK_FALSE(smcgraph::detail::env_integer(name, 0, 10, "must be 0-10").has_value());
+  ::setenv(name, "", 1);
+  CHECK_FALSE(smcgraph::detail::env_flag(name));
+  CHECK_FALSE(smcgraph::detail::env_integer(name, 0, 10, "must be 0-10").has_value());
+  ::setenv(name, "1", 1);
+  CHECK(smcgraph::detail::env_flag(name));
+  CHECK(smcgraph::detail::env_integer(name, 0, 10, "must be 0-10") == 1L);
+  ::setenv(name, "10", 1);
+  CHECK_FALSE(smcgraph::detail::env_flag(name)); // only "1" turns a switch on
+  CHECK(smcgraph::detail::env_integer(name, 0, 10, "must be 0-10") == 10L);
+  ::setenv(name, "0x1f", 1);
+  CHECK(smcgraph::detail::env_integer(name, 0, 255, "must be a byte", 0) == 31L); // base 0: hex too
+  for (const char* bad : {"11", "-1", "3x", "0x1f", "99999999999999999999999"}) {
+    CAPTURE(bad);
+    ::setenv(name, bad, 1);
+    try {
+      (void)smcgraph::detail::env_integer(name, 0, 10, "must be 0-10");
+      FAIL("accepted");
+    } catch (const smcgraph::Error& e) {
+      CHECK(contains(e.what(), std::string(name) + " = \"" + bad + "\": must be 0-10"));
+    }
+  }
+  ::unsetenv(name);
 }

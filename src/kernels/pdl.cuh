@@ -10,21 +10,17 @@
 // pdl_enter() does both at the top of a small stage kernel.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include <cuda_runtime.h>
 
+#include "runtime/env.hpp"
 #include "smcgraph/error.hpp"
 
 namespace smcgraph::detail {
 
 inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("SMCGRAPH_DISABLE_PDL");
-    return value == nullptr || std::strcmp(value, "1") != 0;
-  }();
+  static const bool enabled = !env_flag("SMCGRAPH_DISABLE_PDL");
   return enabled;
 }
 

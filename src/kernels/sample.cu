@@ -5,9 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -17,6 +14,7 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "kernels/launch_checks.hpp"
+#include "runtime/env.hpp"
 
 namespace smcgraph {
 using detail::ceil_div;
@@ -108,10 +106,7 @@ namespace detail {
 namespace {
 
 std::atomic<bool>& sampler_clusters() {
-  static std::atomic<bool> enabled = [] {
-    const char* value = std::getenv("SMCGRAPH_DISABLE_SAMPLER_CLUSTER");
-    return value == nullptr || std::strcmp(value, "1") != 0;
-  }();
+  static std::atomic<bool> enabled = !env_flag("SMCGRAPH_DISABLE_SAMPLER_CLUSTER");
   return enabled;
 }
 
@@ -139,19 +134,12 @@ PassKernel pass_kernel(DType dtype, bool large = false) {
 /// CTAs (walk_mode), INT_MAX none, n every launch of at least n jobs that walk mode can take.
 std::atomic<int>& sampler_walk_min_jobs() {
   static std::atomic<int> min_jobs = [] {
-    if (const char* value = std::getenv("SMCGRAPH_DISABLE_SAMPLER_WALK");
-        value && std::strcmp(value, "1") == 0)
+    if (env_flag("SMCGRAPH_DISABLE_SAMPLER_WALK"))
       return std::numeric_limits<int>::max();
-    const char* value = std::getenv("SMCGRAPH_SAMPLER_WALK_MIN_JOBS");
-    if (value == nullptr || *value == '\0')
-      return 0;
-    char* end = nullptr;
-    errno = 0;
-    const long jobs = std::strtol(value, &end, 10);
-    if (*end != '\0' || errno != 0 || jobs < 0 || jobs > std::numeric_limits<int>::max())
-      throw Error("smcgraph: SMCGRAPH_SAMPLER_WALK_MIN_JOBS = \"" + std::string(value) +
-                  "\": must be a whole number of jobs, 0 to 2147483647 (0: the default rule)");
-    return static_cast<int>(jobs);
+    return static_cast<int>(
+        env_integer("SMCGRAPH_SAMPLER_WALK_MIN_JOBS", 0, std::numeric_limits<int>::max(),
+                    "must be a whole number of jobs, 0 to 2147483647 (0: the default rule)")
+            .value_or(0));
   }();
   return min_jobs;
 }

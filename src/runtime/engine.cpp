@@ -3,6 +3,7 @@
 #include "runtime/cycle_state.hpp"
 #include "runtime/engine_validation.hpp"
 #include "runtime/request_outcome.hpp"
+#include "runtime/env.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -22,10 +23,7 @@
 namespace smcgraph {
 namespace {
 
-bool env_flag(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
+using detail::env_flag;
 
 /// Whether the captured draft steps sit in conditional nodes: a speculative engine with graphs, K > 1 (or a
 /// draft head that may be skipped), EngineConfig::draft_loop kConditional, or kAuto with adaptive K, a

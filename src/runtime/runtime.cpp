@@ -8,6 +8,8 @@
 
 #include <nvtx3/nvToolsExt.h>
 
+#include "runtime/env.hpp"
+
 namespace smcgraph {
 
 namespace {
@@ -40,17 +42,9 @@ namespace {
 /// byte before it is returned, so a read of memory the library never wrote sees the same garbage whatever the
 /// process ran before (cudaMalloc hands back freed memory with its old contents). -1 when unset.
 int poison_byte() {
-  static const int byte = [] {
-    const char* value = std::getenv("SMCGRAPH_POISON_ALLOCATIONS");
-    if (value == nullptr || *value == '\0')
-      return -1;
-    char* end = nullptr;
-    const long parsed = std::strtol(value, &end, 0);
-    if (*end != '\0' || parsed < 0 || parsed > 255)
-      throw Error("smcgraph: SMCGRAPH_POISON_ALLOCATIONS = \"" + std::string(value) +
-                  "\": must be a byte value, 0-255 (decimal or 0x hex)");
-    return static_cast<int>(parsed);
-  }();
+  static const int byte = static_cast<int>(
+      env_integer("SMCGRAPH_POISON_ALLOCATIONS", 0, 255, "must be a byte value, 0-255 (decimal or 0x hex)", 0)
+          .value_or(-1));
   return byte;
 }
 
