@@ -472,6 +472,16 @@ __device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, c
   return state;
 }
 
+/// One tile's sub-tile states, one a warp (every lane holds its warp's): the tile folded (an empty state for
+/// a row with a bad parameter), then merged across the warp. No block-wide reduction: the job's merge
+/// combines the sub-tiles.
+template <DType DTYPE, PassMode MODE, int UNROLL>
+__device__ __forceinline__ PassState subtile_state(const TileVectors<DTYPE>& tile, const JobContext& job,
+                                                   uint32_t param_flags) {
+  const PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
+  return warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+}
+
 /// Sub-tiles per tile, the unit of the sampler's first level: one per warp of the tile's CTA. Sub-tile w of a
 /// tile is the set of elements warp w folds in fold_range: its lanes' vectors w * 32 + lane + 256 k of the
 /// tile, k < kUnrollVectors (not contiguous; the last tile's may be partial or empty).
@@ -855,8 +865,7 @@ __device__ __forceinline__ void walk_tiles(const PassArgs& args, const JobContex
     TileVectors<DTYPE> next;
     if (c + 2 < args.splits)
       load(next, c + 2);
-    PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(current, job);
-    state = warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+    const PassState state = subtile_state<DTYPE, MODE, UNROLL>(current, job, param_flags);
     if (threadIdx.x % kWarpSize == 0)
       states[c * kSubTiles + warp] = state;
     if (c + 1 < args.splits)
@@ -903,9 +912,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     walk_tiles<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, param_flags, walk_states);
     __syncthreads(); // every sub-tile state, for the merge below
   } else {
-    state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
-    // The sub-tile's state: a warp reduction, no block-wide one (the last CTA merges the sub-tiles).
-    state = warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+    state = subtile_state<DTYPE, MODE, UNROLL>(tile, job, param_flags);
   }
   const int subtile_count = args.splits * kSubTiles;
   PassState* subtiles = args.partials + static_cast<int64_t>(place.job_index) * subtile_count;
