@@ -9,6 +9,14 @@
 // (the PDL wait, or the barrier), then reads the whole x [8, 576] (from L2), computes its [8, 16] tile and
 // stores it. 150 stages, like the forward's 150 layer kernels.
 //
+// A third form runs every stage in one thread-block cluster of 16 CTAs (8 where 16 cannot be placed), one an
+// SM: CTA r computes columns r * 36 .. of every stage, its W rows stream through a ring of shared-memory
+// slots (cp.async.bulk completing an mbarrier) up to 4 stages ahead (2 with 8 CTAs), and a stage's
+// activations travel through distributed shared memory: each CTA keeps its [8 x 36] slice of y, one cluster
+// barrier, then every CTA gathers x = the 16 slices from its peers. It answers whether a forward run by one
+// cluster could beat the PDL chain (the persistent kernel loses because its weight copies wait for the grid
+// barrier).
+//
 //   build/bench/stage_chain_bench            (prints us per stage for each variant)
 //
 // Validation first: every variant's final activations must be bit-identical (the same per-thread arithmetic)
@@ -20,6 +28,7 @@
 #include <random>
 #include <vector>
 
+#include <cooperative_groups.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -172,6 +181,163 @@ template <bool COMPUTE> void launch_chain(float* b0, float* b1, const uint16_t* 
                                  w + static_cast<size_t>(s) * kHidden * kHidden);
 }
 
+/// Variant C: the stages in one cluster of CTAS CTAs (module comment). Thread (t, j) of CTA r computes y[t, r
+/// * kColsPer + j] with stage_tile's arithmetic (the same bits). COMPUTE = false: the stage copies x's
+/// columns (the gather and the barrier alone).
+template <int CTAS> constexpr int kClusterCols = kHidden / CTAS;
+/// Ring slots (a stage's W rows each): 4 for 16 CTAs, 2 for 8 (their rows are twice as many).
+template <int CTAS> constexpr int kClusterRing = CTAS >= 16 ? 4 : 2;
+template <int CTAS> constexpr int kClusterThreads = kTokens* kClusterCols<CTAS>;
+template <int CTAS> constexpr size_t kClusterSlotBytes = kClusterCols<CTAS>* kSharedRow * sizeof(uint16_t);
+template <int CTAS>
+constexpr size_t kClusterSmem = kClusterRing<CTAS>* kClusterSlotBytes<CTAS> +
+                                kTokens* kHidden * sizeof(float) +
+                                2 * kTokens* kClusterCols<CTAS> * sizeof(float);
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+/// Thread 0: stage s's W rows of this CTA into ring slot s % kClusterRing<CTAS> (one bulk copy a row, to
+/// padded rows).
+template <int CTAS>
+__device__ void cluster_issue_stage(const uint16_t* w, uint16_t* ring, uint64_t* full, int s, int rank) {
+  constexpr int kCols = kClusterCols<CTAS>;
+  const int slot = s % kClusterRing<CTAS>;
+  const uint32_t barrier = shared_address(&full[slot]);
+  constexpr uint32_t kRowBytes = kHidden * sizeof(uint16_t);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier),
+               "r"(kCols * kRowBytes)
+               : "memory");
+  const uint16_t* rows = w + (static_cast<size_t>(s) * kHidden + static_cast<size_t>(rank) * kCols) * kHidden;
+  uint16_t* tile = ring + static_cast<size_t>(slot) * kCols * kSharedRow;
+  for (int row = 0; row < kCols; ++row)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            shared_address(tile + row * kSharedRow)),
+        "l"(rows + static_cast<size_t>(row) * kHidden), "r"(kRowBytes), "r"(barrier)
+        : "memory");
+}
+
+template <int CTAS, bool COMPUTE>
+__global__ void __launch_bounds__(kClusterThreads<CTAS>)
+    ClusterKernel(const float* x0, float* out, const uint16_t* w) {
+  constexpr int kCols = kClusterCols<CTAS>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kClusterRing<CTAS>];
+  uint16_t* ring = reinterpret_cast<uint16_t*>(smem);
+  float* x_shared = reinterpret_cast<float*>(smem + kClusterRing<CTAS> * kClusterSlotBytes<CTAS>);
+  float* slices = x_shared + kTokens * kHidden; // [2][kTokens][kCols]: this CTA's y, by stage parity
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  if (COMPUTE && threadIdx.x == 0) {
+    for (int i = 0; i < kClusterRing<CTAS>; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&full[i])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int s = 0; s < kClusterRing<CTAS> && s < kStages; ++s)
+      cluster_issue_stage<CTAS>(w, ring, full, s, rank);
+  }
+  const int t = threadIdx.x / kCols, j = threadIdx.x % kCols, column = rank * kCols + j;
+  for (int s = 0; s < kStages; ++s) {
+    // x of this stage: x0 from global memory, then the peers' slices of the stage before (DSMEM).
+    if (s == 0) {
+      for (int i = threadIdx.x; i < kTokens * kHidden; i += kClusterThreads<CTAS>)
+        x_shared[i] = x0[i];
+    } else {
+      for (int i = threadIdx.x; i < kTokens * kHidden; i += kClusterThreads<CTAS>) {
+        const int token = i / kHidden, c = i % kHidden;
+        const float* peer = cluster.map_shared_rank(slices, static_cast<unsigned>(c / kCols));
+        x_shared[i] = peer[((s - 1) % 2) * kTokens * kCols + token * kCols + c % kCols];
+      }
+    }
+    __syncthreads();
+    float value;
+    if constexpr (COMPUTE) {
+      const int slot = s % kClusterRing<CTAS>;
+      const uint32_t barrier = shared_address(&full[slot]), parity = (s / kClusterRing<CTAS>) % 2;
+      uint32_t done = 0;
+      while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(barrier), "r"(parity)
+                     : "memory");
+      // stage_tile's arithmetic for output (t, column).
+      const float4* xr = reinterpret_cast<const float4*>(x_shared + t * kHidden);
+      const uint2* wr = reinterpret_cast<const uint2*>(ring + static_cast<size_t>(slot) * kCols * kSharedRow +
+                                                       j * kSharedRow);
+      float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+      for (int k = 0; k < kHidden / 4; ++k) {
+        const float4 xv = xr[k];
+        const uint2 wv = wr[k];
+        dot[0] = fmaf(xv.x, __uint_as_float(wv.x << 16), dot[0]);
+        dot[1] = fmaf(xv.y, __uint_as_float(wv.x & 0xffff0000u), dot[1]);
+        dot[2] = fmaf(xv.z, __uint_as_float(wv.y << 16), dot[2]);
+        dot[3] = fmaf(xv.w, __uint_as_float(wv.y & 0xffff0000u), dot[3]);
+      }
+      const float sum = (dot[0] + dot[1]) + (dot[2] + dot[3]);
+      value = tanhf(sum * kScale);
+    } else {
+      value = x_shared[t * kHidden + column];
+    }
+    slices[(s % 2) * kTokens * kCols + t * kCols + j] = value;
+    if (s == kStages - 1)
+      out[t * kHidden + column] = value;
+    __syncthreads(); // the slot and x_shared are read
+    if (COMPUTE && threadIdx.x == 0 && s + kClusterRing<CTAS> < kStages)
+      cluster_issue_stage<CTAS>(w, ring, full, s + kClusterRing<CTAS>, rank);
+    // This stage's slices are written everywhere; the peers' reads of the last ones are done (they gathered
+    // before arriving), so the next stage may overwrite the other half. The last barrier also keeps every
+    // CTA's shared memory alive until its peers have gathered from it.
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  }
+}
+
+template <int CTAS, bool COMPUTE> cudaLaunchConfig_t cluster_config(cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(CTAS);
+  config.blockDim = dim3(kClusterThreads<CTAS>);
+  config.dynamicSmemBytes = kClusterSmem<CTAS>;
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = CTAS;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+/// Whether a cluster of CTAS of ClusterKernel can be placed on this device (after the attributes are set).
+template <int CTAS> bool cluster_schedulable() {
+  for (const void* kernel : {reinterpret_cast<const void*>(ClusterKernel<CTAS, true>),
+                             reinterpret_cast<const void*>(ClusterKernel<CTAS, false>)}) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kClusterSmem<CTAS>)) != cudaSuccess ||
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+  }
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config = cluster_config<CTAS, true>(&attribute);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, ClusterKernel<CTAS, true>, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return clusters >= 1;
+}
+
+template <int CTAS, bool COMPUTE>
+void launch_cluster(const float* x0, float* out, const uint16_t* w, cudaStream_t stream) {
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config = cluster_config<CTAS, COMPUTE>(&attribute);
+  config.stream = stream;
+  SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, ClusterKernel<CTAS, COMPUTE>, x0, out, w));
+}
+
 std::vector<float> reference(std::vector<float> x, const std::vector<uint16_t>& w) {
   std::vector<float> y(x.size());
   for (int s = 0; s < kStages; ++s) {
@@ -260,6 +426,21 @@ int main() {
         {"persistent, one block per SM, copy stages",
          [=](cudaStream_t s) { launch_persistent<false>(grid_all, p0, p1, pw, pc, s); }},
     };
+    // One cluster (module comment): 16 CTAs where the device places such a cluster, else 8, else none.
+    if (cluster_schedulable<16>()) {
+      variants.push_back({"one cluster of 16 CTAs, weights streamed ahead, a cluster barrier per stage",
+                          [=](cudaStream_t s) { launch_cluster<16, true>(p0, p0, pw, s); }});
+      copies.push_back({"one cluster of 16 CTAs, copy stages (gather + barrier)",
+                        [=](cudaStream_t s) { launch_cluster<16, false>(p0, p0, pw, s); }});
+    } else if (cluster_schedulable<8>()) {
+      variants.push_back({"one cluster of 8 CTAs, weights streamed ahead, a cluster barrier per stage",
+                          [=](cudaStream_t s) { launch_cluster<8, true>(p0, p0, pw, s); }});
+      copies.push_back({"one cluster of 8 CTAs, copy stages (gather + barrier)",
+                        [=](cudaStream_t s) { launch_cluster<8, false>(p0, p0, pw, s); }});
+    } else {
+      std::printf("stage_chain_bench: no cluster of 16 or 8 CTAs can be placed here; the cluster variant is "
+                  "skipped\n");
+    }
     std::vector<float> first;
     bool ok = true;
     for (const Variant& v : variants) {
