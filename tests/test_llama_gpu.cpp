@@ -563,6 +563,27 @@ TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits
   }
 }
 
+TEST_CASE("llama forward: A rows staged through registers give cp.async's bits") {
+  // The narrow and wide GEMM blocks stage the O and down projections' bf16 input rows in shared memory
+  // through registers (the default) or with cp.async (SMCGRAPH_GEMM_A_STAGING): the same bytes, so two models
+  // forced each way, fed the same forwards (decodes of 6 rows with padding rows, verify blocks of 30 and 54
+  // tokens, graphs), give the same logits bits. Shapes: hidden 192, 96 and 256 with head_dim 128 (O K 192,
+  // 96, 256; down K 256, 160, 256: one vector batch a lane, lanes without a vector); fp32 and bf16 logits.
+  // Then the wide blocks (64 rows, 4 warps: a warp stages two row pairs): prefills of 500 tokens with the
+  // pipelined tiles off.
+  for (const Shape& shape : kKOrderShapes) {
+    CAPTURE(shape.hidden);
+    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
+      const int logits_dtype = static_cast<int>(logits);
+      CAPTURE(logits_dtype);
+      check_same_logits_when_forced(shape, "SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers", logits);
+    }
+  }
+  const ScopedEnv wide("SMCGRAPH_GEMM_TILES", "narrow_wide");
+  check_same_logits_when_forced(kKOrderShapes[0], "SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers",
+                                DType::kFloat32, long_rows());
+}
+
 TEST_CASE("llama forward: early PDL triggers give the same bits") {
   // SMCGRAPH_LLAMA_TRIGGER=early_o_down (the default) lets the O and down launches start their successors at
   // their top, early the attention launches too, early_all the QKV launches too, early_max every layer launch
@@ -700,7 +721,8 @@ TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
   for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
-                           "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT", "SMCGRAPH_LLAMA_TRIGGER"}) {
+                           "SMCGRAPH_GEMM_A_STAGING", "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT",
+                           "SMCGRAPH_LLAMA_TRIGGER"}) {
     CAPTURE(name);
     const ScopedEnv scoped(name, "sideways");
     const std::string expected = std::string(name) + " = 'sideways'";

@@ -303,6 +303,46 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
         }
       }
     }
+  } else if (a.a_staging == GemmAStaging::kRegisters) {
+    // Warp w stages rows w and w + WARPS, then w + 2 WARPS and w + 3 WARPS, ...: every lane's 16-byte vectors
+    // of both rows are loaded into registers (from L2: __ldcg, as cp.async's copies) before the first is
+    // stored, so a row pair costs one memory latency; padding rows are zeros without loads. The kernel trace
+    // of the decode forward (a globaltimer / clock64 stamp patch, H200, 8 rows) put cp.async's staging at
+    // 0.85 us of the O launch and 1.1 us of the down launch (its 12 copies a thread issued at the rate the
+    // L1's outstanding requests drain); through registers the forward at 8 rows went from 428.4-430.9 to
+    // 403.4-403.7 us (docs/real_model_results.md, thirty-sixth session).
+    constexpr int kVectorBatch = 8; // a lane's vectors of a row in flight at once (K up to 2048 in one batch)
+    const int vectors_per_row = K / 8;
+    for (int m_first = warp; m_first < BM; m_first += 2 * WARPS) {
+      for (int v0 = 0; v0 < vectors_per_row; v0 += 32 * kVectorBatch) {
+        uint4 held[2][kVectorBatch];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int m = m_first + r * WARPS, t = m0 + m;
+          const uint4* row =
+              reinterpret_cast<const uint4*>(a.a_bf16 + static_cast<size_t>(t < T ? t : 0) * K);
+#pragma unroll
+          for (int i = 0; i < kVectorBatch; ++i) {
+            const int v = v0 + lane + 32 * i;
+            held[r][i] =
+                (m < BM && t < T && v < vectors_per_row) ? __ldcg(row + v) : make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int m = m_first + r * WARPS;
+          if (m >= BM)
+            continue;
+          uint4* dst = reinterpret_cast<uint4*>(a_tile + static_cast<size_t>(m) * lda);
+#pragma unroll
+          for (int i = 0; i < kVectorBatch; ++i) {
+            const int v = v0 + lane + 32 * i;
+            if (v < vectors_per_row)
+              dst[v] = held[r][i];
+          }
+        }
+      }
+    }
   } else {
     // Copied straight into shared memory (cp.async): all of the block's loads are in flight at once.
     const int vectors_per_row = K / 8;

@@ -35,6 +35,11 @@ inline constexpr int kSwiGluGroup = 8;
 /// with N a multiple of 32; pipelined_tiles()). LlamaModel reads it from SMCGRAPH_GEMM_TILES (by_size,
 /// narrow_wide, pipelined), for tests and A/B runs.
 enum class GemmTiles : uint8_t { kBySize = 0, kNarrowWide = 1, kPipelined = 2 };
+/// How the narrow and wide GEMM blocks stage bf16 A rows (the O and down projections' inputs) in shared
+/// memory: through registers (each warp loads whole rows, every load in flight before the first store; the
+/// default) or with cp.async (16 bytes a thread at a time). The same bytes either way; LlamaModel reads
+/// SMCGRAPH_GEMM_A_STAGING (registers, cp_async).
+enum class GemmAStaging : uint8_t { kRegisters = 0, kCpAsync = 1 };
 
 struct GemmArgs {
   int tokens = 0, n = 0, k = 0; ///< T, N, K (N and K multiples of 16)
@@ -62,6 +67,7 @@ struct GemmArgs {
   /// the token count (8 up to 16 tokens); the same bits either way (llama_gemm.cu). LlamaModel reads it from
   /// SMCGRAPH_GEMM_NARROW_WARPS (by_size, 8, 4).
   uint8_t narrow_warps = 0;
+  GemmAStaging a_staging = GemmAStaging::kRegisters; ///< bf16 A rows (narrow and wide blocks)
   /// Let the next launch start (PDL's trigger) at the top of this kernel instead of after its pdl_wait(): the
   /// next kernel's CTAs then become resident, and stage their weights, one kernel earlier. Only where every
   /// read that kernel makes before its own wait is of weights or of data whose last writer completed before
