@@ -53,6 +53,26 @@ constexpr size_t kWeightTileElements = static_cast<size_t>(kCols) * kHidden;
 constexpr int kSharedRow = kHidden + 8;
 constexpr size_t kSharedTileElements = static_cast<size_t>(kCols) * kSharedRow;
 
+/// y[t, c] = tanh(x[t, :] . W[c, :] * kScale) from x's row and W's bf16 row in shared memory: four partial
+/// sums over k mod 4, added as (d0 + d1) + (d2 + d3) (every variant's arithmetic, so their outputs are the
+/// same bits).
+__device__ __forceinline__ float stage_output(const float* x_row, const uint16_t* w_row) {
+  const float4* xr = reinterpret_cast<const float4*>(x_row);
+  const uint2* wr = reinterpret_cast<const uint2*>(w_row);
+  float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+  for (int k = 0; k < kHidden / 4; ++k) {
+    const float4 xv = xr[k];
+    const uint2 wv = wr[k];
+    dot[0] = fmaf(xv.x, __uint_as_float(wv.x << 16), dot[0]);
+    dot[1] = fmaf(xv.y, __uint_as_float(wv.x & 0xffff0000u), dot[1]);
+    dot[2] = fmaf(xv.z, __uint_as_float(wv.y << 16), dot[2]);
+    dot[3] = fmaf(xv.w, __uint_as_float(wv.y & 0xffff0000u), dot[3]);
+  }
+  const float sum = (dot[0] + dot[1]) + (dot[2] + dot[3]);
+  return tanhf(sum * kScale);
+}
+
 /// One stage's tile: block `block` of the stage computes columns block * 16 .. + 15 of y from x. Without
 /// COMPUTE it only copies its tile of x to y (a dependent stage that moves almost nothing).
 template <bool COMPUTE>
@@ -70,21 +90,7 @@ __device__ void stage_tile(const float* x, float* y, const uint16_t* w_tile, flo
   __pipeline_wait_prior(0); // this block's W tile
   __syncthreads();
   const int t = threadIdx.x / kCols, j = threadIdx.x % kCols;
-  const float4* xr = reinterpret_cast<const float4*>(x_shared + t * kHidden);
-  const uint2* wr = reinterpret_cast<const uint2*>(w_tile + j * kSharedRow);
-  float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-  for (int k = 0; k < kHidden / 4; ++k) {
-    const float4 xv = xr[k];
-    const uint2 wv = wr[k];
-    dot[0] = fmaf(xv.x, __uint_as_float(wv.x << 16), dot[0]);
-    dot[1] = fmaf(xv.y, __uint_as_float(wv.x & 0xffff0000u), dot[1]);
-    dot[2] = fmaf(xv.z, __uint_as_float(wv.y << 16), dot[2]);
-    dot[3] = fmaf(xv.w, __uint_as_float(wv.y & 0xffff0000u), dot[3]);
-  }
-  const float sum = (dot[0] + dot[1]) + (dot[2] + dot[3]);
-  const int column = block * kCols + j;
-  y[t * kHidden + column] = tanhf(sum * kScale);
+  y[t * kHidden + block * kCols + j] = stage_output(x_shared + t * kHidden, w_tile + j * kSharedRow);
 }
 
 /// Starts the copy of a stage's W tile (16 rows of W) into shared memory.
@@ -263,21 +269,8 @@ __global__ void __launch_bounds__(kClusterThreads<CTAS>)
                      : "r"(barrier), "r"(parity)
                      : "memory");
       // stage_tile's arithmetic for output (t, column).
-      const float4* xr = reinterpret_cast<const float4*>(x_shared + t * kHidden);
-      const uint2* wr = reinterpret_cast<const uint2*>(ring + static_cast<size_t>(slot) * kCols * kSharedRow +
-                                                       j * kSharedRow);
-      float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-      for (int k = 0; k < kHidden / 4; ++k) {
-        const float4 xv = xr[k];
-        const uint2 wv = wr[k];
-        dot[0] = fmaf(xv.x, __uint_as_float(wv.x << 16), dot[0]);
-        dot[1] = fmaf(xv.y, __uint_as_float(wv.x & 0xffff0000u), dot[1]);
-        dot[2] = fmaf(xv.z, __uint_as_float(wv.y << 16), dot[2]);
-        dot[3] = fmaf(xv.w, __uint_as_float(wv.y & 0xffff0000u), dot[3]);
-      }
-      const float sum = (dot[0] + dot[1]) + (dot[2] + dot[3]);
-      value = tanhf(sum * kScale);
+      value = stage_output(x_shared + t * kHidden,
+                           ring + static_cast<size_t>(slot) * kCols * kSharedRow + j * kSharedRow);
     } else {
       value = x_shared[t * kHidden + column];
     }
