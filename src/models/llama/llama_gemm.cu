@@ -306,11 +306,11 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
   } else if (a.a_staging == GemmAStaging::kRegisters) {
     // Warp w stages rows w and w + WARPS, then w + 2 WARPS and w + 3 WARPS, ...: every lane's 16-byte vectors
     // of both rows are loaded into registers (from L2: __ldcg, as cp.async's copies) before the first is
-    // stored, so a row pair costs one memory latency; padding rows are zeros without loads. The kernel trace
-    // of the decode forward (a globaltimer / clock64 stamp patch, H200, 8 rows) put cp.async's staging at
-    // 0.85 us of the O launch and 1.1 us of the down launch (its 12 copies a thread issued at the rate the
-    // L1's outstanding requests drain); through registers the forward at 8 rows went from 428.4-430.9 to
-    // 403.4-403.7 us (docs/real_model_results.md, thirty-sixth session).
+    // stored, so a row pair costs one memory latency; padding rows are zeros without loads. Stamps in every
+    // block of the decode forward (H200, 8 rows) put cp.async's staging at 0.85 us of the O launch and 1.11
+    // us of the down launch, whose 12 copies a thread took 1.05 us to issue. Through registers the forward at
+    // 8 rows went from 421.0-423.2 to 400.6-400.8 us (one build, SMCGRAPH_GEMM_A_STAGING both ways, two
+    // rounds; docs/real_model_results.md, thirty-sixth session).
     constexpr int kVectorBatch = 8; // a lane's vectors of a row in flight at once (K up to 2048 in one batch)
     const int vectors_per_row = K / 8;
     for (int m_first = warp; m_first < BM; m_first += 2 * WARPS) {
