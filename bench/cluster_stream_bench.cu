@@ -32,9 +32,11 @@
 #include <vector>
 
 #include <cooperative_groups.h>
+#include <cuda/ptx>
 #include <cuda_runtime.h>
 
 #include "bench_util.hpp"
+#include "kernels/cluster_barrier.cuh"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 
@@ -57,17 +59,8 @@ struct StreamArgs {
   unsigned long long* sum;
 };
 
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
-}
-
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 /// Issues chunk `chunk` of this CTA's stream into slot chunk % ring (thread 0 only).
@@ -81,14 +74,11 @@ __device__ __forceinline__ void issue_chunk(const StreamArgs& a, uint8_t* slots,
   const uint8_t* source = a.weights + layer * a.layer_bytes + stage * stage_bytes +
                           static_cast<int64_t>(blockIdx.x) * a.share + within;
   const int slot = static_cast<int>(chunk % a.ring);
-  const uint32_t barrier = shared_address(&full[slot]);
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          shared_address(slots + static_cast<int64_t>(slot) * a.slot_bytes)),
-      "l"(source), "r"(bytes), "r"(barrier)
-      : "memory");
+  namespace ptx = cuda::ptx;
+  ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &full[slot],
+                                 static_cast<uint32_t>(bytes));
+  ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, slots + static_cast<int64_t>(slot) * a.slot_bytes,
+                     source, static_cast<uint32_t>(bytes), &full[slot]);
 }
 
 template <bool BARRIERS> __global__ void __launch_bounds__(kThreads) StreamKernel(const StreamArgs a) {
@@ -96,13 +86,13 @@ template <bool BARRIERS> __global__ void __launch_bounds__(kThreads) StreamKerne
   __shared__ __align__(8) uint64_t full[kMaxRing];
   if (a.share == 0) { // barriers only
     for (int i = 0; i < a.layers * a.stages; ++i)
-      cluster_barrier();
+      smcgraph::detail::cluster_barrier();
     return;
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < a.ring; ++s)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&full[s])) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      cuda::ptx::mbarrier_init(&full[s], 1);
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
   __syncthreads();
   const int64_t chunks_per_stage = (a.share + a.slot_bytes - 1) / a.slot_bytes;
@@ -114,14 +104,7 @@ template <bool BARRIERS> __global__ void __launch_bounds__(kThreads) StreamKerne
   for (int64_t c = 0; c < chunks; ++c) {
     const int slot = static_cast<int>(c % a.ring);
     const uint32_t parity = static_cast<uint32_t>((c / a.ring) & 1);
-    const uint32_t barrier = shared_address(&full[slot]);
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                   " selp.u32 %0, 1, 0, p;\n}\n"
-                   : "=r"(done)
-                   : "r"(barrier), "r"(parity)
-                   : "memory");
+    while (!cuda::ptx::mbarrier_try_wait_parity(&full[slot], parity)) {
     }
     const int64_t within = (c % chunks_per_stage) * a.slot_bytes;
     const int bytes = static_cast<int>(min64(a.slot_bytes, a.share - within));
@@ -135,7 +118,7 @@ template <bool BARRIERS> __global__ void __launch_bounds__(kThreads) StreamKerne
       issue_chunk(a, slots, full, c + a.ring, chunks_per_stage);
     if constexpr (BARRIERS) {
       if ((c + 1) % chunks_per_stage == 0) // the stage's last chunk: the cluster meets
-        cluster_barrier();
+        smcgraph::detail::cluster_barrier();
     }
   }
   atomicAdd(a.sum, sum);

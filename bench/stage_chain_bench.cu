@@ -29,10 +29,12 @@
 #include <vector>
 
 #include <cooperative_groups.h>
+#include <cuda/ptx>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include "bench_util.hpp"
+#include "kernels/cluster_barrier.cuh"
 #include "kernels/pdl.cuh"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
@@ -200,29 +202,21 @@ constexpr size_t kClusterSmem = kClusterRing<CTAS>* kClusterSlotBytes<CTAS> +
                                 kTokens* kHidden * sizeof(float) +
                                 2 * kTokens* kClusterCols<CTAS> * sizeof(float);
 
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
 /// Thread 0: stage s's W rows of this CTA into ring slot s % kClusterRing<CTAS> (one bulk copy a row, to
 /// padded rows).
 template <int CTAS>
 __device__ void cluster_issue_stage(const uint16_t* w, uint16_t* ring, uint64_t* full, int s, int rank) {
   constexpr int kCols = kClusterCols<CTAS>;
   const int slot = s % kClusterRing<CTAS>;
-  const uint32_t barrier = shared_address(&full[slot]);
   constexpr uint32_t kRowBytes = kHidden * sizeof(uint16_t);
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier),
-               "r"(kCols * kRowBytes)
-               : "memory");
+  namespace ptx = cuda::ptx;
+  ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &full[slot],
+                                 kCols * kRowBytes);
   const uint16_t* rows = w + (static_cast<size_t>(s) * kHidden + static_cast<size_t>(rank) * kCols) * kHidden;
   uint16_t* tile = ring + static_cast<size_t>(slot) * kCols * kSharedRow;
   for (int row = 0; row < kCols; ++row)
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-            shared_address(tile + row * kSharedRow)),
-        "l"(rows + static_cast<size_t>(row) * kHidden), "r"(kRowBytes), "r"(barrier)
-        : "memory");
+    ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, tile + row * kSharedRow,
+                       rows + static_cast<size_t>(row) * kHidden, kRowBytes, &full[slot]);
 }
 
 template <int CTAS, bool COMPUTE>
@@ -238,8 +232,8 @@ __global__ void __launch_bounds__(kClusterThreads<CTAS>)
   const int rank = static_cast<int>(cluster.block_rank());
   if (COMPUTE && threadIdx.x == 0) {
     for (int i = 0; i < kClusterRing<CTAS>; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&full[i])) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      cuda::ptx::mbarrier_init(&full[i], 1);
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     for (int s = 0; s < kClusterRing<CTAS> && s < kStages; ++s)
       cluster_issue_stage<CTAS>(w, ring, full, s, rank);
   }
@@ -260,14 +254,9 @@ __global__ void __launch_bounds__(kClusterThreads<CTAS>)
     float value;
     if constexpr (COMPUTE) {
       const int slot = s % kClusterRing<CTAS>;
-      const uint32_t barrier = shared_address(&full[slot]), parity = (s / kClusterRing<CTAS>) % 2;
-      uint32_t done = 0;
-      while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(barrier), "r"(parity)
-                     : "memory");
+      const uint32_t parity = (s / kClusterRing<CTAS>) % 2;
+      while (!cuda::ptx::mbarrier_try_wait_parity(&full[slot], parity)) {
+      }
       // stage_tile's arithmetic for output (t, column).
       value = stage_output(x_shared + t * kHidden,
                            ring + static_cast<size_t>(slot) * kCols * kSharedRow + j * kSharedRow);
@@ -283,8 +272,7 @@ __global__ void __launch_bounds__(kClusterThreads<CTAS>)
     // This stage's slices are written everywhere; the peers' reads of the last ones are done (they gathered
     // before arriving), so the next stage may overwrite the other half. The last barrier also keeps every
     // CTA's shared memory alive until its peers have gathered from it.
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    smcgraph::detail::cluster_barrier();
   }
 }
 

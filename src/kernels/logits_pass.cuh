@@ -73,6 +73,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/pdl.cuh"
+#include "kernels/cluster_barrier.cuh"
 #include "kernels/random.cuh"
 #include "kernels/ticket.cuh"
 #include "kernels/tree_sum.cuh"
@@ -707,32 +708,6 @@ inline constexpr int kMaxClusterCtas = 64;
 /// Walk mode's limit: the sub-tile states of a job (kSubTiles a tile) that its CTA keeps in shared memory, so
 /// at most 64 tiles a job (bf16 / fp16 vocabularies up to 524288, fp32 up to 262144).
 inline constexpr int kMaxWalkSubTiles = 512;
-
-/// The cluster barrier in two halves (all threads of every CTA of the cluster; release / acquire order the
-/// shared-memory writes before the arrival with the peers' reads after their wait). Written out because
-/// cooperative_groups' cluster_group::barrier_arrive / barrier_wait emit the non-.aligned instructions (the
-/// same PTX otherwise, CUDA 13.0); every thread reaches these converged, so the .aligned form holds.
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-/// The second barrier's arrival ("done reading the peers' shared memory"): every value this CTA loaded from
-/// its peers was consumed before it, so those loads are complete and no release is needed. The release form
-/// puts a MEMBAR.ALL.GPU (a GPU-scope fence) before the arrival; this one does not. NVIDIA H200, sample_bench
-/// graph us a launch, release -> relaxed, two rounds in one call: 1 x 16384 / 32000 / 49152 bf16 6.33 / 6.41-
-/// 6.42 / 6.58 -> 6.15-6.21 / 6.26-6.29 / 6.40-6.46, 8 x 49152 6.68 -> 6.55, 8 x 32000 fp32 6.35 -> 6.23;
-/// after a kernel that flushed L2, 8 x 49152 9.27-9.28 -> 9.08-9.14, the other shapes within noise.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
 
 /// A job's sub-tile states as its last CTA reads them: from the workspace, where the job's CTAs wrote them
 /// (L2 loads: L1 is not coherent across CTAs), or, for a one-tile job, from the CTA's shared memory.
