@@ -216,6 +216,17 @@ bool cluster_schedulable(PassKernel kernel, int64_t jobs, int splits) {
   return ok;
 }
 
+/// How a pass of `jobs` jobs of `splits` tiles meets: in clusters where they can be scheduled, else walking
+/// where walk_mode says so, else through tickets. launch_logits_pass and sample_uses_clusters / _walk ask
+/// here.
+struct PassMeeting {
+  bool cluster, walk;
+};
+PassMeeting pass_meeting(DType dtype, int64_t jobs, int splits) {
+  const bool cluster = cluster_schedulable(pass_kernel(dtype), jobs, splits);
+  return {cluster, !cluster && walk_mode(jobs, splits)};
+}
+
 } // namespace
 
 void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& workspace, cudaStream_t stream) {
@@ -247,8 +258,9 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
   // With programmatic dependent launch: the pass waits for its predecessor before any read.
-  args.cluster = cluster_schedulable(pass_kernel(dtype), jobs, args.splits);
-  args.walk = !args.cluster && walk_mode(jobs, args.splits);
+  const PassMeeting meeting = pass_meeting(dtype, jobs, args.splits);
+  args.cluster = meeting.cluster;
+  args.walk = meeting.walk;
   const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
   const PassKernel kernel =
       args.walk ? pass_instance<kPassMinBlocksWalk, true>(dtype)
@@ -284,14 +296,12 @@ int sample_walk_min_jobs() {
 
 bool sample_uses_walk(int jobs, int vocab, DType dtype) {
   require(jobs >= 1, "sample_uses_walk", "jobs", jobs, "must be >= 1");
-  const int splits = sample_splits(vocab, dtype);
-  return !detail::cluster_schedulable(detail::pass_kernel(dtype), jobs, splits) &&
-         detail::walk_mode(jobs, splits);
+  return detail::pass_meeting(dtype, jobs, sample_splits(vocab, dtype)).walk;
 }
 
 bool sample_uses_clusters(int jobs, int vocab, DType dtype) {
   require(jobs >= 1, "sample_uses_clusters", "jobs", jobs, "must be >= 1");
-  return detail::cluster_schedulable(detail::pass_kernel(dtype), jobs, sample_splits(vocab, dtype));
+  return detail::pass_meeting(dtype, jobs, sample_splits(vocab, dtype)).cluster;
 }
 
 void sample(const LogitsView& logits, const RowParams& params, const RowRandom& random, uint32_t stream_word,
