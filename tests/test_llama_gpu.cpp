@@ -530,6 +530,18 @@ const Shape kKOrderShapes[] = {{2, 192, 6, 2, 256, 300, true, GgufType::kQ4_1, G
                                {2, 96, 3, 1, 160, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
                                {1, 256, 2, 1, 256, 300, false, GgufType::kQ8_0, GgufType::kF16}};
 
+/// check_same_logits_when_forced over every kKOrderShapes shape, with fp32 and with bf16 logits.
+void check_k_order_shapes_when_forced(const char* name, const char* first, const char* second) {
+  for (const Shape& shape : kKOrderShapes) {
+    CAPTURE(shape.hidden);
+    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
+      const int logits_dtype = static_cast<int>(logits);
+      CAPTURE(logits_dtype);
+      check_same_logits_when_forced(shape, name, first, second, logits);
+    }
+  }
+}
+
 TEST_CASE("llama forward: the pipelined GEMM tiles give the narrow and wide tiles' bits") {
   // The layer GEMMs of 256+ tokens (gate/up: 128+) take K-pipelined tiles (llama_gemm.cu), smaller ones
   // narrow tiles, and those past 384 tokens without the pipelined tiles wide ones; all sum K in the same
@@ -553,14 +565,7 @@ TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits
   // rows; graphs), give the same logits bits. Shapes: hidden 192, 96 (6 K tiles: the fourth slice is empty;
   // down K 160: 10 tiles, so the last slice has one and its odd partial stays zero) and 256 with head_dim
   // 128; fp32 and bf16 logits.
-  for (const Shape& shape : kKOrderShapes) {
-    CAPTURE(shape.hidden);
-    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
-      const int logits_dtype = static_cast<int>(logits);
-      CAPTURE(logits_dtype);
-      check_same_logits_when_forced(shape, "SMCGRAPH_GEMM_NARROW_WARPS", "4", "8", logits);
-    }
-  }
+  check_k_order_shapes_when_forced("SMCGRAPH_GEMM_NARROW_WARPS", "4", "8");
 }
 
 TEST_CASE("llama forward: A rows staged through registers give cp.async's bits") {
@@ -571,14 +576,7 @@ TEST_CASE("llama forward: A rows staged through registers give cp.async's bits")
   // 96, 256; down K 256, 160, 256: one vector batch a lane, lanes without a vector); fp32 and bf16 logits.
   // Then the wide blocks (64 rows, 4 warps: a warp stages two row pairs): prefills of 500 tokens with the
   // pipelined tiles off.
-  for (const Shape& shape : kKOrderShapes) {
-    CAPTURE(shape.hidden);
-    for (const DType logits : {DType::kFloat32, DType::kBFloat16}) {
-      const int logits_dtype = static_cast<int>(logits);
-      CAPTURE(logits_dtype);
-      check_same_logits_when_forced(shape, "SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers", logits);
-    }
-  }
+  check_k_order_shapes_when_forced("SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers");
   const ScopedEnv wide("SMCGRAPH_GEMM_TILES", "narrow_wide");
   check_same_logits_when_forced(kKOrderShapes[0], "SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers",
                                 DType::kFloat32, long_rows());
