@@ -577,6 +577,9 @@ TEST_CASE("llama forward: A rows staged through registers give cp.async's bits")
   // Then the wide blocks (64 rows, 4 warps: a warp stages two row pairs): prefills of 500 tokens with the
   // pipelined tiles off.
   check_k_order_shapes_when_forced("SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers");
+  // A down projection of K 2,304 (288 vectors a row: a lane's second batch of vectors).
+  check_same_logits_when_forced(Shape{1, 128, 4, 2, 2304, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},
+                                "SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers");
   const ScopedEnv wide("SMCGRAPH_GEMM_TILES", "narrow_wide");
   check_same_logits_when_forced(kKOrderShapes[0], "SMCGRAPH_GEMM_A_STAGING", "cp_async", "registers",
                                 DType::kFloat32, long_rows());
