@@ -249,6 +249,33 @@ template <DType DTYPE, int THREADS> struct RowPass {
     }
   }
 
+  /// Every 16-byte vector [begin, end) of the target row (and, for READS_DRAFT, of the draft row), a batch of
+  /// kUnroll vectors a thread at a time with all of the batch's loads issued first (load_batch):
+  /// visit(target_logit, draft_logit, first, count) for each vector that holds logits (elements past the
+  /// vocabulary read as -inf; draft_logit is unset without READS_DRAFT).
+  template <bool READS_DRAFT, typename Visit>
+  static __device__ __forceinline__ void for_each_vector(const Scalar* target_row, const Scalar* draft_row,
+                                                         int begin, int end, int vocab, Visit&& visit) {
+    const bool target_aligned = aligned(target_row);
+    const bool draft_aligned = READS_DRAFT && aligned(draft_row);
+    for (int base = begin; base < end; base += kUnroll * THREADS) {
+      uint4 raw_target[kUnroll], raw_draft[kUnroll];
+      int firsts[kUnroll], counts[kUnroll];
+      load_batch<READS_DRAFT>(target_row, target_aligned, draft_row, draft_aligned, base, end, vocab,
+                              raw_target, raw_draft, firsts, counts);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (counts[u] <= 0)
+          continue;
+        float target_logit[kPerVector], draft_logit[kPerVector];
+        detail::unpack<DTYPE>(raw_target[u], target_logit);
+        if constexpr (READS_DRAFT)
+          detail::unpack<DTYPE>(raw_draft[u], draft_logit);
+        visit(target_logit, draft_logit, firsts[u], counts[u]);
+      }
+    }
+  }
+
   /// Offers the `count` elements of one vector (ids first ..) to a race: log-weight + the Gumbel noise of
   /// their vocab ids (none for kArgmax), skipping the noise of elements that cannot win.
   template <Draw DRAW>
@@ -295,28 +322,12 @@ template <DType DTYPE, int THREADS> struct RowPass {
   static __device__ Candidate draw(const Scalar* target_row, const Scalar* draft_row,
                                    const DrawContext& context, int vector_begin, int vector_end,
                                    TempStorage& temp, bool& saw_bad_logit) {
-    constexpr bool kReadsDraft = DRAW == Draw::kResidual;
-    const bool target_aligned = aligned(target_row);
-    const bool draft_aligned = kReadsDraft && aligned(draft_row);
     Candidate best{-INFINITY, INT_MAX};
     bool bad = false;
-    for (int base = vector_begin; base < vector_end; base += kUnroll * THREADS) {
-      uint4 raw_target[kUnroll], raw_draft[kUnroll];
-      int firsts[kUnroll], counts[kUnroll];
-      load_batch<kReadsDraft>(target_row, target_aligned, draft_row, draft_aligned, base, vector_end,
-                              context.vocab, raw_target, raw_draft, firsts, counts);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (counts[u] <= 0)
-          continue;
-        float target_logit[kPerVector], draft_logit[kPerVector];
-        detail::unpack<DTYPE>(raw_target[u], target_logit); // elements past the vocabulary read as -inf
-        if constexpr (kReadsDraft)
-          detail::unpack<DTYPE>(raw_draft[u], draft_logit);
-        const int vector = base + u * THREADS + static_cast<int>(threadIdx.x);
-        race_vector<DRAW>(target_logit, draft_logit, vector * kPerVector, counts[u], context, best, bad);
-      }
-    }
+    for_each_vector<DRAW == Draw::kResidual>(
+        target_row, draft_row, vector_begin, vector_end, context.vocab,
+        [&](const float(&target_logit)[kPerVector], const float(&draft_logit)[kPerVector], int first,
+            int count) { race_vector<DRAW>(target_logit, draft_logit, first, count, context, best, bad); });
     saw_bad_logit = __syncthreads_or(bad) != 0;
     best = CandidateReduce(temp.candidate).Reduce(best, BetterCandidate{});
     __syncthreads(); // temp is reused
@@ -330,51 +341,37 @@ template <DType DTYPE, int THREADS> struct RowPass {
   template <Draw DRAW>
   static __device__ void fold(const Scalar* target_row, const Scalar* draft_row, const DrawContext& context,
                               int tile_begin, int tile_end, LogSumExp& law, LogSumExp& p, bool& bad) {
-    constexpr bool kReadsDraft = DRAW == Draw::kResidual;
-    const bool target_aligned = aligned(target_row);
-    const bool draft_aligned = kReadsDraft && aligned(draft_row);
-    for (int base = tile_begin; base < tile_end; base += kUnroll * THREADS) {
-      uint4 raw_target[kUnroll], raw_draft[kUnroll];
-      int firsts[kUnroll], counts[kUnroll];
-      load_batch<kReadsDraft>(target_row, target_aligned, draft_row, draft_aligned, base, tile_end,
-                              context.vocab, raw_target, raw_draft, firsts, counts);
+    for_each_vector<DRAW == Draw::kResidual>(
+        target_row, draft_row, tile_begin, tile_end, context.vocab,
+        [&](const float(&target_logit)[kPerVector], const float(&draft_logit)[kPerVector], int first, int) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (counts[u] <= 0)
-          continue;
-        float target_logit[kPerVector], draft_logit[kPerVector];
-        detail::unpack<DTYPE>(raw_target[u], target_logit); // elements past the vocabulary read as -inf
-        if constexpr (kReadsDraft)
-          detail::unpack<DTYPE>(raw_draft[u], draft_logit);
-#pragma unroll
-        for (int i = 0; i < kPerVector; ++i) {
-          const float x = target_logit[i];
-          bad |= bad_value(x);
-          if constexpr (DRAW == Draw::kResidual) {
-            bad |= bad_value(draft_logit[i]);
-            const float log_p = x * context.inverse_target_t - context.target_lse;
-            const float log_q = draft_logit[i] * context.inverse_draft_t - context.draft_lse;
-            const float p_v = __expf(log_p);
-            if (log_p > log_q) { // p - q = p (1 - q / p), without the cancellation of p - q
-              law.max = 0.0f;
-              law.sum += p_v * -expm1f(log_q - log_p);
-            }
-            if (p_v > 0.0f) {
-              p.max = 0.0f;
-              p.sum += p_v;
-            }
-          } else {
-            const float w = log_weight<DRAW>(x, 0.0f, firsts[u] + i, context);
-            if (w > law.max) {
-              law.sum = law.max == -INFINITY ? 1.0f : law.sum * __expf(law.max - w) + 1.0f;
-              law.max = w;
-            } else if (w > -INFINITY) {
-              law.sum += __expf(w - law.max);
+          for (int i = 0; i < kPerVector; ++i) {
+            const float x = target_logit[i];
+            bad |= bad_value(x);
+            if constexpr (DRAW == Draw::kResidual) {
+              bad |= bad_value(draft_logit[i]);
+              const float log_p = x * context.inverse_target_t - context.target_lse;
+              const float log_q = draft_logit[i] * context.inverse_draft_t - context.draft_lse;
+              const float p_v = __expf(log_p);
+              if (log_p > log_q) { // p - q = p (1 - q / p), without the cancellation of p - q
+                law.max = 0.0f;
+                law.sum += p_v * -expm1f(log_q - log_p);
+              }
+              if (p_v > 0.0f) {
+                p.max = 0.0f;
+                p.sum += p_v;
+              }
+            } else {
+              const float w = log_weight<DRAW>(x, 0.0f, first + i, context);
+              if (w > law.max) {
+                law.sum = law.max == -INFINITY ? 1.0f : law.sum * __expf(law.max - w) + 1.0f;
+                law.max = w;
+              } else if (w > -INFINITY) {
+                law.sum += __expf(w - law.max);
+              }
             }
           }
-        }
-      }
-    }
+        });
   }
 };
 
