@@ -269,12 +269,9 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
     const auto zero_row = [&](int m) {
       uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
 #pragma unroll
-      for (int i = 0; i < kNormVec; ++i) {
-        if (i >= steps)
-          break;
+      for (int i = 0; i < kNormVec && i < steps; ++i)
         if (lane + 32 * i < k4)
           dst[lane + 32 * i] = make_uint2(0u, 0u);
-      }
     };
     // kNormRows rows a warp at a time: their loads are in flight together.
     for (int m_first = warp; m_first < BM; m_first += kNormRows * WARPS) {
@@ -292,11 +289,8 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
         const int t = m0 + m_first + r * WARPS;
         const float4* x4 = reinterpret_cast<const float4*>(a.x + static_cast<int64_t>(t) * x_stride);
 #pragma unroll
-        for (int i = 0; i < kNormVec; ++i) {
-          if (i >= steps)
-            break;
+        for (int i = 0; i < kNormVec && i < steps; ++i)
           v[r][i] = (t < T && lane + 32 * i < k4) ? x4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
       }
 #pragma unroll
       for (int r = 0; r < kNormRows; ++r) {
@@ -308,19 +302,16 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
         // The terms past `steps` were zeros: leaving them out keeps the sum's bits.
         float sum_squares = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kNormVec; ++i) {
-          if (i >= steps)
-            break;
+        for (int i = 0; i < kNormVec && i < steps; ++i)
           sum_squares += sum_of_squares(v[r][i]);
-        }
         sum_squares =
             cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), sum_squares, cg::plus<float>());
         const float inv_rms = t < T ? rsqrtf(sum_squares / static_cast<float>(K) + a.eps) : 0.0f;
         uint2* dst = reinterpret_cast<uint2*>(a_tile + static_cast<size_t>(m) * lda);
 #pragma unroll
-        for (int i = 0; i < kNormVec; ++i) {
-          if (i >= steps)
-            break;
+        for (int i = 0; i < kNormVec && i < steps; ++i) {
+          // Both store forms give the same bytes; the 4-warp blocks keep their measured SASS (the packed
+          // form changes it).
           if constexpr (kTrimSteps) {
             const uint2 packed = rms_scaled_bf16x4(v[r][i], inv_rms, gamma[i]); // zeros on idle lanes
             if (lane + 32 * i < k4)
