@@ -26,8 +26,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,7 +34,9 @@
 #include <cuda_runtime.h>
 
 #include "bench_util.hpp"
+#include "cli.hpp"
 #include "kernels/cluster_barrier.cuh"
+#include "kernels/pdl.cuh"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 
@@ -130,53 +130,33 @@ struct Options {
   int slot_bytes = 32768;
 };
 
-int64_t parse_int(const char* name, const char* value, int64_t low, int64_t high) {
-  char* end = nullptr;
-  const long long v = std::strtoll(value, &end, 10);
-  if (end == value || *end != '\0' || v < low || v > high) {
-    std::fprintf(stderr, "cluster_stream_bench: %s %s: expected an integer in [%lld, %lld]\n", name, value,
-                 static_cast<long long>(low), static_cast<long long>(high));
-    std::exit(2);
-  }
-  return v;
-}
-
 Options parse(int argc, char** argv) {
+  using smcgraph::cli::parse_integer;
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help") {
+  smcgraph::cli::Flags flags(argc, argv);
+  while (flags.next()) {
+    const std::string& flag = flags.flag();
+    if (flag == "--help") {
+      flags.no_value();
       std::printf("cluster_stream_bench [--layers N] [--layer-bytes B] [--stages S] [--slot B] [--ring N]\n");
       std::exit(0);
+    } else if (flag == "--layers") {
+      o.layers = parse_integer(flag, flags.value(), 1, 1000);
+    } else if (flag == "--layer-bytes") {
+      o.layer_bytes = parse_integer<int64_t>(flag, flags.value(), 0, int64_t{1} << 30);
+      if (o.layer_bytes % 16 != 0)
+        throw smcgraph::cli::bad_value(flag, std::to_string(o.layer_bytes), "must be a multiple of 16");
+    } else if (flag == "--stages") {
+      o.stages = parse_integer(flag, flags.value(), 1, 64);
+    } else if (flag == "--slot") {
+      o.slot_bytes = parse_integer(flag, flags.value(), 16, 65536);
+      if (o.slot_bytes % 16 != 0)
+        throw smcgraph::cli::bad_value(flag, std::to_string(o.slot_bytes), "must be a multiple of 16");
+    } else if (flag == "--ring") {
+      o.ring = parse_integer(flag, flags.value(), 1, kMaxRing);
+    } else {
+      throw smcgraph::cli::UsageError{"unknown flag '" + flags.raw() + "' (see --help)"};
     }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "cluster_stream_bench: %s needs a value (--help)\n", arg.c_str());
-      std::exit(2);
-    }
-    const char* value = argv[++i];
-    if (arg == "--layers")
-      o.layers = static_cast<int>(parse_int("--layers", value, 1, 1000));
-    else if (arg == "--layer-bytes")
-      o.layer_bytes = parse_int("--layer-bytes", value, 0, int64_t{1} << 30);
-    else if (arg == "--stages")
-      o.stages = static_cast<int>(parse_int("--stages", value, 1, 64));
-    else if (arg == "--slot")
-      o.slot_bytes = static_cast<int>(parse_int("--slot", value, 16, 65536));
-    else if (arg == "--ring")
-      o.ring = static_cast<int>(parse_int("--ring", value, 1, kMaxRing));
-    else {
-      std::fprintf(stderr, "cluster_stream_bench: unknown option %s (--help)\n", arg.c_str());
-      std::exit(2);
-    }
-  }
-  if (o.layer_bytes % 16 != 0) {
-    std::fprintf(stderr, "cluster_stream_bench: --layer-bytes %lld: must be a multiple of 16\n",
-                 static_cast<long long>(o.layer_bytes));
-    std::exit(2);
-  }
-  if (o.slot_bytes % 16 != 0) {
-    std::fprintf(stderr, "cluster_stream_bench: --slot %d: must be a multiple of 16\n", o.slot_bytes);
-    std::exit(2);
   }
   return o;
 }
@@ -189,103 +169,97 @@ struct Variant {
 
 } // namespace
 
-int main(int argc, char** argv) {
-  const Options o = parse(argc, argv);
-  try {
-    if (!bench::have_cuda_device("cluster_stream_bench"))
-      return 77;
-    Stream stream;
-    const int sms = smcgraph::current_device_info().multiprocessors;
-    const double copy_gbs = bench::measure_copy_bandwidth_gbs(stream);
-    const size_t dynamic_smem = static_cast<size_t>(o.ring) * o.slot_bytes;
-    for (const void* kernel : {reinterpret_cast<const void*>(StreamKernel<true>),
-                               reinterpret_cast<const void*>(StreamKernel<false>)}) {
-      SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(dynamic_smem)));
-      SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    }
-    // Weights: word w of the buffer holds (w % 251) + 1, so a chunk read twice or skipped changes the sum.
-    const int64_t total_bytes = static_cast<int64_t>(o.layers) * o.layer_bytes;
-    std::vector<uint32_t> host(static_cast<size_t>((total_bytes + 3) / 4));
-    for (size_t w = 0; w < host.size(); ++w)
-      host[w] = static_cast<uint32_t>(w % 251) + 1;
-    DeviceBuffer<uint32_t> d_weights(std::max<size_t>(host.size(), 1));
-    if (!host.empty())
-      d_weights.copy_from_host(host.data(), host.size(), stream);
-    DeviceBuffer<unsigned long long> d_sum(1);
-
-    std::printf("cluster_stream_bench on %s (%d SMs): copy %.0f GB/s (read + write); %d layers x %lld bytes "
-                "(%.1f MB), %d stages a layer, ring %d x %d bytes; floor a layer %.2f us\n",
-                bench::device_name().c_str(), sms, copy_gbs, o.layers, static_cast<long long>(o.layer_bytes),
-                total_bytes / 1e6, o.stages, o.ring, o.slot_bytes, o.layer_bytes / (copy_gbs * 1e3));
-    const std::vector<Variant> variants = {
-        {"cluster 16, barriers", 16, 16, true, true},       {"cluster 16, streaming", 16, 16, false, true},
-        {"cluster 16, barriers only", 16, 16, true, false}, {"cluster 8, barriers", 8, 8, true, true},
-        {"cluster 8, streaming", 8, 8, false, true},        {"cluster 8, barriers only", 8, 8, true, false},
-        {"all SMs, streaming", sms, 1, false, true}};
-    bool all_ok = true;
-    for (const Variant& v : variants) {
-      StreamArgs a{};
-      a.weights = reinterpret_cast<const uint8_t*>(d_weights.data());
-      a.layer_bytes = o.layer_bytes;
-      a.layers = o.layers;
-      a.stages = o.stages;
-      const int64_t stage_bytes = o.layer_bytes / o.stages / 16 * 16; // as the kernel cuts it
-      a.share = v.bytes ? stage_bytes / v.ctas / 16 * 16 : 0;
-      a.slot_bytes = o.slot_bytes;
-      a.ring = o.ring;
-      a.sum = d_sum.data();
-      const void* kernel = v.barriers ? reinterpret_cast<const void*>(StreamKernel<true>)
-                                      : reinterpret_cast<const void*>(StreamKernel<false>);
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(static_cast<unsigned>(v.ctas));
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = dynamic_smem;
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = static_cast<unsigned>(v.cluster);
-      attribute.val.clusterDim.y = 1;
-      attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
-        (void)cudaGetLastError();
-        std::printf("%-28s not schedulable on this device (cluster of %d, %zu bytes of shared memory)\n",
-                    v.name.c_str(), v.cluster, dynamic_smem);
-        continue;
-      }
-      const auto launch = [&](cudaStream_t s) {
-        config.stream = s;
-        void* params[] = {&a};
-        SMCGRAPH_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, params));
-      };
-      // Validate: the sum of every word streamed.
-      SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(d_sum.data(), 0, sizeof(unsigned long long), stream));
-      launch(stream);
-      unsigned long long got = 0;
-      SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(&got, d_sum.data(), sizeof(got), cudaMemcpyDeviceToHost, stream));
-      stream.synchronize();
-      unsigned long long expected = 0;
-      for (int layer = 0; layer < o.layers && a.share > 0; ++layer)
-        for (int stage = 0; stage < o.stages; ++stage)
-          for (int b = 0; b < v.ctas; ++b) {
-            const int64_t first = layer * o.layer_bytes + stage * stage_bytes + b * a.share;
-            for (int64_t byte = first; byte < first + a.share; byte += 4)
-              expected += host[static_cast<size_t>(byte / 4)];
-          }
-      const bool ok = got == expected;
-      all_ok = all_ok && ok;
-      const bench::Timing t = bench::time_graph(launch, stream, 1, 20, 3);
-      const double streamed = static_cast<double>(a.share) * v.ctas * o.stages * o.layers;
-      const double gbs = streamed / (t.median_us * 1e3);
-      std::printf("%-28s %9.2f us a layer (min %.2f), %6.0f GB/s, %.3f of copy, %.3f us a stage; check %s\n",
-                  v.name.c_str(), t.median_us / o.layers, t.min_us / o.layers, gbs, gbs / copy_gbs,
-                  t.median_us / (o.layers * o.stages), ok ? "ok" : "FAILED (sum differs)");
-    }
-    return all_ok ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "cluster_stream_bench: %s\n", e.what());
-    return 1;
+int run(const Options& o) {
+  if (!bench::have_cuda_device("cluster_stream_bench"))
+    return 77;
+  Stream stream;
+  const int sms = smcgraph::current_device_info().multiprocessors;
+  const double copy_gbs = bench::measure_copy_bandwidth_gbs(stream);
+  const size_t dynamic_smem = static_cast<size_t>(o.ring) * o.slot_bytes;
+  for (const void* kernel : {reinterpret_cast<const void*>(StreamKernel<true>),
+                             reinterpret_cast<const void*>(StreamKernel<false>)}) {
+    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(dynamic_smem)));
+    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   }
+  // Weights: word w of the buffer holds (w % 251) + 1, so a chunk read twice or skipped changes the sum.
+  const int64_t total_bytes = static_cast<int64_t>(o.layers) * o.layer_bytes;
+  std::vector<uint32_t> host(static_cast<size_t>((total_bytes + 3) / 4));
+  for (size_t w = 0; w < host.size(); ++w)
+    host[w] = static_cast<uint32_t>(w % 251) + 1;
+  DeviceBuffer<uint32_t> d_weights(std::max<size_t>(host.size(), 1));
+  if (!host.empty())
+    d_weights.copy_from_host(host.data(), host.size(), stream);
+  DeviceBuffer<unsigned long long> d_sum(1);
+
+  std::printf("cluster_stream_bench on %s (%d SMs): copy %.0f GB/s (read + write); %d layers x %lld bytes "
+              "(%.1f MB), %d stages a layer, ring %d x %d bytes; floor a layer %.2f us\n",
+              bench::device_name().c_str(), sms, copy_gbs, o.layers, static_cast<long long>(o.layer_bytes),
+              total_bytes / 1e6, o.stages, o.ring, o.slot_bytes, o.layer_bytes / (copy_gbs * 1e3));
+  const std::vector<Variant> variants = {
+      {"cluster 16, barriers", 16, 16, true, true},       {"cluster 16, streaming", 16, 16, false, true},
+      {"cluster 16, barriers only", 16, 16, true, false}, {"cluster 8, barriers", 8, 8, true, true},
+      {"cluster 8, streaming", 8, 8, false, true},        {"cluster 8, barriers only", 8, 8, true, false},
+      {"all SMs, streaming", sms, 1, false, true}};
+  bool all_ok = true;
+  for (const Variant& v : variants) {
+    StreamArgs a{};
+    a.weights = reinterpret_cast<const uint8_t*>(d_weights.data());
+    a.layer_bytes = o.layer_bytes;
+    a.layers = o.layers;
+    a.stages = o.stages;
+    const int64_t stage_bytes = o.layer_bytes / o.stages / 16 * 16; // as the kernel cuts it
+    a.share = v.bytes ? stage_bytes / v.ctas / 16 * 16 : 0;
+    a.slot_bytes = o.slot_bytes;
+    a.ring = o.ring;
+    a.sum = d_sum.data();
+    const void* kernel = v.barriers ? reinterpret_cast<const void*>(StreamKernel<true>)
+                                    : reinterpret_cast<const void*>(StreamKernel<false>);
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(v.ctas));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = dynamic_smem;
+    cudaLaunchAttribute attribute = smcgraph::detail::cluster_attribute(static_cast<unsigned>(v.cluster));
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1) {
+      (void)cudaGetLastError();
+      std::printf("%-28s not schedulable on this device (cluster of %d, %zu bytes of shared memory)\n",
+                  v.name.c_str(), v.cluster, dynamic_smem);
+      continue;
+    }
+    const auto launch = [&](cudaStream_t s) {
+      config.stream = s;
+      void* params[] = {&a};
+      SMCGRAPH_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, params));
+    };
+    // Validate: the sum of every word streamed.
+    SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(d_sum.data(), 0, sizeof(unsigned long long), stream));
+    launch(stream);
+    unsigned long long got = 0;
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(&got, d_sum.data(), sizeof(got), cudaMemcpyDeviceToHost, stream));
+    stream.synchronize();
+    unsigned long long expected = 0;
+    for (int layer = 0; layer < o.layers && a.share > 0; ++layer)
+      for (int stage = 0; stage < o.stages; ++stage)
+        for (int b = 0; b < v.ctas; ++b) {
+          const int64_t first = layer * o.layer_bytes + stage * stage_bytes + b * a.share;
+          for (int64_t byte = first; byte < first + a.share; byte += 4)
+            expected += host[static_cast<size_t>(byte / 4)];
+        }
+    const bool ok = got == expected;
+    all_ok = all_ok && ok;
+    const bench::Timing t = bench::time_graph(launch, stream, 1, 20, 3);
+    const double streamed = static_cast<double>(a.share) * v.ctas * o.stages * o.layers;
+    const double gbs = streamed / (t.median_us * 1e3);
+    std::printf("%-28s %9.2f us a layer (min %.2f), %6.0f GB/s, %.3f of copy, %.3f us a stage; check %s\n",
+                v.name.c_str(), t.median_us / o.layers, t.min_us / o.layers, gbs, gbs / copy_gbs,
+                t.median_us / (o.layers * o.stages), ok ? "ok" : "FAILED (sum differs)");
+  }
+  return all_ok ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  return smcgraph::cli::run_main("cluster_stream_bench", [&] { return run(parse(argc, argv)); });
 }

@@ -281,10 +281,7 @@ template <int CTAS, bool COMPUTE> cudaLaunchConfig_t cluster_config(cudaLaunchAt
   config.gridDim = dim3(CTAS);
   config.blockDim = dim3(kClusterThreads<CTAS>);
   config.dynamicSmemBytes = kClusterSmem<CTAS>;
-  attribute->id = cudaLaunchAttributeClusterDimension;
-  attribute->val.clusterDim.x = CTAS;
-  attribute->val.clusterDim.y = 1;
-  attribute->val.clusterDim.z = 1;
+  *attribute = smcgraph::detail::cluster_attribute(CTAS);
   config.attrs = attribute;
   config.numAttrs = 1;
   return config;
