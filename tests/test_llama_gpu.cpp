@@ -568,6 +568,16 @@ TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits
   check_k_order_shapes_when_forced("SMCGRAPH_GEMM_NARROW_WARPS", "4", "8");
 }
 
+TEST_CASE("llama forward: ldmatrix fragments give wmma's bits") {
+  // The 8-warp narrow GEMM blocks (up to 16 tokens) with their W rows in shared memory load their tensor-core
+  // fragments with ldmatrix and run m16n8k16 MMAs (the default), or with wmma (SMCGRAPH_GEMM_FRAGMENTS): the
+  // same HMMA steps on the same tiles in the same order, so two models forced each way, fed the same forwards
+  // (decodes of 6 rows with padding rows: one column fragment a block; 12-token verify blocks: paired gate/up
+  // columns; graphs), give the same logits bits. Shapes: hidden 192, 96 (the fourth K slice empty; down K
+  // 160: the last slice one tile, its odd partial zero) and 256 with head_dim 128; fp32 and bf16 logits.
+  check_k_order_shapes_when_forced("SMCGRAPH_GEMM_FRAGMENTS", "wmma", "ldmatrix");
+}
+
 TEST_CASE("llama forward: A rows staged through registers give cp.async's bits") {
   // The narrow and wide GEMM blocks stage the O and down projections' bf16 input rows in shared memory
   // through registers (the default) or with cp.async (SMCGRAPH_GEMM_A_STAGING): the same bytes, so two models
@@ -722,8 +732,8 @@ TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
   for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
-                           "SMCGRAPH_GEMM_A_STAGING", "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT",
-                           "SMCGRAPH_LLAMA_TRIGGER"}) {
+                           "SMCGRAPH_GEMM_A_STAGING", "SMCGRAPH_GEMM_FRAGMENTS", "SMCGRAPH_LM_HEAD",
+                           "SMCGRAPH_ATTENTION_SPLIT", "SMCGRAPH_LLAMA_TRIGGER"}) {
     CAPTURE(name);
     const ScopedEnv scoped(name, "sideways");
     const std::string expected = std::string(name) + " = 'sideways'";

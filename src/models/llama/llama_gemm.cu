@@ -416,7 +416,63 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
       }
     }
   };
-  if constexpr (kSplitPartials) {
+  // 8-warp narrow blocks with their W rows in shared memory (decodes): ldmatrix loads and m16n8k16 MMAs, the
+  // two HMMA.16816 steps a wmma 16 x 16 x 16 step issues, on the same tiles in the same order (the same bits;
+  // GemmArgs::fragments). wmma's fragment loads compile to generic 32-bit loads (LD.E), four a fragment;
+  // ldmatrix is one shared load a fragment. H200, SmolLM2, graph us a cycle at 1 / 8 requests, one build,
+  // SMCGRAPH_GEMM_FRAGMENTS wmma -> ldmatrix, two rounds: no draft 394.6, 393.9 / 417.5, 418.2 -> 380.2,
+  // 383.0 / 403.3, 405.0; speculative K 4 1,832.7, 1,840.9 / 1,986.2, 1,988.1 -> 1,806.1, 1,801.0 / 1,935.0,
+  // 1,934.0; SMC N 8 K 4 1,806.7, 1,807.5 -> 1,761.4, 1,756.1 (8 requests, 4-warp blocks: unchanged).
+  constexpr bool kLdmatrixPath = kSplitPartials && M_FRAGS == 1 && N_WARPS == 1;
+  bool stored = false; // the ldmatrix path stores its accumulators itself
+  if constexpr (kLdmatrixPath) {
+    if (w_in_smem && a.fragments == GemmFragments::kLdmatrix) {
+      const int slice = warp / 2, part = warp % 2;
+      const int k_begin = slice * tiles_per_slice * 16;
+      const int k_end = min(K, k_begin + tiles_per_slice * 16);
+      float acc[N_FRAGS][2][4];
+#pragma unroll
+      for (int c = 0; c < N_FRAGS; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            acc[c][h][i] = 0.0f;
+      // Lane addresses (as the pipelined kernel's): A rows lane % 16 at column (lane / 16) * 8; W rows
+      // (lane % 8) + (lane / 16) * 8 of a column fragment at column ((lane / 8) % 2) * 8, so registers 0-1 /
+      // 2-3 are the B operands of its two n8 halves.
+      const __nv_bfloat16* a_lane = a_tile + static_cast<size_t>(lane % 16) * lda + (lane / 16) * 8;
+      const __nv_bfloat16* w_lane =
+          w_tile + static_cast<size_t>(lane % 8 + (lane / 16) * 8) * lda + ((lane / 8) % 2) * 8;
+      const auto tile = [&](int k) {
+        uint32_t a_frag[4], w_frag[N_FRAGS][4];
+        ldmatrix_x4(a_frag, a_lane + k);
+#pragma unroll
+        for (int c = 0; c < N_FRAGS; ++c)
+          ldmatrix_x4(w_frag[c], w_lane + static_cast<size_t>(16 * c) * lda + k);
+#pragma unroll
+        for (int c = 0; c < N_FRAGS; ++c) {
+          mma_16816(acc[c][0], a_frag, w_frag[c][0], w_frag[c][1]);
+          mma_16816(acc[c][1], a_frag, w_frag[c][2], w_frag[c][3]);
+        }
+      };
+      for (int k = k_begin + 16 * part; k < k_end; k += 32)
+        tile(k);
+      float* mine = stage + static_cast<size_t>(warp) * BM * BN;
+      const int row = lane / 4, column = 2 * (lane % 4);
+#pragma unroll
+      for (int c = 0; c < N_FRAGS; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float* at = mine + row * BN + 16 * c + 8 * h + column;
+          *reinterpret_cast<float2*>(at) = make_float2(acc[c][h][0], acc[c][h][1]);
+          *reinterpret_cast<float2*>(at + 8 * BN) = make_float2(acc[c][h][2], acc[c][h][3]);
+        }
+      stored = true;
+    }
+  }
+  if (stored) {
+  } else if constexpr (kSplitPartials) {
     // Warp w: partial w % 2 of slice w / 2, i.e. the slice's tiles w % 2, w % 2 + 2, ... chained into one
     // accumulator from zero, in order: exactly the chain that partial keeps in the 4-warp loop below.
     const int slice = warp / 2, part = warp % 2;
@@ -507,13 +563,15 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
   // Narrow: slice w (or, with 8 warps, partial w % 2 of slice w / 2) lands in stage[w]; wide: the finished
   // columns of warp w land in stage[0].
   const int stage_index = N_WARPS == 1 ? warp : 0;
+  if (!stored) {
 #pragma unroll
-  for (int f = 0; f < M_FRAGS; ++f)
+    for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
-    for (int c = 0; c < N_FRAGS; ++c)
-      wmma::store_matrix_sync(stage + static_cast<size_t>(stage_index) * BM * BN + f * 16 * BN +
-                                  (wn * N_FRAGS + c) * 16,
-                              total[f][c], BN, wmma::mem_row_major);
+      for (int c = 0; c < N_FRAGS; ++c)
+        wmma::store_matrix_sync(stage + static_cast<size_t>(stage_index) * BM * BN + f * 16 * BN +
+                                    (wn * N_FRAGS + c) * 16,
+                                total[f][c], BN, wmma::mem_row_major);
+  }
   __syncthreads();
   // An element of the finished tile: the K slices' sums added in slice order (((s0 + s1) + s2) + s3), read
   // where the epilogue needs them (no second pass and barrier over the tile).

@@ -40,6 +40,11 @@ enum class GemmTiles : uint8_t { kBySize = 0, kNarrowWide = 1, kPipelined = 2 };
 /// default) or with cp.async (16 bytes a thread at a time). The same bytes either way; LlamaModel reads
 /// SMCGRAPH_GEMM_A_STAGING (registers, cp_async).
 enum class GemmAStaging : uint8_t { kRegisters = 0, kCpAsync = 1 };
+/// How the 8-warp narrow blocks (decodes of up to 16 tokens) load their tensor-core fragments from shared
+/// memory: ldmatrix with explicit m16n8k16 MMAs (the default) or wmma's loads and 16 x 16 x 16 steps. The
+/// same HMMA instructions in the same order, so the same bits; LlamaModel reads SMCGRAPH_GEMM_FRAGMENTS
+/// (ldmatrix, wmma).
+enum class GemmFragments : uint8_t { kLdmatrix = 0, kWmma = 1 };
 
 struct GemmArgs {
   int tokens = 0, n = 0, k = 0; ///< T, N, K (N and K multiples of 16)
@@ -67,7 +72,8 @@ struct GemmArgs {
   /// the token count (8 up to 16 tokens); the same bits either way (llama_gemm.cu). LlamaModel reads it from
   /// SMCGRAPH_GEMM_NARROW_WARPS (by_size, 8, 4).
   uint8_t narrow_warps = 0;
-  GemmAStaging a_staging = GemmAStaging::kRegisters; ///< bf16 A rows (narrow and wide blocks)
+  GemmAStaging a_staging = GemmAStaging::kRegisters;  ///< bf16 A rows (narrow and wide blocks)
+  GemmFragments fragments = GemmFragments::kLdmatrix; ///< 8-warp narrow blocks' fragment loads
   /// Let the next launch start (PDL's trigger) at the top of this kernel instead of after its pdl_wait(): the
   /// next kernel's CTAs then become resident, and stage their weights, one kernel earlier. Only where every
   /// read that kernel makes before its own wait is of weights or of data whose last writer completed before

@@ -118,6 +118,7 @@ struct LlamaModel::Workspace {
   llama::GemmTiles gemm_tiles = llama::GemmTiles::kBySize;
   uint8_t gemm_narrow_warps = 0;
   llama::GemmAStaging gemm_a_staging = llama::GemmAStaging::kRegisters;
+  llama::GemmFragments gemm_fragments = llama::GemmFragments::kLdmatrix;
   // Split-KV attention (llama_attention.cu): the split states of up to kAttentionSplitMaxTokens tokens and
   // their tickets; empty where rows have one split (max_seq_len <= 512) or SMCGRAPH_ATTENTION_SPLIT=off.
   DeviceBuffer<float> attention_states;
@@ -204,6 +205,9 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.gemm_a_staging = choice_from_env<llama::GemmAStaging>(
       "SMCGRAPH_GEMM_A_STAGING",
       {{"registers", llama::GemmAStaging::kRegisters}, {"cp_async", llama::GemmAStaging::kCpAsync}});
+  w.gemm_fragments = choice_from_env<llama::GemmFragments>(
+      "SMCGRAPH_GEMM_FRAGMENTS",
+      {{"ldmatrix", llama::GemmFragments::kLdmatrix}, {"wmma", llama::GemmFragments::kWmma}});
   const bool split_kv =
       choice_from_env<bool>("SMCGRAPH_ATTENTION_SPLIT", {{"by_size", true}, {"off", false}});
   w.attention_max_splits = llama::attention_max_splits(options_.max_seq_len);
@@ -350,6 +354,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   g.tiles = w.gemm_tiles;
   g.narrow_warps = w.gemm_narrow_warps;
   g.a_staging = w.gemm_a_staging;
+  g.fragments = w.gemm_fragments;
 
   // Layers [first, last) of this model on residual stream x, with the shapes of `shape` and `att` (whose
   // positions the QKV projection's RoPE and KV write also take, with att's out_slots).
