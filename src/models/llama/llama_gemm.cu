@@ -424,9 +424,9 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
   // 383.0 / 403.3, 405.0; speculative K 4 1,832.7, 1,840.9 / 1,986.2, 1,988.1 -> 1,806.1, 1,801.0 / 1,935.0,
   // 1,934.0; SMC N 8 K 4 1,806.7, 1,807.5 -> 1,761.4, 1,756.1 (8 requests, 4-warp blocks: unchanged).
   constexpr bool kLdmatrixPath = kSplitPartials && M_FRAGS == 1 && N_WARPS == 1;
-  bool stored = false; // the ldmatrix path stores its accumulators itself
-  if constexpr (kLdmatrixPath) {
-    if (w_in_smem && a.fragments == GemmFragments::kLdmatrix) {
+  const bool ldmatrix = kLdmatrixPath && w_in_smem && a.fragments == GemmFragments::kLdmatrix;
+  if (ldmatrix) { // the warp's partial straight into its stage tile
+    if constexpr (kLdmatrixPath) {
       const int slice = warp / 2, part = warp % 2;
       const int k_begin = slice * tiles_per_slice * 16;
       const int k_end = min(K, k_begin + tiles_per_slice * 16);
@@ -468,102 +468,99 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
           *reinterpret_cast<float2*>(at) = make_float2(acc[c][h][0], acc[c][h][1]);
           *reinterpret_cast<float2*>(at + 8 * BN) = make_float2(acc[c][h][2], acc[c][h][3]);
         }
-      stored = true;
-    }
-  }
-  if (stored) {
-  } else if constexpr (kSplitPartials) {
-    // Warp w: partial w % 2 of slice w / 2, i.e. the slice's tiles w % 2, w % 2 + 2, ... chained into one
-    // accumulator from zero, in order: exactly the chain that partial keeps in the 4-warp loop below.
-    const int slice = warp / 2, part = warp % 2;
-    const int k_begin = slice * tiles_per_slice * 16;
-    const int k_end = min(K, k_begin + tiles_per_slice * 16);
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int c = 0; c < N_FRAGS; ++c)
-        wmma::fill_fragment(total[f][c], 0.0f);
-    const auto into_total = [&](int f, int c) -> Acc& { return total[f][c]; };
-    constexpr int kLoadsInFlight = 4; // this warp's next tiles, 32 apart in K
-    int k = k_begin + 16 * part;
-    for (; k + 32 * (kLoadsInFlight - 1) < k_end; k += 32 * kLoadsInFlight) {
-      WTile b[kLoadsInFlight];
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u)
-        load_w(b[u], k + 32 * u, 0);
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u)
-        mma_tile(b[u], k + 32 * u, 0, into_total);
-    }
-    for (; k < k_end; k += 32) {
-      WTile b;
-      load_w(b, k, 0);
-      mma_tile(b, k, 0, into_total);
     }
   } else {
-    const int first_slice = N_WARPS == 1 ? warp : 0, last_slice = N_WARPS == 1 ? warp + 1 : kKSlices;
-    for (int slice = first_slice; slice < last_slice; ++slice) {
+    if constexpr (kSplitPartials) {
+      // Warp w: partial w % 2 of slice w / 2, i.e. the slice's tiles w % 2, w % 2 + 2, ... chained into one
+      // accumulator from zero, in order: exactly the chain that partial keeps in the 4-warp loop below.
+      const int slice = warp / 2, part = warp % 2;
       const int k_begin = slice * tiles_per_slice * 16;
       const int k_end = min(K, k_begin + tiles_per_slice * 16);
-      // kPartials independent accumulators per row fragment (tile j of the slice goes to partial j %
-      // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
-      // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
-      // invariance).
-      Acc acc[M_FRAGS][N_FRAGS][kPartials];
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
         for (int c = 0; c < N_FRAGS; ++c)
-#pragma unroll
-          for (int p = 0; p < kPartials; ++p)
-            wmma::fill_fragment(acc[f][c][p], 0.0f);
-      // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
-      constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
-      static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
-      int kk = k_begin;
-      // Tile u of the load group at kk goes into partial u % kPartials.
-      const auto into_partial = [&](int u) {
-        return [&acc, u](int f, int c) -> Acc& { return acc[f][c][u % kPartials]; };
-      };
-      for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
+          wmma::fill_fragment(total[f][c], 0.0f);
+      const auto into_total = [&](int f, int c) -> Acc& { return total[f][c]; };
+      constexpr int kLoadsInFlight = 4; // this warp's next tiles, 32 apart in K
+      int k = k_begin + 16 * part;
+      for (; k + 32 * (kLoadsInFlight - 1) < k_end; k += 32 * kLoadsInFlight) {
         WTile b[kLoadsInFlight];
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u)
-          load_w(b[u], kk, 16 * u);
+          load_w(b[u], k + 32 * u, 0);
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u)
-          mma_tile(b[u], kk, 16 * u, into_partial(u));
+          mma_tile(b[u], k + 32 * u, 0, into_total);
       }
-      // The last tiles (fewer than a load group; the group's first goes to partial 0).
-#pragma unroll
-      for (int u = 0; u < kLoadsInFlight - 1; ++u) {
-        if (kk + 16 * u < k_end) {
-          WTile b;
-          load_w(b, kk, 16 * u);
-          mma_tile(b, kk, 16 * u, into_partial(u));
-        }
+      for (; k < k_end; k += 32) {
+        WTile b;
+        load_w(b, k, 0);
+        mma_tile(b, k, 0, into_total);
       }
+    } else {
+      const int first_slice = N_WARPS == 1 ? warp : 0, last_slice = N_WARPS == 1 ? warp + 1 : kKSlices;
+      for (int slice = first_slice; slice < last_slice; ++slice) {
+        const int k_begin = slice * tiles_per_slice * 16;
+        const int k_end = min(K, k_begin + tiles_per_slice * 16);
+        // kPartials independent accumulators per row fragment (tile j of the slice goes to partial j %
+        // kPartials), added in a fixed tree at the end of the slice: the tensor-core chain of a slice is
+        // kPartials times shorter than one accumulator's, and the sum order is a function of K alone (batch
+        // invariance).
+        Acc acc[M_FRAGS][N_FRAGS][kPartials];
 #pragma unroll
-      for (int f = 0; f < M_FRAGS; ++f) {
+        for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
-        for (int c = 0; c < N_FRAGS; ++c) {
-#pragma unroll
-          for (int i = 0; i < acc[f][c][0].num_elements; ++i) {
-            float partial[kPartials];
+          for (int c = 0; c < N_FRAGS; ++c)
 #pragma unroll
             for (int p = 0; p < kPartials; ++p)
-              partial[p] = acc[f][c][p].x[i];
-            const float slice_sum = device::tree_sum(partial);
-            total[f][c].x[i] = slice == first_slice ? slice_sum : total[f][c].x[i] + slice_sum;
+              wmma::fill_fragment(acc[f][c][p], 0.0f);
+        // W streams from global memory: issue kLoadsInFlight tiles' loads before their MMAs (latency hiding).
+        constexpr int kLoadsInFlight = (N_WARPS == 4 && M_FRAGS == 1) ? 8 : 4;
+        static_assert(kLoadsInFlight % kPartials == 0, "a load group starts at partial 0");
+        int kk = k_begin;
+        // Tile u of the load group at kk goes into partial u % kPartials.
+        const auto into_partial = [&](int u) {
+          return [&acc, u](int f, int c) -> Acc& { return acc[f][c][u % kPartials]; };
+        };
+        for (; kk + 16 * kLoadsInFlight <= k_end; kk += 16 * kLoadsInFlight) {
+          WTile b[kLoadsInFlight];
+#pragma unroll
+          for (int u = 0; u < kLoadsInFlight; ++u)
+            load_w(b[u], kk, 16 * u);
+#pragma unroll
+          for (int u = 0; u < kLoadsInFlight; ++u)
+            mma_tile(b[u], kk, 16 * u, into_partial(u));
+        }
+        // The last tiles (fewer than a load group; the group's first goes to partial 0).
+#pragma unroll
+        for (int u = 0; u < kLoadsInFlight - 1; ++u) {
+          if (kk + 16 * u < k_end) {
+            WTile b;
+            load_w(b, kk, 16 * u);
+            mma_tile(b, kk, 16 * u, into_partial(u));
+          }
+        }
+#pragma unroll
+        for (int f = 0; f < M_FRAGS; ++f) {
+#pragma unroll
+          for (int c = 0; c < N_FRAGS; ++c) {
+#pragma unroll
+            for (int i = 0; i < acc[f][c][0].num_elements; ++i) {
+              float partial[kPartials];
+#pragma unroll
+              for (int p = 0; p < kPartials; ++p)
+                partial[p] = acc[f][c][p].x[i];
+              const float slice_sum = device::tree_sum(partial);
+              total[f][c].x[i] = slice == first_slice ? slice_sum : total[f][c].x[i] + slice_sum;
+            }
           }
         }
       }
     }
-  }
-  // Narrow: slice w (or, with 8 warps, partial w % 2 of slice w / 2) lands in stage[w]; wide: the finished
-  // columns of warp w land in stage[0].
-  const int stage_index = N_WARPS == 1 ? warp : 0;
-  if (!stored) {
+    // Narrow: slice w (or, with 8 warps, partial w % 2 of slice w / 2) lands in stage[w]; wide: the finished
+    // columns of warp w land in stage[0].
+    const int stage_index = N_WARPS == 1 ? warp : 0;
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
