@@ -388,8 +388,8 @@ TEST_CASE("adaptive draft length: bad fields and pins are errors naming them (an
   }
 }
 
-TEST_CASE(
-    "environment switches: flags are exactly \"1\", integers in range or an error naming the variable") {
+TEST_CASE("environment switches: flags are exactly \"1\", integers in range, words from a list, or an error "
+          "naming the variable") {
   const char* name = "SMCGRAPH_TEST_ENV_SWITCH";
   ::unsetenv(name);
   CHECK_FALSE(smcgraph::detail::env_flag(name));
@@ -414,6 +414,28 @@ TEST_CASE(
     } catch (const smcgraph::Error& e) {
       CHECK(contains(e.what(), std::string(name) + " = \"" + bad + "\": must be 0-10"));
     }
+  }
+  // Word choices (LlamaModel's kernel-choice variables): unset or empty is the first, a listed word its own,
+  // anything else an error naming the owner, the variable, the value and the words.
+  enum class Pick { kFirst, kSecond };
+  const auto pick = [&] {
+    return smcgraph::detail::env_choice<Pick>("Owner", name,
+                                              {{"first", Pick::kFirst}, {"second", Pick::kSecond}});
+  };
+  ::unsetenv(name);
+  CHECK(pick() == Pick::kFirst);
+  ::setenv(name, "", 1);
+  CHECK(pick() == Pick::kFirst);
+  ::setenv(name, "second", 1);
+  CHECK(pick() == Pick::kSecond);
+  ::setenv(name, "first", 1);
+  CHECK(pick() == Pick::kFirst);
+  ::setenv(name, "Second", 1);
+  try {
+    (void)pick();
+    FAIL("accepted");
+  } catch (const smcgraph::Error& e) {
+    CHECK(contains(e.what(), "Owner: " + std::string(name) + " = 'Second' must be one of first, second"));
   }
   ::unsetenv(name);
 }

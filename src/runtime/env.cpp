@@ -26,4 +26,17 @@ std::optional<long> env_integer(const char* name, long low, long high, const cha
   return parsed;
 }
 
+size_t env_choice_index(const char* owner, const char* name, const char* const* words, size_t count) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0')
+    return 0;
+  std::string listed;
+  for (size_t i = 0; i < count; ++i) {
+    if (std::strcmp(value, words[i]) == 0)
+      return i;
+    listed += (i == 0 ? "" : ", ") + std::string(words[i]);
+  }
+  throw Error(std::string(owner) + ": " + name + " = '" + value + "' must be one of " + listed);
+}
+
 } // namespace smcgraph::detail

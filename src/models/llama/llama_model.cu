@@ -9,6 +9,7 @@
 
 #include "models/forward_layout.cuh"
 #include "models/llama/llama_kernels.hpp"
+#include "runtime/env.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/llama_model.hpp"
 
@@ -137,16 +138,7 @@ namespace {
 /// empty gives the first of `choices` (by_size); an unknown word throws, naming the variable and the word.
 template <class Choice>
 Choice choice_from_env(const char* name, std::initializer_list<std::pair<const char*, Choice>> choices) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0')
-    return choices.begin()->second;
-  std::string words;
-  for (const auto& [word, choice] : choices) {
-    if (std::string(text) == word)
-      return choice;
-    words += (words.empty() ? "" : ", ") + std::string(word);
-  }
-  throw Error(std::string("LlamaModel: ") + name + " = '" + text + "' must be one of " + words);
+  return detail::env_choice("LlamaModel", name, choices);
 }
 
 /// An RMSNorm epilogue on pipelined tiles reads its A rows normalised: rms_norm_rows(x) into `normed` ([T,
