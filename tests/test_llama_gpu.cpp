@@ -569,12 +569,14 @@ TEST_CASE("llama forward: 8-warp narrow GEMM blocks give the 4-warp blocks' bits
 }
 
 TEST_CASE("llama forward: ldmatrix fragments give wmma's bits") {
-  // The 8-warp narrow GEMM blocks (up to 16 tokens) with their W rows in shared memory load their tensor-core
-  // fragments with ldmatrix and run m16n8k16 MMAs (the default), or with wmma (SMCGRAPH_GEMM_FRAGMENTS): the
-  // same HMMA steps on the same tiles in the same order, so two models forced each way, fed the same forwards
-  // (decodes of 6 rows with padding rows: one column fragment a block; 12-token verify blocks: paired gate/up
-  // columns; graphs), give the same logits bits. Shapes: hidden 192, 96 (the fourth K slice empty; down K
-  // 160: the last slice one tile, its odd partial zero) and 256 with head_dim 128; fp32 and bf16 logits.
+  // The narrow GEMM blocks with their W rows in shared memory (8 warps up to 16 tokens, 4 warps beyond) load
+  // their tensor-core fragments with ldmatrix and run m16n8k16 MMAs (the default), or with wmma
+  // (SMCGRAPH_GEMM_FRAGMENTS): the same HMMA steps on the same tiles in the same order, so two models forced
+  // each way, fed the same forwards (decodes of 6 rows with padding rows: one column fragment a block;
+  // 12-token verify blocks: paired gate/up columns in 8-warp blocks; 30- and 54-token blocks: 4-warp blocks,
+  // a warp's two partials, paired columns at 54; graphs), give the same logits bits. Shapes: hidden 192, 96
+  // (the fourth K slice empty; down K 160: the last slice one tile, its odd partial zero) and 256 with
+  // head_dim 128; fp32 and bf16 logits.
   check_k_order_shapes_when_forced("SMCGRAPH_GEMM_FRAGMENTS", "wmma", "ldmatrix");
 }
 

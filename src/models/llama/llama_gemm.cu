@@ -416,35 +416,44 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
       }
     }
   };
-  // 8-warp narrow blocks with their W rows in shared memory (decodes): ldmatrix loads and m16n8k16 MMAs, the
-  // two HMMA.16816 steps a wmma 16 x 16 x 16 step issues, on the same tiles in the same order (the same bits;
-  // GemmArgs::fragments). wmma's fragment loads compile to generic 32-bit loads (LD.E), four a fragment;
-  // ldmatrix is one shared load a fragment. H200, SmolLM2, graph us a cycle at 1 / 8 requests, one build,
-  // SMCGRAPH_GEMM_FRAGMENTS wmma -> ldmatrix, two rounds: no draft 394.6, 393.9 / 417.5, 418.2 -> 380.2,
-  // 383.0 / 403.3, 405.0; speculative K 4 1,832.7, 1,840.9 / 1,986.2, 1,988.1 -> 1,806.1, 1,801.0 / 1,935.0,
-  // 1,934.0; SMC N 8 K 4 1,806.7, 1,807.5 -> 1,761.4, 1,756.1 (8 requests, 4-warp blocks: unchanged).
-  constexpr bool kLdmatrixPath = kSplitPartials && M_FRAGS == 1 && N_WARPS == 1;
+  // Narrow blocks (one row fragment, one column warp) with their W rows in shared memory: ldmatrix loads and
+  // m16n8k16 MMAs, the two HMMA.16816 steps a wmma 16 x 16 x 16 step issues, on the same tiles in the same
+  // order (the same bits; GemmArgs::fragments). wmma's fragment loads compile to generic 32-bit loads (LD.E),
+  // four a fragment; ldmatrix is one shared load a fragment. H200, SmolLM2, graph us a cycle at 1 / 8
+  // requests, one build, SMCGRAPH_GEMM_FRAGMENTS wmma -> ldmatrix in the 8-warp blocks (up to 16 tokens), two
+  // rounds: no draft 394.6, 393.9 / 417.5, 418.2 -> 380.2, 383.0 / 403.3, 405.0; speculative K 4 1,832.7,
+  // 1,840.9 / 1,986.2, 1,988.1 -> 1,806.1, 1,801.0 / 1,935.0, 1,934.0; SMC N 8 K 4 1,806.7, 1,807.5 ->
+  // 1,761.4, 1,756.1. The 4-warp blocks (17 or more tokens) too, two builds alternating: SMC at 8 requests
+  // 3,962.0, 3,956.2 -> 3,881.7, 3,871.7, 3,888.5; at 64 requests no draft 890.5 -> 855.4, speculative K 4
+  // 4,305.8 -> 4,160.8; the rest unchanged.
+  constexpr bool kLdmatrixPath = M_FRAGS == 1 && N_WARPS == 1;
   const bool ldmatrix = kLdmatrixPath && w_in_smem && a.fragments == GemmFragments::kLdmatrix;
-  if (ldmatrix) { // the warp's partial straight into its stage tile
+  if (ldmatrix) { // the warp's partial (8 warps) or slice (4 warps) straight into its stage tile
     if constexpr (kLdmatrixPath) {
-      const int slice = warp / 2, part = warp % 2;
+      // 8 warps: partial w % 2 of slice w / 2 (tiles w % 2, w % 2 + 2, ... of the slice); 4 warps: slice w,
+      // tile j into partial j % 2, the two added at the end (tree_sum's p0 + p1), as the wmma loop below.
+      constexpr int kWarpPartials = kSplitPartials ? 1 : kPartials;
+      static_assert(kWarpPartials == 1 || kWarpPartials == 2, "one or two partials a warp");
+      const int slice = kSplitPartials ? warp / 2 : warp, part = kSplitPartials ? warp % 2 : 0;
       const int k_begin = slice * tiles_per_slice * 16;
       const int k_end = min(K, k_begin + tiles_per_slice * 16);
-      float acc[N_FRAGS][2][4];
+      float acc[kWarpPartials][N_FRAGS][2][4];
 #pragma unroll
-      for (int c = 0; c < N_FRAGS; ++c)
+      for (int p = 0; p < kWarpPartials; ++p)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < N_FRAGS; ++c)
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            acc[c][h][i] = 0.0f;
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              acc[p][c][h][i] = 0.0f;
       // Lane addresses (as the pipelined kernel's): A rows lane % 16 at column (lane / 16) * 8; W rows
       // (lane % 8) + (lane / 16) * 8 of a column fragment at column ((lane / 8) % 2) * 8, so registers 0-1 /
       // 2-3 are the B operands of its two n8 halves.
       const __nv_bfloat16* a_lane = a_tile + static_cast<size_t>(lane % 16) * lda + (lane / 16) * 8;
       const __nv_bfloat16* w_lane =
           w_tile + static_cast<size_t>(lane % 8 + (lane / 16) * 8) * lda + ((lane / 8) % 2) * 8;
-      const auto tile = [&](int k) {
+      const auto tile = [&](int k, float(&into)[N_FRAGS][2][4]) {
         uint32_t a_frag[4], w_frag[N_FRAGS][4];
         ldmatrix_x4(a_frag, a_lane + k);
 #pragma unroll
@@ -452,21 +461,34 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
           ldmatrix_x4(w_frag[c], w_lane + static_cast<size_t>(16 * c) * lda + k);
 #pragma unroll
         for (int c = 0; c < N_FRAGS; ++c) {
-          mma_16816(acc[c][0], a_frag, w_frag[c][0], w_frag[c][1]);
-          mma_16816(acc[c][1], a_frag, w_frag[c][2], w_frag[c][3]);
+          mma_16816(into[c][0], a_frag, w_frag[c][0], w_frag[c][1]);
+          mma_16816(into[c][1], a_frag, w_frag[c][2], w_frag[c][3]);
         }
       };
-      for (int k = k_begin + 16 * part; k < k_end; k += 32)
-        tile(k);
+      for (int k = k_begin + 16 * part; k < k_end; k += 32) {
+        tile(k, acc[0]);
+        if constexpr (kWarpPartials == 2) {
+          if (k + 16 < k_end)
+            tile(k + 16, acc[1]);
+        }
+      }
       float* mine = stage + static_cast<size_t>(warp) * BM * BN;
       const int row = lane / 4, column = 2 * (lane % 4);
+      const auto value = [&](int c, int h, int i) {
+        if constexpr (kWarpPartials == 2) {
+          const float pair[2] = {acc[0][c][h][i], acc[1][c][h][i]};
+          return device::tree_sum(pair);
+        } else {
+          return acc[0][c][h][i];
+        }
+      };
 #pragma unroll
       for (int c = 0; c < N_FRAGS; ++c)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float* at = mine + row * BN + 16 * c + 8 * h + column;
-          *reinterpret_cast<float2*>(at) = make_float2(acc[c][h][0], acc[c][h][1]);
-          *reinterpret_cast<float2*>(at + 8 * BN) = make_float2(acc[c][h][2], acc[c][h][3]);
+          *reinterpret_cast<float2*>(at) = make_float2(value(c, h, 0), value(c, h, 1));
+          *reinterpret_cast<float2*>(at + 8 * BN) = make_float2(value(c, h, 2), value(c, h, 3));
         }
     }
   } else {

@@ -40,10 +40,10 @@ enum class GemmTiles : uint8_t { kBySize = 0, kNarrowWide = 1, kPipelined = 2 };
 /// default) or with cp.async (16 bytes a thread at a time). The same bytes either way; LlamaModel reads
 /// SMCGRAPH_GEMM_A_STAGING (registers, cp_async).
 enum class GemmAStaging : uint8_t { kRegisters = 0, kCpAsync = 1 };
-/// How the 8-warp narrow blocks (decodes of up to 16 tokens) load their tensor-core fragments from shared
-/// memory: ldmatrix with explicit m16n8k16 MMAs (the default) or wmma's loads and 16 x 16 x 16 steps. The
-/// same HMMA instructions in the same order, so the same bits; LlamaModel reads SMCGRAPH_GEMM_FRAGMENTS
-/// (ldmatrix, wmma).
+/// How the narrow blocks with their W rows in shared memory (4 and 8 warps, up to 384 tokens) load their
+/// tensor-core fragments: ldmatrix with explicit m16n8k16 MMAs (the default) or wmma's loads and 16 x 16 x 16
+/// steps. The same HMMA instructions in the same order, so the same bits; LlamaModel reads
+/// SMCGRAPH_GEMM_FRAGMENTS (ldmatrix, wmma).
 enum class GemmFragments : uint8_t { kLdmatrix = 0, kWmma = 1 };
 
 struct GemmArgs {
