@@ -1,16 +1,19 @@
-// The Llama forward's GEMMs: Y[T, N] = A[T, K] W[N, K]^T on tensor cores (bf16 WMMA, fp32 accumulation) with
+// The Llama forward's GEMMs: Y[T, N] = A[T, K] W[N, K]^T on tensor cores (bf16, fp32 accumulation) with
 // the neighbouring element-wise work fused in: the RMSNorm that produces A, and RoPE + KV write, the residual
 // add, SwiGLU or the logits store after it. A block stages its A rows once in shared memory (the norm needs
-// whole rows anyway), streams its W columns from global memory, and finishes its tile in shared memory, where
-// a column and its RoPE / SwiGLU partner meet.
+// whole rows anyway), reads its W columns (in the narrow shape copied to shared memory before its PDL wait
+// where they fit, else from global memory), and finishes its tile in shared memory, where a column and its
+// RoPE / SwiGLU partner meet.
 //
 // Three shapes: narrow (up to kNarrowMaxTokens tokens: decode, verify blocks, small prefills): 16 columns and
-// 16 rows per block and the 4 warps split K, so even a 576-wide projection spreads over 36+ blocks (the
-// gate/up projection of more than 16 tokens takes 32 columns a block: two column fragments a warp); wide
-// (more tokens, and the LM head): 64 columns per block, one warp per 16 columns, up to 64 rows per block;
-// pipelined (the layer GEMMs from kPipelinedMinTokens tokens, gate/up from kPipelinedMinTokensGateUp): 32-64
-// rows and columns a block, K streamed through shared-memory stages, A from bf16 rows (an RMSNorm kernel
-// first for the norm epilogues). All three sum K in one order, so a token's outputs are the same bits in any.
+// 16 rows per block and the 4 warps split K (8 warps up to 16 tokens, a warp per partial accumulator), so
+// even a 576-wide projection spreads over 36+ blocks (gate/up takes 32 columns a block from 17 tokens, 8 in
+// 8-warp blocks: two column fragments a warp), fragments loaded with ldmatrix into m16n8k16 MMAs where W is
+// in shared memory (GemmArgs::fragments: or wmma, the same bits); wide (more tokens, and the LM head): 64
+// columns per block, one warp per 16 columns, up to 64 rows per block; pipelined (the layer GEMMs from
+// kPipelinedMinTokens tokens, gate/up from kPipelinedMinTokensGateUp): 32-64 rows and columns a block, K
+// streamed through shared-memory stages, A from bf16 rows (an RMSNorm kernel first for the norm epilogues).
+// All three sum K in one order, so a token's outputs are the same bits in any.
 #include <algorithm>
 #include <cmath>
 #include <utility>

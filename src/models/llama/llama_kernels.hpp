@@ -73,7 +73,7 @@ struct GemmArgs {
   /// SMCGRAPH_GEMM_NARROW_WARPS (by_size, 8, 4).
   uint8_t narrow_warps = 0;
   GemmAStaging a_staging = GemmAStaging::kRegisters;  ///< bf16 A rows (narrow and wide blocks)
-  GemmFragments fragments = GemmFragments::kLdmatrix; ///< 8-warp narrow blocks' fragment loads
+  GemmFragments fragments = GemmFragments::kLdmatrix; ///< narrow blocks' fragment loads (W in shared memory)
   /// Let the next launch start (PDL's trigger) at the top of this kernel instead of after its pdl_wait(): the
   /// next kernel's CTAs then become resident, and stage their weights, one kernel earlier. Only where every
   /// read that kernel makes before its own wait is of weights or of data whose last writer completed before
