@@ -999,14 +999,25 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   const bool split = attention_max_splits(a.max_seq_len) > 1;
   // Grouped blocks (a block per row, KV head and up to kGroupMaxQueries of the queries that read it: each
   // position's K and V loaded once for them all) once the per-query grid is more than kGroupedMinWaves waves
-  // of kPerQueryBlocksPerSm blocks an SM; below that, a block per query spreads one token's work widest. Both
-  // give the same bits.
+  // of kPerQueryBlocksPerSm blocks an SM and the grouped grid has a block for every SM; below that, a block
+  // per query spreads one token's work widest. Both give the same bits. The second condition keeps a single
+  // row's prefill of up to 176 tokens (SmolLM2: 36-99 grouped blocks) on per-query blocks. H200, ncu, one
+  // launch alone, a 1-row prefill of T tokens, per-query / grouped us: T 32 7.32 / 24.80, 64 11.65 / 26.34,
+  // 128 20.19 / 26.97, 176 29.09 / 28.98, 270 (153 grouped blocks) 50.79 / 48.42. The decodes of 64 rows
+  // keep grouped blocks (192 of them; per-query forced: SMC N 8 K 4 at 8 requests 3,866-3,889 -> 4,096-4,099
+  // us a cycle).
   const int group_heads = a.heads / a.kv_heads;
   const int64_t per_query_blocks = static_cast<int64_t>(a.rows) * a.tokens_per_row * a.heads;
-  const bool grouped = a.grouping == AttentionGrouping::kGrouped ||
-                       (a.grouping == AttentionGrouping::kBySize &&
-                        per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm *
-                                               current_device_info().multiprocessors);
+  // The row's queries in groups of at most kGroupMaxQueries, as even as they go.
+  const int64_t queries = static_cast<int64_t>(a.tokens_per_row) * group_heads;
+  const int64_t groups = detail::ceil_div(queries, int64_t{kGroupMaxQueries});
+  const int64_t grouped_blocks = static_cast<int64_t>(a.rows) * groups * a.kv_heads;
+  const int multiprocessors = current_device_info().multiprocessors;
+  const bool grouped =
+      a.grouping == AttentionGrouping::kGrouped ||
+      (a.grouping == AttentionGrouping::kBySize &&
+       per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm * multiprocessors &&
+       grouped_blocks >= multiprocessors);
   if (!grouped) {
     const auto kernel = split ? per_query_kernel<true>(small, exact_small, exact_large)
                               : per_query_kernel<false>(small, exact_small, exact_large);
@@ -1016,16 +1027,12 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
     // past a token's splits returns at once; the bits are the same for any split_blocks (the kernel says
     // why).
     AttentionArgs launch = a;
-    launch.split_blocks = split_blocks_for(a, split, per_query_blocks,
-                                           int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm *
-                                               current_device_info().multiprocessors);
+    launch.split_blocks = split_blocks_for(
+        a, split, per_query_blocks, int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm * multiprocessors);
     launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads * launch.split_blocks), dim3(kThreads),
                attention_smem_bytes(a.head_dim), stream, launch);
     return;
   }
-  // The row's queries in groups of at most kGroupMaxQueries, as even as they go.
-  const int queries = a.tokens_per_row * group_heads;
-  const int groups = static_cast<int>(detail::ceil_div(queries, kGroupMaxQueries));
   const int group_queries = static_cast<int>(detail::ceil_div(queries, groups));
   require(groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row, "gives too many query groups a row");
   // Groups of up to 3 queries take batches of 3 (kGroupedSmallBatch), larger ones of 4: the same arithmetic
@@ -1041,12 +1048,11 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // kGroupedSplitBlockWaves waves of grouped blocks (SmolLM2's SMC at 8 requests: 64-row draft steps, 192
   // groups); the same bits for any split_blocks (the kernel says why).
   AttentionArgs launch = a;
-  launch.split_blocks =
-      split_blocks_for(a, split, static_cast<int64_t>(a.rows) * groups * a.kv_heads,
-                       int64_t{kGroupedSplitBlockWaves} * (small ? kGroupedSmallHeadBlocksPerSm : 1) *
-                           current_device_info().multiprocessors);
-  launch_pdl(kernel, dim3(a.rows, groups, a.kv_heads * launch.split_blocks), dim3(kThreads),
-             grouped_smem_bytes(a.head_dim, group_queries), stream, launch, group_queries);
+  launch.split_blocks = split_blocks_for(a, split, grouped_blocks,
+                                         int64_t{kGroupedSplitBlockWaves} *
+                                             (small ? kGroupedSmallHeadBlocksPerSm : 1) * multiprocessors);
+  launch_pdl(kernel, dim3(a.rows, static_cast<unsigned>(groups), a.kv_heads * launch.split_blocks),
+             dim3(kThreads), grouped_smem_bytes(a.head_dim, group_queries), stream, launch, group_queries);
 }
 
 void embed(int tokens, int tokens_per_row, int64_t token_row_stride, int hidden, int vocab,
