@@ -450,12 +450,11 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
 #pragma unroll
             for (int i = 0; i < 4; ++i)
               acc[p][c][h][i] = 0.0f;
-      // Lane addresses (as the pipelined kernel's): A rows lane % 16 at column (lane / 16) * 8; W rows
-      // (lane % 8) + (lane / 16) * 8 of a column fragment at column ((lane / 8) % 2) * 8, so registers 0-1 /
-      // 2-3 are the B operands of its two n8 halves.
-      const __nv_bfloat16* a_lane = a_tile + static_cast<size_t>(lane % 16) * lda + (lane / 16) * 8;
-      const __nv_bfloat16* w_lane =
-          w_tile + static_cast<size_t>(lane % 8 + (lane / 16) * 8) * lda + ((lane / 8) % 2) * 8;
+      // Lane addresses (mma.cuh): a column fragment's W rows are a B pair, registers 0-1 / 2-3 the B operands
+      // of its two n8 halves.
+      const __nv_bfloat16* a_lane =
+          a_tile + static_cast<size_t>(a_fragment_row(lane)) * lda + a_fragment_column(lane);
+      const __nv_bfloat16* w_lane = w_tile + static_cast<size_t>(b_pair_row(lane)) * lda + b_column(lane);
       const auto tile = [&](int k, float(&into)[N_FRAGS][2][4]) {
         uint32_t a_frag[4], w_frag[N_FRAGS][4];
         ldmatrix_x4(a_frag, a_lane + k);
@@ -476,7 +475,7 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
         }
       }
       float* mine = stage + static_cast<size_t>(warp) * BM * BN;
-      const int row = lane / 4, column = 2 * (lane % 4);
+      const int row = accumulator_row(lane), column = accumulator_column(lane);
       const auto value = [&](int c, int h, int i) {
         if constexpr (kWarpPartials == 2) {
           const float pair[2] = {acc[0][c][h][i], acc[1][c][h][i]};
@@ -840,8 +839,8 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
   constexpr int kSlices = kKSlices; // the narrow kernel's K split
   const int tiles_per_slice = (k_tiles + kSlices - 1) / kSlices;
   int slice = 0, in_slice = 0;
-  // Lane addresses of ldmatrix: A rows lane % 16 at column (lane / 16) * 8; W rows (lane % 8) + (lane / 16) *
-  // 8 at column ((lane / 8) % 2) * 8, so registers 0-1 / 2-3 are the B operands of two adjacent n8 fragments.
+  // Lane addresses of ldmatrix (mma.cuh): the W rows of two adjacent n8 fragments are a B pair.
+  // (Written out, not through the helpers: those gave this kernel's SASS another instruction order.)
   const int a_row = wm * (BM / 2) + lane % 16, a_col = (lane / 16) * 8;
   const int w_row = wn * (BN / 2) + lane % 8 + (lane / 16) * 8, w_col = ((lane / 8) % 2) * 8;
   for (int chunk = 0; chunk < chunks; ++chunk) {
@@ -913,7 +912,8 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
   for (int f = 0; f < MF; ++f)
 #pragma unroll
     for (int g = 0; g < NF; ++g) {
-      const int m = wm * (BM / 2) + 16 * f + lane / 4, n = wn * (BN / 2) + 8 * g + 2 * (lane % 4);
+      const int m = wm * (BM / 2) + 16 * f + accumulator_row(lane),
+                n = wn * (BN / 2) + 8 * g + accumulator_column(lane);
       *reinterpret_cast<float2*>(stage + m * BN + n) = make_float2(total[f][g][0], total[f][g][1]);
       *reinterpret_cast<float2*>(stage + (m + 8) * BN + n) = make_float2(total[f][g][2], total[f][g][3]);
     }

@@ -189,12 +189,13 @@ __device__ __forceinline__ void small_head_mma(float (&d)[N_FRAGS][4], const uin
 template <int N_FRAGS>
 __device__ __forceinline__ void small_head_store(const SmallHeadArgs& a, int tile_of_block, int warp,
                                                  float (&d)[N_FRAGS][4], int lane) {
-  const int row = (blockIdx.x + tile_of_block * gridDim.x) * kSmallHeadRows + warp * 16 + lane / 4;
+  const int row =
+      (blockIdx.x + tile_of_block * gridDim.x) * kSmallHeadRows + warp * 16 + accumulator_row(lane);
 #pragma unroll
   for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int v = row + (i >= 2 ? 8 : 0), t = 8 * f + 2 * (lane % 4) + (i & 1);
+      const int v = row + (i >= 2 ? 8 : 0), t = 8 * f + accumulator_column(lane) + (i & 1);
       if (t < a.tokens && v < a.vocab) {
         const int64_t index =
             (static_cast<int64_t>(t / a.tokens_per_row) * a.io_row_stride + t % a.tokens_per_row) * a.vocab +
@@ -241,10 +242,9 @@ __global__ void __launch_bounds__(kSmallHeadThreads, 1) LlamaSmallHeadKernel(con
   for (int u = 0; u < kSmallHeadStages - 1; ++u) // the weights are constant: before the wait
     issue(u);
   small_head_rows<N_FRAGS>(a, sa, lda, warp, lane);
-  // Lane addresses: A (weights) rows lane % 16 at column (lane / 16) 8; B (tokens) rows lane % 8 at column
-  // (lane / 8 % 2) 8.
-  const int w_offset = (warp * 16 + lane % 16) * kSmallHeadLd + (lane / 16) * 8;
-  const __nv_bfloat16* a_lane = sa + (lane % 8) * lda + (lane / 8 % 2) * 8;
+  // Lane addresses (mma.cuh): the weights are the A operand, the tokens the B operand.
+  const int w_offset = (warp * 16 + a_fragment_row(lane)) * kSmallHeadLd + a_fragment_column(lane);
+  const __nv_bfloat16* a_lane = sa + b_row(lane) * lda + b_column(lane);
   float d[N_FRAGS][4] = {};
   for (int u = 0; u < units; ++u) {
     __pipeline_wait_prior(kSmallHeadStages - 2);
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(kSmallHeadThreads, kQ8HeadBlocksPerSm)
   for (int u = 0; u < kQ8HeadStages - 1; ++u) // the weights are constant: before the wait
     issue(u);
   small_head_rows<N_FRAGS>(a, sa, lda, warp, lane);
-  const __nv_bfloat16* a_lane = sa + (lane % 8) * lda + (lane / 8 % 2) * 8;
+  const __nv_bfloat16* a_lane = sa + b_row(lane) * lda + b_column(lane);
   float d[N_FRAGS][4] = {};
   for (int u = 0; u < units; ++u) {
     __pipeline_wait_prior(kQ8HeadStages - 2);

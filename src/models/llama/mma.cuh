@@ -26,6 +26,37 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const __nv_bfloat1
                : "r"(address));
 }
 
+// Where lane `lane` points ldmatrix in a 16 x 16 tile (row, column within the tile), and where it finds its
+// accumulator values, for the m16n8k16 fragments the Llama kernels use:
+// - A (16 rows x 16 K, row-major, ldmatrix_x4): rows lane % 16 at column (lane / 16) 8, so registers 0-3 are
+//   a0 (rows 0-7, K 0-7), a1 (rows 8-15, K 0-7), a2 (rows 0-7, K 8-15), a3 (rows 8-15, K 8-15).
+// - B pair (16 N rows of K-contiguous storage, ldmatrix_x4): rows lane % 8 + (lane / 16) 8 at column
+//   ((lane / 8) % 2) 8, so registers 0-1 / 2-3 are the B operands of the n8 fragments of rows 0-7 / 8-15.
+// - B (8 N rows, ldmatrix_x2): rows lane % 8 at column ((lane / 8) % 2) 8.
+// - Accumulator d: d0, d1 in row lane / 4 and d2, d3 in row lane / 4 + 8, each pair at columns 2 (lane % 4)
+//   and the next.
+__device__ __forceinline__ int a_fragment_row(int lane) {
+  return lane % 16;
+}
+__device__ __forceinline__ int a_fragment_column(int lane) {
+  return (lane / 16) * 8;
+}
+__device__ __forceinline__ int b_pair_row(int lane) {
+  return lane % 8 + (lane / 16) * 8;
+}
+__device__ __forceinline__ int b_row(int lane) {
+  return lane % 8;
+}
+__device__ __forceinline__ int b_column(int lane) {
+  return ((lane / 8) % 2) * 8;
+}
+__device__ __forceinline__ int accumulator_row(int lane) {
+  return lane / 4;
+}
+__device__ __forceinline__ int accumulator_column(int lane) {
+  return 2 * (lane % 4);
+}
+
 /// d += a b for one m16n8k16 step (bf16 in, fp32 accumulate).
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
