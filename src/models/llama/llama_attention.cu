@@ -969,6 +969,26 @@ void prepare_attention(int head_dim) {
   });
 }
 
+// Grouped blocks (a block per row, KV head and up to kGroupMaxQueries of the queries that read it: each
+// position's K and V loaded once for them all) once the per-query grid is more than kGroupedMinWaves waves of
+// kPerQueryBlocksPerSm blocks an SM and the grouped grid has a block for every SM; below that, a block per
+// query spreads one token's work widest. Both give the same bits. The second condition keeps a single row's
+// prefill of up to 176 tokens (SmolLM2: 27-99 grouped blocks) on per-query blocks. H200, ncu, one launch
+// alone, a 1-row prefill of T tokens, per-query / grouped us: T 32 7.32 / 24.80, 64 11.65 / 26.34, 128 20.19
+// / 26.97, 176 29.09 / 28.98, 270 (153 grouped blocks) 50.79 / 48.42. The decodes of 64 rows keep grouped
+// blocks (192 of them; per-query forced: SMC N 8 K 4 at 8 requests 3,866-3,889 -> 4,096-4,099 us a cycle).
+bool attention_grouped_blocks(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
+                              int kv_heads, int multiprocessors) {
+  if (grouping != AttentionGrouping::kBySize)
+    return grouping == AttentionGrouping::kGrouped;
+  const int64_t per_query_blocks = static_cast<int64_t>(rows) * tokens_per_row * heads;
+  const int64_t queries = static_cast<int64_t>(tokens_per_row) * (heads / kv_heads);
+  const int64_t grouped_blocks =
+      static_cast<int64_t>(rows) * detail::ceil_div(queries, int64_t{kGroupMaxQueries}) * kv_heads;
+  return per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm * multiprocessors &&
+         grouped_blocks >= multiprocessors;
+}
+
 void attention(const AttentionArgs& a, cudaStream_t stream) {
   constexpr const char* kWhere = "llama::attention";
   require(a.rows >= 0 && a.tokens_per_row >= 1, kWhere, "tokens_per_row", a.tokens_per_row, "must be >= 1");
@@ -997,15 +1017,6 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // Rows of more than one split possible (max_seq_len > 512): the split instances, for every launch of the
   // model (whatever its size or the workspace), so a token's bits do not depend on the launch.
   const bool split = attention_max_splits(a.max_seq_len) > 1;
-  // Grouped blocks (a block per row, KV head and up to kGroupMaxQueries of the queries that read it: each
-  // position's K and V loaded once for them all) once the per-query grid is more than kGroupedMinWaves waves
-  // of kPerQueryBlocksPerSm blocks an SM and the grouped grid has a block for every SM; below that, a block
-  // per query spreads one token's work widest. Both give the same bits. The second condition keeps a single
-  // row's prefill of up to 176 tokens (SmolLM2: 36-99 grouped blocks) on per-query blocks. H200, ncu, one
-  // launch alone, a 1-row prefill of T tokens, per-query / grouped us: T 32 7.32 / 24.80, 64 11.65 / 26.34,
-  // 128 20.19 / 26.97, 176 29.09 / 28.98, 270 (153 grouped blocks) 50.79 / 48.42. The decodes of 64 rows
-  // keep grouped blocks (192 of them; per-query forced: SMC N 8 K 4 at 8 requests 3,866-3,889 -> 4,096-4,099
-  // us a cycle).
   const int group_heads = a.heads / a.kv_heads;
   const int64_t per_query_blocks = static_cast<int64_t>(a.rows) * a.tokens_per_row * a.heads;
   // The row's queries in groups of at most kGroupMaxQueries, as even as they go.
@@ -1014,10 +1025,7 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   const int64_t grouped_blocks = static_cast<int64_t>(a.rows) * groups * a.kv_heads;
   const int multiprocessors = current_device_info().multiprocessors;
   const bool grouped =
-      a.grouping == AttentionGrouping::kGrouped ||
-      (a.grouping == AttentionGrouping::kBySize &&
-       per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm * multiprocessors &&
-       grouped_blocks >= multiprocessors);
+      attention_grouped_blocks(a.grouping, a.rows, a.tokens_per_row, a.heads, a.kv_heads, multiprocessors);
   if (!grouped) {
     const auto kernel = split ? per_query_kernel<true>(small, exact_small, exact_large)
                               : per_query_kernel<false>(small, exact_small, exact_large);
