@@ -364,6 +364,17 @@ TEST_CASE("llama attention: grouped blocks by size only where they fill the GPU"
   CHECK_FALSE(by_size(2, 64));  // 2 x 3 x 12 = 72 grouped blocks
   // A smaller GPU: a 64-token prefill fills 36 SMs' waves and groups.
   CHECK(smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kBySize, 1, 64, 9, 3, 36));
+  // Bad shapes name the parameter.
+  const auto error = [](int tokens, int heads, int kv_heads, int multiprocessors) {
+    return error_of([&] {
+      smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kBySize, 1, tokens, heads, kv_heads,
+                                                multiprocessors);
+    });
+  };
+  CHECK_MESSAGE(contains(error(1, 9, 0, 132), "kv_heads"), error(1, 9, 0, 132));
+  CHECK_MESSAGE(contains(error(1, 9, 2, 132), "kv_heads"), error(1, 9, 2, 132));
+  CHECK_MESSAGE(contains(error(0, 9, 3, 132), "tokens_per_row"), error(0, 9, 3, 132));
+  CHECK_MESSAGE(contains(error(1, 9, 3, 0), "multiprocessors"), error(1, 9, 3, 0));
   // Forced either way, whatever the size.
   for (const auto& [rows, tokens] : {std::pair{1, 1}, std::pair{1, 64}, std::pair{64, 5}}) {
     CHECK(smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kGrouped, rows, tokens, 9, 3, 132));

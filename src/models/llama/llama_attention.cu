@@ -979,6 +979,10 @@ void prepare_attention(int head_dim) {
 // blocks (192 of them; per-query forced: SMC N 8 K 4 at 8 requests 3,866-3,889 -> 4,096-4,099 us a cycle).
 bool attention_grouped_blocks(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
                               int kv_heads, int multiprocessors) {
+  constexpr const char* kWhere = "llama::attention_grouped_blocks";
+  require(kv_heads >= 1 && heads % kv_heads == 0, kWhere, "kv_heads", kv_heads, "must divide heads");
+  require(rows >= 0 && tokens_per_row >= 1, kWhere, "tokens_per_row", tokens_per_row, "must be >= 1");
+  require(multiprocessors >= 1, kWhere, "multiprocessors", multiprocessors, "must be >= 1");
   if (grouping != AttentionGrouping::kBySize)
     return grouping == AttentionGrouping::kGrouped;
   const int64_t per_query_blocks = static_cast<int64_t>(rows) * tokens_per_row * heads;
