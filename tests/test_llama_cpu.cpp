@@ -345,16 +345,21 @@ TEST_CASE("llama options are validated against the config") {
 }
 
 TEST_CASE("llama attention: grouped blocks by size only where they fill the GPU") {
-  // llama::attention_grouped_blocks, SmolLM2's heads (9 query heads, 3 KV heads) on 132 SMs: grouped blocks
+  // llama::attention_grid, SmolLM2's heads (9 query heads, 3 KV heads) on 132 SMs: grouped blocks
   // once the per-query grid passes a wave (3 blocks an SM: 396) and the grouped grid has a block an SM.
   using smcgraph::llama::AttentionGrouping;
   const auto by_size = [](int rows, int tokens) {
-    return smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kBySize, rows, tokens, 9, 3, 132);
+    return smcgraph::llama::attention_grid(AttentionGrouping::kBySize, rows, tokens, 9, 3, 132).grouped;
   };
-  CHECK_FALSE(by_size(8, 1));   // a decode of 8 rows: 72 per-query blocks
-  CHECK_FALSE(by_size(8, 5));   // an SMC verify at 1 request: 360 per-query blocks, one wave
-  CHECK_FALSE(by_size(1, 44));  // 396 per-query blocks: still one wave
-  CHECK_FALSE(by_size(1, 45));  // a 1-row prefill: 405 per-query blocks, but 3 x 9 = 27 grouped ones
+  CHECK_FALSE(by_size(8, 1));  // a decode of 8 rows: 72 per-query blocks
+  CHECK_FALSE(by_size(8, 5));  // an SMC verify at 1 request: 360 per-query blocks, one wave
+  CHECK_FALSE(by_size(1, 44)); // 396 per-query blocks: still one wave
+  CHECK_FALSE(by_size(1, 45)); // a 1-row prefill: 405 per-query blocks, but 3 x 9 = 27 grouped ones
+  const smcgraph::llama::AttentionGrid prefill_64 =
+      smcgraph::llama::attention_grid(AttentionGrouping::kBySize, 1, 64, 9, 3, 132);
+  CHECK(prefill_64.per_query_blocks == 64 * 9);
+  CHECK(prefill_64.groups == 12); // 64 x 3 queries of a KV head in groups of 16
+  CHECK(prefill_64.grouped_blocks == 36);
   CHECK_FALSE(by_size(1, 64));  // 36 grouped blocks (ncu, H200: per-query 11.65 us, grouped 26.34)
   CHECK_FALSE(by_size(1, 176)); // 99 grouped blocks
   CHECK(by_size(1, 270));       // 3 x 51 = 153 grouped blocks (per-query 50.79 us, grouped 48.42)
@@ -363,12 +368,12 @@ TEST_CASE("llama attention: grouped blocks by size only where they fill the GPU"
   CHECK(by_size(8, 32));        // a prefill of 8 prompts of 32 tokens: 8 x 3 x 6 = 144 grouped blocks
   CHECK_FALSE(by_size(2, 64));  // 2 x 3 x 12 = 72 grouped blocks
   // A smaller GPU: a 64-token prefill fills 36 SMs' waves and groups.
-  CHECK(smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kBySize, 1, 64, 9, 3, 36));
+  CHECK(smcgraph::llama::attention_grid(AttentionGrouping::kBySize, 1, 64, 9, 3, 36).grouped);
   // Bad shapes name the parameter.
   const auto error = [](int tokens, int heads, int kv_heads, int multiprocessors) {
     return error_of([&] {
-      smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kBySize, 1, tokens, heads, kv_heads,
-                                                multiprocessors);
+      smcgraph::llama::attention_grid(AttentionGrouping::kBySize, 1, tokens, heads, kv_heads,
+                                      multiprocessors);
     });
   };
   CHECK_MESSAGE(contains(error(1, 9, 0, 132), "kv_heads"), error(1, 9, 0, 132));
@@ -377,9 +382,9 @@ TEST_CASE("llama attention: grouped blocks by size only where they fill the GPU"
   CHECK_MESSAGE(contains(error(1, 9, 3, 0), "multiprocessors"), error(1, 9, 3, 0));
   // Forced either way, whatever the size.
   for (const auto& [rows, tokens] : {std::pair{1, 1}, std::pair{1, 64}, std::pair{64, 5}}) {
-    CHECK(smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kGrouped, rows, tokens, 9, 3, 132));
+    CHECK(smcgraph::llama::attention_grid(AttentionGrouping::kGrouped, rows, tokens, 9, 3, 132).grouped);
     CHECK_FALSE(
-        smcgraph::llama::attention_grouped_blocks(AttentionGrouping::kPerQuery, rows, tokens, 9, 3, 132));
+        smcgraph::llama::attention_grid(AttentionGrouping::kPerQuery, rows, tokens, 9, 3, 132).grouped);
   }
 }
 

@@ -977,20 +977,23 @@ void prepare_attention(int head_dim) {
 // alone, a 1-row prefill of T tokens, per-query / grouped us: T 32 7.32 / 24.80, 64 11.65 / 26.34, 128 20.19
 // / 26.97, 176 29.09 / 28.98, 270 (153 grouped blocks) 50.79 / 48.42. The decodes of 64 rows keep grouped
 // blocks (192 of them; per-query forced: SMC N 8 K 4 at 8 requests 3,866-3,889 -> 4,096-4,099 us a cycle).
-bool attention_grouped_blocks(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
-                              int kv_heads, int multiprocessors) {
-  constexpr const char* kWhere = "llama::attention_grouped_blocks";
+AttentionGrid attention_grid(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
+                             int kv_heads, int multiprocessors) {
+  constexpr const char* kWhere = "llama::attention_grid";
   require(kv_heads >= 1 && heads % kv_heads == 0, kWhere, "kv_heads", kv_heads, "must divide heads");
   require(rows >= 0 && tokens_per_row >= 1, kWhere, "tokens_per_row", tokens_per_row, "must be >= 1");
   require(multiprocessors >= 1, kWhere, "multiprocessors", multiprocessors, "must be >= 1");
-  if (grouping != AttentionGrouping::kBySize)
-    return grouping == AttentionGrouping::kGrouped;
-  const int64_t per_query_blocks = static_cast<int64_t>(rows) * tokens_per_row * heads;
-  const int64_t queries = static_cast<int64_t>(tokens_per_row) * (heads / kv_heads);
-  const int64_t grouped_blocks =
-      static_cast<int64_t>(rows) * detail::ceil_div(queries, int64_t{kGroupMaxQueries}) * kv_heads;
-  return per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm * multiprocessors &&
-         grouped_blocks >= multiprocessors;
+  AttentionGrid grid;
+  grid.per_query_blocks = static_cast<int64_t>(rows) * tokens_per_row * heads;
+  // A row's queries of one KV head in groups of at most kGroupMaxQueries, as even as they go.
+  grid.groups = detail::ceil_div(static_cast<int64_t>(tokens_per_row) * (heads / kv_heads), kGroupMaxQueries);
+  grid.grouped_blocks = static_cast<int64_t>(rows) * grid.groups * kv_heads;
+  grid.grouped =
+      grouping == AttentionGrouping::kGrouped ||
+      (grouping == AttentionGrouping::kBySize &&
+       grid.per_query_blocks > int64_t{kGroupedMinWaves} * kPerQueryBlocksPerSm * multiprocessors &&
+       grid.grouped_blocks >= multiprocessors);
+  return grid;
 }
 
 void attention(const AttentionArgs& a, cudaStream_t stream) {
@@ -1021,16 +1024,10 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // Rows of more than one split possible (max_seq_len > 512): the split instances, for every launch of the
   // model (whatever its size or the workspace), so a token's bits do not depend on the launch.
   const bool split = attention_max_splits(a.max_seq_len) > 1;
-  const int group_heads = a.heads / a.kv_heads;
-  const int64_t per_query_blocks = static_cast<int64_t>(a.rows) * a.tokens_per_row * a.heads;
-  // The row's queries in groups of at most kGroupMaxQueries, as even as they go.
-  const int64_t queries = static_cast<int64_t>(a.tokens_per_row) * group_heads;
-  const int64_t groups = detail::ceil_div(queries, int64_t{kGroupMaxQueries});
-  const int64_t grouped_blocks = static_cast<int64_t>(a.rows) * groups * a.kv_heads;
   const int multiprocessors = current_device_info().multiprocessors;
-  const bool grouped =
-      attention_grouped_blocks(a.grouping, a.rows, a.tokens_per_row, a.heads, a.kv_heads, multiprocessors);
-  if (!grouped) {
+  const AttentionGrid grid =
+      attention_grid(a.grouping, a.rows, a.tokens_per_row, a.heads, a.kv_heads, multiprocessors);
+  if (!grid.grouped) {
     const auto kernel = split ? per_query_kernel<true>(small, exact_small, exact_large)
                               : per_query_kernel<false>(small, exact_small, exact_large);
     // Split-KV: with the workspace, a launch of up to kAttentionSplitMaxTokens tokens gives each (token,
@@ -1040,13 +1037,15 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
     // why).
     AttentionArgs launch = a;
     launch.split_blocks = split_blocks_for(
-        a, split, per_query_blocks, int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm * multiprocessors);
+        a, split, grid.per_query_blocks, int64_t{kSplitBlockWaves} * kPerQueryBlocksPerSm * multiprocessors);
     launch_pdl(kernel, dim3(a.rows, a.tokens_per_row, a.heads * launch.split_blocks), dim3(kThreads),
                attention_smem_bytes(a.head_dim), stream, launch);
     return;
   }
-  const int group_queries = static_cast<int>(detail::ceil_div(queries, groups));
-  require(groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row, "gives too many query groups a row");
+  require(grid.groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row,
+          "gives too many query groups a row");
+  const int queries = a.tokens_per_row * (a.heads / a.kv_heads);
+  const int group_queries = static_cast<int>(detail::ceil_div(queries, grid.groups));
   // Groups of up to 3 queries take batches of 3 (kGroupedSmallBatch), larger ones of 4: the same arithmetic
   // a query either way.
   const bool small_batch = group_queries <= kGroupedSmallBatch;
@@ -1060,10 +1059,10 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // kGroupedSplitBlockWaves waves of grouped blocks (SmolLM2's SMC at 8 requests: 64-row draft steps, 192
   // groups); the same bits for any split_blocks (the kernel says why).
   AttentionArgs launch = a;
-  launch.split_blocks = split_blocks_for(a, split, grouped_blocks,
+  launch.split_blocks = split_blocks_for(a, split, grid.grouped_blocks,
                                          int64_t{kGroupedSplitBlockWaves} *
                                              (small ? kGroupedSmallHeadBlocksPerSm : 1) * multiprocessors);
-  launch_pdl(kernel, dim3(a.rows, static_cast<unsigned>(groups), a.kv_heads * launch.split_blocks),
+  launch_pdl(kernel, dim3(a.rows, static_cast<unsigned>(grid.groups), a.kv_heads * launch.split_blocks),
              dim3(kThreads), grouped_smem_bytes(a.head_dim, group_queries), stream, launch, group_queries);
 }
 

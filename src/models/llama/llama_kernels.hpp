@@ -125,13 +125,18 @@ inline constexpr int kAttentionChunk = 32;
 /// SMCGRAPH_ATTENTION_GROUPING (by_size, per_query, grouped), for tests and A/B runs.
 enum class AttentionGrouping : int { kBySize = 0, kPerQuery = 1, kGrouped = 2 };
 
-/// Whether attention() runs a launch of `rows` x `tokens_per_row` tokens (`heads` query heads, `kv_heads` KV
-/// heads) on grouped blocks, on a GPU of `multiprocessors` SMs. kBySize: when the per-query grid (rows x
-/// tokens x heads blocks) is more than a wave of its blocks (3 an SM) and the grouped grid (rows x KV heads x
-/// groups of up to 16 of a row's queries of one KV head) has a block for every SM; below either, a block per
-/// query spreads the work widest (llama_attention.cu has the measurements).
-bool attention_grouped_blocks(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
-                              int kv_heads, int multiprocessors);
+/// The grid of one attention() launch of `rows` x `tokens_per_row` tokens (`heads` query heads, `kv_heads` KV
+/// heads) on a GPU of `multiprocessors` SMs: per-query blocks (rows x tokens x heads) or grouped blocks (rows
+/// x KV heads x `groups` groups of up to 16 of a row's queries of one KV head). kBySize takes grouped blocks
+/// when the per-query grid is more than a wave of its blocks (3 an SM) and the grouped grid has a block for
+/// every SM; below either, a block per query spreads the work widest (llama_attention.cu has the
+/// measurements).
+struct AttentionGrid {
+  bool grouped = false;
+  int64_t per_query_blocks = 0, groups = 0, grouped_blocks = 0;
+};
+AttentionGrid attention_grid(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
+                             int kv_heads, int multiprocessors);
 
 /// Positions of a split: a token's positions are folded in splits of this many (16 chunks), the splits merged
 /// in order (llama_attention.cu), so a long row's attention can spread over several blocks (split-KV) and
