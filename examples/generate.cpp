@@ -15,7 +15,9 @@
 // highest ESS, bench/draft_study; a prefix of the layers shares the target's KV), or `ngram` for the
 // n-gram draft (NgramDraft: prompt lookup, no weights); --steps 0 (greedy / spec) decodes with the target
 // alone, no draft. --min-steps 0 (with --adaptive and a layer-prefix draft) lets a cycle draft nothing.
-// --raw sends the prompt without the chat template.
+// --raw sends the prompt without the chat template. --prefill-chunk N: prompt tokens per prefill forward
+// (EngineConfig::prefill_chunk; 0, the default, takes the engine's). The summary prints the admission time
+// (the prefill and the first token's sample: the time to the first token).
 //
 // Exit status: 0 ok, 1 a CUDA / model / engine error, 2 a bad flag, 77 no CUDA device.
 #include <algorithm>
@@ -56,6 +58,7 @@ struct Options {
   bool raw = false;
   bool adaptive = false; // --adaptive: per-request K chosen on the device (speculative kinds)
   int min_steps = 1;     // --min-steps: AdaptiveDraftSteps::min_steps
+  int prefill_chunk = 0; // --prefill-chunk: EngineConfig::prefill_chunk (0: the engine's default)
 };
 
 Options parse(int argc, char** argv) {
@@ -87,6 +90,8 @@ Options parse(int argc, char** argv) {
       o.draft_layers = flags.value();
     else if (flag == "--min-steps")
       o.min_steps = parse_integer(flag, flags.value(), 0, smcgraph::kMaxDraftSteps);
+    else if (flag == "--prefill-chunk")
+      o.prefill_chunk = parse_integer(flag, flags.value(), 0, 1 << 20);
     else if (flag == "--adaptive") {
       flags.no_value();
       o.adaptive = true;
@@ -134,7 +139,9 @@ int run(const Options& o) {
   smcgraph::LlamaModelOptions model_options;
   model_options.max_seq_len = max_seq_len;
   model_options.pool_size = particles * max_seq_len + 2 * particles * (o.steps + 1) + 1;
-  model_options.max_tokens_per_forward = std::max(particles * (o.steps + 1), 128);
+  // Forwards as long as the prompt (or --prefill-chunk): admission prefills it in one forward by default.
+  model_options.max_tokens_per_forward = std::max(
+      particles * (o.steps + 1), o.prefill_chunk > 0 ? std::min(o.prefill_chunk, max_seq_len) : max_seq_len);
   model_options.logits_dtype = smcgraph::DType::kFloat32;
   smcgraph::LlamaModel target(weights, model_options);
   // The draft: the n-gram draft, or a layer subset (a prefix of the layers shares the target's KV).
@@ -161,6 +168,7 @@ int run(const Options& o) {
   config.draft_steps = o.steps;
   config.max_requests = 1;
   config.max_seq_len = max_seq_len;
+  config.prefill_chunk = o.prefill_chunk;
   config.slot_pool_size = model_options.pool_size;
   config.eos_id = tokenizer.eos_id();
   config.adaptive.enabled = o.adaptive;
@@ -182,6 +190,8 @@ int run(const Options& o) {
 
   const auto start = std::chrono::steady_clock::now();
   const smcgraph::RequestId id = engine.admit(prompt, {.seed = o.seed, .max_new_tokens = o.max_new});
+  engine.synchronize(); // time to the first token: the prefill chunks and the first token's sample
+  const double admit_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   int cycles = 0;
   bool done = false;
   std::string failure;
@@ -211,10 +221,11 @@ int run(const Options& o) {
   std::printf("%s\n", tokenizer.decode_lossy(tokens, /*skip_special=*/true).c_str());
   std::fprintf(stderr,
                "\n[%s: %zu prompt tokens, %zu new tokens%s in %d cycles (%.2f tokens/cycle), %.3f s = %.1f "
-               "tokens/s incl. admission; model load + engine capture %.2f s; draft %s of %d layers]\n",
+               "tokens/s incl. admission; admission (prefill + first token) %.2f ms, prefill chunk %d; model "
+               "load + engine capture %.2f s; draft %s of %d layers]\n",
                o.kind.c_str(), prompt.size(), tokens.size(), ended_with_eos ? " (EOS)" : "", cycles,
                cycles ? static_cast<double>(tokens.size()) / cycles : 0.0, seconds, tokens.size() / seconds,
-               load_s, o.draft_layers.c_str(), target.config().layers);
+               admit_s * 1e3, engine.prefill_chunk(), load_s, o.draft_layers.c_str(), target.config().layers);
   std::fprintf(stderr, "[draft length per cycle: %s; acceptance EMA %.3f; %s]\n", draft_lengths.c_str(),
                acceptance_ema, engine.draft_loop().note.c_str());
   if (smc)

@@ -41,6 +41,7 @@ void seed(const smcgraph::EngineConfig& config, const smcgraph::RequestParams& p
   CHECK(decoded.config.adaptive.mid_steps == config.adaptive.mid_steps);
   CHECK(std::memcmp(&decoded.config.adaptive.pressure_free_fraction, &config.adaptive.pressure_free_fraction,
                     sizeof(float)) == 0); // bit for bit (a NaN seed too)
+  CHECK(decoded.config.prefill_chunk == config.prefill_chunk);
   CHECK(decoded.prompt == prompt);
 }
 
@@ -107,6 +108,10 @@ TEST_CASE("every EngineConfig field out of range is named with its value") {
   CHECK(contains(error_of([](auto& c) { c.kind = static_cast<smcgraph::CycleKind>(9); }), "kind = 9"));
   CHECK(contains(error_of([](auto& c) { c.draft_loop = static_cast<smcgraph::DraftLoop>(7); }),
                  "draft_loop = 7: must be kAuto, kConditional or kMasked"));
+  CHECK(contains(error_of([](auto& c) { c.prefill_chunk = -1; }),
+                 "prefill_chunk = -1: must be in [0, 2^20] (0: by the models)"));
+  CHECK(contains(error_of([](auto& c) { c.prefill_chunk = (1 << 20) + 1; }), "prefill_chunk = 1048577"));
+  CHECK(error_of([](auto& c) { c.prefill_chunk = 1 << 20; }) == "no error");
 }
 
 TEST_CASE("buckets must be sorted, unique, in range and end at max_requests") {

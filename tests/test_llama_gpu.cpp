@@ -1197,6 +1197,85 @@ TEST_CASE("llama engine: SMC cycles with a layer-subset draft keep the slot inva
 }
 
 TEST_CASE(
+    "llama engine: the admission prefill's chunk size changes no token; the prefill keeps one logits row") {
+  // admit() prefills a prompt in forwards of EngineConfig::prefill_chunk tokens (one row), asking each model
+  // for its last token's logits only. A token's KV and logits are the same bits in any forward (batch
+  // invariance), so SMC requests of 150-token prompts must commit the same tokens whatever the chunk: 1 (a
+  // forward a token), 7, 128 (two forwards), 150 and the default (one forward: as many tokens as the models
+  // serve, up to max_seq_len). Both a draft with its own KV (prefilled too) and one sharing the target's (not
+  // prefilled) are run, graphed and eager.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
+  const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+  constexpr int kPromptLength = 150, kCycles = 2;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<uint64_t> seeds;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < kPromptLength; ++j)
+      prompt.push_back(static_cast<int32_t>(rng.integer(0, shape.vocab - 1)));
+    prompts.push_back(std::move(prompt));
+    seeds.push_back(rng.bits());
+  }
+  for (const bool share_kv : {false, true}) {
+    CAPTURE(share_kv);
+    std::vector<std::vector<int32_t>> first;
+    size_t first_bytes = 0;
+    for (const int chunk : {0, 1, 7, 128, kPromptLength}) {
+      for (const bool graphs : {true, false}) {
+        CAPTURE(chunk);
+        CAPTURE(graphs);
+        smcgraph::EngineConfig config = smc_config(shape.vocab, 3, 2);
+        config.prefill_chunk = chunk;
+        config.use_graphs = graphs;
+        PrefixPair models(*tiny, share_kv);
+        smcgraph::Engine engine(config, models.draft, models.target);
+        // The default: max_seq_len (160), which the models serve (kEngineMaxTokens = 256 tokens a forward).
+        CHECK(engine.prefill_chunk() == (chunk == 0 ? kEngineMaxSeqLen : chunk));
+        std::vector<smcgraph::RequestId> ids;
+        for (size_t i = 0; i < prompts.size(); ++i)
+          ids.push_back(engine.admit(prompts[i], {.seed = seeds[i]}));
+        for (int c = 0; c < kCycles; ++c)
+          for (const smcgraph::RequestUpdate& update : test::cycle(engine))
+            CHECK_FALSE(update.failed);
+        std::vector<std::vector<int32_t>> tokens;
+        for (const smcgraph::RequestId id : ids) {
+          tokens.push_back(engine.result(id).tokens);
+          CHECK(tokens.back().size() == static_cast<size_t>(1 + kCycles * (config.draft_steps + 1)));
+          engine.release(id);
+        }
+        CHECK(test::check_invariants(engine).ok);
+        if (first.empty()) {
+          first = tokens;
+          first_bytes = engine.device_bytes();
+        } else {
+          CHECK(tokens == first);
+          // One row of prefill logits whatever the chunk (both models serve last_token_logits).
+          CHECK(engine.device_bytes() == first_bytes);
+        }
+      }
+    }
+  }
+  // Chunks past max_seq_len are clamped to it; past what a prefilled model serves, the constructor throws,
+  // and the default stops there.
+  smcgraph::EngineConfig config = smc_config(shape.vocab, 3, 2);
+  {
+    config.prefill_chunk = 200; // > max_seq_len 160, <= 256
+    PrefixPair models(*tiny, false);
+    CHECK(smcgraph::Engine(config, models.draft, models.target).prefill_chunk() == kEngineMaxSeqLen);
+  }
+  LlamaModel small(tiny->weights, options_of(kEnginePool, kEngineMaxSeqLen, 64, DType::kFloat32));
+  config.prefill_chunk = 100;
+  CHECK_THROWS_WITH_AS(smcgraph::Engine(config, small, small),
+                       doctest::Contains("config.prefill_chunk = 100: exceeds the tokens one forward of the "
+                                         "prefilled models serves (Model::max_forward_tokens = 64)"),
+                       smcgraph::Error);
+  config.prefill_chunk = 0;
+  CHECK(smcgraph::Engine(config, small, small).prefill_chunk() == 64);
+}
+
+TEST_CASE(
     "llama: a layer-prefix draft shares its target's KV storage; other layer lists and pools are refused") {
   test::Rng rng;
   const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};

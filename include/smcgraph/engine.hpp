@@ -113,7 +113,19 @@ struct EngineConfig {
   AdaptiveDraftSteps adaptive;
   /// The captured speculative cycle's draft loop (SMCGRAPH_DISABLE_CONDITIONAL=1 forces kMasked).
   DraftLoop draft_loop = DraftLoop::kAuto;
+  /// Prompt tokens per forward of admit()'s prefill (each model it prefills forwards the prompt in chunks of
+  /// this many tokens, one row), at most max_seq_len; the models must serve forwards of that many tokens
+  /// (Model::max_forward_tokens, e.g. LlamaModelOptions::max_tokens_per_forward), else the Engine constructor
+  /// throws. 0 (the default): as many as those models serve, up to max_seq_len, where they write only the
+  /// last token's logits (Model::last_token_logits_supported: the prefill keeps one row of logits), else
+  /// kPrefillChunkAllLogits. A token's KV and logits are the same bits in any chunk (the forward is
+  /// batch-invariant); fewer, longer forwards prefill faster (Engine::prefill_chunk(); README, admission).
+  int prefill_chunk = 0;
 };
+
+/// The default prefill chunk for models that write every token's logits (the prefill then holds [chunk,
+/// vocab] logits).
+inline constexpr int kPrefillChunkAllLogits = 128;
 
 /// Throws smcgraph::Error naming the first bad field and its value.
 void validate_engine_config(const EngineConfig& config);
@@ -267,6 +279,8 @@ public:
   /// LlamaModel draft with LlamaModelOptions::kv_owner = the target), in both cycle kinds. 0: the verify runs
   /// every layer (other drafts, draft_steps = 0, SMCGRAPH_DISABLE_PREFIX_RESUME=1).
   int resumed_layers() const;
+  /// Prompt tokens per prefill forward in admit() (EngineConfig::prefill_chunk, resolved).
+  int prefill_chunk() const;
   cudaStream_t stream() const;
   /// Device bytes the engine allocated (buffers for the largest bucket, graphs excluded).
   size_t device_bytes() const;

@@ -187,6 +187,7 @@ public:
   int max_seq_len() const override { return options_.max_seq_len; }
   /// The LM head then reads the last token of each row only (rows, not rows x tokens_per_row, GEMM rows).
   bool last_token_logits_supported() const override { return true; }
+  int max_forward_tokens() const override { return options_.max_tokens_per_forward; }
   const LlamaConfig& config() const;
   const LlamaModelOptions& options() const { return options_; }
   const std::vector<int>& layers() const { return layers_; }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include <cuda_runtime_api.h>
 
@@ -70,6 +71,9 @@ public:
   /// Whether forward() honours ForwardArgs::last_token_logits (a model that does saves the LM head of the
   /// other tokens; the engine otherwise copies the column it needs).
   virtual bool last_token_logits_supported() const { return false; }
+  /// The most tokens (rows x tokens_per_row) one forward serves: the engine's admission prefill takes chunks
+  /// of at most this many (EngineConfig::prefill_chunk).
+  virtual int max_forward_tokens() const { return std::numeric_limits<int>::max(); }
   /// Whether every KV entry this model's forward reads is written, with the same values, by `other`'s forward
   /// over the same tokens (a layer-prefix draft sharing its target's KV storage). The engine may then skip
   /// this model's forward for a cycle (AdaptiveDraftSteps::min_steps = 0) without leaving a gap in its cache.

@@ -125,7 +125,7 @@ StateDims state_dims(const Engine::State& s) {
   d.max_seq_len = static_cast<size_t>(s.config.max_seq_len);
   d.pool = static_cast<size_t>(s.config.slot_pool_size);
   d.logits_row_bytes = s.logits_bytes(1, 1);
-  d.prefill_chunk = static_cast<size_t>(s.prefill_chunk);
+  d.prefill_logits_rows = s.prefill_last_token ? 1 : static_cast<size_t>(s.prefill_chunk);
   d.particles = s.config.particles;
   return d;
 }
@@ -159,7 +159,8 @@ size_t extent_count(Extent extent, const StateDims& d) {
   case Extent::kSeq:
     return d.max_seq_len;
   // Logits blocks: [rows, 2] for the draft head, [rows, K + 1] for the verify, K blocks of [rows] for the
-  // speculative draft steps, [prefill_chunk] for admission; a row of vocab logits each.
+  // speculative draft steps, [prefill_chunk] for admission (one row when the prefill forwards write their
+  // last token's logits only); a row of vocab logits each.
   case Extent::kDraftLogitsBytes:
     return d.rows * 2 * d.logits_row_bytes;
   case Extent::kTargetLogitsBytes:
@@ -167,7 +168,7 @@ size_t extent_count(Extent extent, const StateDims& d) {
   case Extent::kStepLogitsBytes:
     return d.rows * std::max<size_t>(d.draft_steps, 1) * d.logits_row_bytes;
   case Extent::kPrefillLogitsBytes:
-    return d.prefill_chunk * d.logits_row_bytes;
+    return d.prefill_logits_rows * d.logits_row_bytes;
   }
   return 0;
 }

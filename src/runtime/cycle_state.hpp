@@ -55,7 +55,8 @@ template <class T> struct StateBuffer {
 /// The sizes an Extent is measured in.
 struct StateDims {
   size_t rows = 0, requests = 0, draft_steps = 0, max_seq_len = 0, pool = 0;
-  size_t logits_row_bytes = 0, prefill_chunk = 0; ///< bytes of one row of vocab logits; admission chunk
+  size_t logits_row_bytes = 0;    ///< bytes of one row of vocab logits
+  size_t prefill_logits_rows = 0; ///< rows of vocab logits admission's prefill writes (1 or the chunk)
   int particles = 1;
 };
 StateDims state_dims(const Engine::State& s);

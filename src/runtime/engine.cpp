@@ -69,6 +69,29 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
 #endif
 }
 
+/// Whether admit() prefills the draft too: unless it never runs (draft_steps = 0), is the target itself, or
+/// its KV follows the target's (Model::kv_follows: the target's prefill writes it).
+bool prefills_draft(const Engine::State& s) {
+  return s.draft_steps > 0 && s.draft != s.target && !s.draft->kv_follows(*s.target);
+}
+
+/// EngineConfig::prefill_chunk resolved: at most max_seq_len and what the prefilled models serve.
+int prefill_chunk_of(const EngineConfig& config, const Engine::State& s) {
+  int serves = s.target->max_forward_tokens();
+  if (prefills_draft(s))
+    serves = std::min(serves, s.draft->max_forward_tokens());
+  if (config.prefill_chunk > 0) {
+    const int chunk = std::min(config.prefill_chunk, config.max_seq_len);
+    const std::string serves_text = "exceeds the tokens one forward of the prefilled models serves "
+                                    "(Model::max_forward_tokens = " +
+                                    std::to_string(serves) + ")";
+    require(chunk <= serves, "Engine", "config.prefill_chunk", config.prefill_chunk, serves_text.c_str());
+    return chunk;
+  }
+  return std::max(1, std::min({s.prefill_last_token ? config.max_seq_len : kPrefillChunkAllLogits,
+                               config.max_seq_len, serves}));
+}
+
 } // namespace
 
 SlotPoolView Engine::State::pool_view() {
@@ -108,7 +131,10 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   s.rows = config.max_requests * config.particles;
   s.draft_steps = config.draft_steps;
   s.vocab = config.vocab;
-  s.prefill_chunk = std::min(128, config.max_seq_len);
+  // The prefill needs the target's logits of the prompt's last token only (the draft's are overwritten).
+  s.prefill_last_token =
+      target.last_token_logits_supported() && (!prefills_draft(s) || draft.last_token_logits_supported());
+  s.prefill_chunk = prefill_chunk_of(config, s);
   s.eager = !s.config.use_graphs;
   s.draft_loop = initial_draft_loop(s.config);
 
@@ -323,11 +349,11 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
   SMCGRAPH_CUDA_CHECK(
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
   detail::admit_alloc(b, row, P, stream);
-  // Prefill in chunks (KV for positions < P) each model the cycle runs, once: the draft unless it never runs
-  // (draft_steps = 0), is the target itself, or its KV follows the target's (Model::kv_follows: the target's
-  // prefill writes it), then the target, whose logits of the last position stay in prefill_logits.
+  // Prefill in chunks of prefill_chunk tokens (KV for positions < P) each model the cycle runs, once: the
+  // draft where prefills_draft, then the target, whose logits of the last position stay in prefill_logits
+  // (the only row there with prefill_last_token).
   const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
-  const bool prefill_draft = s.draft_steps > 0 && s.draft != s.target && !s.draft->kv_follows(*s.target);
+  const bool prefill_draft = prefills_draft(s);
   int last_chunk_length = 0;
   for (int begin = 0; begin < P; begin += s.prefill_chunk) {
     const int length = std::min(s.prefill_chunk, P - begin);
@@ -344,14 +370,15 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
                        slot_row + begin,
                        s.live.data() + row,
                        s.prefill_logits.data()};
+      args.last_token_logits = s.prefill_last_token; // [1, vocab]: the prompt's last token is all it samples
       model->forward(args, stream);
     }
     last_chunk_length = length;
   }
   // x_P from the target's power distribution softmax(alpha l / T_t) (salt kAdmission, particle 0).
   const size_t element_bytes = dtype_bytes(s.target->logits_dtype());
-  const LogitsView last{s.prefill_logits.data() +
-                            static_cast<size_t>(last_chunk_length - 1) * s.vocab * element_bytes,
+  const size_t last_row = s.prefill_last_token ? 0 : static_cast<size_t>(last_chunk_length - 1);
+  const LogitsView last{s.prefill_logits.data() + last_row * s.vocab * element_bytes,
                         s.target->logits_dtype(),
                         1,
                         1,
@@ -677,6 +704,9 @@ int prefix_resume_layers(const Model& draft, const Model& target, int draft_step
 
 int Engine::resumed_layers() const {
   return state_->resume_layers;
+}
+int Engine::prefill_chunk() const {
+  return state_->prefill_chunk;
 }
 cudaStream_t Engine::stream() const {
   return state_->stream;

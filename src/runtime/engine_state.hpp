@@ -79,7 +79,10 @@ struct Engine::State {
   int rows = 0;        ///< max_requests * N
   int draft_steps = 0; ///< K (EngineConfig::draft_steps)
   int vocab = 0;
-  int prefill_chunk = 0;
+  int prefill_chunk = 0; ///< resolved_prefill_chunk(config)
+  /// Whether admit()'s prefill forwards ask every model they run for their last token's logits only
+  /// (ForwardArgs::last_token_logits: prefill_logits is then one row of vocab logits, not prefill_chunk).
+  bool prefill_last_token = false;
   /// The verify resumes after the draft's layers (Model::resumable_layers): this many, 0 when it runs every
   /// layer. prefix_hidden is then [rows, K + 1, hidden_size] fp32, the residual stream the draft head and
   /// steps hand over (column k from the forward that read draft-block column k).

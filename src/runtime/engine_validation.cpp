@@ -80,6 +80,8 @@ void validate_engine_config(const EngineConfig& c) {
           "must be in [1, 4096]");
   require(c.max_seq_len >= c.draft_steps + 4, kConfig, "max_seq_len", c.max_seq_len,
           "must be >= draft_steps + 4 (a 1-token prompt, its first token and one cycle)");
+  require(c.prefill_chunk >= 0 && c.prefill_chunk <= (1 << 20), kConfig, "prefill_chunk", c.prefill_chunk,
+          "must be in [0, 2^20] (0: by the models)");
   require(c.slot_pool_size >= 2, kConfig, "slot_pool_size", c.slot_pool_size,
           "must be >= 2 (slot 0 is the dummy)");
   // Slot ids, counts and the freed-slot bitmap's word count are 32-bit ints on the device.

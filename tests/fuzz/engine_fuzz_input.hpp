@@ -90,6 +90,7 @@ inline EngineFuzzInput decode_engine_fuzz_input(const uint8_t* data, size_t size
   a.low_threshold = in.read<float>();
   a.pressure_cap = in.read<int32_t>();
   a.pressure_free_fraction = in.read<float>();
+  c.prefill_chunk = in.read<int32_t>();
   RequestParams& p = decoded.params;
   p.seed = in.read<uint64_t>();
   p.draft_temperature = in.read<float>();
@@ -136,6 +137,7 @@ inline std::vector<uint8_t> encode_engine_fuzz_input(const EngineConfig& c, cons
   out.write<float>(c.adaptive.low_threshold);
   out.write<int32_t>(c.adaptive.pressure_cap);
   out.write<float>(c.adaptive.pressure_free_fraction);
+  out.write<int32_t>(c.prefill_chunk);
   out.write<uint64_t>(p.seed);
   out.write<float>(p.draft_temperature);
   out.write<float>(p.target_temperature);

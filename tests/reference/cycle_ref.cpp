@@ -74,7 +74,7 @@ SmcCycleReference::SmcCycleReference(const EngineConfig& config, const ToyModelC
   requests_count_ = config.max_requests;
   rows_ = requests_count_ * particles_;
   max_seq_len_ = config.max_seq_len;
-  prefill_chunk_ = std::min(128, max_seq_len_);
+  prefill_chunk_ = std::min(128, max_seq_len_); // the reference's results do not depend on it
   dtype_ = target.logits_dtype;
 
   bucket_list_ = config.buckets;
