@@ -6,7 +6,12 @@
 //     request (EOS or --max-new ends one earlier), all requests in one engine (per-request temperatures);
 //     per pair it reports the mean ESS / N over the request cycles (ESS before resampling, from
 //     RequestUpdate::ess), its standard error over the requests (each request's mean a sample), the share of
-//     request cycles that resampled, and the request cycles measured;
+//     request cycles that resampled, the request cycles measured, and log Z-hat per generated token (the
+//     requests' RequestResult::log_evidence over their tokens, averaged over the requests, with its standard
+//     error). The target here is the normalised softmax(alpha l / T_t), so an exact sampler has Z = 1: log
+//     Z-hat / token is how many nats a token the particle system falls short of the target, and it is the
+//     draft-quality number that ESS is not (ESS measures how even the weights are across particles, and
+//     particles that are all equally unlikely under the target have even weights);
 //   * greedy speculative decoding (T_d = T_t = 0, K = --steps) on the same questions: the mean fraction of
 //     the K draft tokens accepted a cycle (the draft's greedy agreement as the engine sees it) and tokens a
 //     cycle.
@@ -14,7 +19,7 @@
 // Cycle times are not measured here (the engine runs every request at once): `bucket_sweep --model smollm2
 // --kinds smc --draft-layers D` times the same drafts at 1 and 8 requests.
 //
-//   build/bench/draft_study [--model PATH] [--drafts 0-27,0-25,0-23,0-21,0-19]
+//   build/bench/draft_study [--model PATH] [--drafts 0-29,0-28,0-27,0-25,0-23,0-21]
 //       [--temperatures 0.7:1,1:1,0.7:0.7] [--particles 8] [--steps 4] [--cycles 32] [--max-new 160]
 //       [--seeds 2] [--csv results/draft_study.csv]
 //
@@ -29,6 +34,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -53,7 +59,7 @@ struct TemperaturePair {
 
 struct Options {
   std::string model;
-  std::vector<std::string> drafts = {"0-27", "0-25", "0-23", "0-21", "0-19"};
+  std::vector<std::string> drafts = {"0-29", "0-28", "0-27", "0-25", "0-23", "0-21"};
   std::vector<TemperaturePair> temperatures = {{0.7f, 1.0f}, {1.0f, 1.0f}, {0.7f, 0.7f}};
   int particles = 8;
   int steps = 4;
@@ -133,6 +139,7 @@ std::pair<double, double> mean_and_error(const std::vector<double>& values) {
 struct SmcResult {
   TemperaturePair temperatures;
   double ess_over_n = 0.0, ess_error = 0.0, resample_rate = 0.0;
+  double log_z_per_token = 0.0, log_z_error = 0.0; ///< log Z-hat / generated token: mean over requests
   long request_cycles = 0;
   int requests = 0;
 };
@@ -168,11 +175,12 @@ smcgraph::EngineConfig engine_config(smcgraph::CycleKind kind, int particles, in
 }
 
 /// Runs an engine of `config` on `requests` (prompt index, params) until each finishes or ran `cycles`
-/// cycles; calls `on_update` for each update. Throws on a failed request.
-template <class OnUpdate>
+/// cycles; calls `on_update` for each update and `on_result` with each request's result before releasing
+/// it. Throws on a failed request.
+template <class OnUpdate, class OnResult>
 void run_requests(const smcgraph::EngineConfig& config, smcgraph::Model& draft, smcgraph::Model& target,
                   const Setup& setup, const std::vector<std::pair<int, smcgraph::RequestParams>>& requests,
-                  int cycles, OnUpdate&& on_update) {
+                  int cycles, OnUpdate&& on_update, OnResult&& on_result) {
   smcgraph::Engine engine(config, draft, target);
   std::map<smcgraph::RequestId, int> index; // request id -> position in `requests`
   for (size_t i = 0; i < requests.size(); ++i)
@@ -189,6 +197,7 @@ void run_requests(const smcgraph::EngineConfig& config, smcgraph::Model& draft, 
       on_update(index.at(update.id), update);
       const int ran = ++cycles_run[update.id];
       if (update.finished || ran >= cycles) {
+        on_result(index.at(update.id), engine.result(update.id));
         engine.release(update.id);
         --live;
       }
@@ -218,23 +227,32 @@ std::vector<SmcResult> study_smc(const Options& o, const Setup& setup, smcgraph:
                     target.vocab());
   std::vector<double> ess_sum(requests.size(), 0.0);
   std::vector<long> cycles(requests.size(), 0), resampled(requests.size(), 0);
-  run_requests(config, draft, target, setup, requests, o.cycles,
-               [&](int r, const smcgraph::RequestUpdate& update) {
-                 ess_sum[static_cast<size_t>(r)] += update.ess / o.particles;
-                 ++cycles[static_cast<size_t>(r)];
-                 resampled[static_cast<size_t>(r)] += update.resampled ? 1 : 0;
-               });
+  std::vector<double> log_z_per_token(requests.size(), NAN);
+  run_requests(
+      config, draft, target, setup, requests, o.cycles,
+      [&](int r, const smcgraph::RequestUpdate& update) {
+        ess_sum[static_cast<size_t>(r)] += update.ess / o.particles;
+        ++cycles[static_cast<size_t>(r)];
+        resampled[static_cast<size_t>(r)] += update.resampled ? 1 : 0;
+      },
+      [&](int r, const smcgraph::RequestResult& result) {
+        if (!result.tokens.empty())
+          log_z_per_token[static_cast<size_t>(r)] =
+              result.log_evidence / static_cast<double>(result.tokens.size());
+      });
   std::vector<SmcResult> results;
   for (size_t p = 0; p < o.temperatures.size(); ++p) {
     SmcResult result;
     result.temperatures = o.temperatures[p];
-    std::vector<double> per_request;
+    std::vector<double> per_request, log_z;
     long total_resampled = 0;
     double total_ess = 0.0;
     for (size_t r = 0; r < requests.size(); ++r) {
       if (pair_of[r] != static_cast<int>(p) || cycles[r] == 0)
         continue;
       per_request.push_back(ess_sum[r] / static_cast<double>(cycles[r]));
+      if (std::isfinite(log_z_per_token[r]))
+        log_z.push_back(log_z_per_token[r]);
       total_ess += ess_sum[r];
       result.request_cycles += cycles[r];
       total_resampled += resampled[r];
@@ -242,6 +260,7 @@ std::vector<SmcResult> study_smc(const Options& o, const Setup& setup, smcgraph:
     }
     result.ess_over_n = result.request_cycles ? total_ess / static_cast<double>(result.request_cycles) : NAN;
     result.ess_error = mean_and_error(per_request).second;
+    std::tie(result.log_z_per_token, result.log_z_error) = mean_and_error(log_z);
     result.resample_rate = result.request_cycles ? static_cast<double>(total_resampled) /
                                                        static_cast<double>(result.request_cycles)
                                                  : NAN;
@@ -264,13 +283,15 @@ GreedyResult study_greedy(const Options& o, const Setup& setup, smcgraph::Model&
   config.target_temperature = 0.0f;
   GreedyResult result;
   long accepted = 0, drafted = 0, tokens = 0;
-  run_requests(config, draft, target, setup, requests, o.cycles,
-               [&](int, const smcgraph::RequestUpdate& update) {
-                 accepted += update.accepted;
-                 drafted += update.draft_steps;
-                 tokens += update.tokens.empty() ? 0 : static_cast<long>(update.tokens[0].size());
-                 ++result.request_cycles;
-               });
+  run_requests(
+      config, draft, target, setup, requests, o.cycles,
+      [&](int, const smcgraph::RequestUpdate& update) {
+        accepted += update.accepted;
+        drafted += update.draft_steps;
+        tokens += update.tokens.empty() ? 0 : static_cast<long>(update.tokens[0].size());
+        ++result.request_cycles;
+      },
+      [](int, const smcgraph::RequestResult&) {});
   result.acceptance = drafted ? static_cast<double>(accepted) / static_cast<double>(drafted) : NAN;
   result.tokens_per_cycle =
       result.request_cycles ? static_cast<double>(tokens) / static_cast<double>(result.request_cycles) : NAN;
@@ -335,11 +356,11 @@ int run(const Options& o) {
     if (!csv)
       throw smcgraph::Error("draft_study: cannot write --csv " + o.csv);
     csv << "device,draft,draft_layers,draft_temperature,target_temperature,particles,steps,requests,"
-           "request_cycles,ess_over_n,ess_over_n_stderr,resample_rate,greedy_acceptance,greedy_tokens_per_"
-           "cycle\n";
+           "request_cycles,ess_over_n,ess_over_n_stderr,resample_rate,log_z_per_token,log_z_per_token_stderr,"
+           "greedy_acceptance,greedy_tokens_per_cycle\n";
   }
-  std::printf("%-12s %6s %5s %5s %12s %8s %10s %10s %12s\n", "draft", "layers", "T_d", "T_t", "ESS/N", "+-se",
-              "resampled", "req.cycles", "greedy acc.");
+  std::printf("%-12s %6s %5s %5s %12s %8s %10s %10s %12s %8s %12s\n", "draft", "layers", "T_d", "T_t",
+              "ESS/N", "+-se", "resampled", "req.cycles", "logZ/token", "+-se", "greedy acc.");
   for (const std::string& spec : o.drafts) {
     model_options.layers = smcgraph::parse_llama_layers(spec);
     model_options.kv_owner =
@@ -350,16 +371,18 @@ int run(const Options& o) {
     std::string label = spec;
     std::replace(label.begin(), label.end(), ',', '+');
     for (const SmcResult& r : smc) {
-      std::printf("%-12s %6zu %5.2f %5.2f %12s %8s %9s%% %10ld %7s (%s t/c)\n", label.c_str(),
+      std::printf("%-12s %6zu %5.2f %5.2f %12s %8s %9s%% %10ld %12s %8s %7s (%s t/c)\n", label.c_str(),
                   model_options.layers.size(), r.temperatures.draft, r.temperatures.target,
                   fixed(r.ess_over_n, 3).c_str(), fixed(r.ess_error, 3).c_str(),
                   fixed(100.0 * r.resample_rate, 1).c_str(), r.request_cycles,
+                  fixed(r.log_z_per_token, 3).c_str(), fixed(r.log_z_error, 3).c_str(),
                   fixed(greedy.acceptance, 3).c_str(), fixed(greedy.tokens_per_cycle, 2).c_str());
       if (csv)
         csv << '"' << device << "\"," << label << ',' << model_options.layers.size() << ','
             << r.temperatures.draft << ',' << r.temperatures.target << ',' << o.particles << ',' << o.steps
             << ',' << r.requests << ',' << r.request_cycles << ',' << r.ess_over_n << ',' << r.ess_error
-            << ',' << r.resample_rate << ',' << greedy.acceptance << ',' << greedy.tokens_per_cycle << '\n';
+            << ',' << r.resample_rate << ',' << r.log_z_per_token << ',' << r.log_z_error << ','
+            << greedy.acceptance << ',' << greedy.tokens_per_cycle << '\n';
     }
     std::fflush(stdout);
   }

@@ -26,6 +26,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "reference/llama_ref.hpp"
@@ -951,15 +952,16 @@ namespace {
 constexpr int kEnginePool = 1 << 13, kEngineMaxSeqLen = 160, kEngineMaxTokens = 256;
 
 /// A target (all layers) and a layer-subset draft over one tiny model, with their own KV.
-/// The tiny target and a draft of its first two layers; with `share_kv` the draft reads and writes the
-/// target's KV (LlamaModelOptions::kv_owner), so the target's verify may resume after the draft's layers.
+/// The tiny target and a draft of its first layers (two by default); with `share_kv` the draft reads and
+/// writes the target's KV (LlamaModelOptions::kv_owner), so the target's verify may resume after the draft's
+/// layers.
 struct PrefixPair {
   LlamaModel target, draft;
-  explicit PrefixPair(const Tiny& tiny, bool share_kv = true)
+  explicit PrefixPair(const Tiny& tiny, bool share_kv = true, std::vector<int> draft_layers = {0, 1})
       : target(tiny.weights, options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32)),
         draft(tiny.weights, [&] {
-          LlamaModelOptions o =
-              options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32, {0, 1});
+          LlamaModelOptions o = options_of(kEnginePool, kEngineMaxSeqLen, kEngineMaxTokens, DType::kFloat32,
+                                           std::move(draft_layers));
           if (share_kv)
             o.kv_owner = &target;
           return o;
@@ -1346,13 +1348,13 @@ TEST_CASE(
 
 TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives the full verify's logits and "
           "KV bits") {
-  // Two target + prefix-draft pairs (layers {0, 1} of 3, the draft's KV the target's), the same 20-token
-  // prefill of 3 rows (the third a padding row in the verify). Pair A verifies 4 tokens a row with every
-  // layer; pair B runs the draft over the first 3 of them one at a time (a draft step's forward, handing over
-  // each token's residual into a buffer of 4 or 5 columns a row, as the engine's [rows, K + 1] one at a
-  // narrower verify), then the target resuming after layer 1 (the last token runs layers 0 and 1 alone
-  // first). Logits and the whole KV must be the same bits, eager and captured, and the target must not write
-  // the buffer.
+  // Two target + prefix-draft pairs (layers {0, 1} of 3, the draft's KV the target's; and all three layers,
+  // where the resumed verify runs only the last token's layers and the LM head), the same 20-token prefill of
+  // 3 rows (the third a padding row in the verify). Pair A verifies 4 tokens a row with every layer; pair B
+  // runs the draft over the first 3 of them one at a time (a draft step's forward, handing over each token's
+  // residual into a buffer of 4 or 5 columns a row, as the engine's [rows, K + 1] one at a narrower verify),
+  // then the target resuming after the draft's layers (the last token runs them alone first). Logits and the
+  // whole KV must be the same bits, eager and captured, and the target must not write the buffer.
   test::Rng rng;
   INFO("seed " << rng.seed());
   const Shape shape{3, 64, 4, 2, 96, 400, true, GgufType::kQ4_1, GgufType::kQ8_0};
@@ -1381,11 +1383,17 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   std::vector<int32_t> tokens;
   for (int i = 0; i < kRows * (kPrefix + kWidth); ++i)
     tokens.push_back(static_cast<int32_t>(rng.integer(0, shape.vocab - 1)));
-  for (const auto& [captured, columns] : {std::pair{false, kWidth}, std::pair{true, kWidth + 1}}) {
+  for (const auto& [captured, columns, draft_layers] :
+       {std::tuple{false, kWidth, std::vector<int>{0, 1}},
+        std::tuple{true, kWidth + 1, std::vector<int>{0, 1}},
+        std::tuple{false, kWidth, std::vector<int>{0, 1, 2}},
+        std::tuple{true, kWidth + 1, std::vector<int>{0, 1, 2}}}) {
     CAPTURE(captured);
     CAPTURE(columns);
-    PrefixPair a(*tiny), b(*tiny);
-    REQUIRE(a.target.resumable_layers(a.draft) == 2);
+    const int R = static_cast<int>(draft_layers.size());
+    CAPTURE(R);
+    PrefixPair a(*tiny, true, draft_layers), b(*tiny, true, draft_layers);
+    REQUIRE(a.target.resumable_layers(a.draft) == R);
     Stream stream;
     for (PrefixPair* pair : {&a, &b}) {
       DeviceBatch prefill(inputs(tokens, 0, kPrefix, false), shape.vocab, DType::kFloat32, stream);
@@ -1410,7 +1418,7 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
     ForwardArgs args = resumed.args();
     args.hidden = residual.data();
     args.hidden_row_stride = row_stride;
-    args.resume_layers = 2;
+    args.resume_layers = R;
     test::run_on_stream(captured, stream, [&](cudaStream_t st) { b.target.forward(args, st); });
     const std::vector<uint8_t> got = resumed.download(stream);
     const size_t row_bytes = static_cast<size_t>(kWidth) * shape.vocab * 4;
@@ -1433,8 +1441,8 @@ TEST_CASE("llama forward: a verify resuming after a prefix draft's layers gives 
   CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.hidden_row_stride"),
                        smcgraph::Error);
   args.hidden_row_stride = static_cast<int64_t>(kWidth) * hidden;
-  args.resume_layers = 3;
-  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.resume_layers"),
+  args.resume_layers = 4; // more than the target's 3 layers
+  CHECK_THROWS_WITH_AS(p.target.forward(args, stream), doctest::Contains("args.resume_layers = 4"),
                        smcgraph::Error);
   args.resume_layers = 1; // a draft sharing its owner's KV never resumes
   CHECK_THROWS_WITH_AS(p.draft.forward(args, stream), doctest::Contains("owns its KV"), smcgraph::Error);

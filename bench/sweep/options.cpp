@@ -76,7 +76,7 @@ void print_usage() {
       "cwd)\n"
       "  --draft-layers LIST   layers of the real model's draft for both kinds, e.g. 0-23 or 0-11,18-29;\n"
       "                        ngram: the n-gram draft (NgramDraft: prompt lookup, no weights); default:\n"
-      "                        0-27 for spec, 0-21 for smc (picked by bench/draft_study)\n"
+      "                        0-27 for spec, 0-29 (every layer) for smc (picked by bench/draft_study)\n"
       "exit status: 0; 1 a validation failed; 2 could not run; 3 a peer failed or reported invalid "
       "results\n");
 }

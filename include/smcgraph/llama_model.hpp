@@ -193,9 +193,11 @@ public:
   const std::vector<int>& layers() const { return layers_; }
   /// True when `other` is this model's LlamaModelOptions::kv_owner.
   bool kv_follows(const Model& other) const override;
-  /// The layers of `draft` when it is a LlamaModel whose kv_owner is this model and runs fewer layers (its
-  /// layers are then this model's first ones, on the same weights): forward() resumes after them from the
-  /// residual the draft's forwards handed over (ForwardArgs::hidden, resume_layers). 0 otherwise.
+  /// The layers of `draft` when it is a LlamaModel whose kv_owner is this model (its layers are then this
+  /// model's first ones, on the same weights): forward() resumes after them from the residual the draft's
+  /// forwards handed over (ForwardArgs::hidden, resume_layers). A draft of every layer resumes too: the
+  /// verify then runs the layers for each row's last token only and the LM head over every token. 0
+  /// otherwise.
   int resumable_layers(const Model& draft) const override;
   /// LlamaConfig::hidden: a forward with ForwardArgs::hidden writes (or resumes from) that many floats a
   /// token.

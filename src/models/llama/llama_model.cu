@@ -309,8 +309,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   // Resuming (ForwardArgs::hidden): every token but each row's last enters layer R from `hidden`, where the
   // draft's forwards left it; the last token runs layers 0 .. R - 1 alone first, and joins them there.
   const int R = args.resume_layers;
-  require(R >= 0 && R < static_cast<int>(layers_.size()), kWhere, "args.resume_layers", R,
-          "must be in [0, layers) (0: run every layer)");
+  require(R >= 0 && R <= static_cast<int>(layers_.size()), kWhere, "args.resume_layers", R,
+          "must be in [0, layers] (0: run every layer; layers: the LM head over the handed-over tokens)");
   if (R > 0 || args.hidden != nullptr) {
     require(args.hidden != nullptr && reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0, kWhere,
             "args.hidden", args.hidden == nullptr ? "null" : "misaligned",
@@ -486,7 +486,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
 
 int LlamaModel::resumable_layers(const Model& draft) const {
   const auto* prefix = dynamic_cast<const LlamaModel*>(&draft);
-  if (prefix == nullptr || prefix->options_.kv_owner != this || prefix->layers_.size() >= layers_.size() ||
+  if (prefix == nullptr || prefix->options_.kv_owner != this || prefix->layers_.size() > layers_.size() ||
       workspace_->resumed_x.size() == 0)
     return 0;
   return static_cast<int>(prefix->layers_.size()); // kv_owner: the same weights, the first layers of ours
