@@ -230,9 +230,15 @@ int run(const Options& o) {
                admit_s * 1e3, engine.prefill_chunk(), load_s, o.draft_layers.c_str(), target.config().layers);
   std::fprintf(stderr, "[draft length per cycle: %s; acceptance EMA %.3f; %s]\n", draft_lengths.c_str(),
                acceptance_ema, engine.draft_loop().note.c_str());
-  if (smc)
-    std::fprintf(stderr, "[smc: particle %d of %d drawn by weight, log Z-hat %.3f]\n", result.chosen,
-                 particles, result.log_evidence);
+  if (smc) {
+    // log Z-hat a token: how far the particles fall short of the target (0 for an exact sampler; the draft of
+    // every layer measured -0.08 at T_d 0.7 : T_t 1, prefixes of 22-29 layers -0.47 to -0.83: README).
+    const double per_token = tokens.empty() ? 0.0 : result.log_evidence / static_cast<double>(tokens.size());
+    std::fprintf(stderr, "[smc: particle %d of %d drawn by weight, log Z-hat %.3f (%.3f a token)%s]\n",
+                 result.chosen, particles, result.log_evidence, per_token,
+                 per_token < -0.3 ? "; the draft is far from the target: its particles lose the target's text"
+                                  : "");
+  }
   return 0;
 }
 
