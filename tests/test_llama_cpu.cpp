@@ -360,6 +360,11 @@ TEST_CASE("llama attention: grouped blocks by size only where they fill the GPU"
   CHECK(prefill_64.per_query_blocks == 64 * 9);
   CHECK(prefill_64.groups == 12); // 64 x 3 queries of a KV head in groups of 16
   CHECK(prefill_64.grouped_blocks == 36);
+  CHECK(prefill_64.group_queries == 16);
+  // 5 x 3 queries of a KV head: one group of 15.
+  CHECK(smcgraph::llama::attention_grid(AttentionGrouping::kBySize, 8, 5, 9, 3, 132).group_queries == 15);
+  // 44 x 3 = 132 queries: 9 groups, as even as they go (15 each; the last holds 12).
+  CHECK(smcgraph::llama::attention_grid(AttentionGrouping::kBySize, 1, 44, 9, 3, 132).group_queries == 15);
   CHECK_FALSE(by_size(1, 64));  // 36 grouped blocks (ncu, H200: per-query 11.65 us, grouped 26.34)
   CHECK_FALSE(by_size(1, 176)); // 99 grouped blocks
   CHECK(by_size(1, 270));       // 3 x 51 = 153 grouped blocks (per-query 50.79 us, grouped 48.42)

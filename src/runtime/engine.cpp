@@ -69,16 +69,10 @@ DraftLoopInfo initial_draft_loop(const EngineConfig& config) {
 #endif
 }
 
-/// Whether admit() prefills the draft too: unless it never runs (draft_steps = 0), is the target itself, or
-/// its KV follows the target's (Model::kv_follows: the target's prefill writes it).
-bool prefills_draft(const Engine::State& s) {
-  return s.draft_steps > 0 && s.draft != s.target && !s.draft->kv_follows(*s.target);
-}
-
 /// EngineConfig::prefill_chunk resolved: at most max_seq_len and what the prefilled models serve.
 int prefill_chunk_of(const EngineConfig& config, const Engine::State& s) {
   int serves = s.target->max_forward_tokens();
-  if (prefills_draft(s))
+  if (s.prefill_draft)
     serves = std::min(serves, s.draft->max_forward_tokens());
   if (config.prefill_chunk > 0) {
     const int chunk = std::min(config.prefill_chunk, config.max_seq_len);
@@ -131,9 +125,10 @@ Engine::Engine(const EngineConfig& config, Model& draft, Model& target) : state_
   s.rows = config.max_requests * config.particles;
   s.draft_steps = config.draft_steps;
   s.vocab = config.vocab;
+  s.prefill_draft = s.draft_steps > 0 && s.draft != s.target && !draft.kv_follows(target);
   // The prefill needs the target's logits of the prompt's last token only (the draft's are overwritten).
   s.prefill_last_token =
-      target.last_token_logits_supported() && (!prefills_draft(s) || draft.last_token_logits_supported());
+      target.last_token_logits_supported() && (!s.prefill_draft || draft.last_token_logits_supported());
   s.prefill_chunk = prefill_chunk_of(config, s);
   s.eager = !s.config.use_graphs;
   s.draft_loop = initial_draft_loop(s.config);
@@ -350,15 +345,14 @@ RequestId Engine::admit(const std::vector<int32_t>& prompt, const RequestParams&
       cudaMemcpyAsync(token_row, prompt.data(), sizeof(int32_t) * P, cudaMemcpyHostToDevice, stream));
   detail::admit_alloc(b, row, P, stream);
   // Prefill in chunks of prefill_chunk tokens (KV for positions < P) each model the cycle runs, once: the
-  // draft where prefills_draft, then the target, whose logits of the last position stay in prefill_logits
+  // draft where prefill_draft, then the target, whose logits of the last position stay in prefill_logits
   // (the only row there with prefill_last_token).
   const int32_t* slot_row = s.slot_table.data() + static_cast<size_t>(row) * c.max_seq_len;
-  const bool prefill_draft = prefills_draft(s);
   int last_chunk_length = 0;
   for (int begin = 0; begin < P; begin += s.prefill_chunk) {
     const int length = std::min(s.prefill_chunk, P - begin);
     detail::set_int(s.admit_scalars.data(), begin + length, stream);
-    for (Model* model : {prefill_draft ? s.draft : nullptr, s.target}) {
+    for (Model* model : {s.prefill_draft ? s.draft : nullptr, s.target}) {
       if (model == nullptr)
         continue;
       ForwardArgs args{1,

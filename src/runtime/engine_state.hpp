@@ -79,7 +79,10 @@ struct Engine::State {
   int rows = 0;        ///< max_requests * N
   int draft_steps = 0; ///< K (EngineConfig::draft_steps)
   int vocab = 0;
-  int prefill_chunk = 0; ///< resolved_prefill_chunk(config)
+  int prefill_chunk = 0; ///< EngineConfig::prefill_chunk, resolved (at most what the prefilled models serve)
+  /// Whether admit() prefills the draft too: unless it never runs (draft_steps = 0), is the target itself, or
+  /// its KV follows the target's (Model::kv_follows: the target's prefill writes it).
+  bool prefill_draft = false;
   /// Whether admit()'s prefill forwards ask every model they run for their last token's logits only
   /// (ForwardArgs::last_token_logits: prefill_logits is then one row of vocab logits, not prefill_chunk).
   bool prefill_last_token = false;

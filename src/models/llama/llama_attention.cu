@@ -986,7 +986,9 @@ AttentionGrid attention_grid(AttentionGrouping grouping, int rows, int tokens_pe
   AttentionGrid grid;
   grid.per_query_blocks = static_cast<int64_t>(rows) * tokens_per_row * heads;
   // A row's queries of one KV head in groups of at most kGroupMaxQueries, as even as they go.
-  grid.groups = detail::ceil_div(static_cast<int64_t>(tokens_per_row) * (heads / kv_heads), kGroupMaxQueries);
+  const int64_t queries = static_cast<int64_t>(tokens_per_row) * (heads / kv_heads);
+  grid.groups = detail::ceil_div(queries, kGroupMaxQueries);
+  grid.group_queries = static_cast<int>(detail::ceil_div(queries, grid.groups));
   grid.grouped_blocks = static_cast<int64_t>(rows) * grid.groups * kv_heads;
   grid.grouped =
       grouping == AttentionGrouping::kGrouped ||
@@ -1044,8 +1046,7 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   }
   require(grid.groups <= 65535, kWhere, "tokens_per_row", a.tokens_per_row,
           "gives too many query groups a row");
-  const int queries = a.tokens_per_row * (a.heads / a.kv_heads);
-  const int group_queries = static_cast<int>(detail::ceil_div(queries, grid.groups));
+  const int group_queries = grid.group_queries;
   // Groups of up to 3 queries take batches of 3 (kGroupedSmallBatch), larger ones of 4: the same arithmetic
   // a query either way.
   const bool small_batch = group_queries <= kGroupedSmallBatch;

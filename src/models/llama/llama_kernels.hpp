@@ -127,13 +127,15 @@ enum class AttentionGrouping : int { kBySize = 0, kPerQuery = 1, kGrouped = 2 };
 
 /// The grid of one attention() launch of `rows` x `tokens_per_row` tokens (`heads` query heads, `kv_heads` KV
 /// heads) on a GPU of `multiprocessors` SMs: per-query blocks (rows x tokens x heads) or grouped blocks (rows
-/// x KV heads x `groups` groups of up to 16 of a row's queries of one KV head). kBySize takes grouped blocks
+/// x KV heads x `groups` groups of `group_queries` <= 16 of a row's queries of one KV head, as even as they
+/// go). kBySize takes grouped blocks
 /// when the per-query grid is more than a wave of its blocks (3 an SM) and the grouped grid has a block for
 /// every SM; below either, a block per query spreads the work widest (llama_attention.cu has the
 /// measurements).
 struct AttentionGrid {
   bool grouped = false;
   int64_t per_query_blocks = 0, groups = 0, grouped_blocks = 0;
+  int group_queries = 0;
 };
 AttentionGrid attention_grid(AttentionGrouping grouping, int rows, int tokens_per_row, int heads,
                              int kv_heads, int multiprocessors);
