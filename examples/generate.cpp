@@ -13,10 +13,10 @@
 // speculative decoding, the particle drawn by weight is printed. --draft-layers picks the draft's layers
 // (default 0-27, all but the last two, for greedy / spec: the best greedy acceptance; 0-29, every layer,
 // for smc: the only draft whose particles keep the target's text, log Z-hat -0.08 nats a token against
-// -0.47 to -0.83 for 21-29 layers, bench/draft_study; a prefix of the layers shares the target's KV, and
-// the verify resumes after it), or `ngram` for the
-// n-gram draft (NgramDraft: prompt lookup, no weights); --steps 0 (greedy / spec) decodes with the target
-// alone, no draft. --min-steps 0 (with --adaptive and a layer-prefix draft) lets a cycle draft nothing.
+// -0.47 to -0.83 for prefixes of 22-29 layers, bench/draft_study; a prefix of the layers shares the
+// target's KV, and the verify resumes after it), or `ngram` for the n-gram draft (NgramDraft: prompt
+// lookup, no weights); --steps 0 (greedy / spec) decodes with the target alone, no draft. --min-steps 0 (with
+// --adaptive and a layer-prefix draft) lets a cycle draft nothing.
 // --raw sends the prompt without the chat template. --prefill-chunk N: prompt tokens per prefill forward
 // (EngineConfig::prefill_chunk; 0, the default, takes the engine's). The summary prints the admission time
 // (the prefill and the first token's sample: the time to the first token).
