@@ -534,7 +534,8 @@ const std::vector<std::string> kCsvColumns = {"device",
                                               "ess_over_n",
                                               "resample_rate",
                                               "mean_draft_steps",
-                                              "accepted_per_draft"};
+                                              "accepted_per_draft",
+                                              "log_z_per_token"};
 
 std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
   return {env.device,
@@ -582,7 +583,8 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
           format(row.ess_over_n, 3),
           format(row.resample_rate, 3),
           format(row.mean_draft_steps, 3),
-          format(row.accepted_per_draft, 3)};
+          format(row.accepted_per_draft, 3),
+          format(row.log_z_per_token, 3)};
 }
 
 namespace {
@@ -821,6 +823,17 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
       }
       row.ess_over_n = ess / (static_cast<double>(updates.size()) * particles);
       row.resample_rate = static_cast<double>(resampled) / static_cast<double>(updates.size());
+      // log Z-hat per generated token of the requests so far (warm-up and timed cycles): how many nats a
+      // token the particles fall short of the target (0 for an exact sampler; a draft far from the target
+      // loses the target's text while ESS / N stays high: examples/smollm2_drafts.hpp).
+      double log_z = 0.0;
+      size_t generated = 0;
+      for (const RequestId id : ids) {
+        const RequestResult result = engine.result(id);
+        log_z += result.log_evidence;
+        generated += result.tokens.size();
+      }
+      row.log_z_per_token = generated ? log_z / static_cast<double>(generated) : NAN;
     }
     if (kind == CycleKind::kSpeculative && steps > 0)
       spec_tokens_per_cycle = row.tokens_per_cycle;
@@ -927,8 +940,10 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
                   "", format(mean_draft_steps, 2).c_str(), steps, format(row.accepted_per_draft, 3).c_str(),
                   format(mean_acceptance_ema, 3).c_str(), engine.draft_loop().note.c_str());
     if (kind == CycleKind::kSmc)
-      std::printf("%8s  particles: mean ESS / N %s, resampled in %s%% of request cycles\n", "",
-                  format(row.ess_over_n, 3).c_str(), format(100.0 * row.resample_rate, 1).c_str());
+      std::printf("%8s  particles: mean ESS / N %s, resampled in %s%% of request cycles, log Z-hat %s a "
+                  "token\n",
+                  "", format(row.ess_over_n, 3).c_str(), format(100.0 * row.resample_rate, 1).c_str(),
+                  format(row.log_z_per_token, 3).c_str());
     if (!stage_us.empty()) {
       // Stages that hold a model forward are named *draft* and *verify*; the rest is the library's own part.
       double own = 0.0;

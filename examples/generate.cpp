@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "smollm2_drafts.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
@@ -110,7 +111,8 @@ Options parse(int argc, char** argv) {
   if (o.adaptive && o.kind == "smc")
     throw smcgraph::cli::bad_value("--adaptive", "smc", "needs --kind greedy or spec (SMC drafts a fixed K)");
   if (o.draft_layers.empty())
-    o.draft_layers = o.kind == "smc" ? "0-29" : "0-27";
+    o.draft_layers =
+        o.kind == "smc" ? smcgraph::examples::kSmcDraftLayers : smcgraph::examples::kSpecDraftLayers;
   return o;
 }
 
@@ -236,8 +238,9 @@ int run(const Options& o) {
     const double per_token = tokens.empty() ? 0.0 : result.log_evidence / static_cast<double>(tokens.size());
     std::fprintf(stderr, "[smc: particle %d of %d drawn by weight, log Z-hat %.3f (%.3f a token)%s]\n",
                  result.chosen, particles, result.log_evidence, per_token,
-                 per_token < -0.3 ? "; the draft is far from the target: its particles lose the target's text"
-                                  : "");
+                 per_token < smcgraph::examples::kSmcLogZPerTokenFloor
+                     ? "; the draft is far from the target: its particles lose the target's text"
+                     : "");
   }
   return 0;
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "smollm2_drafts.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/toy_model.hpp"
 #include "smcgraph/types.hpp"
@@ -83,12 +84,8 @@ struct Options {
   std::string draft_layers;
 };
 
-/// The real model's default drafts, picked by measurement (bench/draft_study, README "The SMC draft"): the
-/// speculative cycle's, by greedy acceptance (2.20 tokens a cycle at K 4 against 1.52 for 0-23), and the SMC
-/// cycle's, by log Z-hat per token (every layer: -0.079 at T_d 0.7, T_t 1, N 8, K 4, against -0.47 to -0.83
-/// for the 22-29-layer prefixes, whose particles lose the target's text; ESS / N does not see it).
-inline constexpr const char* kSpecDraftLayers = "0-27";
-inline constexpr const char* kSmcDraftLayers = "0-29";
+using examples::kSmcDraftLayers; // the real model's default drafts (examples/smollm2_drafts.hpp)
+using examples::kSpecDraftLayers;
 
 /// The draft layer list (or "ngram") a kind runs: --draft-layers, else the kind's default.
 inline std::string draft_layers_for(const Options& o, CycleKind kind) {
@@ -143,6 +140,9 @@ struct Row {
   double roofline_us = NAN;   ///< cycle_bytes / copy bandwidth
   double ess_over_n = NAN;    ///< smc: mean ESS / N over the timed cycles' request updates
   double resample_rate = NAN; ///< smc: fraction of request cycles that resampled
+  /// smc: log Z-hat per generated token of the requests timed (their warm-up and timed cycles): 0 for an
+  /// exact sampler, more negative the further the particles fall short of the target
+  double log_z_per_token = NAN;
   double mean_draft_steps = NAN; ///< spec: mean K of the timed cycles' request updates
   /// spec: accepted draft tokens per drafted token (sum accepted / sum K over the timed request updates): a
   /// request's draft forwards per cycle are its K (the head and K - 1 steps)
