@@ -19,7 +19,9 @@
 // --adaptive and a layer-prefix draft) lets a cycle draft nothing.
 // --raw sends the prompt without the chat template. --prefill-chunk N: prompt tokens per prefill forward
 // (EngineConfig::prefill_chunk; 0, the default, takes the engine's). The summary prints the admission time
-// (the prefill and the first token's sample: the time to the first token).
+// (the prefill and the first token's sample: the time to the first token). --tensor-core-attention N:
+// forwards of at least N tokens a row (prefill) run attention on tensor cores (LlamaModelOptions::
+// tensor_core_attention_tokens, default 64; 0: never).
 //
 // Exit status: 0 ok, 1 a CUDA / model / engine error, 2 a bad flag, 77 no CUDA device.
 #include <algorithm>
@@ -62,6 +64,8 @@ struct Options {
   bool adaptive = false; // --adaptive: per-request K chosen on the device (speculative kinds)
   int min_steps = 1;     // --min-steps: AdaptiveDraftSteps::min_steps
   int prefill_chunk = 0; // --prefill-chunk: EngineConfig::prefill_chunk (0: the engine's default)
+  /// --tensor-core-attention: LlamaModelOptions::tensor_core_attention_tokens
+  int tensor_core_attention = smcgraph::kTensorCoreAttentionTokens;
 };
 
 Options parse(int argc, char** argv) {
@@ -95,6 +99,8 @@ Options parse(int argc, char** argv) {
       o.min_steps = parse_integer(flag, flags.value(), 0, smcgraph::kMaxDraftSteps);
     else if (flag == "--prefill-chunk")
       o.prefill_chunk = parse_integer(flag, flags.value(), 0, 1 << 20);
+    else if (flag == "--tensor-core-attention")
+      o.tensor_core_attention = parse_integer(flag, flags.value(), 0, 1 << 20);
     else if (flag == "--adaptive") {
       flags.no_value();
       o.adaptive = true;
@@ -147,6 +153,7 @@ int run(const Options& o) {
   model_options.max_tokens_per_forward = std::max(
       particles * (o.steps + 1), o.prefill_chunk > 0 ? std::min(o.prefill_chunk, max_seq_len) : max_seq_len);
   model_options.logits_dtype = smcgraph::DType::kFloat32;
+  model_options.tensor_core_attention_tokens = o.tensor_core_attention;
   smcgraph::LlamaModel target(weights, model_options);
   // The draft: the n-gram draft, or a layer subset (a prefix of the layers shares the target's KV).
   const bool ngram = o.draft_layers == "ngram";

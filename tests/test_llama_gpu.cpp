@@ -111,14 +111,17 @@ struct TinySetup {
   }
 };
 
+/// A model's options. The cases of this file hold the CUDA-core attention kernels to their bits
+/// (tensor_core_tokens 0: every forward on them) unless they test the tensor-core prefill attention.
 LlamaModelOptions options_of(int pool_size, int max_seq_len, int max_tokens, DType dtype,
-                             std::vector<int> layers = {}) {
+                             std::vector<int> layers = {}, int tensor_core_tokens = 0) {
   LlamaModelOptions options;
   options.pool_size = pool_size;
   options.max_seq_len = max_seq_len;
   options.max_tokens_per_forward = max_tokens;
   options.logits_dtype = dtype;
   options.layers = std::move(layers);
+  options.tensor_core_attention_tokens = tensor_core_tokens;
   return options;
 }
 
@@ -226,12 +229,14 @@ struct Subject {
   int near_ties = 0;
   double max_error = 0.0;
 
-  Subject(const Tiny& tiny, std::vector<int> layer_list, int pool, int max_seq_len, int max_tokens)
+  Subject(const Tiny& tiny, std::vector<int> layer_list, int pool, int max_seq_len, int max_tokens,
+          int tensor_core_tokens = 0)
       : layers(std::move(layer_list)) {
-    fp32 = std::make_unique<LlamaModel>(tiny.weights,
-                                        options_of(pool, max_seq_len, max_tokens, DType::kFloat32, layers));
-    bf16 = std::make_unique<LlamaModel>(tiny.weights,
-                                        options_of(pool, max_seq_len, max_tokens, DType::kBFloat16, layers));
+    fp32 = std::make_unique<LlamaModel>(
+        tiny.weights, options_of(pool, max_seq_len, max_tokens, DType::kFloat32, layers, tensor_core_tokens));
+    bf16 =
+        std::make_unique<LlamaModel>(tiny.weights, options_of(pool, max_seq_len, max_tokens, DType::kBFloat16,
+                                                              layers, tensor_core_tokens));
     contract =
         std::make_unique<LlamaReference>(tiny.host, layers, pool, max_seq_len, LlamaNumerics::kContract);
     exact = std::make_unique<LlamaReference>(tiny.host, layers, pool, max_seq_len, LlamaNumerics::kExact);
@@ -380,6 +385,105 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
   }
   CHECK(s.done[0] == long_length);
   MESSAGE("long row: ", subject.finish());
+}
+
+TEST_CASE("llama forward: tensor-core prefill attention matches the reference (heads of 64 and 128)") {
+  // Blocks of at least 16 tokens a row take the tensor-core kernel here (the default threshold is 64): 37-,
+  // 70- and 300-token prefills over several key tiles and query tiles, rows at different positions, padding
+  // rows, then verify blocks and decodes on the CUDA-core kernel reading the KV the prefills wrote; every
+  // forward eagerly and in a captured graph, against the float64 / contract references.
+  test::Rng rng;
+  MESSAGE("seed ", rng.seed());
+  Stream stream;
+  const Shape shapes[] = {
+      {2, 128, 2, 1, 160, 517, true, GgufType::kF16, GgufType::kF16},    // head_dim 64, one KV head
+      {2, 384, 6, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0},  // head_dim 64, 3 queries a KV head
+      {2, 256, 2, 2, 256, 700, false, GgufType::kQ4_1, GgufType::kQ8_0}, // head_dim 128
+  };
+  constexpr int kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 1200, kRows = 4, kTensorCoreTokens = 16;
+  const bool racecheck = test::sanitizer_tool() == test::SanitizerTool::kRacecheck;
+  for (const Shape& shape : shapes) {
+    CAPTURE(shape.hidden);
+    CAPTURE(shape.heads);
+    const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
+    Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens, kTensorCoreTokens);
+    LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 460), shape.vocab, kPool,
+                                                         kMaxSeqLen, 0.8, rng.engine());
+    const std::vector<std::pair<int, int>> schedule =
+        racecheck
+            ? std::vector<std::pair<int, int>>{{37, 0}, {70, 2}, {5, 2}}
+            : std::vector<std::pair<int, int>>{{37, 0}, {70, 2}, {300, 1}, {5, 2}, {1, 2}, {20, 2}, {1, 0}};
+    for (const auto& [per_row, who] : schedule) {
+      CAPTURE(per_row);
+      const auto active = [who = who](int row) { return who == 2 || row % 2 == who; };
+      subject.forward(step_inputs(s, per_row, active, rng.engine()), stream);
+    }
+    MESSAGE("hidden ", shape.hidden, ", heads ", shape.heads, ": ", subject.finish());
+  }
+}
+
+TEST_CASE("llama forward: tensor-core prefill attention is chunk- and batch-invariant among its launches") {
+  // A 200-token prompt prefilled in one forward, in chunks of 100 + 100 and of 64 + 136 (all at or above the
+  // threshold), alone and beside another row: the last token's logits and the KV are the same bits.
+  const Shape shape{2, 128, 2, 1, 160, 517, true, GgufType::kF16, GgufType::kF16}; // head_dim 64
+  TinySetup setup(shape);
+  constexpr int kPool = 1024, kMaxSeqLen = 256, kPrompt = 200, kThreshold = 64;
+  const int vocab = shape.vocab;
+  std::vector<int32_t> prompt(kPrompt), other(kPrompt);
+  for (int i = 0; i < kPrompt; ++i) {
+    prompt[i] = static_cast<int32_t>(setup.rng.engine()() % vocab);
+    other[i] = static_cast<int32_t>(setup.rng.engine()() % vocab);
+  }
+  // Row 0 holds `prompt` at slots 1.., row 1 (when present) `other` at slots 1 + kMaxSeqLen..
+  const auto prefill = [&](const std::vector<int>& chunks, bool two_rows) {
+    LlamaModel model(setup.tiny->weights,
+                     options_of(kPool, kMaxSeqLen, 2 * kPrompt, DType::kFloat32, {}, kThreshold));
+    const int rows = two_rows ? 2 : 1;
+    std::vector<uint8_t> last;
+    int begin = 0;
+    for (const int chunk : chunks) {
+      LlamaForwardInputs in;
+      in.rows = rows;
+      in.tokens_per_row = chunk;
+      for (int r = 0; r < rows; ++r) {
+        const std::vector<int32_t>& tokens = r == 0 ? prompt : other;
+        for (int j = 0; j < chunk; ++j) {
+          in.tokens.push_back(tokens[begin + j]);
+          in.positions.push_back(begin + j);
+          in.out_slots.push_back(1 + r * kMaxSeqLen + begin + j);
+        }
+        for (int p = 0; p < kMaxSeqLen; ++p)
+          in.slot_table.push_back(1 + r * kMaxSeqLen + p);
+        in.seq_lens.push_back(begin + chunk);
+        in.live.push_back(1);
+      }
+      DeviceBatch batch(in, vocab, DType::kFloat32, setup.stream);
+      const std::vector<uint8_t> bytes = run_forward(model, batch, false, setup.stream);
+      // Row 0's last token of this chunk.
+      const size_t row_bytes = static_cast<size_t>(vocab) * 4;
+      last.assign(bytes.begin() + (chunk - 1) * row_bytes, bytes.begin() + chunk * row_bytes);
+      begin += chunk;
+    }
+    const std::vector<uint16_t> kv = download_kv(model, setup.stream);
+    // Row 0's slots only (row 1's are absent in the one-row runs), of every layer: the KV is [layers, pool,
+    // 2 * kv_heads * head_dim].
+    const size_t per_slot = size_t{2} * model.config().kv_heads * model.config().head_dim;
+    std::vector<uint16_t> row0;
+    for (size_t layer = 0; layer < model.layers().size(); ++layer) {
+      const auto first = kv.begin() + (layer * kPool + 1) * per_slot;
+      row0.insert(row0.end(), first, first + kPrompt * per_slot);
+    }
+    return std::make_pair(last, row0);
+  };
+  const auto whole = prefill({kPrompt}, false);
+  for (const auto& [chunks, two_rows] : std::vector<std::pair<std::vector<int>, bool>>{
+           {{100, 100}, false}, {{64, 136}, false}, {{kPrompt}, true}, {{100, 100}, true}}) {
+    CAPTURE(chunks.front());
+    CAPTURE(two_rows);
+    const auto got = prefill(chunks, two_rows);
+    CHECK(got.first == whole.first);
+    CHECK(got.second == whole.second);
+  }
 }
 
 TEST_CASE("llama forward is batch-invariant: a token's logits are the same bits in any block and batch") {

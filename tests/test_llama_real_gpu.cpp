@@ -365,8 +365,8 @@ TEST_CASE("real model: SMC with the default draft keeps the target's text (log Z
   const double default_draft = measure(examples::kSmcDraftLayers, default_ess);
   const double short_draft = measure("0-21", short_ess);
   MESSAGE("SMC N 8 K 4, T_d 0.7 : T_t 1, 16 chat prompts x ", kNewTokens, " tokens: draft ",
-          examples::kSmcDraftLayers, " log Z-hat ", default_draft, " a token (ESS / N ", default_ess,
-          "); draft 0-21 ", short_draft, " (ESS / N ", short_ess, ")");
+          std::string(examples::kSmcDraftLayers), " log Z-hat ", default_draft, " a token (ESS / N ",
+          default_ess, "); draft 0-21 ", short_draft, " (ESS / N ", short_ess, ")");
   CHECK(default_draft > examples::kSmcLogZPerTokenFloor);
   CHECK(short_draft < examples::kSmcLogZPerTokenFloor);
 }

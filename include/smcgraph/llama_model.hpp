@@ -154,6 +154,9 @@ std::string default_llama_model_path();
 
 class LlamaModel;
 
+/// LlamaModelOptions::tensor_core_attention_tokens' default.
+inline constexpr int kTensorCoreAttentionTokens = 64;
+
 struct LlamaModelOptions {
   int pool_size = 1 << 16;           ///< KV slots (>= 2; slot 0 is the padding dummy)
   int max_seq_len = 2048;            ///< row stride of ForwardArgs::slot_table; <= config.context
@@ -167,6 +170,14 @@ struct LlamaModelOptions {
   /// true and the engine may skip the draft for a cycle (AdaptiveDraftSteps::min_steps = 0). The owner must
   /// outlive this model. nullptr (default): own KV storage.
   const LlamaModel* kv_owner = nullptr;
+  /// Forwards of at least this many tokens a row (a prompt's prefill) run attention on tensor cores
+  /// (FlashAttention-2 style, bf16 MMAs with fp32 accumulation) where the heads have 64 or 128 dimensions;
+  /// smaller ones (decode, verify blocks) on the CUDA-core kernel. A token's output is the same in any batch
+  /// or chunk either kernel takes, but the two kernels' outputs differ in the last bits (the tensor-core one
+  /// rounds the softmax weights to bf16), so a prompt prefilled in chunks of fewer tokens than this gives
+  /// other KV bits than one prefilled in larger chunks. 0: every forward on the CUDA-core kernel (the
+  /// chunking then changes no bit). SmolLM2 on an H200: README, "Admission".
+  int tensor_core_attention_tokens = kTensorCoreAttentionTokens;
 };
 
 /// Throws smcgraph::Error naming the first bad option (checked against the weights' config).

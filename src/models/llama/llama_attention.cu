@@ -967,6 +967,7 @@ void prepare_attention(int head_dim) {
     detail::prepare_forward_kernel(kernel, grouped ? grouped_smem_bytes(head_dim, kGroupMaxQueries)
                                                    : attention_smem_bytes(head_dim));
   });
+  prepare_tensor_core_attention(head_dim);
 }
 
 // Grouped blocks (a block per row, KV head and up to kGroupMaxQueries of the queries that read it: each
@@ -1014,6 +1015,10 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   }
   if (a.rows == 0)
     return;
+  if (tensor_core_attention_serves(a)) { // prefill-sized launches (llama_attention_tc.cu)
+    tensor_core_attention(a, stream);
+    return;
+  }
   // Heads of up to 64 dimensions take the variant sized for them: its key and accumulator arrays hold 64
   // dimensions, so it needed 78 registers a thread instead of 125 and three blocks fit an SM instead of two
   // (a 40-token verify of SmolLM2 has 360 blocks: one wave instead of two). H100, SmolLM2, graph us per

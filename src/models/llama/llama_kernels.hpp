@@ -177,7 +177,21 @@ struct AttentionArgs {
   int split_blocks = 1; ///< set by attention(): blocks a (token, head) or group, 1 without the workspace
   /// As GemmArgs::trigger_early: the next launch may start at the top of this kernel.
   bool trigger_early = false;
+  /// Launches of at least this many tokens a row (prefill) take the tensor-core kernel where it serves
+  /// (tensor_core_attention_serves: heads of 64 or 128 dimensions); 0: never
+  /// (LlamaModelOptions::tensor_core_attention_tokens).
+  int tensor_core_min_tokens = 0;
 };
+
+/// Whether attention() takes the tensor-core kernel for `args` (llama_attention_tc.cu):
+/// tensor_core_min_tokens > 0, tokens_per_row >= it and head_dim 64 or 128. That kernel keeps attention()'s
+/// contract and is batch- and chunk-invariant among its own launches, but it is not the CUDA-core kernel's
+/// bits (it rounds the softmax weights to bf16 for the P V MMA).
+bool tensor_core_attention_serves(const AttentionArgs& args);
+/// Its shared-memory limit for `head_dim` (prepare_attention() calls it).
+void prepare_tensor_core_attention(int head_dim);
+/// One launch of it: a block per (row, 64 tokens, query head).
+void tensor_core_attention(const AttentionArgs& args, cudaStream_t stream);
 
 /// Which kernels the LM head takes (LlamaModel reads it from SMCGRAPH_LM_HEAD: by_size, small_bf16, cublaslt,
 /// own_gemm). by_size: where the head's weights are Q8_0 in the file (LtHead::use_q8_weights), forwards of up
@@ -238,7 +252,8 @@ private:
 /// kernel's dynamic shared memory for `head_dim` (call once, outside capture).
 void prepare_attention(int head_dim);
 /// One launch: one block per (row, token, query head), or, for launches of more than a wave of those, one
-/// per (row, group of up to 16 queries, KV head).
+/// per (row, group of up to 16 queries, KV head); the tensor-core kernel where
+/// tensor_core_attention_serves().
 void attention(const AttentionArgs& args, cudaStream_t stream);
 
 /// x[t] = token_embd[token of t] as fp32, token t of row r read at token_ids[r * token_row_stride + column]

@@ -334,7 +334,8 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       .slot_table = args.slot_table, .seq_lens = args.seq_lens, .positions = args.positions, .live = args.live,
       .out = w.o.data(), .grouping = w.attention_grouping,
       .split_states = w.attention_states.data(), .split_tickets = w.attention_tickets.data(), // null: none
-      .max_splits = w.attention_max_splits}; // .kv: each layer's
+      .max_splits = w.attention_max_splits,
+      .tensor_core_min_tokens = options_.tensor_core_attention_tokens}; // .kv: each layer's
   // clang-format on
 
   llama::GemmArgs g;

@@ -18,6 +18,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat1
                : "r"(address));
 }
 
+/// ldmatrix_x4 transposed: register i holds the transpose of matrix i's fragment (lane l: rows 2 (l % 4) and
+/// 2 (l % 4) + 1 of column l / 4), the B operand of row-major K x N storage (attention's V rows).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
 /// Two 8 x 8 b16 matrices (lanes 0-15 give the row addresses).
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const __nv_bfloat16* p) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(p));
