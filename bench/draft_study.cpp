@@ -19,6 +19,8 @@
 // Cycle times are not measured here (the engine runs every request at once): `bucket_sweep --model smollm2
 // --kinds smc --draft-layers D` times the same drafts at 1 and 8 requests.
 //
+// A draft is a layer list ("0-27", "0-11+18-29") or "ngram" (the weightless NgramDraft: prompt lookup).
+//
 //   build/bench/draft_study [--model PATH] [--drafts 0-29,0-28,0-27,0-25,0-23,0-21]
 //       [--temperatures 0.7:1,1:1,0.7:0.7] [--particles 8] [--steps 4] [--cycles 32] [--max-new 160]
 //       [--seeds 2] [--csv results/draft_study.csv]
@@ -45,6 +47,7 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
+#include "smcgraph/ngram_draft.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
 #include "smcgraph/tokenizer.hpp"
@@ -362,27 +365,40 @@ int run(const Options& o) {
   std::printf("%-12s %6s %5s %5s %12s %8s %10s %10s %12s %8s %12s\n", "draft", "layers", "T_d", "T_t",
               "ESS/N", "+-se", "resampled", "req.cycles", "logZ/token", "+-se", "greedy acc.");
   for (const std::string& spec : o.drafts) {
-    model_options.layers = smcgraph::parse_llama_layers(spec);
-    model_options.kv_owner =
-        smcgraph::llama_layers_prefix(model_options.layers, target.layers()) ? &target : nullptr;
-    smcgraph::LlamaModel draft(setup.weights, model_options);
-    const GreedyResult greedy = study_greedy(o, setup, draft, target);
-    const std::vector<SmcResult> smc = study_smc(o, setup, draft, target);
+    // "ngram": the weightless n-gram draft (NgramDraft, prompt lookup) with its default n-grams and
+    // confidence.
+    std::unique_ptr<smcgraph::Model> draft;
+    size_t draft_layers = 0;
+    if (spec == "ngram") {
+      smcgraph::NgramDraftOptions ngram;
+      ngram.vocab = target.vocab();
+      ngram.pool_size = model_options.pool_size;
+      ngram.max_seq_len = model_options.max_seq_len;
+      ngram.logits_dtype = model_options.logits_dtype;
+      draft = std::make_unique<smcgraph::NgramDraft>(ngram);
+    } else {
+      model_options.layers = smcgraph::parse_llama_layers(spec);
+      model_options.kv_owner =
+          smcgraph::llama_layers_prefix(model_options.layers, target.layers()) ? &target : nullptr;
+      draft = std::make_unique<smcgraph::LlamaModel>(setup.weights, model_options);
+      draft_layers = model_options.layers.size();
+    }
+    const GreedyResult greedy = study_greedy(o, setup, *draft, target);
+    const std::vector<SmcResult> smc = study_smc(o, setup, *draft, target);
     std::string label = spec;
     std::replace(label.begin(), label.end(), ',', '+');
     for (const SmcResult& r : smc) {
       std::printf("%-12s %6zu %5.2f %5.2f %12s %8s %9s%% %10ld %12s %8s %7s (%s t/c)\n", label.c_str(),
-                  model_options.layers.size(), r.temperatures.draft, r.temperatures.target,
-                  fixed(r.ess_over_n, 3).c_str(), fixed(r.ess_error, 3).c_str(),
-                  fixed(100.0 * r.resample_rate, 1).c_str(), r.request_cycles,
+                  draft_layers, r.temperatures.draft, r.temperatures.target, fixed(r.ess_over_n, 3).c_str(),
+                  fixed(r.ess_error, 3).c_str(), fixed(100.0 * r.resample_rate, 1).c_str(), r.request_cycles,
                   fixed(r.log_z_per_token, 3).c_str(), fixed(r.log_z_error, 3).c_str(),
                   fixed(greedy.acceptance, 3).c_str(), fixed(greedy.tokens_per_cycle, 2).c_str());
       if (csv)
-        csv << '"' << device << "\"," << label << ',' << model_options.layers.size() << ','
-            << r.temperatures.draft << ',' << r.temperatures.target << ',' << o.particles << ',' << o.steps
-            << ',' << r.requests << ',' << r.request_cycles << ',' << r.ess_over_n << ',' << r.ess_error
-            << ',' << r.resample_rate << ',' << r.log_z_per_token << ',' << r.log_z_error << ','
-            << greedy.acceptance << ',' << greedy.tokens_per_cycle << '\n';
+        csv << '"' << device << "\"," << label << ',' << draft_layers << ',' << r.temperatures.draft << ','
+            << r.temperatures.target << ',' << o.particles << ',' << o.steps << ',' << r.requests << ','
+            << r.request_cycles << ',' << r.ess_over_n << ',' << r.ess_error << ',' << r.resample_rate << ','
+            << r.log_z_per_token << ',' << r.log_z_error << ',' << greedy.acceptance << ','
+            << greedy.tokens_per_cycle << '\n';
     }
     std::fflush(stdout);
   }

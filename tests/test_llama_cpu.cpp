@@ -342,6 +342,37 @@ TEST_CASE("llama options are validated against the config") {
   CHECK_MESSAGE(contains(e, "logits_dtype"), e);
   e = error_with([](Options& o) { o.max_tokens_per_forward = 0; });
   CHECK_MESSAGE(contains(e, "max_tokens_per_forward"), e);
+  e = error_with([](Options& o) { o.tensor_core_attention_tokens = -1; });
+  CHECK_MESSAGE(contains(e, "tensor_core_attention_tokens"), e);
+  CHECK_MESSAGE(contains(e, "-1"), e);
+  CHECK_NOTHROW(smcgraph::validate_llama_options(c, [&] {
+    Options o = good;
+    o.tensor_core_attention_tokens = 0;
+    return o;
+  }()));
+}
+
+TEST_CASE("llama attention: the tensor-core kernel serves prefill-sized launches of heads of 64 or 128") {
+  smcgraph::llama::AttentionArgs a;
+  a.rows = 1;
+  a.heads = 9;
+  a.kv_heads = 3;
+  a.head_dim = 64;
+  a.tensor_core_min_tokens = 64;
+  const auto serves = [&](int tokens, int head_dim, int threshold) {
+    a.tokens_per_row = tokens;
+    a.head_dim = head_dim;
+    a.tensor_core_min_tokens = threshold;
+    return smcgraph::llama::tensor_core_attention_serves(a);
+  };
+  CHECK(serves(64, 64, 64));
+  CHECK(serves(3215, 128, 64));
+  CHECK_FALSE(serves(63, 64, 64));  // below the threshold: the CUDA-core kernel
+  CHECK_FALSE(serves(5, 64, 64));   // a verify block
+  CHECK(serves(1, 64, 1));          // a threshold of 1 takes every launch
+  CHECK_FALSE(serves(4096, 64, 0)); // 0: never
+  CHECK_FALSE(serves(256, 32, 64)); // heads of 32: no tensor-core instance
+  CHECK_FALSE(serves(256, 96, 64));
 }
 
 TEST_CASE("llama attention: grouped blocks by size only where they fill the GPU") {
