@@ -3,7 +3,8 @@
 // through slot_table[r]; padding rows untouched; a token that sees no position gets zeros), computed
 // FlashAttention-2 style on m16n8k16 bf16 MMAs with fp32 accumulation instead of the CUDA-core chunk loop.
 //
-// A block takes 64 of a row's tokens for one query head (4 warps, 16 tokens each) and walks the row's
+// A block takes 64 of a row's tokens for one query head (two groups of 4 warps, 16 tokens a warp; group g
+// takes the key tiles g, g + 2, ..., and the groups' states are merged at the end) and walks the row's
 // positions in tiles of 64 (K and V rows gathered by slot into shared memory with cp.async, the next tile's
 // copies in flight while the current one is computed): S = Q K^T on tensor cores, an online softmax in the
 // log2 domain over each token's row of S (masked past the token's length), then O += P V with P rounded to
@@ -34,10 +35,18 @@
 namespace smcgraph::llama {
 namespace {
 
-constexpr int kTcWarps = 4;
-constexpr int kTcThreads = 32 * kTcWarps;
-constexpr int kTcQueries = 16 * kTcWarps; ///< a row's tokens a block takes (16 a warp: one MMA row fragment)
-constexpr int kTcKeys = 64;               ///< positions a tile
+/// Warp groups of a block: they take the same 64 tokens, group g the key tiles g, g + 2, ..., and their
+/// softmax states are merged at the end (group 0's, then group 1's), so a block's longest chain of tiles is
+/// half the row's. H200, SmolLM2, the attention kernels of a one-row prefill under ncu, us a layer at 344 /
+/// 803 / 3,215 tokens: one group of 4 warps 19.34 / 39.74 / 147.87, two groups 13.31 / 24.02 / 112.98
+/// (admission 4.19-4.26 -> 3.95-4.05 ms at 803 tokens, 11.77-11.78 -> 10.89-10.91 at 3,215).
+constexpr int kTcGroups = 2;
+constexpr int kTcGroupWarps = 4;
+constexpr int kTcGroupThreads = 32 * kTcGroupWarps;
+constexpr int kTcThreads = kTcGroups * kTcGroupThreads;
+constexpr int kTcQueries =
+    16 * kTcGroupWarps;     ///< a row's tokens a block takes (16 a warp: one MMA row fragment)
+constexpr int kTcKeys = 64; ///< positions a tile
 constexpr float kLog2e = 1.4426950408889634f;
 
 /// Shared-memory row stride in bf16 elements: 16 bytes of padding keep ldmatrix's 8 row addresses on
@@ -45,9 +54,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int HD> constexpr int tc_row_stride() {
   return HD + 8;
 }
-/// Q tile plus two buffers of K and V tiles.
+/// The Q tile plus, for each group, two buffers of K and V tiles (after the loop, group 1's softmax states:
+/// kTcQueries x (HD + 2) floats, which fit in the tile buffers).
 template <int HD> constexpr size_t tc_smem_bytes() {
-  return static_cast<size_t>(kTcQueries + 4 * kTcKeys) * tc_row_stride<HD>() * sizeof(uint16_t);
+  return static_cast<size_t>(kTcQueries + kTcGroups * 4 * kTcKeys) * tc_row_stride<HD>() * sizeof(uint16_t);
 }
 
 /// Positions token j of row r attends to (attention()'s rule).
@@ -62,15 +72,28 @@ __device__ __forceinline__ uint32_t pack_bf16(float low, float high) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
+/// Barrier of one warp group (named barriers 1 and 2; __syncthreads() is barrier 0).
+__device__ __forceinline__ void group_barrier(int group) {
+  // Immediate barrier ids: a register id makes ptxas reserve all 16 of the block's barriers.
+  if (group == 0)
+    asm volatile("bar.sync 1, %0;\n" ::"n"(kTcGroupThreads) : "memory");
+  else
+    asm volatile("bar.sync 2, %0;\n" ::"n"(kTcGroupThreads) : "memory");
+}
+
+/// Heads of 64 fit two blocks an SM (128 registers, no spill); heads of 128 one.
 template <int HD>
-__global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(const AttentionArgs a) {
+__global__ void __launch_bounds__(kTcThreads, HD <= 64 ? 2 : 1)
+    LlamaTensorCoreAttentionKernel(const AttentionArgs a) {
   static_assert(HD % 16 == 0, "whole MMA K steps of the head");
   constexpr int LD = tc_row_stride<HD>(), VECTORS = HD / 8; // 16-byte vectors a row
   constexpr int K_STEPS = HD / 16, KEY_FRAGS = kTcKeys / 8, DIM_FRAGS = HD / 8;
+  constexpr int STATE = HD + 2; // floats of a token's merged state: m, l, then O by dimension
+  static_assert(static_cast<size_t>(kTcQueries) * STATE * sizeof(float) <=
+                    static_cast<size_t>(kTcGroups) * 4 * kTcKeys * LD * sizeof(uint16_t),
+                "group 1's states fit in the tile buffers");
   extern __shared__ __align__(16) unsigned char tc_smem[];
   __nv_bfloat16* const q_tile = reinterpret_cast<__nv_bfloat16*>(tc_smem);
-  __nv_bfloat16* const k_tiles = q_tile + kTcQueries * LD; // [2][kTcKeys][LD]
-  __nv_bfloat16* const v_tiles = k_tiles + 2 * kTcKeys * LD;
   __shared__ int block_length;
 
   if (a.trigger_early) // AttentionArgs::trigger_early
@@ -78,6 +101,11 @@ __global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(con
   // The heaviest blocks (the row's last tokens: the most positions) go first.
   const int r = blockIdx.x, j0 = (gridDim.y - 1 - blockIdx.y) * kTcQueries, head = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / kTcGroupWarps, group_warp = warp % kTcGroupWarps;
+  const int group_thread = threadIdx.x % kTcGroupThreads;
+  // This group's K and V buffers: [2][kTcKeys][LD] each.
+  __nv_bfloat16* const k_tiles = q_tile + (kTcQueries + group * 4 * kTcKeys) * LD;
+  __nv_bfloat16* const v_tiles = k_tiles + 2 * kTcKeys * LD;
   const int kv_head = head / (a.heads / a.kv_heads);
   const int q_dim = a.heads * HD, kv_dim = a.kv_heads * HD;
   const bool live = a.live[r];
@@ -88,8 +116,9 @@ __global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(con
   __syncthreads();
   if (threadIdx.x < kTcQueries && j0 + static_cast<int>(threadIdx.x) < a.tokens_per_row && live)
     atomicMax(&block_length, max(0, tc_query_length(a, r, j0 + threadIdx.x)));
-  // This thread's accumulator rows (tokens j0 + row0 and j0 + row0 + 8) and their lengths (0 past the row).
-  const int row0 = warp * 16 + accumulator_row(lane);
+  // This thread's accumulator rows (tokens j0 + row0 and j0 + row0 + 8; both groups hold the same rows) and
+  // their lengths (0 past the row).
+  const int row0 = group_warp * 16 + accumulator_row(lane);
   const int length0 = j0 + row0 < a.tokens_per_row ? max(0, tc_query_length(a, r, j0 + row0)) : 0;
   const int length1 = j0 + row0 + 8 < a.tokens_per_row ? max(0, tc_query_length(a, r, j0 + row0 + 8)) : 0;
   int warp_length = max(length0, length1);
@@ -105,7 +134,7 @@ __global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(con
   if (!live)
     return;
 
-  // Q rows (zeros past the row's tokens) and the first tile of K and V: one group of copies.
+  // Q rows (zeros past the row's tokens), by every thread: one group of copies.
   for (int v = threadIdx.x; v < kTcQueries * VECTORS; v += kTcThreads) {
     const int m = v / VECTORS, column = (v % VECTORS) * 8, j = j0 + m;
     __nv_bfloat16* dst = q_tile + m * LD + column;
@@ -115,12 +144,13 @@ __global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(con
     else
       *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
   }
-  // Tile `tile`'s K and V rows into buffer `buffer`: positions past the block's longest token are zeros
-  // (their scores are masked; zeros keep 0 x V finite).
+  __pipeline_commit();
+  // Tile `tile`'s K and V rows into this group's buffer `buffer`, by the group's threads: positions past the
+  // block's longest token are zeros (their scores are masked; zeros keep 0 x V finite).
   const auto load_tile = [&](int tile, int buffer) {
     __nv_bfloat16* k_dst = k_tiles + buffer * kTcKeys * LD;
     __nv_bfloat16* v_dst = v_tiles + buffer * kTcKeys * LD;
-    for (int v = threadIdx.x; v < kTcKeys * VECTORS; v += kTcThreads) {
+    for (int v = group_thread; v < kTcKeys * VECTORS; v += kTcGroupThreads) {
       const int key = v / VECTORS, column = (v % VECTORS) * 8, position = tile * kTcKeys + key;
       if (position < length) {
         int slot = slots[position];
@@ -135,31 +165,31 @@ __global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(con
     }
   };
   const int tiles = (length + kTcKeys - 1) / kTcKeys;
-  if (tiles > 0)
-    load_tile(0, 0);
+  if (group < tiles)
+    load_tile(group, 0);
   __pipeline_commit();
+  __pipeline_wait_prior(1); // this thread's Q copies
+  __syncthreads();          // everyone's
 
   const float scale_log2 = a.scale * kLog2e;
   uint32_t q_frag[K_STEPS][4];
+#pragma unroll
+  for (int ks = 0; ks < K_STEPS; ++ks)
+    ldmatrix_x4(q_frag[ks],
+                q_tile + (group_warp * 16 + a_fragment_row(lane)) * LD + ks * 16 + a_fragment_column(lane));
   float out[DIM_FRAGS][4];
 #pragma unroll
   for (int f = 0; f < DIM_FRAGS; ++f)
     out[f][0] = out[f][1] = out[f][2] = out[f][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f; // running max (log2 units) and partial sums
 
-  for (int tile = 0; tile < tiles; ++tile) {
-    const int buffer = tile & 1;
-    if (tile + 1 < tiles) // the next tile's copies go out before this tile is computed
-      load_tile(tile + 1, buffer ^ 1);
+  for (int tile = group, iteration = 0; tile < tiles; tile += kTcGroups, ++iteration) {
+    const int buffer = iteration & 1;
+    if (tile + kTcGroups < tiles) // the group's next tile's copies go out before this tile is computed
+      load_tile(tile + kTcGroups, buffer ^ 1);
     __pipeline_commit();
     __pipeline_wait_prior(1);
-    __syncthreads();
-    if (tile == 0) {
-#pragma unroll
-      for (int ks = 0; ks < K_STEPS; ++ks)
-        ldmatrix_x4(q_frag[ks],
-                    q_tile + (warp * 16 + a_fragment_row(lane)) * LD + ks * 16 + a_fragment_column(lane));
-    }
+    group_barrier(group);
     const int first_key = tile * kTcKeys;
     if (first_key < warp_length) { // a tile wholly past this warp's tokens changes nothing: skipped
       const __nv_bfloat16* k_tile = k_tiles + buffer * kTcKeys * LD;
@@ -238,30 +268,60 @@ __global__ void __launch_bounds__(kTcThreads) LlamaTensorCoreAttentionKernel(con
         }
       }
     }
-    __syncthreads(); // the next iteration's copies overwrite this tile's buffer
+    group_barrier(group); // the group's next copies overwrite this tile's buffer
   }
+  __pipeline_wait_prior(0); // no copy outlives the loop (a group with no tile waited for none)
 
-  __pipeline_wait_prior(
-      0); // no copy outlives the block (a block whose tokens see no position waited for none)
-  // O / l (the quad's partial sums added), bf16, for the warp's tokens of this row.
+  // The quad's partial sums added; then group 1 hands its (m, l, O) to group 0 through shared memory (over
+  // the tile buffers, which no one reads any more), which merges them in group order, divides and stores.
 #pragma unroll
   for (int offset = 1; offset <= 2; offset *= 2) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, offset);
     l1 += __shfl_xor_sync(0xffffffffu, l1, offset);
   }
-  const float inverse0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inverse1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  float* const states = reinterpret_cast<float*>(q_tile + kTcQueries * LD); // [kTcQueries][STATE]
+  __syncthreads();
+  if (group == 1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float* state = states + (row0 + 8 * half) * STATE;
+      if (accumulator_column(lane) == 0) {
+        state[0] = half == 0 ? m0 : m1;
+        state[1] = half == 0 ? l0 : l1;
+      }
+#pragma unroll
+      for (int f = 0; f < DIM_FRAGS; ++f) {
+        state[2 + f * 8 + accumulator_column(lane)] = out[f][2 * half];
+        state[2 + f * 8 + accumulator_column(lane) + 1] = out[f][2 * half + 1];
+      }
+    }
+  }
+  __syncthreads();
+  if (group == 1)
+    return;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int j = j0 + row0 + 8 * half;
     if (j >= a.tokens_per_row)
       continue;
-    const float inverse = half == 0 ? inverse0 : inverse1;
+    const float* state = states + (row0 + 8 * half) * STATE;
+    const float m_own = half == 0 ? m0 : m1, l_own = half == 0 ? l0 : l1;
+    const float m_other = state[0], l_other = state[1];
+    const float m = fmaxf(m_own, m_other);
+    const float base = m == -INFINITY ? 0.0f : m;
+    const float weight_own = exp2f(m_own - base), weight_other = exp2f(m_other - base);
+    const float l = l_own * weight_own + l_other * weight_other;
+    const float inverse = l > 0.0f ? 1.0f / l : 0.0f;
     uint32_t* dst =
         reinterpret_cast<uint32_t*>(a.out + (static_cast<size_t>(r) * a.tokens_per_row + j) * q_dim +
                                     head * HD + accumulator_column(lane));
 #pragma unroll
-    for (int f = 0; f < DIM_FRAGS; ++f)
-      dst[f * 4] = pack_bf16(out[f][2 * half] * inverse, out[f][2 * half + 1] * inverse);
+    for (int f = 0; f < DIM_FRAGS; ++f) {
+      const float* other = state + 2 + f * 8 + accumulator_column(lane);
+      const float low = out[f][2 * half] * weight_own + other[0] * weight_other;
+      const float high = out[f][2 * half + 1] * weight_own + other[1] * weight_other;
+      dst[f * 4] = pack_bf16(low * inverse, high * inverse);
+    }
   }
 }
 
