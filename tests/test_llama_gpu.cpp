@@ -15,8 +15,9 @@
 // (LlamaReference::kv_flip: the device's rsqrtf scale is within 2 ulp of the contract's; without it a
 // first-layer V once differed by 3 ulp, seed 11713376921205938077). Wrong math (RoPE pairing, head mapping, a
 // missed or extra position, a wrong slot) moves logits and KV by their own size, far outside. The tensor-core
-// prefill attention (llama_attention_tc.cu) rounds the softmax weights to bf16 besides: it is held to the same
-// bounds (its own case), and every other case pins it off (options_of) to test the CUDA-core kernels' bits.
+// prefill attention (llama_attention_tc.cu) rounds the softmax weights to bf16 besides: it is held to the
+// same bounds (its own case), and every other case pins it off (options_of) to test the CUDA-core kernels'
+// bits.
 #include <doctest/doctest.h>
 
 #include <algorithm>
