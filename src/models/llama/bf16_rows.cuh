@@ -1,6 +1,7 @@
-// Device helpers the Llama kernels share for bf16 activations: the bf16 bits of a float and the RMSNorm
-// output of four elements, packed as the GEMM A operands are stored (llama_gemm.cu's prologue, the cuBLASLt
-// LM head's norm kernel in llama_head.cu).
+// Device helpers the Llama kernels share for bf16 activations: the bf16 bits of a float or of a pair, and the
+// RMSNorm output of four elements, packed as the GEMM A operands are stored (llama_gemm.cu's prologue, the
+// cuBLASLt LM head's norm kernel in llama_head.cu; the pairs: the int8 head's weights, the tensor-core
+// attention's P and output).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,13 @@ namespace smcgraph::llama {
 /// The bf16 bits of `value`, rounded to nearest even.
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float value) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(value));
+}
+
+/// bf16(low) | bf16(high) << 16, both rounded to nearest even: a pair as an MMA operand register holds it
+/// (the lower column in the low half).
+__device__ __forceinline__ uint32_t bf16x2_bits(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
 /// x.x^2 + x.y^2 + x.z^2 + x.w^2.

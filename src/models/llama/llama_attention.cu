@@ -44,6 +44,7 @@
 #include "kernels/smem_limit.hpp"
 #include "kernels/ticket.cuh"
 #include "models/forward_layout.cuh"
+#include "models/llama/attention_rows.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/pdl.hpp"
@@ -78,19 +79,9 @@ struct FloatMax {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
-__device__ __forceinline__ int clamp_slot(int slot, int pool_size) {
-  return (slot >= 0 && slot < pool_size) ? slot : 0;
-}
-
 /// Chunks of kAttentionChunk positions that `length` positions take.
 __device__ __forceinline__ int chunks_of(int length) {
   return max(0, (length + kAttentionChunk - 1) / kAttentionChunk);
-}
-
-/// Positions token t (of row r) attends to: up to its own, within the row's length and max_seq_len.
-__device__ __forceinline__ int query_length(const AttentionArgs& a, int r, int t) {
-  const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
-  return min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
 }
 
 /// The position of row r's first token in this forward: the positions before it hold keys and values that

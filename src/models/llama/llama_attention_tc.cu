@@ -20,12 +20,15 @@
 // the CUDA-core kernel, whose bits do not depend on how a prompt is chunked).
 #include <cmath>
 
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 
 #include "kernels/launch_checks.hpp"
 #include "kernels/smem_limit.hpp"
-#include "models/forward_layout.cuh"
+#include "models/llama/attention_rows.cuh"
+#include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
 #include "models/llama/mma.cuh"
 #include "models/llama/pdl.hpp"
@@ -34,6 +37,8 @@
 
 namespace smcgraph::llama {
 namespace {
+
+namespace cg = cooperative_groups;
 
 /// Warp groups of a block: they take the same 64 tokens, group g the key tiles g, g + 2, ..., and their
 /// softmax states are merged at the end (group 0's, then group 1's), so a block's longest chain of tiles is
@@ -60,16 +65,9 @@ template <int HD> constexpr size_t tc_smem_bytes() {
   return static_cast<size_t>(kTcQueries + kTcGroups * 4 * kTcKeys) * tc_row_stride<HD>() * sizeof(uint16_t);
 }
 
-/// Positions token j of row r attends to (attention()'s rule).
-__device__ __forceinline__ int tc_query_length(const AttentionArgs& a, int r, int j) {
-  const int64_t t = static_cast<int64_t>(r) * a.tokens_per_row + j;
-  const int position = a.positions[detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride)];
-  return min(min(position + 1, a.seq_lens[r]), a.max_seq_len);
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float low, float high) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-  return *reinterpret_cast<const uint32_t*>(&pair);
+/// Positions token j of row r attends to (attention()'s rule), 0 past the row's tokens.
+__device__ __forceinline__ int token_length(const AttentionArgs& a, int r, int j) {
+  return j < a.tokens_per_row ? max(0, query_length(a, r, r * a.tokens_per_row + j)) : 0;
 }
 
 /// Barrier of one warp group (named barriers 1 and 2; __syncthreads() is barrier 0).
@@ -111,20 +109,17 @@ __global__ void __launch_bounds__(kTcThreads, HD <= 64 ? 2 : 1)
   const bool live = a.live[r];
   // Positions, lengths and the slot table are the forward's inputs (complete before its first kernel passed
   // its PDL wait): read before waiting. Q and this forward's K and V come from the QKV projection, after it.
+  // This thread's accumulator rows (tokens j0 + row0 and j0 + row0 + 8; both groups hold the same rows),
+  // their lengths, the warp's longest and the block's (group 0's warps cover all of its tokens).
+  const int row0 = group_warp * 16 + accumulator_row(lane);
+  const int length0 = token_length(a, r, j0 + row0), length1 = token_length(a, r, j0 + row0 + 8);
+  const int warp_length =
+      cg::reduce(cg::tiled_partition<32>(cg::this_thread_block()), max(length0, length1), cg::greater<int>());
   if (threadIdx.x == 0)
     block_length = 0;
   __syncthreads();
-  if (threadIdx.x < kTcQueries && j0 + static_cast<int>(threadIdx.x) < a.tokens_per_row && live)
-    atomicMax(&block_length, max(0, tc_query_length(a, r, j0 + threadIdx.x)));
-  // This thread's accumulator rows (tokens j0 + row0 and j0 + row0 + 8; both groups hold the same rows) and
-  // their lengths (0 past the row).
-  const int row0 = group_warp * 16 + accumulator_row(lane);
-  const int length0 = j0 + row0 < a.tokens_per_row ? max(0, tc_query_length(a, r, j0 + row0)) : 0;
-  const int length1 = j0 + row0 + 8 < a.tokens_per_row ? max(0, tc_query_length(a, r, j0 + row0 + 8)) : 0;
-  int warp_length = max(length0, length1);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    warp_length = max(warp_length, __shfl_xor_sync(0xffffffffu, warp_length, offset));
+  if (group == 0 && lane == 0)
+    atomicMax(&block_length, warp_length);
   __syncthreads();
   const int length = block_length;
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
@@ -153,8 +148,7 @@ __global__ void __launch_bounds__(kTcThreads, HD <= 64 ? 2 : 1)
     for (int v = group_thread; v < kTcKeys * VECTORS; v += kTcGroupThreads) {
       const int key = v / VECTORS, column = (v % VECTORS) * 8, position = tile * kTcKeys + key;
       if (position < length) {
-        int slot = slots[position];
-        slot = (slot >= 0 && slot < a.pool_size) ? slot : 0;
+        const int slot = clamp_slot(slots[position], a.pool_size);
         const uint16_t* k_row = a.kv + static_cast<size_t>(slot) * 2 * kv_dim + kv_head * HD + column;
         __pipeline_memcpy_async(k_dst + key * LD + column, k_row, 16);
         __pipeline_memcpy_async(v_dst + key * LD + column, k_row + kv_dim, 16);
@@ -255,9 +249,9 @@ __global__ void __launch_bounds__(kTcThreads, HD <= 64 ? 2 : 1)
       // O += P V: P's accumulator fragments are the A fragments of the next MMA (16 positions a K step).
 #pragma unroll
       for (int ks = 0; ks < kTcKeys / 16; ++ks) {
-        const uint32_t p[4] = {pack_bf16(s[2 * ks][0], s[2 * ks][1]), pack_bf16(s[2 * ks][2], s[2 * ks][3]),
-                               pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                               pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+        const uint32_t p[4] = {
+            bf16x2_bits(s[2 * ks][0], s[2 * ks][1]), bf16x2_bits(s[2 * ks][2], s[2 * ks][3]),
+            bf16x2_bits(s[2 * ks + 1][0], s[2 * ks + 1][1]), bf16x2_bits(s[2 * ks + 1][2], s[2 * ks + 1][3])};
 #pragma unroll
         for (int pair = 0; pair < DIM_FRAGS / 2; ++pair) {
           uint32_t b[4];
@@ -320,7 +314,7 @@ __global__ void __launch_bounds__(kTcThreads, HD <= 64 ? 2 : 1)
       const float* other = state + 2 + f * 8 + accumulator_column(lane);
       const float low = out[f][2 * half] * weight_own + other[0] * weight_other;
       const float high = out[f][2 * half + 1] * weight_own + other[1] * weight_other;
-      dst[f * 4] = pack_bf16(low * inverse, high * inverse);
+      dst[f * 4] = bf16x2_bits(low * inverse, high * inverse);
     }
   }
 }

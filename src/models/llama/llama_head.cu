@@ -299,8 +299,7 @@ __device__ __forceinline__ uint32_t q8_pair_bf16(uint32_t biased, unsigned first
   constexpr float kBias = 8388736.0f; // 2^23 + 128
   const float v0 = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7440u + first)) - kBias;
   const float v1 = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7441u + first)) - kBias;
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(v0 * scale, v1 * scale);
-  return *reinterpret_cast<const uint32_t*>(&pair);
+  return bf16x2_bits(v0 * scale, v1 * scale);
 }
 
 template <int N_FRAGS>
