@@ -21,7 +21,8 @@
 // (EngineConfig::prefill_chunk; 0, the default, takes the engine's). The summary prints the admission time
 // (the prefill and the first token's sample: the time to the first token). --tensor-core-attention N:
 // forwards of at least N tokens a row (prefill) run attention on tensor cores (LlamaModelOptions::
-// tensor_core_attention_tokens, default 64; 0: never).
+// tensor_core_attention_tokens, default 64; 0: never). --prefill-gemm N: forwards of at least N tokens a row
+// run their layer GEMMs through cuBLASLt (LlamaModelOptions::prefill_gemm_tokens, default 2048; 0: never).
 //
 // Exit status: 0 ok, 1 a CUDA / model / engine error, 2 a bad flag, 77 no CUDA device.
 #include <algorithm>
@@ -66,6 +67,7 @@ struct Options {
   int prefill_chunk = 0; // --prefill-chunk: EngineConfig::prefill_chunk (0: the engine's default)
   /// --tensor-core-attention: LlamaModelOptions::tensor_core_attention_tokens
   int tensor_core_attention = smcgraph::kTensorCoreAttentionTokens;
+  int prefill_gemm = smcgraph::kPrefillGemmTokens; ///< --prefill-gemm: LlamaModelOptions::prefill_gemm_tokens
 };
 
 Options parse(int argc, char** argv) {
@@ -101,6 +103,8 @@ Options parse(int argc, char** argv) {
       o.prefill_chunk = parse_integer(flag, flags.value(), 0, 1 << 20);
     else if (flag == "--tensor-core-attention")
       o.tensor_core_attention = parse_integer(flag, flags.value(), 0, 1 << 20);
+    else if (flag == "--prefill-gemm")
+      o.prefill_gemm = parse_integer(flag, flags.value(), 0, 1 << 20);
     else if (flag == "--adaptive") {
       flags.no_value();
       o.adaptive = true;
@@ -154,6 +158,7 @@ int run(const Options& o) {
       particles * (o.steps + 1), o.prefill_chunk > 0 ? std::min(o.prefill_chunk, max_seq_len) : max_seq_len);
   model_options.logits_dtype = smcgraph::DType::kFloat32;
   model_options.tensor_core_attention_tokens = o.tensor_core_attention;
+  model_options.prefill_gemm_tokens = o.prefill_gemm;
   smcgraph::LlamaModel target(weights, model_options);
   // The draft: the n-gram draft, or a layer subset (a prefix of the layers shares the target's KV).
   const bool ngram = o.draft_layers == "ngram";

@@ -346,6 +346,10 @@ TEST_CASE("llama options are validated against the config") {
   CHECK_MESSAGE(contains(e, "tensor_core_attention_tokens"), e);
   CHECK_MESSAGE(contains(e, "-1"), e);
   good.tensor_core_attention_tokens = 0; // never: valid
+  e = error_with([](Options& o) { o.prefill_gemm_tokens = -3; });
+  CHECK_MESSAGE(contains(e, "prefill_gemm_tokens"), e);
+  CHECK_MESSAGE(contains(e, "-3"), e);
+  good.prefill_gemm_tokens = 0; // never: valid
   CHECK_NOTHROW(smcgraph::validate_llama_options(c, good));
 }
 

@@ -15,9 +15,9 @@
 // (LlamaReference::kv_flip: the device's rsqrtf scale is within 2 ulp of the contract's; without it a
 // first-layer V once differed by 3 ulp, seed 11713376921205938077). Wrong math (RoPE pairing, head mapping, a
 // missed or extra position, a wrong slot) moves logits and KV by their own size, far outside. The tensor-core
-// prefill attention (llama_attention_tc.cu) rounds the softmax weights to bf16 besides: it is held to the
-// same bounds (its own case), and every other case pins it off (options_of) to test the CUDA-core kernels'
-// bits.
+// prefill attention (llama_attention_tc.cu) rounds the softmax weights to bf16 besides, and the cuBLASLt
+// prefill GEMMs (llama_prefill_gemm.cu) sum in their own order: both are held to the same bounds (their own
+// cases), and every other case pins them off (options_of) to test the CUDA-core kernels' and own GEMMs' bits.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -114,10 +114,12 @@ struct TinySetup {
   }
 };
 
-/// A model's options. The cases of this file hold the CUDA-core attention kernels to their bits
-/// (tensor_core_tokens 0: every forward on them) unless they test the tensor-core prefill attention.
+/// A model's options. The cases of this file hold the CUDA-core attention kernels and the library's own GEMMs
+/// to their bits (tensor_core_tokens and prefill_gemm_tokens 0: every forward on them) unless they test the
+/// prefill paths (the tensor-core attention, the cuBLASLt GEMMs).
 LlamaModelOptions options_of(int pool_size, int max_seq_len, int max_tokens, DType dtype,
-                             std::vector<int> layers = {}, int tensor_core_tokens = 0) {
+                             std::vector<int> layers = {}, int tensor_core_tokens = 0,
+                             int prefill_gemm_tokens = 0) {
   LlamaModelOptions options;
   options.pool_size = pool_size;
   options.max_seq_len = max_seq_len;
@@ -125,6 +127,7 @@ LlamaModelOptions options_of(int pool_size, int max_seq_len, int max_tokens, DTy
   options.logits_dtype = dtype;
   options.layers = std::move(layers);
   options.tensor_core_attention_tokens = tensor_core_tokens;
+  options.prefill_gemm_tokens = prefill_gemm_tokens;
   return options;
 }
 
@@ -233,13 +236,14 @@ struct Subject {
   double max_error = 0.0;
 
   Subject(const Tiny& tiny, std::vector<int> layer_list, int pool, int max_seq_len, int max_tokens,
-          int tensor_core_tokens = 0)
+          int tensor_core_tokens = 0, int prefill_gemm_tokens = 0)
       : layers(std::move(layer_list)) {
-    fp32 = std::make_unique<LlamaModel>(
-        tiny.weights, options_of(pool, max_seq_len, max_tokens, DType::kFloat32, layers, tensor_core_tokens));
-    bf16 =
-        std::make_unique<LlamaModel>(tiny.weights, options_of(pool, max_seq_len, max_tokens, DType::kBFloat16,
-                                                              layers, tensor_core_tokens));
+    fp32 = std::make_unique<LlamaModel>(tiny.weights,
+                                        options_of(pool, max_seq_len, max_tokens, DType::kFloat32, layers,
+                                                   tensor_core_tokens, prefill_gemm_tokens));
+    bf16 = std::make_unique<LlamaModel>(tiny.weights,
+                                        options_of(pool, max_seq_len, max_tokens, DType::kBFloat16, layers,
+                                                   tensor_core_tokens, prefill_gemm_tokens));
     contract =
         std::make_unique<LlamaReference>(tiny.host, layers, pool, max_seq_len, LlamaNumerics::kContract);
     exact = std::make_unique<LlamaReference>(tiny.host, layers, pool, max_seq_len, LlamaNumerics::kExact);
@@ -390,11 +394,12 @@ TEST_CASE("llama forward: a long row runs the split-KV attention and matches the
   MESSAGE("long row: ", subject.finish());
 }
 
-TEST_CASE("llama forward: tensor-core prefill attention matches the reference (heads of 64 and 128)") {
-  // Blocks of at least 16 tokens a row take the tensor-core kernel here (the default threshold is 64): 37-,
-  // 70- and 300-token prefills over several key tiles and query tiles, rows at different positions, padding
-  // rows, then verify blocks and decodes on the CUDA-core kernel reading the KV the prefills wrote; every
-  // forward eagerly and in a captured graph, against the float64 / contract references.
+TEST_CASE("llama forward: the prefill paths match the reference (tensor-core attention, cuBLASLt GEMMs)") {
+  // Blocks of at least 16 tokens a row take the tensor-core attention kernel here (the default threshold is
+  // 64), with the library's own GEMMs and then with the cuBLASLt ones (default from 2048 tokens): 37-, 70-
+  // and 300-token prefills over several key tiles and query tiles, rows at different positions, padding rows,
+  // then verify blocks and decodes on the CUDA-core kernels reading the KV the prefills wrote; every forward
+  // eagerly and in a captured graph, against the float64 / contract references.
   test::Rng rng;
   MESSAGE("seed ", rng.seed());
   Stream stream;
@@ -405,11 +410,17 @@ TEST_CASE("llama forward: tensor-core prefill attention matches the reference (h
   };
   constexpr int kPool = 4096, kMaxSeqLen = 512, kMaxTokens = 1200, kRows = 4, kTensorCoreTokens = 16;
   const bool racecheck = test::sanitizer_tool() == test::SanitizerTool::kRacecheck;
-  for (const Shape& shape : shapes) {
+  for (const auto& [shape, gemm_tokens] :
+       std::vector<std::pair<Shape, int>>{{shapes[0], 0},
+                                          {shapes[0], kTensorCoreTokens},
+                                          {shapes[1], kTensorCoreTokens},
+                                          {shapes[2], 0},
+                                          {shapes[2], kTensorCoreTokens}}) {
     CAPTURE(shape.hidden);
     CAPTURE(shape.heads);
+    CAPTURE(gemm_tokens);
     const std::unique_ptr<Tiny> tiny = make_tiny(spec_of(shape, rng.bits()));
-    Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens, kTensorCoreTokens);
+    Subject subject(*tiny, {}, kPool, kMaxSeqLen, kMaxTokens, kTensorCoreTokens, gemm_tokens);
     LlamaSequences s = reference::random_llama_sequences(std::vector<int>(kRows, 460), shape.vocab, kPool,
                                                          kMaxSeqLen, 0.8, rng.engine());
     const std::vector<std::pair<int, int>> schedule =
@@ -421,13 +432,16 @@ TEST_CASE("llama forward: tensor-core prefill attention matches the reference (h
       const auto active = [who = who](int row) { return who == 2 || row % 2 == who; };
       subject.forward(step_inputs(s, per_row, active, rng.engine()), stream);
     }
-    MESSAGE("hidden ", shape.hidden, ", heads ", shape.heads, ": ", subject.finish());
+    MESSAGE("hidden ", shape.hidden, ", heads ", shape.heads, ", cuBLASLt GEMMs from ", gemm_tokens,
+            " tokens: ", subject.finish());
   }
 }
 
-TEST_CASE("llama forward: tensor-core prefill attention is chunk- and batch-invariant among its launches") {
+TEST_CASE("llama forward: the prefill paths are chunk- and batch-invariant among their launches") {
   // A 200-token prompt prefilled in one forward, in chunks of 100 + 100 and of 64 + 136 (all at or above the
-  // threshold), alone and beside another row: the last token's logits and the KV are the same bits.
+  // thresholds), alone and beside another row: the last token's logits and the KV are the same bits. Both
+  // prefill paths on (the tensor-core attention; the cuBLASLt GEMMs, whose pinned algorithms must not depend
+  // on the launch's token count), then the attention alone.
   const Shape shape{2, 128, 2, 1, 160, 517, true, GgufType::kF16, GgufType::kF16}; // head_dim 64
   TinySetup setup(shape);
   constexpr int kPool = 1024, kMaxSeqLen = 256, kPrompt = 200, kThreshold = 64;
@@ -438,9 +452,9 @@ TEST_CASE("llama forward: tensor-core prefill attention is chunk- and batch-inva
     other[i] = static_cast<int32_t>(setup.rng.engine()() % vocab);
   }
   // Row 0 holds `prompt` at slots 1.., row 1 (when present) `other` at slots 1 + kMaxSeqLen..
-  const auto prefill = [&](const std::vector<int>& chunks, bool two_rows) {
-    LlamaModel model(setup.tiny->weights,
-                     options_of(kPool, kMaxSeqLen, 2 * kPrompt, DType::kFloat32, {}, kThreshold));
+  const auto prefill = [&](const std::vector<int>& chunks, bool two_rows, int gemm_tokens) {
+    LlamaModel model(setup.tiny->weights, options_of(kPool, kMaxSeqLen, 2 * kPrompt, DType::kFloat32, {},
+                                                     kThreshold, gemm_tokens));
     const int rows = two_rows ? 2 : 1;
     std::vector<uint8_t> last;
     int begin = 0;
@@ -478,14 +492,17 @@ TEST_CASE("llama forward: tensor-core prefill attention is chunk- and batch-inva
     }
     return std::make_pair(last, row0);
   };
-  const auto whole = prefill({kPrompt}, false);
-  for (const auto& [chunks, two_rows] : std::vector<std::pair<std::vector<int>, bool>>{
-           {{100, 100}, false}, {{64, 136}, false}, {{kPrompt}, true}, {{100, 100}, true}}) {
-    CAPTURE(chunks.front());
-    CAPTURE(two_rows);
-    const auto got = prefill(chunks, two_rows);
-    CHECK(got.first == whole.first);
-    CHECK(got.second == whole.second);
+  for (const int gemm_tokens : {kThreshold, 0}) {
+    CAPTURE(gemm_tokens);
+    const auto whole = prefill({kPrompt}, false, gemm_tokens);
+    for (const auto& [chunks, two_rows] : std::vector<std::pair<std::vector<int>, bool>>{
+             {{100, 100}, false}, {{64, 136}, false}, {{kPrompt}, true}, {{100, 100}, true}}) {
+      CAPTURE(chunks.front());
+      CAPTURE(two_rows);
+      const auto got = prefill(chunks, two_rows, gemm_tokens);
+      CHECK(got.first == whole.first);
+      CHECK(got.second == whole.second);
+    }
   }
 }
 

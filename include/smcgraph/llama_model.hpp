@@ -156,6 +156,8 @@ class LlamaModel;
 
 /// LlamaModelOptions::tensor_core_attention_tokens' default.
 inline constexpr int kTensorCoreAttentionTokens = 64;
+/// LlamaModelOptions::prefill_gemm_tokens' default.
+inline constexpr int kPrefillGemmTokens = 2048;
 
 struct LlamaModelOptions {
   int pool_size = 1 << 16;           ///< KV slots (>= 2; slot 0 is the padding dummy)
@@ -178,6 +180,14 @@ struct LlamaModelOptions {
   /// other KV bits than one prefilled in larger chunks. 0: every forward on the CUDA-core kernel (the
   /// chunking then changes no bit). SmolLM2 on an H200: README, "Admission".
   int tensor_core_attention_tokens = kTensorCoreAttentionTokens;
+  /// Forwards of at least this many tokens a row (a long prompt's prefill) run their layer GEMMs through
+  /// cuBLASLt, one algorithm pinned per shape at construction with split-K off (so a token's outputs do not
+  /// depend on the batch), and RoPE / KV write and SwiGLU in a separate kernel over the fp32 products;
+  /// smaller forwards on the library's own GEMM kernels. The two differ in the last bits, as the attention
+  /// kernels do (above). cuBLASLt's faster GEMMs pay only for long prompts: its host time per call and the
+  /// separate norm and epilogue kernels cost more below about 1,800 tokens (SmolLM2 on an H200: README,
+  /// "Admission"). 0: never.
+  int prefill_gemm_tokens = kPrefillGemmTokens;
 };
 
 /// Throws smcgraph::Error naming the first bad option (checked against the weights' config).

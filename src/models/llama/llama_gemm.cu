@@ -1047,6 +1047,58 @@ bool pipelined_tiles(GemmEpilogue epilogue, const GemmArgs& a) {
          a.tokens >= (epilogue == GemmEpilogue::kSwiGlu ? kPipelinedMinTokensGateUp : kPipelinedMinTokens);
 }
 
+namespace {
+
+/// gemm_epilogue_fp32's kernel: block row blockIdx.y is row `first + blockIdx.y` (y's row blockIdx.y), and a
+/// thread takes one pair of its columns: a RoPE pair (2p, 2p + 1), whose rotation shares one sincosf, or a
+/// SwiGLU gate column and its up partner kSwiGluGroup further on.
+__global__ void LlamaGemmEpilogueFp32Kernel(const GemmArgs a, int first, const float* y, bool swiglu) {
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= a.n / 2)
+    return;
+  const int t = first + static_cast<int>(blockIdx.y);
+  const float* row = y + static_cast<size_t>(blockIdx.y) * a.n;
+  if (swiglu) {
+    const int col = (p / kSwiGluGroup) * 2 * kSwiGluGroup + p % kSwiGluGroup;
+    store_swiglu(a.out_bf16, a.n / 2, t, col, row[col], row[col + kSwiGluGroup]);
+    return;
+  }
+  const int col = 2 * p; // n, q_dim, kv_dim and head_dim are even: the pair never straddles q / k / v
+  const float2 pair = reinterpret_cast<const float2*>(row)[p];
+  const int64_t io = detail::strided_token_index(t, a.tokens_per_row, a.io_row_stride);
+  float out0 = pair.x, out1 = pair.y;
+  if (col < a.q_dim + a.kv_dim) { // q and k rotate; v does not
+    const int d = rope_dim(a, col);
+    float s, c;
+    sincosf(static_cast<float>(a.positions[io]) * a.inv_freq[d / 2], &s, &c);
+    out0 = rope_rotate(pair.x, pair.y, d, s, c);
+    out1 = rope_rotate(pair.y, pair.x, d + 1, s, c);
+  }
+  const unsigned char live = a.live[t / a.tokens_per_row];
+  const int slot = a.out_slots[io];
+  store_qkv(a, t, col, float_to_bf16_bits(out0), live, slot);
+  store_qkv(a, t, col + 1, float_to_bf16_bits(out1), live, slot);
+}
+
+} // namespace
+
+void gemm_epilogue_fp32(GemmEpilogue epilogue, const GemmArgs& a, int first, int tokens, const float* y,
+                        cudaStream_t stream) {
+  require(epilogue == GemmEpilogue::kQkvRope || epilogue == GemmEpilogue::kSwiGlu,
+          "llama::gemm_epilogue_fp32", "epilogue", static_cast<int>(epilogue), "must be kQkvRope or kSwiGlu");
+  if (tokens <= 0)
+    return;
+  require(a.n % 2 == 0, "llama::gemm_epilogue_fp32", "n", a.n, "must be even");
+  require(tokens <= 65535, "llama::gemm_epilogue_fp32", "tokens", tokens,
+          "must be <= 65535 (a grid row each)");
+  constexpr int kThreadsPerBlock = 128;
+  const dim3 grid(static_cast<unsigned>(detail::ceil_div(a.n / 2, kThreadsPerBlock)),
+                  static_cast<unsigned>(tokens));
+  LlamaGemmEpilogueFp32Kernel<<<grid, kThreadsPerBlock, 0, stream>>>(a, first, y,
+                                                                     epilogue == GemmEpilogue::kSwiGlu);
+  SMCGRAPH_CUDA_CHECK(cudaGetLastError());
+}
+
 void gemm(GemmEpilogue epilogue, const GemmArgs& a, cudaStream_t stream) {
   constexpr const char* kWhere = "llama::gemm";
   require(a.tokens >= 0, kWhere, "tokens", a.tokens, "must be >= 0");

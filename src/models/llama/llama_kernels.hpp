@@ -92,6 +92,34 @@ struct GemmArgs {
   uint16_t* kv = nullptr;             ///< this layer's KV [pool_size, 2, kv_dim]
 };
 
+/// Rows a prefill GEMM through cuBLASLt takes at once (PrefillGemms: its fp32 scratch holds this many).
+inline constexpr int kPrefillChunkTokens = 4096;
+
+/// The epilogue of kQkvRope or kSwiGlu on fp32 GEMM rows: y holds rows first .. first + tokens - 1 of the
+/// [T, N] product (row-major, N wide); the same per-element steps as the GEMM kernels' epilogues
+/// (llama_gemm.cu), so the outputs are those of the same fp32 values there.
+void gemm_epilogue_fp32(GemmEpilogue epilogue, const GemmArgs& args, int first, int tokens, const float* y,
+                        cudaStream_t stream);
+
+/// The layer GEMMs of a prefill through cuBLASLt (llama_prefill_gemm.cu): one algorithm pinned per shape
+/// (QKV, O, gate/up, down), split-K off, checked for every chunk size at construction; run() takes A rows in
+/// a_bf16 (rms_norm_rows(x) for the norm epilogues), adds into `residual` for kResidualAdd and otherwise
+/// writes `scratch` ([min(max_tokens, kPrefillChunkTokens), N] fp32) and runs gemm_epilogue_fp32(). run()
+/// returns false, doing nothing, where no pinned algorithm serves the shape.
+class PrefillGemms {
+public:
+  PrefillGemms(int hidden, int q_dim, int kv_dim, int ffn, int max_tokens);
+  ~PrefillGemms();
+  PrefillGemms(const PrefillGemms&) = delete;
+  PrefillGemms& operator=(const PrefillGemms&) = delete;
+  bool serves(int n, int k) const;
+  bool run(GemmEpilogue epilogue, const GemmArgs& args, float* scratch, cudaStream_t stream);
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 /// Sets the dynamic shared-memory limit of every GEMM variant for K up to `max_k` (call once, outside
 /// capture).
 void prepare_gemm(int max_k);

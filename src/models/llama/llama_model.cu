@@ -115,6 +115,10 @@ struct LlamaModel::Workspace {
   DeviceBuffer<float> resumed_x; // [T, hidden]: a resumed verify's after the draft's layers (targets)
   DeviceBuffer<uint16_t> q, o, act, normed; // [T, q_dim], [T, q_dim], [T, ffn], [T, hidden] (the LM head's A)
   std::unique_ptr<llama::LtHead> head;      // the LM head (small head or cuBLASLt) where it serves the call
+  // A prefill's layer GEMMs through cuBLASLt (forwards of at least prefill_gemm_tokens tokens a row) and
+  // their fp32 scratch [min(T, kPrefillChunkTokens), max(q_dim + 2 kv_dim, 2 ffn)]; null / empty when off.
+  std::unique_ptr<llama::PrefillGemms> prefill;
+  DeviceBuffer<float> prefill_y;
   llama::AttentionGrouping attention_grouping = llama::AttentionGrouping::kBySize;
   llama::GemmTiles gemm_tiles = llama::GemmTiles::kBySize;
   uint8_t gemm_narrow_warps = 0;
@@ -184,6 +188,12 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.o = DeviceBuffer<uint16_t>(T * qd);
   w.act = DeviceBuffer<uint16_t>(T * c.ffn);
   w.normed = DeviceBuffer<uint16_t>(T * c.hidden);
+  if (options_.prefill_gemm_tokens > 0 && T >= static_cast<size_t>(options_.prefill_gemm_tokens)) {
+    w.prefill = std::make_unique<llama::PrefillGemms>(c.hidden, static_cast<int>(qd), static_cast<int>(kvd),
+                                                      c.ffn, static_cast<int>(T));
+    w.prefill_y = DeviceBuffer<float>(std::min<size_t>(T, llama::kPrefillChunkTokens) *
+                                      std::max(qd + 2 * kvd, 2 * static_cast<size_t>(c.ffn)));
+  }
   using llama::AttentionGrouping, llama::GemmTiles;
   w.attention_grouping = choice_from_env<AttentionGrouping>("SMCGRAPH_ATTENTION_GROUPING",
                                                             {{"by_size", AttentionGrouping::kBySize},
@@ -248,6 +258,10 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
   w.q.fill_bytes(0, stream);
   w.o.fill_bytes(0, stream);
   w.act.fill_bytes(0, stream);
+  // Every prefill GEMM writes the rows its epilogue reads; zeroed anyway because compute-sanitizer's
+  // initcheck does not see cuBLASLt's stores into it (it reported the epilogue's reads of rows the GEMM had
+  // written, whose results matched the references).
+  w.prefill_y.fill_bytes(0, stream);
   w.attention_tickets.fill_bytes(0, stream); // the split-KV tickets start at 0 (none without the workspace)
   stream.synchronize();
 }
@@ -353,6 +367,24 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   // positions the QKV projection's RoPE and KV write also take, with att's out_slots).
   const auto run_layers = [&](size_t first, size_t last, float* x, const llama::GemmArgs& shape,
                               llama::AttentionArgs att, const int32_t* out_slots) {
+    // A long prefill (at least prefill_gemm_tokens tokens a row) runs its layer GEMMs through cuBLASLt where
+    // a pinned algorithm serves the shape (llama_prefill_gemm.cu); the RMSNorm epilogues then read
+    // rms_norm_rows(x).
+    const bool prefill = w.prefill != nullptr && shape.tokens_per_row >= options_.prefill_gemm_tokens;
+    const auto project = [&](llama::GemmEpilogue epilogue, llama::GemmArgs& args) {
+      if (prefill && w.prefill->serves(args.n, args.k)) {
+        if (epilogue != llama::GemmEpilogue::kResidualAdd) {
+          llama::rms_norm_rows(args.tokens, args.k, args.x, args.x_row_stride, args.norm_weight, args.eps,
+                               w.normed.data(), stream);
+          args.a_bf16 = w.normed.data();
+        }
+        if (w.prefill->run(epilogue, args, w.prefill_y.data(), stream))
+          return;
+      }
+      if (epilogue != llama::GemmEpilogue::kResidualAdd)
+        normalize_for_pipelined_tiles(epilogue, args, w.normed.data(), stream);
+      llama::gemm(epilogue, args, stream);
+    };
     for (size_t local = first; local < last; ++local) {
       const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);
       uint16_t* kv = kv_ + local * size_t(options_.pool_size) * 2 * kvd;
@@ -391,8 +423,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       // read their residual after their wait.
       // In all of them, a layer's last launch before the LM head or a hand-over keeps the late trigger.
       qkv.trigger_early = (w.early_trigger & 8) != 0;
-      normalize_for_pipelined_tiles(llama::GemmEpilogue::kQkvRope, qkv, w.normed.data(), stream);
-      llama::gemm(llama::GemmEpilogue::kQkvRope, qkv, stream);
+      project(llama::GemmEpilogue::kQkvRope, qkv);
 
       att.kv = kv;
       att.trigger_early = (w.early_trigger & 1) != 0;
@@ -407,7 +438,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       // last written by the down projection (or embed) before QKV's wait (not with early_all: above)
       o.residual_ready_before_wait = (w.early_trigger & 8) == 0;
       o.trigger_early = (w.early_trigger & 2) != 0;
-      llama::gemm(llama::GemmEpilogue::kResidualAdd, o, stream);
+      project(llama::GemmEpilogue::kResidualAdd, o);
 
       llama::GemmArgs gate_up = shape;
       gate_up.n = 2 * c.ffn;
@@ -417,8 +448,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       gate_up.norm_weight = layer.ffn_norm;
       gate_up.out_bf16 = w.act.data();
       gate_up.trigger_early = (w.early_trigger & 16) != 0;
-      normalize_for_pipelined_tiles(llama::GemmEpilogue::kSwiGlu, gate_up, w.normed.data(), stream);
-      llama::gemm(llama::GemmEpilogue::kSwiGlu, gate_up, stream);
+      project(llama::GemmEpilogue::kSwiGlu, gate_up);
 
       llama::GemmArgs down = shape;
       down.n = c.hidden;
@@ -429,7 +459,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
       // last written by the O projection before gate/up's wait (not with early_max: above)
       down.residual_ready_before_wait = (w.early_trigger & 16) == 0;
       down.trigger_early = (w.early_trigger & 4) != 0 && local + 1 < last;
-      llama::gemm(llama::GemmEpilogue::kResidualAdd, down, stream);
+      project(llama::GemmEpilogue::kResidualAdd, down);
     }
   };
 

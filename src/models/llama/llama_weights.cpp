@@ -174,6 +174,8 @@ void validate_llama_options(const LlamaConfig& config, const LlamaModelOptions& 
           "max_tokens_per_forward", options.max_tokens_per_forward, "must be in [1, 2^20]");
   require(options.tensor_core_attention_tokens >= 0, kWhere, "tensor_core_attention_tokens",
           options.tensor_core_attention_tokens, "must be >= 0 (0: never)");
+  require(options.prefill_gemm_tokens >= 0, kWhere, "prefill_gemm_tokens", options.prefill_gemm_tokens,
+          "must be >= 0 (0: never)");
   require(options.logits_dtype == DType::kFloat32 || options.logits_dtype == DType::kBFloat16, kWhere,
           "logits_dtype", dtype_name(options.logits_dtype), "must be fp32 or bf16");
   for (size_t i = 0; i < options.layers.size(); ++i) {
