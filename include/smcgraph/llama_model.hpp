@@ -185,8 +185,8 @@ struct LlamaModelOptions {
   /// depend on the batch), and RoPE / KV write and SwiGLU in a separate kernel over the fp32 products;
   /// smaller forwards on the library's own GEMM kernels. The two differ in the last bits, as the attention
   /// kernels do (above). cuBLASLt's faster GEMMs pay only for long prompts: its host time per call and the
-  /// separate norm and epilogue kernels cost more below about 1,800 tokens (SmolLM2 on an H200: README,
-  /// "Admission"). 0: never.
+  /// separate norm and epilogue kernels cost as much or more below about 2,100 tokens (SmolLM2 on an H200:
+  /// README, "Admission"). 0: never.
   int prefill_gemm_tokens = kPrefillGemmTokens;
 };
 

@@ -10,8 +10,9 @@
 // tiles 43.7 / 64.8 / 195.5, cuBLASLt 18.2 / 22.9 / 54.3 (forty-first session). In a whole prefill the
 // separate norm and epilogue kernels and cuBLASLt's host time per call take much of that back. Admission
 // (`generate --steps 0`, ms, own GEMMs -> these; forty-second session): 2.31 -> 3.60-3.64 at 344 tokens,
-// 3.89-3.90 -> 4.22-4.24 at 803, 5.54-5.55 -> 5.78-5.79 at 1,607, 10.85 -> 9.33-9.65 at 3,215; hence the
-// default threshold of 2,048 tokens (kPrefillGemmTokens). Chunks of 1,024 tokens (one wave of the gate/up
+// 3.89-3.90 -> 4.22-4.24 at 803, 5.54-5.55 -> 5.78-5.79 at 1,607, 6.71-6.74 -> 6.68-6.77 at 2,101, 7.94 ->
+// 7.37-7.40 at 2,501, 10.85 -> 9.29-9.65 at 3,215; hence the default threshold of 2,048 tokens
+// (kPrefillGemmTokens). Chunks of 1,024 tokens (one wave of the gate/up
 // tiles) lost even at 3,215 (11.27-11.45 ms), so a launch takes up to 4,096.
 #include <algorithm>
 #include <memory>
