@@ -187,8 +187,8 @@ struct LlamaModelOptions {
   /// kernels do (above). cuBLASLt's faster GEMMs pay only for long prompts: its host time per call and the
   /// separate norm and epilogue kernels cost as much or more below about 2,100 tokens (SmolLM2 on an H200:
   /// README, "Admission"). A model whose max_tokens_per_forward reaches it keeps fp32 scratch of
-  /// min(max_tokens_per_forward, 4096) x max(q_dim + 2 kv_dim, 2 ffn) floats (SmolLM2 at 2,048 tokens: 24 MiB)
-  /// and a cuBLASLt handle. 0: never.
+  /// min(max_tokens_per_forward, 4096) x max(q_dim + 2 kv_dim, 2 ffn) floats (SmolLM2 at 2,048 tokens: 24
+  /// MiB) and a cuBLASLt handle. 0: never.
   int prefill_gemm_tokens = kPrefillGemmTokens;
 };
 
