@@ -32,6 +32,7 @@
 #include "models/forward_layout.cuh"
 #include "models/llama/bf16_rows.cuh"
 #include "models/llama/llama_kernels.hpp"
+#include "models/llama/lt_matmul.hpp"
 #include "models/llama/mma.cuh"
 #include "models/llama/pdl.hpp"
 #include "smcgraph/error.hpp"
@@ -47,10 +48,7 @@ constexpr int kNormThreads = 128; // 4 warps, a row each
 constexpr int kMaxVectorsPerLane = kLlamaMaxHidden / 4 / 32;
 constexpr size_t kWorkspaceBytes = size_t{4} << 20;
 
-void lt_check(cublasStatus_t status, const char* what) {
-  require(status == CUBLAS_STATUS_SUCCESS, "llama::LtHead", what, static_cast<int>(status),
-          "cuBLASLt call failed");
-}
+constexpr const char* kLtHead = "llama::LtHead";
 
 /// The norm weights a lane of a warp applies in norm_row_bf16 (float4 q at lane + 32 q).
 __device__ __forceinline__ void load_norm_weights(int lane, int k, const float* gamma,
@@ -425,8 +423,7 @@ SmallHeadArgs small_args(const GemmArgs& a) {
 } // namespace
 
 struct LtHead::Impl {
-  cublasLtHandle_t handle = nullptr;
-  cublasLtMatmulDesc_t op = nullptr;
+  std::unique_ptr<LtMatmul> lt; // null where cuBLASLt does not serve the head
   cublasLtMatmulAlgo_t algo{};
   DeviceBuffer<uint8_t> workspace;
   int vocab = 0, hidden = 0, max_tokens = 0;
@@ -441,16 +438,6 @@ struct LtHead::Impl {
   const float* q8_scales = nullptr;
   int q8_max_tokens = 0;
   bool q8_prepared = false; ///< the int8 kernels' shared-memory limits are set (once)
-
-  Impl() = default;
-  Impl(const Impl&) = delete;
-  Impl& operator=(const Impl&) = delete;
-  ~Impl() { // here, not in ~LtHead: a constructor that throws after cublasLtCreate still frees the handle
-    if (op)
-      cublasLtMatmulDescDestroy(op);
-    if (handle)
-      cublasLtDestroy(handle);
-  }
 
   /// W's layout (column-major [hidden, vocab]: W row-major), set once at construction.
   cublasLtMatrixLayoutOpaque_t w{};
@@ -468,8 +455,8 @@ struct LtHead::Impl {
   /// weights for the probe).
   bool small_head_gives_cublaslt_bits();
   void make_layouts(Layouts& l, int tokens, int64_t ldy) const {
-    lt_check(cublasLtMatrixLayoutInit(&l.a, CUDA_R_16BF, hidden, tokens, hidden), "layout A");
-    lt_check(cublasLtMatrixLayoutInit(&l.y, cuda_type(dtype), vocab, tokens, ldy), "layout Y");
+    lt_check(cublasLtMatrixLayoutInit(&l.a, CUDA_R_16BF, hidden, tokens, hidden), kLtHead, "layout A");
+    lt_check(cublasLtMatrixLayoutInit(&l.y, cuda_type(dtype), vocab, tokens, ldy), kLtHead, "layout Y");
   }
 };
 
@@ -500,13 +487,8 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
   if (hidden % 4 != 0 || hidden > kLlamaMaxHidden ||
       (logits_dtype != DType::kFloat32 && logits_dtype != DType::kBFloat16)) // not served
     return;
-  lt_check(cublasLtCreate(&m.handle), "cublasLtCreate");
-  lt_check(cublasLtMatmulDescCreate(&m.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
-  const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
-  lt_check(cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
-           "TRANSA");
-  lt_check(cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof(none)), "TRANSB");
-  lt_check(cublasLtMatrixLayoutInit(&m.w, CUDA_R_16BF, hidden, vocab, hidden), "layout W");
+  m.lt = std::make_unique<LtMatmul>(kLtHead);
+  lt_check(cublasLtMatrixLayoutInit(&m.w, CUDA_R_16BF, hidden, vocab, hidden), kLtHead, "layout W");
   m.workspace = DeviceBuffer<uint8_t>(kWorkspaceBytes);
   if (!m.pinned_algorithm(m.algo)) // cuBLASLt offered no algorithm
     return;
@@ -516,10 +498,7 @@ LtHead::LtHead(int vocab, int hidden, int max_tokens, DType logits_dtype, HeadKe
     for (int64_t stride : {int64_t{1}, int64_t{5}}) {
       Impl::Layouts l;
       m.make_layouts(l, tokens, stride * vocab);
-      cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoCheck(m.handle, m.op, &m.w, &l.a, &l.y, &l.y, &m.algo, &check) !=
-              CUBLAS_STATUS_SUCCESS ||
-          check.workspaceSize > kWorkspaceBytes)
+      if (!m.lt->serves(m.algo, m.w, l.a, l.y, kWorkspaceBytes))
         return; // the pinned algorithm does not serve this token count
     }
   }
@@ -536,33 +515,11 @@ void LtHead::Impl::set_small_head_smem_limits() const {
 }
 
 bool LtHead::Impl::pinned_algorithm(cublasLtMatmulAlgo_t& algo) {
-  // cuBLASLt's first heuristic for a 64-token head, then split-K and its reduction switched off (the
-  // constructor then checks it for every token count the model may run: it is used for all of them).
-  cublasLtMatmulPreference_t raw_preference = nullptr;
-  lt_check(cublasLtMatmulPreferenceCreate(&raw_preference), "preference");
-  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)>
-      preference(raw_preference, &cublasLtMatmulPreferenceDestroy); // freed on every path, a throw included
-  lt_check(cublasLtMatmulPreferenceSetAttribute(preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                &kWorkspaceBytes, sizeof(kWorkspaceBytes)),
-           "preference workspace");
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int returned = 0;
+  // cuBLASLt's first heuristic for a 64-token head, split-K and its reduction switched off (the constructor
+  // then checks it for every token count the model may run: it is used for all of them).
   Layouts l;
   make_layouts(l, std::min(64, max_tokens), vocab);
-  lt_check(cublasLtMatmulAlgoGetHeuristic(handle, op, &w, &l.a, &l.y, &l.y, preference.get(), 1, &heuristic,
-                                          &returned),
-           "heuristic");
-  if (returned < 1)
-    return false;
-  algo = heuristic.algo;
-  const int one = 1;
-  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-  lt_check(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)),
-           "split-K 1");
-  lt_check(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction,
-                                                sizeof(no_reduction)),
-           "no reduction scheme");
-  return true;
+  return lt->pin(w, l.a, l.y, kWorkspaceBytes, algo);
 }
 
 bool LtHead::Impl::small_head_gives_cublaslt_bits() {
@@ -740,9 +697,9 @@ bool LtHead::Impl::run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_
     Impl::Layouts l;
     m.make_layouts(l, out_rows, ldy);
     void* y = static_cast<uint8_t*>(a.logits) + offset * dtype_bytes(m.dtype);
-    lt_check(cublasLtMatmul(m.handle, m.op, &alpha, a.weight, &m.w, normed, &l.a, &beta, y, &l.y, y, &l.y,
-                            &m.algo, m.workspace.data(), kWorkspaceBytes, stream),
-             "cublasLtMatmul");
+    lt_check(cublasLtMatmul(m.lt->handle(), m.lt->op(), &alpha, a.weight, &m.w, normed, &l.a, &beta, y, &l.y,
+                            y, &l.y, &m.algo, m.workspace.data(), kWorkspaceBytes, stream),
+             kLtHead, "cublasLtMatmul");
   };
   if (P == io || P == 1) { // dense rows, or one token a row io tokens apart: one leading dimension
     if (a.tokens > m.max_tokens)

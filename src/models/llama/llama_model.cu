@@ -145,11 +145,12 @@ Choice choice_from_env(const char* name, std::initializer_list<std::pair<const c
   return detail::env_choice("LlamaModel", name, choices);
 }
 
-/// An RMSNorm epilogue on pipelined tiles reads its A rows normalised: rms_norm_rows(x) into `normed` ([T,
-/// hidden]; the LM head's A rows at the end of the forward), which becomes the GEMM's a_bf16.
-void normalize_for_pipelined_tiles(llama::GemmEpilogue epilogue, llama::GemmArgs& g, uint16_t* normed,
-                                   cudaStream_t stream) {
-  if (!llama::pipelined_tiles(epilogue, g))
+/// An RMSNorm epilogue on pipelined tiles or through cuBLASLt (`cublaslt`: a long prefill) reads its A rows
+/// normalised: rms_norm_rows(x) into `normed` ([T, hidden]; the LM head's A rows at the end of the forward),
+/// which becomes the GEMM's a_bf16. The residual adds read their A rows as they are.
+void normalize_rows_first(llama::GemmEpilogue epilogue, llama::GemmArgs& g, bool cublaslt, uint16_t* normed,
+                          cudaStream_t stream) {
+  if (epilogue == llama::GemmEpilogue::kResidualAdd || !(cublaslt || llama::pipelined_tiles(epilogue, g)))
     return;
   llama::rms_norm_rows(g.tokens, g.k, g.x, g.x_row_stride, g.norm_weight, g.eps, normed, stream);
   g.a_bf16 = normed;
@@ -372,18 +373,10 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
     // rms_norm_rows(x).
     const bool prefill = w.prefill != nullptr && shape.tokens_per_row >= options_.prefill_gemm_tokens;
     const auto project = [&](llama::GemmEpilogue epilogue, llama::GemmArgs& args) {
-      if (prefill && w.prefill->serves(args.n, args.k)) {
-        if (epilogue != llama::GemmEpilogue::kResidualAdd) {
-          llama::rms_norm_rows(args.tokens, args.k, args.x, args.x_row_stride, args.norm_weight, args.eps,
-                               w.normed.data(), stream);
-          args.a_bf16 = w.normed.data();
-        }
-        if (w.prefill->run(epilogue, args, w.prefill_y.data(), stream))
-          return;
-      }
-      if (epilogue != llama::GemmEpilogue::kResidualAdd)
-        normalize_for_pipelined_tiles(epilogue, args, w.normed.data(), stream);
-      llama::gemm(epilogue, args, stream);
+      const bool cublaslt = prefill && w.prefill->serves(args.n, args.k);
+      normalize_rows_first(epilogue, args, cublaslt, w.normed.data(), stream);
+      if (!(cublaslt && w.prefill->run(epilogue, args, w.prefill_y.data(), stream)))
+        llama::gemm(epilogue, args, stream);
     };
     for (size_t local = first; local < last; ++local) {
       const LlamaWeights::Layer& layer = weights_->layer(layers_[local]);

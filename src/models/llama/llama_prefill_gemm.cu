@@ -21,6 +21,7 @@
 #include <cublasLt.h>
 
 #include "models/llama/llama_kernels.hpp"
+#include "models/llama/lt_matmul.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 
@@ -29,17 +30,12 @@ namespace {
 
 constexpr size_t kPrefillWorkspaceBytes = size_t{4} << 20; // split-K is off: little workspace
 
-void prefill_check(cublasStatus_t status, const char* what) {
-  if (status != CUBLAS_STATUS_SUCCESS)
-    throw Error(std::string("llama::PrefillGemms: cuBLASLt ") + what + " failed (status " +
-                std::to_string(static_cast<int>(status)) + ")");
-}
+constexpr const char* kPrefill = "llama::PrefillGemms";
 
 } // namespace
 
 struct PrefillGemms::Impl {
-  cublasLtHandle_t handle = nullptr;
-  cublasLtMatmulDesc_t op = nullptr;
+  LtMatmul lt{kPrefill};
   DeviceBuffer<uint8_t> workspace;
   struct Shape {
     int n = 0, k = 0;
@@ -50,59 +46,25 @@ struct PrefillGemms::Impl {
   Shape shapes[4];
   int max_tokens = 0;
 
-  Impl() = default;
-  Impl(const Impl&) = delete;
-  Impl& operator=(const Impl&) = delete;
-  ~Impl() {
-    if (op)
-      cublasLtMatmulDescDestroy(op);
-    if (handle)
-      cublasLtDestroy(handle);
-  }
-
   void layouts(const Shape& s, int tokens, cublasLtMatrixLayoutOpaque_t& a,
                cublasLtMatrixLayoutOpaque_t& y) const {
-    prefill_check(cublasLtMatrixLayoutInit(&a, CUDA_R_16BF, s.k, tokens, s.k), "layout A");
-    prefill_check(cublasLtMatrixLayoutInit(&y, CUDA_R_32F, s.n, tokens, s.n), "layout Y");
+    lt_check(cublasLtMatrixLayoutInit(&a, CUDA_R_16BF, s.k, tokens, s.k), kPrefill, "layout A");
+    lt_check(cublasLtMatrixLayoutInit(&y, CUDA_R_32F, s.n, tokens, s.n), kPrefill, "layout Y");
   }
 
   /// cuBLASLt's first heuristic for a kPrefillChunkTokens-row launch, split-K and its reduction off, checked
   /// for every row count a chunk may have.
   bool pin(Shape& s) {
-    cublasLtMatmulPreference_t raw = nullptr;
-    prefill_check(cublasLtMatmulPreferenceCreate(&raw), "preference");
-    const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)>
-        preference(raw, &cublasLtMatmulPreferenceDestroy);
-    prefill_check(
-        cublasLtMatmulPreferenceSetAttribute(preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                             &kPrefillWorkspaceBytes, sizeof(kPrefillWorkspaceBytes)),
-        "preference workspace");
     cublasLtMatrixLayoutOpaque_t a{}, y{};
     layouts(s, std::min(kPrefillChunkTokens, max_tokens), a, y);
-    cublasLtMatmulHeuristicResult_t heuristic{};
-    int returned = 0;
-    prefill_check(cublasLtMatmulAlgoGetHeuristic(handle, op, &s.w, &a, &y, &y, preference.get(), 1,
-                                                 &heuristic, &returned),
-                  "heuristic");
-    if (returned < 1)
+    if (!lt.pin(s.w, a, y, kPrefillWorkspaceBytes, s.algo))
       return false;
-    s.algo = heuristic.algo;
-    const int one = 1;
-    const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-    prefill_check(
-        cublasLtMatmulAlgoConfigSetAttribute(&s.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one)),
-        "split-K 1");
-    prefill_check(cublasLtMatmulAlgoConfigSetAttribute(&s.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                                                       &no_reduction, sizeof(no_reduction)),
-                  "no reduction scheme");
     for (int tokens :
          {1, 16, 63, 64, 65, 100, 256, 344, 803, 1000, 1024, 1607, 2048, 3215, kPrefillChunkTokens}) {
       if (tokens > std::min(kPrefillChunkTokens, max_tokens))
         continue;
       layouts(s, tokens, a, y);
-      cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoCheck(handle, op, &s.w, &a, &y, &y, &s.algo, &check) != CUBLAS_STATUS_SUCCESS ||
-          check.workspaceSize > kPrefillWorkspaceBytes)
+      if (!lt.serves(s.algo, s.w, a, y, kPrefillWorkspaceBytes))
         return false;
     }
     return true;
@@ -132,9 +94,9 @@ struct PrefillGemms::Impl {
         continue;
       cublasLtMatrixLayoutOpaque_t la{}, ly{};
       layouts(s, kTokens, la, ly);
-      prefill_check(cublasLtMatmul(handle, op, &alpha, w.data(), &s.w, a.data(), &la, &beta, y.data(), &ly,
-                                   y.data(), &ly, &s.algo, workspace.data(), kPrefillWorkspaceBytes, stream),
-                    "warm-up matmul");
+      lt_check(cublasLtMatmul(lt.handle(), lt.op(), &alpha, w.data(), &s.w, a.data(), &la, &beta, y.data(),
+                              &ly, y.data(), &ly, &s.algo, workspace.data(), kPrefillWorkspaceBytes, stream),
+               kPrefill, "warm-up matmul");
     }
     stream.synchronize();
   }
@@ -151,21 +113,13 @@ PrefillGemms::PrefillGemms(int hidden, int q_dim, int kv_dim, int ffn, int max_t
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.max_tokens = max_tokens;
-  prefill_check(cublasLtCreate(&m.handle), "cublasLtCreate");
-  prefill_check(cublasLtMatmulDescCreate(&m.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
-  const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
-  prefill_check(
-      cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
-      "TRANSA");
-  prefill_check(cublasLtMatmulDescSetAttribute(m.op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof(none)),
-                "TRANSB");
   m.workspace = DeviceBuffer<uint8_t>(kPrefillWorkspaceBytes);
   const int dims[4][2] = {{q_dim + 2 * kv_dim, hidden}, {hidden, q_dim}, {2 * ffn, hidden}, {hidden, ffn}};
   for (int i = 0; i < 4; ++i) {
     Impl::Shape& s = m.shapes[i];
     s.n = dims[i][0];
     s.k = dims[i][1];
-    prefill_check(cublasLtMatrixLayoutInit(&s.w, CUDA_R_16BF, s.k, s.n, s.k), "layout W");
+    lt_check(cublasLtMatrixLayoutInit(&s.w, CUDA_R_16BF, s.k, s.n, s.k), kPrefill, "layout W");
     s.usable = m.pin(s);
   }
   m.warm_up();
@@ -192,9 +146,9 @@ bool PrefillGemms::run(GemmEpilogue epilogue, const GemmArgs& a, float* scratch,
     m.layouts(*s, tokens, la, ly);
     const uint16_t* rows = a.a_bf16 + static_cast<size_t>(first) * a.k;
     float* y = residual ? a.residual + static_cast<size_t>(first) * a.n : scratch;
-    prefill_check(cublasLtMatmul(m.handle, m.op, &alpha, a.weight, &s->w, rows, &la, &beta, y, &ly, y, &ly,
-                                 &s->algo, m.workspace.data(), kPrefillWorkspaceBytes, stream),
-                  "matmul");
+    lt_check(cublasLtMatmul(m.lt.handle(), m.lt.op(), &alpha, a.weight, &s->w, rows, &la, &beta, y, &ly, y,
+                            &ly, &s->algo, m.workspace.data(), kPrefillWorkspaceBytes, stream),
+             kPrefill, "matmul");
     if (!residual)
       gemm_epilogue_fp32(epilogue, a, first, tokens, scratch, stream);
   }
