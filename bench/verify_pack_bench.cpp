@@ -9,6 +9,9 @@
 // smcgraph_fused_eager is the marked launch outside a graph.
 //
 //   build/bench/verify_pack_bench [results/verify_pack.csv] [--peer-csv results/verify_pack_peer.csv]
+//                                 [--only 32:128:0.9:2048]
+//
+// --only rows:draft_steps:alpha:kv_dim runs that configuration alone (repeatable), e.g. under ncu.
 //
 // Floors: bytes moved (payload read + written, tokens read, per-row outputs written) / the device-to-device
 // copy bandwidth (read + written), and the per-node time of a chain of empty kernels for the small ones.
@@ -59,6 +62,12 @@ std::vector<Config> make_configs() {
       configs.push_back({32, 128, alpha, kv_dim});
   configs.push_back({256, 8, 0.6, 1024});
   return configs;
+}
+
+/// "rows:draft_steps:alpha:kv_dim" with alpha at two decimals (--only's match).
+std::string config_key(const Config& config) {
+  return std::to_string(config.rows) + ":" + std::to_string(config.draft_steps) + ":" +
+         format(config.alpha, 2) + ":" + std::to_string(config.kv_dim);
 }
 
 /// Payload, packed output and packed tokens of one rotation slot.
@@ -247,12 +256,26 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
 
 int main(int argc, char** argv) {
   std::string csv_path = "results/verify_pack.csv", peer_csv;
+  std::vector<std::string> only; // "rows:draft_steps:alpha:kv_dim", alpha with two decimals
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--peer-csv" && i + 1 < argc) {
       peer_csv = argv[++i];
+    } else if (arg == "--only" && i + 1 < argc) {
+      const std::string value = argv[++i];
+      int rows = 0, steps = 0, kv_dim = 0;
+      double alpha = 0.0;
+      char end = 0;
+      if (std::sscanf(value.c_str(), "%d:%d:%lf:%d%c", &rows, &steps, &alpha, &kv_dim, &end) != 4) {
+        std::fprintf(stderr, "verify_pack_bench: --only %s: expected rows:draft_steps:alpha:kv_dim\n",
+                     value.c_str());
+        return 2;
+      }
+      only.push_back(config_key(Config{rows, steps, alpha, kv_dim}));
     } else if (arg == "--help" || arg == "-h") {
-      std::printf("usage: %s [csv_path (default results/verify_pack.csv)] [--peer-csv peer.csv]\n", argv[0]);
+      std::printf("usage: %s [csv_path (default results/verify_pack.csv)] [--peer-csv peer.csv] "
+                  "[--only rows:draft_steps:alpha:kv_dim ...]\n",
+                  argv[0]);
       return 0;
     } else {
       csv_path = arg;
@@ -282,7 +305,11 @@ int main(int argc, char** argv) {
                 "draft_steps", "alpha", "kv_dim", "packed", "grid", "median_us", "p90_us", "GB/s", "of_copy",
                 "floor", "vs peers");
     bool all_valid = true;
+    bool ran = false;
     for (const Config& config : make_configs()) {
+      if (!only.empty() && std::find(only.begin(), only.end(), config_key(config)) == only.end())
+        continue;
+      ran = true;
       std::string failure;
       const auto results = run_config(config, stream, workspace, rotation_bytes, &failure);
       if (!failure.empty()) {
@@ -318,6 +345,10 @@ int main(int argc, char** argv) {
                     versus.c_str());
       }
       std::fflush(stdout);
+    }
+    if (!ran) {
+      std::fprintf(stderr, "verify_pack_bench: --only matched no configuration\n");
+      return 2;
     }
     std::printf(
         "of_copy: bytes moved / time / copy bandwidth; floor: node floor / time (1.00 = launch-bound); "
