@@ -10,7 +10,10 @@
 //
 // Grid sizing: a tile covers <= 256 draft positions (one per thread), the splits give every CTA >= 16 KiB
 // (one batch of 256 threads x 4 x 16-byte copies) and, for big payloads, about total / (4 x SMs), so the
-// copy spreads over the whole GPU whatever the batch size.
+// copy spreads over the whole GPU whatever the batch size. Where that share is above 16 KiB (16-byte copies),
+// the copy loop takes 8 vectors a thread a batch instead of 4 (wide_copy), so a share of up to 32 KiB is one
+// batch with all its loads in flight: b 32, gamma 128, kv 2048 fp16 went from 15.66-15.84 to 15.17-15.27 us
+// at acceptance 0.9 and from 11.13-11.23 to 9.07-9.33 at 0.3 (verify_pack_bench, NVIDIA H200).
 //
 // Preload (PayloadView::ready_before_wait, small launches: pack_preloads): each CTA loads its share of its
 // tile's payload as stored, every position accepted or not, before its PDL wait, so the payload's memory
@@ -34,6 +37,7 @@
 #include "kernels/pdl.cuh"
 #include "kernels/launch_checks.hpp"
 #include "kernels/verify_device.cuh"
+#include "runtime/env.hpp"
 
 namespace smcgraph {
 using detail::ceil_div;
@@ -48,8 +52,9 @@ constexpr int kPackWarps = kPackThreads / 32;
 constexpr int kMaxRowsPerTile = 32; // the in-tile scan is one warp
 constexpr int kTilePositions = 256; // draft positions a tile verifies: one per thread
 constexpr int kVerifyBatch = 4;     // (row, window) items per warp whose loads are issued together
-constexpr int kCopyUnroll = 4;      // vectors in flight per thread
-constexpr int kCtasPerSm = 4;       // CTAs per SM the copy aims at for big payloads
+constexpr int kCopyUnroll = 4; // vectors in flight per thread (the preload, and launches of <= 16 KiB a CTA)
+constexpr int kWideCopyUnroll = 8; // vectors in flight per thread where a CTA's share is above 16 KiB
+constexpr int kCtasPerSm = 4;      // CTAs per SM the copy aims at for big payloads
 constexpr int64_t kMinChunkBytes = int64_t{kPackThreads} * kCopyUnroll * 16;
 static_assert(kMaxRowsPerTile == 32, "the in-tile scan is one full warp");
 static_assert(kTilePositions % kPackThreads == 0, "a tile's positions map onto the CTA's threads");
@@ -139,8 +144,9 @@ __device__ __forceinline__ int row_of(const int32_t* prefix, int tile_rows, int6
   return low;
 }
 
-template <int VECTOR_BYTES, bool COUNTS_GIVEN>
-__global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs args) {
+template <int VECTOR_BYTES, bool COUNTS_GIVEN, int UNROLL>
+__global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCtasPerSm : 0)
+    VerifyPackKernel(const PackArgs args) {
   using Vector = typename VectorOf<VECTOR_BYTES>::type;
   using WarpScan = cub::WarpScan<int32_t>;
   using WarpReduce = cub::WarpReduce<uint32_t>;
@@ -267,10 +273,10 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
     if (leader && warp == 0 && lane == 0)
       publish(statuses + tile, generation, kTileInclusive, tile_offset + static_cast<uint32_t>(tile_count));
   };
-  for (int64_t batch = begin; batch < end; batch += kPackThreads * kCopyUnroll) { // CTA-uniform
-    Vector data[kCopyUnroll];
+  for (int64_t batch = begin; batch < end; batch += kPackThreads * UNROLL) { // CTA-uniform
+    Vector data[UNROLL];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int64_t unit = batch + u * kPackThreads + threadIdx.x;
       if (unit < end) {
         const int r = row_of(prefix, tile_rows, unit, units_per_position);
@@ -283,7 +289,7 @@ __global__ void __launch_bounds__(kPackThreads) VerifyPackKernel(const PackArgs 
     char* const destination =
         static_cast<char*>(args.out.packed) + int64_t{tile_offset} * args.position_bytes;
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int64_t unit = batch + u * kPackThreads + threadIdx.x;
       if (unit < end)
         *reinterpret_cast<Vector*>(destination + unit * VECTOR_BYTES) = data[u];
@@ -402,21 +408,50 @@ int vector_bytes_for(const void* payload, const void* packed, int64_t position_b
   return 2;
 }
 
-template <bool COUNTS_GIVEN> void launch(int vector_bytes, const PackArgs& args, cudaStream_t stream) {
+/// Whether a launch's copy loop takes kWideCopyUnroll vectors a thread a batch: where a CTA's share of its
+/// tile's stored payload is above one batch of kCopyUnroll (big payloads: shape_for gives them about
+/// total / (4 x SMs) each), so that share is one batch and all its loads are in flight at once, on 16-byte
+/// copies (the 64-register cap of 4 CTAs an SM holds 8 of them). SMCGRAPH_PACK_COPY=narrow keeps kCopyUnroll
+/// everywhere (A/B runs).
+bool wide_copy(const PackLaunchShape& shape, int rows, int positions, int64_t position_bytes,
+               int vector_bytes) {
+  static const bool narrow_only = detail::env_choice<bool>("smcgraph::verify_and_pack", "SMCGRAPH_PACK_COPY",
+                                                           {{"wide", false}, {"narrow", true}});
+  const int64_t tile_bytes = int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
+  return !narrow_only && vector_bytes == 16 && ceil_div(tile_bytes, int64_t{shape.splits}) > kMinChunkBytes;
+}
+
+template <bool COUNTS_GIVEN, int UNROLL>
+void launch_unrolled(int vector_bytes, const PackArgs& args, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(int64_t{args.tiles} * args.splits));
   switch (vector_bytes) {
   case 16:
-    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
+    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN, UNROLL>, dim3(grid), dim3(kPackThreads), 0, stream,
+                       args);
     break;
   case 8:
-    detail::launch_pdl(VerifyPackKernel<8, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
+    detail::launch_pdl(VerifyPackKernel<8, COUNTS_GIVEN, UNROLL>, dim3(grid), dim3(kPackThreads), 0, stream,
+                       args);
     break;
   case 4:
-    detail::launch_pdl(VerifyPackKernel<4, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
+    detail::launch_pdl(VerifyPackKernel<4, COUNTS_GIVEN, UNROLL>, dim3(grid), dim3(kPackThreads), 0, stream,
+                       args);
     break;
   default:
-    detail::launch_pdl(VerifyPackKernel<2, COUNTS_GIVEN>, dim3(grid), dim3(kPackThreads), 0, stream, args);
+    detail::launch_pdl(VerifyPackKernel<2, COUNTS_GIVEN, UNROLL>, dim3(grid), dim3(kPackThreads), 0, stream,
+                       args);
     break;
+  }
+}
+
+template <bool COUNTS_GIVEN>
+void launch(int vector_bytes, bool wide, const PackArgs& args, cudaStream_t stream) {
+  if (wide) {
+    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN, kWideCopyUnroll>,
+                       dim3(static_cast<unsigned>(int64_t{args.tiles} * args.splits)), dim3(kPackThreads), 0,
+                       stream, args);
+  } else {
+    launch_unrolled<COUNTS_GIVEN, kCopyUnroll>(vector_bytes, args, stream);
   }
 }
 
@@ -474,7 +509,10 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
       vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes);
   args.preload = payload.ready_before_wait &&
                  preloads(shape, args.rows, positions, args.position_bytes, vector_bytes, multiprocessors);
-  launch<COUNTS_GIVEN>(vector_bytes, args, stream);
+  launch<COUNTS_GIVEN>(vector_bytes,
+                       !args.preload &&
+                           wide_copy(shape, args.rows, positions, args.position_bytes, vector_bytes),
+                       args, stream);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
