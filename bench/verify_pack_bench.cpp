@@ -6,7 +6,8 @@
 // (PayloadView::ready_before_wait: in a speculative cycle the draft's KV is written by the draft forward,
 // kernels before the verify), so small launches preload it (pack_preloads; "pre" in the grid column);
 // smcgraph_fused_graph_late leaves it unmarked (as if the previous kernel wrote the payload);
-// smcgraph_fused_eager is the marked launch outside a graph.
+// smcgraph_fused_eager is the marked launch outside a graph; cuda_memcpy_same_bytes is one cudaMemcpyAsync of
+// the packed bytes in the same graph chain (no verify, no scan): what a copy of that size reaches.
 //
 //   build/bench/verify_pack_bench [results/verify_pack.csv] [--peer-csv results/verify_pack_peer.csv]
 //                                 [--only 32:128:0.9:2048]
@@ -249,6 +250,16 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
   ready = true;
   results.push_back(
       {"smcgraph_fused_eager", config, h_total, smcgraph::bench::time_eager(launch, stream, 200, 20), bytes});
+  // What the size itself allows: one cudaMemcpyAsync of the packed bytes (payload to packed, the same
+  // rotation), with the same bytes counted; no verify, no scan.
+  const auto copy_same_bytes = [&](cudaStream_t s) {
+    Slot& slot = rotation[next_slot++ % slots];
+    SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(slot.packed.data(), slot.payload.data(),
+                                        static_cast<size_t>(h_total) * position_bytes,
+                                        cudaMemcpyDeviceToDevice, s));
+  };
+  results.push_back({"cuda_memcpy_same_bytes", config, h_total,
+                     smcgraph::bench::time_graph(copy_same_bytes, stream, launches_per_graph), bytes});
   return results;
 }
 
@@ -335,8 +346,11 @@ int main(int argc, char** argv) {
         if (it != peers.end())
           for (const auto& [method, median_us] : it->second)
             versus += method + " " + format(median_us / row.timing.median_us, 2) + "x  ";
-        const std::string grid = std::to_string(shape.tiles) + "x" + std::to_string(shape.splits) +
-                                 (preloads && row.method != "smcgraph_fused_graph_late" ? " pre" : "");
+        const bool ours = row.method.rfind("smcgraph_", 0) == 0;
+        const std::string grid =
+            !ours ? "-"
+                  : std::to_string(shape.tiles) + "x" + std::to_string(shape.splits) +
+                        (preloads && row.method != "smcgraph_fused_graph_late" ? " pre" : "");
         std::printf("%-26s %5d %11d %5.2f %6d %7d %-9s %10s %10s %9s %8s %6s  %s\n", row.method.c_str(),
                     config.rows, config.draft_steps, config.alpha, config.kv_dim, row.packed_rows,
                     grid.c_str(), format(row.timing.median_us, 2).c_str(),
