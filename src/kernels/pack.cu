@@ -5,8 +5,12 @@
 // read of given counts), scans them in-tile, and copies its 1/splits share of the tile's packed bytes.
 // Tiles are chained by a decoupled look-back (Merrill & Garland 2016): split 0 of each tile publishes the
 // tile's count, then its inclusive prefix; a CTA needs its tile's exclusive prefix only to store, so the
-// first batch of loads is in flight while it looks back. A tile's packed rows are contiguous in the output,
-// so a CTA's share maps to one contiguous destination range.
+// first batch of loads is in flight while it looks back. One warp a CTA looks back and hands the offset to
+// the others through shared memory (SMCGRAPH_PACK_LOOKBACK=warps: every warp looks back itself, as before):
+// with 528 CTAs x 8 warps polling 16 status words, b 32, gamma 128, kv 2048 fp16 took 15.37 us at acceptance
+// 0.9 against 12.09-12.15 with one warp a CTA, 9.21 against 6.73-6.84 at 0.3 (verify_pack_bench, NVIDIA H200;
+// small launches within 0.1 us). A tile's packed rows are contiguous in the output, so a CTA's share maps to
+// one contiguous destination range.
 //
 // Grid sizing: a tile covers <= 256 draft positions (one per thread), the splits give every CTA >= 16 KiB
 // (one batch of 256 threads x 4 x 16-byte copies) and, for big payloads, about total / (4 x SMs), so the
@@ -93,6 +97,7 @@ struct PackArgs {
   int rows_per_tile = 0, tiles = 0, splits = 0;
   int preload = 0; ///< pack_preloads: this CTA's share of the stored payload is loaded before the PDL wait
   Word* workspace = nullptr;
+  int cta_lookback = 0; ///< one warp a CTA looks back and shares the offset (else every warp does its own)
 };
 
 __device__ __forceinline__ void publish(Word* status, uint32_t generation, uint32_t flag, uint32_t value) {
@@ -265,10 +270,21 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
   const int64_t end = tile_units * (split + 1) / args.splits;
   bool have_offset = !chained || tile == 0;
   uint32_t tile_offset = 0;
-  const auto find_offset = [&] { // warp-collective
+  __shared__ uint32_t shared_offset;
+  const auto find_offset = [&] { // warp-collective; CTA-collective with cta_lookback
     if (have_offset)
       return;
-    tile_offset = look_back(statuses, tile, generation, reduce_storage[warp]);
+    if (args.cta_lookback) {
+      if (warp == 0) {
+        const uint32_t offset = look_back(statuses, tile, generation, reduce_storage[0]);
+        if (lane == 0)
+          shared_offset = offset;
+      }
+      __syncthreads();
+      tile_offset = shared_offset;
+    } else {
+      tile_offset = look_back(statuses, tile, generation, reduce_storage[warp]);
+    }
     have_offset = true;
     if (leader && warp == 0 && lane == 0)
       publish(statuses + tile, generation, kTileInclusive, tile_offset + static_cast<uint32_t>(tile_count));
@@ -356,8 +372,7 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
     __syncthreads(); // every warp is done with the statuses
     if (threadIdx.x == 0) {
       __threadfence();
-      const Word done = atomicAdd(args.workspace + kExitWord, Word{1});
-      if (done == gridDim.x - 1) {
+      if (atomicAdd(args.workspace + kExitWord, Word{1}) == gridDim.x - 1) {
         args.workspace[kExitWord] = 0;
         args.workspace[kGenerationWord] = static_cast<uint32_t>(generation + 1u);
       }
@@ -377,8 +392,16 @@ PackLaunchShape shape_for(int rows, int draft_steps, int positions, int64_t posi
   shape.tiles = static_cast<int>(ceil_div(rows, shape.rows_per_tile));
   const int64_t tile_bytes = int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
   const int64_t total_bytes = int64_t{rows} * positions * position_bytes;
+  // A/B switches for the copy's grid (SMCGRAPH_PACK_CTAS_PER_SM, SMCGRAPH_PACK_MIN_CHUNK_KIB): unset, the
+  // constants above.
+  static const int64_t ctas_per_sm =
+      detail::env_integer("SMCGRAPH_PACK_CTAS_PER_SM", 1, 64, "must be 1 to 64 CTAs an SM")
+          .value_or(kCtasPerSm);
+  static const int64_t min_chunk_bytes =
+      1024 * detail::env_integer("SMCGRAPH_PACK_MIN_CHUNK_KIB", 1, 1024, "must be 1 to 1024 KiB")
+                 .value_or(kMinChunkBytes / 1024);
   const int64_t chunk_bytes =
-      std::max(kMinChunkBytes, ceil_div(total_bytes, int64_t{multiprocessors} * kCtasPerSm));
+      std::max(min_chunk_bytes, ceil_div(total_bytes, int64_t{multiprocessors} * ctas_per_sm));
   shape.splits = static_cast<int>(std::max<int64_t>(1, ceil_div(tile_bytes, chunk_bytes)));
   return shape;
 }
@@ -497,6 +520,9 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
   args.payload_row_stride_bytes = payload.row_stride * element_bytes;
   args.out = out;
   args.workspace = workspace.words();
+  static const bool cta_lookback = detail::env_choice<bool>(
+      "smcgraph::verify_and_pack", "SMCGRAPH_PACK_LOOKBACK", {{"cta", true}, {"warps", false}});
+  args.cta_lookback = cta_lookback ? 1 : 0;
   const int multiprocessors = current_device_info().multiprocessors;
   const PackLaunchShape shape =
       shape_for(args.rows, args.draft_steps, positions, args.position_bytes, COUNTS_GIVEN, multiprocessors);
