@@ -12,7 +12,8 @@ trap 'rm -rf "$dir"' EXIT
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 expect() { # $1 output, $2 expected line (exact, after squeezing spaces)
-  printf '%s\n' "$1" | tr -s ' ' | grep -qxF -- "$2" || fail "no line '$2' in:
+  # grep without -q: it reads all its input, so under pipefail no writer ends on SIGPIPE.
+  printf '%s\n' "$1" | tr -s ' ' | grep -xF -- "$2" >/dev/null || fail "no line '$2' in:
 $1"
 }
 
