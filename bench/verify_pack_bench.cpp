@@ -12,7 +12,9 @@
 //   build/bench/verify_pack_bench [results/verify_pack.csv] [--peer-csv results/verify_pack_peer.csv]
 //                                 [--only 32:128:0.9:2048]
 //
-// --only rows:draft_steps:alpha:kv_dim runs that configuration alone (repeatable), e.g. under ncu.
+// --only rows:draft_steps:alpha:kv_dim runs that configuration alone (repeatable), e.g. under ncu. A value
+// that is malformed or names none of the configurations, a flag without its value and an unknown flag are
+// refused with exit status 2 before any CUDA call (tests/tools/test_verify_pack_bench_options.sh).
 //
 // Floors: bytes moved (payload read + written, tokens read, per-row outputs written) / the device-to-device
 // copy bandwidth (read + written), and the per-node time of a chain of empty kernels for the small ones.
@@ -268,26 +270,41 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
 int main(int argc, char** argv) {
   std::string csv_path = "results/verify_pack.csv", peer_csv;
   std::vector<std::string> only; // "rows:draft_steps:alpha:kv_dim", alpha with two decimals
+  const auto refuse = [](const std::string& message) {
+    std::fprintf(stderr, "verify_pack_bench: %s\n", message.c_str());
+    return 2;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--peer-csv" && i + 1 < argc) {
-      peer_csv = argv[++i];
-    } else if (arg == "--only" && i + 1 < argc) {
-      const std::string value = argv[++i];
-      int rows = 0, steps = 0, kv_dim = 0;
-      double alpha = 0.0;
-      char end = 0;
-      if (std::sscanf(value.c_str(), "%d:%d:%lf:%d%c", &rows, &steps, &alpha, &kv_dim, &end) != 4) {
-        std::fprintf(stderr, "verify_pack_bench: --only %s: expected rows:draft_steps:alpha:kv_dim\n",
-                     value.c_str());
-        return 2;
-      }
-      only.push_back(config_key(Config{rows, steps, alpha, kv_dim}));
-    } else if (arg == "--help" || arg == "-h") {
+    if (arg == "--help" || arg == "-h") {
       std::printf("usage: %s [csv_path (default results/verify_pack.csv)] [--peer-csv peer.csv] "
                   "[--only rows:draft_steps:alpha:kv_dim ...]\n",
                   argv[0]);
       return 0;
+    }
+    if ((arg == "--peer-csv" || arg == "--only") && i + 1 >= argc)
+      return refuse(arg + " needs a value");
+    if (arg == "--peer-csv") {
+      peer_csv = argv[++i];
+    } else if (arg == "--only") {
+      const std::string value = argv[++i];
+      int rows = 0, steps = 0, kv_dim = 0;
+      double alpha = 0.0;
+      char end = 0;
+      if (std::sscanf(value.c_str(), "%d:%d:%lf:%d%c", &rows, &steps, &alpha, &kv_dim, &end) != 4)
+        return refuse("--only " + value + ": expected rows:draft_steps:alpha:kv_dim");
+      const std::string key = config_key(Config{rows, steps, alpha, kv_dim});
+      std::string known;
+      bool found = false;
+      for (const Config& config : make_configs()) {
+        found = found || config_key(config) == key;
+        known += (known.empty() ? "" : ", ") + config_key(config);
+      }
+      if (!found)
+        return refuse("--only " + value + " is not one of the configurations: " + known);
+      only.push_back(key);
+    } else if (arg.rfind("-", 0) == 0) {
+      return refuse("unknown option " + arg + " (--help lists them)");
     } else {
       csv_path = arg;
     }
@@ -316,11 +333,9 @@ int main(int argc, char** argv) {
                 "draft_steps", "alpha", "kv_dim", "packed", "grid", "median_us", "p90_us", "GB/s", "of_copy",
                 "floor", "vs peers");
     bool all_valid = true;
-    bool ran = false;
     for (const Config& config : make_configs()) {
       if (!only.empty() && std::find(only.begin(), only.end(), config_key(config)) == only.end())
         continue;
-      ran = true;
       std::string failure;
       const auto results = run_config(config, stream, workspace, rotation_bytes, &failure);
       if (!failure.empty()) {
@@ -359,10 +374,6 @@ int main(int argc, char** argv) {
                     versus.c_str());
       }
       std::fflush(stdout);
-    }
-    if (!ran) {
-      std::fprintf(stderr, "verify_pack_bench: --only matched no configuration\n");
-      return 2;
     }
     std::printf(
         "of_copy: bytes moved / time / copy bandwidth; floor: node floor / time (1.00 = launch-bound); "
