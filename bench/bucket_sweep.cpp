@@ -76,7 +76,6 @@
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
-#include "smcgraph/ngram_draft.hpp"
 #include "smcgraph/slots.hpp"
 #include "smcgraph/tokenizer.hpp"
 #include "smcgraph/toy_model.hpp"
@@ -1152,24 +1151,12 @@ int run(const Options& o, const char* argv0) {
           if (real_pairs.count(layers))
             continue;
           ModelPair pair{nullptr, llama_target.get(), true};
-          if (layers == "ngram") { // the n-gram draft: no weights, a token id per position
-            NgramDraftOptions ngram;
-            ngram.vocab = llama_target->vocab();
-            ngram.pool_size = constants.pool_size;
-            ngram.max_seq_len = constants.max_seq_len;
-            ngram.logits_dtype = dtype;
-            real_drafts[layers] = std::make_unique<NgramDraft>(ngram);
-            pair.draft_kv_bytes_per_token = sizeof(int32_t);
-          } else {
-            options.layers = parse_llama_layers(layers);
-            // A layer-prefix draft shares the target's KV (the same bits either way; half the KV memory),
-            // which adaptive K = 0 (--min-steps 0) needs.
-            options.kv_owner =
-                llama_layers_prefix(options.layers, llama_target->layers()) ? llama_target.get() : nullptr;
-            auto draft = std::make_unique<LlamaModel>(llama_weights, options);
+          real_drafts[layers] = examples::make_draft(layers, llama_weights, options, *llama_target);
+          if (const auto* draft = dynamic_cast<const LlamaModel*>(real_drafts[layers].get())) {
             pair.draft_weight_bytes = draft->weight_bytes_per_forward();
             pair.draft_kv_bytes_per_token = kv_token_layer * draft->layers().size();
-            real_drafts[layers] = std::move(draft);
+          } else { // the n-gram draft: no weights, a token id per position
+            pair.draft_kv_bytes_per_token = sizeof(int32_t);
           }
           pair.draft = real_drafts[layers].get();
           pair.target_weight_bytes = llama_target->weight_bytes_per_forward();

@@ -43,11 +43,11 @@
 #include "bench_util.hpp"
 #include "chat_prompts.hpp"
 #include "cli.hpp"
+#include "smollm2_drafts.hpp"
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
 #include "smcgraph/llama_model.hpp"
-#include "smcgraph/ngram_draft.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
 #include "smcgraph/tokenizer.hpp"
@@ -366,23 +366,10 @@ int run(const Options& o) {
               "ESS/N", "+-se", "resampled", "req.cycles", "logZ/token", "+-se", "greedy acc.");
   for (const std::string& spec : o.drafts) {
     // "ngram": the weightless n-gram draft (NgramDraft, prompt lookup) with its default n-grams and
-    // confidence.
-    std::unique_ptr<smcgraph::Model> draft;
-    size_t draft_layers = 0;
-    if (spec == "ngram") {
-      smcgraph::NgramDraftOptions ngram;
-      ngram.vocab = target.vocab();
-      ngram.pool_size = model_options.pool_size;
-      ngram.max_seq_len = model_options.max_seq_len;
-      ngram.logits_dtype = model_options.logits_dtype;
-      draft = std::make_unique<smcgraph::NgramDraft>(ngram);
-    } else {
-      model_options.layers = smcgraph::parse_llama_layers(spec);
-      model_options.kv_owner =
-          smcgraph::llama_layers_prefix(model_options.layers, target.layers()) ? &target : nullptr;
-      draft = std::make_unique<smcgraph::LlamaModel>(setup.weights, model_options);
-      draft_layers = model_options.layers.size();
-    }
+    // confidence; a layer list: the target's layers it names.
+    const std::unique_ptr<smcgraph::Model> draft =
+        smcgraph::examples::make_draft(spec, setup.weights, model_options, target);
+    const size_t draft_layers = spec == "ngram" ? 0 : smcgraph::parse_llama_layers(spec).size();
     const GreedyResult greedy = study_greedy(o, setup, *draft, target);
     const std::vector<SmcResult> smc = study_smc(o, setup, *draft, target);
     std::string label = spec;

@@ -40,7 +40,6 @@
 #include "smcgraph/engine.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/gguf.hpp"
-#include "smcgraph/ngram_draft.hpp"
 #include "smcgraph/llama_model.hpp"
 #include "smcgraph/runtime.hpp"
 #include "smcgraph/smc_kernels.hpp"
@@ -161,21 +160,8 @@ int run(const Options& o) {
   model_options.prefill_gemm_tokens = o.prefill_gemm;
   smcgraph::LlamaModel target(weights, model_options);
   // The draft: the n-gram draft, or a layer subset (a prefix of the layers shares the target's KV).
-  const bool ngram = o.draft_layers == "ngram";
-  std::unique_ptr<smcgraph::Model> draft;
-  if (ngram) {
-    smcgraph::NgramDraftOptions ngram_options;
-    ngram_options.vocab = target.vocab();
-    ngram_options.pool_size = model_options.pool_size;
-    ngram_options.max_seq_len = max_seq_len;
-    ngram_options.logits_dtype = model_options.logits_dtype;
-    draft = std::make_unique<smcgraph::NgramDraft>(ngram_options);
-  } else {
-    model_options.layers = smcgraph::parse_llama_layers(o.draft_layers);
-    if (smcgraph::llama_layers_prefix(model_options.layers, target.layers()))
-      model_options.kv_owner = &target;
-    draft = std::make_unique<smcgraph::LlamaModel>(weights, model_options);
-  }
+  const std::unique_ptr<smcgraph::Model> draft =
+      smcgraph::examples::make_draft(o.draft_layers, weights, model_options, target);
 
   smcgraph::EngineConfig config;
   config.kind = smc ? smcgraph::CycleKind::kSmc : smcgraph::CycleKind::kSpeculative;
