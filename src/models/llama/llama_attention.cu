@@ -345,9 +345,7 @@ __global__ void __launch_bounds__(kThreads) LlamaAttentionKernel(const Attention
   if (early)
     load_key_value<MAX_HEAD_DIM>(a, next_slot, kv_head, hd, v_shared + lane * hd, key);
   __pipeline_commit();
-  pdl_wait();
-  if (!a.trigger_early)
-    pdl_trigger();
+  pdl_wait_then_trigger(a.trigger_early);
   if (!live)
     return;
   uint16_t* out = a.out + static_cast<size_t>(t) * q_dim + head * hd;
@@ -598,9 +596,7 @@ __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGro
   if (early)
     load_position(slot);
   __pipeline_commit();
-  pdl_wait();
-  if (!a.trigger_early)
-    pdl_trigger();
+  pdl_wait_then_trigger(a.trigger_early);
   if (!live)
     return;
   // The queries (this forward's QKV projection wrote them), and the cached chunk's own positions.

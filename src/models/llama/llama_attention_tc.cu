@@ -123,9 +123,7 @@ __global__ void __launch_bounds__(kTcThreads, HD <= 64 ? 2 : 1)
   __syncthreads();
   const int length = block_length;
   const int32_t* slots = a.slot_table + static_cast<size_t>(r) * a.max_seq_len;
-  pdl_wait();
-  if (!a.trigger_early)
-    pdl_trigger();
+  pdl_wait_then_trigger(a.trigger_early);
   if (!live)
     return;
 

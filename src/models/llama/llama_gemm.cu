@@ -242,9 +242,7 @@ __global__ void __launch_bounds__(32 * WARPS) LlamaGemmKernel(const GemmArgs a, 
     for (int i = 0; i < kNormVec; ++i)
       gamma[i] = lane + 32 * i < K / 4 ? norm4[lane + 32 * i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  pdl_wait();
-  if (!a.trigger_early)
-    pdl_trigger();
+  pdl_wait_then_trigger(a.trigger_early);
   if constexpr (kPrefetchResidual) {
     // A residual that may still be written before the wait (GemmArgs::residual_ready_before_wait false):
     // loaded right after it, its latency beside the A rows' rather than in the epilogue.
@@ -814,9 +812,7 @@ __global__ void __launch_bounds__(kThreads) LlamaPipelinedGemmKernel(const GemmA
   __shared__ QkvRows rows;
   if constexpr (EPILOGUE == static_cast<int>(GemmEpilogue::kQkvRope))
     rows.load(a, m0, BM);
-  pdl_wait();
-  if (!a.trigger_early)
-    pdl_trigger();
+  pdl_wait_then_trigger(a.trigger_early);
   for (int s = 0; s < kPipeStages - 1; ++s) {
     if (s < chunks)
       load_a(s, s);

@@ -13,4 +13,12 @@ using detail::launch_pdl;
 using detail::pdl_enabled;
 using detail::pdl_trigger;
 using detail::pdl_wait;
+
+/// The PDL wait, then the trigger that lets the next launch start, unless this launch gave it at its top
+/// (GemmArgs / AttentionArgs::trigger_early: the early-trigger kernels call pdl_trigger() first thing).
+__device__ __forceinline__ void pdl_wait_then_trigger(bool triggered_early) {
+  pdl_wait();
+  if (!triggered_early)
+    pdl_trigger();
+}
 } // namespace smcgraph::llama
