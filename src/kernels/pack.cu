@@ -384,13 +384,18 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
 // Launchers
 // ---------------------------------------------------------------------------------------------------------
 
+/// Bytes of one tile's stored payload (its rows' positions, accepted or not): what the splits share.
+int64_t stored_tile_bytes(const PackLaunchShape& shape, int rows, int positions, int64_t position_bytes) {
+  return int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
+}
+
 PackLaunchShape shape_for(int rows, int draft_steps, int positions, int64_t position_bytes, bool counts_given,
                           int multiprocessors) {
   PackLaunchShape shape;
   shape.rows_per_tile =
       counts_given ? kMaxRowsPerTile : std::clamp(kTilePositions / draft_steps, 1, kMaxRowsPerTile);
   shape.tiles = static_cast<int>(ceil_div(rows, shape.rows_per_tile));
-  const int64_t tile_bytes = int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
+  const int64_t tile_bytes = stored_tile_bytes(shape, rows, positions, position_bytes);
   const int64_t total_bytes = int64_t{rows} * positions * position_bytes;
   // A/B switches for the copy's grid (SMCGRAPH_PACK_CTAS_PER_SM, SMCGRAPH_PACK_MIN_CHUNK_KIB): unset, the
   // constants above.
@@ -414,8 +419,7 @@ PackLaunchShape shape_for(int rows, int draft_steps, int positions, int64_t posi
 bool preloads(const PackLaunchShape& shape, int rows, int positions, int64_t position_bytes, int vector_bytes,
               int multiprocessors) {
   const int64_t total_bytes = int64_t{rows} * positions * position_bytes;
-  const int64_t tile_units =
-      int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes / vector_bytes;
+  const int64_t tile_units = stored_tile_bytes(shape, rows, positions, position_bytes) / vector_bytes;
   return shape.tiles == 1 && total_bytes <= int64_t{multiprocessors} * kMinChunkBytes &&
          ceil_div(tile_units, int64_t{shape.splits}) <= int64_t{kPackThreads} * kCopyUnroll;
 }
@@ -440,7 +444,7 @@ bool wide_copy(const PackLaunchShape& shape, int rows, int positions, int64_t po
                int vector_bytes) {
   static const bool narrow_only = detail::env_choice<bool>("smcgraph::verify_and_pack", "SMCGRAPH_PACK_COPY",
                                                            {{"wide", false}, {"narrow", true}});
-  const int64_t tile_bytes = int64_t{std::min(rows, shape.rows_per_tile)} * positions * position_bytes;
+  const int64_t tile_bytes = stored_tile_bytes(shape, rows, positions, position_bytes);
   return !narrow_only && vector_bytes == 16 && ceil_div(tile_bytes, int64_t{shape.splits}) > kMinChunkBytes;
 }
 
