@@ -102,10 +102,11 @@ void gemm_epilogue_fp32(GemmEpilogue epilogue, const GemmArgs& args, int first, 
                         cudaStream_t stream);
 
 /// The layer GEMMs of a prefill through cuBLASLt (llama_prefill_gemm.cu): one algorithm pinned per shape
-/// (QKV, O, gate/up, down), split-K off, checked for every chunk size at construction; run() takes A rows in
-/// a_bf16 (rms_norm_rows(x) for the norm epilogues), adds into `residual` for kResidualAdd and otherwise
-/// writes `scratch` ([min(max_tokens, kPrefillChunkTokens), N] fp32) and runs gemm_epilogue_fp32(). run()
-/// returns false, doing nothing, where no pinned algorithm serves the shape.
+/// (QKV, O, gate/up, down), split-K off, checked with cublasLtMatmulAlgoCheck at 15 row counts from 1 to
+/// kPrefillChunkTokens at construction; run() takes A rows in a_bf16 (rms_norm_rows(x) for the norm
+/// epilogues), adds into `residual` for kResidualAdd and otherwise writes `scratch` ([min(max_tokens,
+/// kPrefillChunkTokens), N] fp32) and runs gemm_epilogue_fp32(). run() returns false, doing nothing, where no
+/// pinned algorithm serves the shape.
 class PrefillGemms {
 public:
   PrefillGemms(int hidden, int q_dim, int kv_dim, int ffn, int max_tokens);
