@@ -5,7 +5,10 @@
 // Methods: smcgraph_fused_graph marks the payload ready before the launch's PDL wait
 // (PayloadView::ready_before_wait: in a speculative cycle the draft's KV is written by the draft forward,
 // kernels before the verify), so small launches preload it (pack_preloads; "pre" in the grid column);
-// smcgraph_fused_graph_late leaves it unmarked (as if the previous kernel wrote the payload);
+// smcgraph_fused_graph_late leaves it unmarked (as if the previous kernel wrote the payload). Every launch
+// passes the configuration's acceptance alpha as PayloadView::expected_packed_fraction (what an engine knows
+// from its running acceptance rate), so large marked launches of alpha >= 0.7 copy in source order
+// (SMCGRAPH_PACK_ORDER=packed turns that off for A/B runs);
 // smcgraph_fused_eager is the marked launch outside a graph; cuda_memcpy_same_bytes is one cudaMemcpyAsync of
 // the packed bytes in the same graph chain (no verify, no scan): what a copy of that size reaches.
 //
@@ -180,7 +183,8 @@ std::vector<Row> run_config(const Config& config, smcgraph::Stream& stream,
     Slot& slot = rotation[next_slot++ % slots];
     smcgraph::verify_and_pack(
         inputs,
-        {slot.payload.data(), kPayloadDType, config.kv_dim, int64_t{draft_steps} * config.kv_dim, ready},
+        {slot.payload.data(), kPayloadDType, config.kv_dim, int64_t{draft_steps} * config.kv_dim, ready,
+         static_cast<float>(config.alpha)},
         false, verdict,
         {slot.packed.data(), int64_t{rows} * draft_steps, offsets.data(), total.data(), slot.tokens.data()},
         workspace, s);

@@ -34,6 +34,7 @@ struct PackCase {
   int64_t extra_row_stride = 0; // payload elements between rows beyond positions * width
   int payload_offset = 0;       // elements: a misaligned payload start
   bool ready = false;           // PayloadView::ready_before_wait (small launches preload the payload)
+  float expected_packed = 0.0f; // PayloadView::expected_packed_fraction (large ready launches: source order)
 };
 
 std::string describe(const PackCase& c) {
@@ -41,7 +42,7 @@ std::string describe(const PackCase& c) {
          std::to_string(c.alpha) + " D " + std::to_string(c.width) + " " + smcgraph::dtype_name(c.dtype) +
          (c.include_next ? " +next" : "") + (c.with_tokens ? " +tokens" : "") + " stride+" +
          std::to_string(c.extra_row_stride) + " offset " + std::to_string(c.payload_offset) +
-         (c.ready ? " ready" : "");
+         (c.ready ? " ready" : "") + " expected packed " + std::to_string(c.expected_packed);
 }
 
 struct Outputs {
@@ -118,7 +119,12 @@ struct DeviceCase {
     return {draft.data(), c.draft_steps, target.data(), c.draft_steps + 1, c.rows, c.draft_steps, c.vocab};
   }
   smcgraph::PayloadView payload_view() const {
-    return {payload_buffer.data() + c.payload_offset * element_bytes, c.dtype, c.width, row_stride, c.ready};
+    return {payload_buffer.data() + c.payload_offset * element_bytes,
+            c.dtype,
+            c.width,
+            row_stride,
+            c.ready,
+            c.expected_packed};
   }
   smcgraph::PackOutputs pack_outputs() {
     return {packed.data(), capacity, offsets.data(), total.data(), c.with_tokens ? tokens.data() : nullptr};
@@ -298,6 +304,34 @@ TEST_CASE("verify_and_pack: payloads ready before the wait, preloaded or not") {
                     doctest::Contains("vector_bytes"));
   CHECK_THROWS_WITH(smcgraph::pack_preloads(4, 8, 8, f16, false, false, 32),
                     doctest::Contains("vector_bytes"));
+}
+
+TEST_CASE("verify_and_pack: large ready launches copy in source order when the caller expects most packed") {
+  // A wide launch (more than 16 KiB a CTA) with PayloadView::ready_before_wait and expected_packed_fraction
+  // >= kSourceOrderMinPacked loads its first batch of stored positions before its PDL wait and stores the
+  // packed ones after the scan. The hint only picks the order: a wrong one (few accepted, all, none) gives
+  // the same bits. Eager, captured, and pack_accepted (run_case); SMCGRAPH_PACK_ORDER=packed / source forces
+  // either.
+  test::Rng rng;
+  MESSAGE("seed " << rng.seed());
+  smcgraph::Stream stream;
+  smcgraph::PackWorkspace workspace(512);
+  const DType f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
+  std::vector<PackCase> cases = {
+      {32, 128, 0.9, 2048, f16},                            // the configuration, 16 tiles x 33 CTAs
+      {32, 128, 0.3, 2048, bf16, true},                     // + next; the hint overstates the acceptance
+      {32, 128, 1.0, 2048, f16, false, false},              // all accepted, no tokens
+      {32, 128, 0.0, 2048, f16, true},                      // all rejected: only the next positions
+      {4, 256, 0.8, 4096, f32},                             // 4 one-row tiles of 16 KiB positions
+      {24, 100, 0.7, 2048, f16, true, true, 4096, 8},       // padded rows, a partial last tile
+      {300, 16, 0.95, 1024, bf16, false, true, 4096, 0, 0}, // 19 tiles
+  };
+  for (PackCase& c : cases) {
+    c.ready = true;
+    c.expected_packed = c.alpha >= 0.5 ? static_cast<float>(c.alpha) : 0.9f;
+    INFO(describe(c));
+    run_case(c, rng, stream, workspace);
+  }
 }
 
 TEST_CASE("verify_and_pack: all accepted, all rejected, out-of-range ids") {

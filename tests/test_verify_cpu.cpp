@@ -445,6 +445,16 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
   payload.data = reinterpret_cast<const void*>(0x6001);
   CHECK(fused(good_tokens(), payload, good_pack()).find("payload.data = 0x6001: must be aligned") !=
         std::string::npos);
+  payload = good_payload();
+  payload.expected_packed_fraction = 1.5f;
+  CHECK(fused(good_tokens(), payload, good_pack()) ==
+        where + "payload.expected_packed_fraction = 1.5: must be in [0, 1]");
+  payload.expected_packed_fraction = -0.25f;
+  CHECK(fused(good_tokens(), payload, good_pack()) ==
+        where + "payload.expected_packed_fraction = -0.25: must be in [0, 1]");
+  payload.expected_packed_fraction = std::nanf("");
+  CHECK(fused(good_tokens(), payload, good_pack()).find("payload.expected_packed_fraction = nan") !=
+        std::string::npos);
   auto out = good_pack();
   out.packed = nullptr;
   CHECK(fused(good_tokens(), good_payload(), out) == where + "out.packed = null: must be a device pointer");

@@ -19,15 +19,17 @@
 // batch with all its loads in flight: b 32, gamma 128, kv 2048 fp16 went from 15.66-15.84 to 15.17-15.27 us
 // at acceptance 0.9 and from 11.13-11.23 to 9.07-9.33 at 0.3 (verify_pack_bench, NVIDIA H200).
 //
-// Preload (PayloadView::ready_before_wait, small launches: pack_preloads): each CTA loads its share of its
-// tile's payload as stored, every position accepted or not, before its PDL wait, so the payload's memory
-// latency hides under the previous kernel instead of following the verify and the scan; once the counts are
-// scanned it stores the accepted positions where the packed layout puts them. The bytes are the same.
-//
-// Graph safety: tile statuses carry the launch's generation; the last CTA to finish (an exit counter)
-// resets the counter and advances the generation, so a replay finds the workspace ready and stale statuses
-// never match. A single-tile launch touches no workspace at all. Forward progress relies on CTAs being
-// dispatched in blockIdx order, as CUB's single-pass scan does: a CTA only waits for lower-indexed ones.
+// Source order (wide launches: SMCGRAPH_PACK_ORDER=packed turns it off) and preload (small single-tile
+// launches with PayloadView::ready_before_wait: pack_preloads): each CTA copies its share of its tile's
+// payload as stored, every position accepted or not, and loads the first batch of it before the verify
+// (before the PDL wait when the payload is marked ready), so that batch's memory latency hides under the
+// verify and the scan (and the previous kernel) instead of following them; once the counts are scanned it
+// stores the accepted positions where the packed layout puts them, and later batches load only accepted ones.
+// The bytes are the same; the first batch also reads its rejected positions. Graph safety: tile statuses
+// carry the launch's generation; the last CTA to finish (an exit counter) resets the counter and advances the
+// generation, so a replay finds the workspace ready and stale statuses never match. A single-tile launch
+// touches no workspace at all. Forward progress relies on CTAs being dispatched in blockIdx order, as CUB's
+// single-pass scan does: a CTA only waits for lower-indexed ones.
 #include <algorithm>
 #include <cstdint>
 
@@ -149,7 +151,27 @@ __device__ __forceinline__ int row_of(const int32_t* prefix, int tile_rows, int6
   return low;
 }
 
-template <int VECTOR_BYTES, bool COUNTS_GIVEN, int UNROLL>
+/// Stored unit `unit` of a tile whose rows hold `row_units` units each (its positions in order, accepted or
+/// not): its row, its index inside the row, and so its source address and, once the tile's counts are
+/// scanned, whether it is packed and where (packed unit prefix[row] x units_per_position + in_row).
+struct StoredUnit {
+  int row, in_row;
+  __device__ __forceinline__ StoredUnit(int unit, int row_units)
+      : row(unit / row_units), in_row(unit - unit / row_units * row_units) {}
+  __device__ __forceinline__ const char* source(const char* tile_payload, int64_t row_stride_bytes,
+                                                int vector_bytes) const {
+    return tile_payload + row * row_stride_bytes + int64_t{in_row} * vector_bytes;
+  }
+  __device__ __forceinline__ bool packed(const int32_t* prefix, int units_per_position) const {
+    return in_row < (prefix[row + 1] - prefix[row]) * units_per_position;
+  }
+  /// < the tile's stored units, so 32-bit (the launcher keeps those below 2^31)
+  __device__ __forceinline__ int packed_unit(const int32_t* prefix, int units_per_position) const {
+    return prefix[row] * units_per_position + in_row;
+  }
+};
+
+template <int VECTOR_BYTES, bool COUNTS_GIVEN, int UNROLL, bool SOURCE_ORDER = false>
 __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCtasPerSm : 0)
     VerifyPackKernel(const PackArgs args) {
   using Vector = typename VectorOf<VECTOR_BYTES>::type;
@@ -174,27 +196,47 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
   const char* const tile_payload = args.payload + row0 * args.payload_row_stride_bytes;
   const int64_t units_per_position = args.position_bytes / VECTOR_BYTES;
 
-  // 0. Preload: this CTA's 1/splits of the tile's stored units (row r's positions in order, rows in order;
-  // one batch at most, pack_preloads), loaded before the PDL wait: the caller vouches that the payload was
-  // complete before the previous kernel began (PayloadView::ready_before_wait). 32-bit: a preloaded payload
-  // is at most multiprocessors x 16 KiB.
+  // 0. The CTA's 1/splits of the tile's stored units (row r's positions in order, accepted or not; rows in
+  // order), which the copy goes over in source order: SOURCE_ORDER (wide launches) and preload (small ones).
+  // Both load their first batch before the PDL wait (the caller vouched that the payload was complete before
+  // the previous kernel began: PayloadView::ready_before_wait), so its memory latency hides under that
+  // kernel's tail, the verify and the scan; the accepted units are stored once the counts are scanned.
+  // 32-bit: the launcher keeps a tile's stored units below 2^31 (a preloaded payload is at most
+  // multiprocessors x 16 KiB).
+  const bool by_source = SOURCE_ORDER || (UNROLL == kCopyUnroll && args.preload); // wide: never preloads
   const int row_units =
-      args.preload ? (args.draft_steps + args.include_next) * static_cast<int>(units_per_position) : 0;
+      by_source ? (args.draft_steps + args.include_next) * static_cast<int>(units_per_position) : 0;
   const int source_units = tile_rows * row_units;
   const int source_begin = static_cast<int>(int64_t{source_units} * split / args.splits);
   const int source_end = static_cast<int>(int64_t{source_units} * (split + 1) / args.splits);
-  Vector preloaded[kCopyUnroll];
-  if (args.preload) {
+  const auto load_stored = [&](int first, Vector(&data)[UNROLL], bool packed_only) {
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int unit = source_begin + u * kPackThreads + static_cast<int>(threadIdx.x);
+    for (int u = 0; u < UNROLL; ++u) {
+      const int unit = first + u * kPackThreads + static_cast<int>(threadIdx.x);
       if (unit < source_end) {
-        const int r = unit / row_units;
-        preloaded[u] = *reinterpret_cast<const Vector*>(tile_payload + r * args.payload_row_stride_bytes +
-                                                        int64_t{unit - r * row_units} * VECTOR_BYTES);
+        const StoredUnit stored(unit, row_units);
+        if (!packed_only || stored.packed(prefix, static_cast<int>(units_per_position)))
+          data[u] = *reinterpret_cast<const Vector*>(
+              stored.source(tile_payload, args.payload_row_stride_bytes, VECTOR_BYTES));
       }
     }
-  }
+  };
+  const auto store_packed = [&](int first, const Vector(&data)[UNROLL], char* destination) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int unit = first + u * kPackThreads + static_cast<int>(threadIdx.x);
+      if (unit < source_end) {
+        const StoredUnit stored(unit, row_units);
+        if (stored.packed(prefix, static_cast<int>(units_per_position)))
+          *reinterpret_cast<Vector*>(
+              destination + int64_t{stored.packed_unit(prefix, static_cast<int>(units_per_position))} *
+                                VECTOR_BYTES) = data[u];
+      }
+    }
+  };
+  Vector preloaded[UNROLL];
+  if (by_source) // source order and preload: the payload is ready before the wait (the launcher checks)
+    load_stored(source_begin, preloaded, false);
   detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
 
   if (chained && threadIdx.x == 0)
@@ -209,10 +251,12 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
     __syncthreads();
     const int windows = (in.draft_steps + 31) / 32;
     const int items = tile_rows * windows;
-    for (int batch = warp; batch < items; batch += kPackWarps * kVerifyBatch) { // warp-uniform
-      int32_t draft[kVerifyBatch], target[kVerifyBatch];
+    // Source order holds its first copy batch in registers meanwhile: fewer token loads at a time there.
+    constexpr int kItems = SOURCE_ORDER ? 1 : kVerifyBatch;
+    for (int batch = warp; batch < items; batch += kPackWarps * kItems) { // warp-uniform
+      int32_t draft[kItems], target[kItems];
 #pragma unroll
-      for (int b = 0; b < kVerifyBatch; ++b) {
+      for (int b = 0; b < kItems; ++b) {
         const int item = batch + b * kPackWarps;
         const int r = item / windows;
         const int j = (item - r * windows) * 32 + lane;
@@ -221,7 +265,7 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
         target[b] = inside ? in.target_tokens[(row0 + r) * in.target_row_stride + j] : 0;
       }
 #pragma unroll
-      for (int b = 0; b < kVerifyBatch; ++b) {
+      for (int b = 0; b < kItems; ++b) {
         const int item = batch + b * kPackWarps;
         if (item >= items)
           break; // warp-uniform: one ballot per window
@@ -265,7 +309,7 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
 
   // 3. This CTA's share of the tile's packed units: loads, (first batch only) the look-back, stores.
   const int32_t tile_count = prefix[kMaxRowsPerTile];
-  const int64_t tile_units = args.preload ? 0 : int64_t{tile_count} * units_per_position; // preload: 3'
+  const int64_t tile_units = by_source ? 0 : int64_t{tile_count} * units_per_position; // by source: 3'
   const int64_t begin = tile_units * split / args.splits;
   const int64_t end = tile_units * (split + 1) / args.splits;
   bool have_offset = !chained || tile == 0;
@@ -311,21 +355,20 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
         *reinterpret_cast<Vector*>(destination + unit * VECTOR_BYTES) = data[u];
     }
   }
-  if (args.preload) { // CTA-uniform
-    // 3'. The preloaded units that are packed: unit i of row r's stored positions, when i < row r's packed
-    // count x units_per_position, goes to packed unit prefix[r] x units_per_position + i of the tile.
+  if (by_source) { // CTA-uniform
+    // 3'. In source order: unit i of row r's stored positions is packed when i < row r's packed count x
+    // units_per_position, at packed unit prefix[r] x units_per_position + i of the tile. The first batch was
+    // loaded before the verify; later ones (SOURCE_ORDER) load only the packed units.
     find_offset();
     char* const destination =
         static_cast<char*>(args.out.packed) + int64_t{tile_offset} * args.position_bytes;
-    const int position_units = static_cast<int>(units_per_position);
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int unit = source_begin + u * kPackThreads + static_cast<int>(threadIdx.x);
-      if (unit < source_end) {
-        const int r = unit / row_units, in_row = unit - r * row_units;
-        if (in_row < (prefix[r + 1] - prefix[r]) * position_units)
-          *reinterpret_cast<Vector*>(destination + int64_t{prefix[r] * position_units + in_row} *
-                                                       VECTOR_BYTES) = preloaded[u];
+    store_packed(source_begin, preloaded, destination);
+    if constexpr (SOURCE_ORDER) {
+      for (int batch = source_begin + kPackThreads * UNROLL; batch < source_end;
+           batch += kPackThreads * UNROLL) { // CTA-uniform
+        Vector data[UNROLL];
+        load_stored(batch, data, true);
+        store_packed(batch, data, destination);
       }
     }
   }
@@ -471,11 +514,34 @@ void launch_unrolled(int vector_bytes, const PackArgs& args, cudaStream_t stream
   }
 }
 
+/// Whether a wide launch copies in source order (VerifyPackKernel's step 0): a payload ready before the PDL
+/// wait and a caller who expects at least kSourceOrderMinPacked of it packed (PayloadView); a tile's stored
+/// units below 2^31 (32-bit unit indices). SMCGRAPH_PACK_ORDER=packed never does, =source whenever the
+/// payload is ready, whatever the hint (A/B runs). NVIDIA H200, verify_pack_bench, b 32, gamma 128, kv 2048
+/// fp16, packed / source order, two rounds in one call: ready, acceptance 0.9 12.30, 12.24 -> 11.08, 11.01
+/// us; 0.3 6.94, 7.02 -> 8.48, 8.48 (it reads 3.6x the bytes it packs). Not ready (loads right after the
+/// wait, ahead of the verify's token loads): 12.33, 12.29 -> 14.36, 14.37 at 0.9, so it needs the ready
+/// payload.
+bool source_order(const PackLaunchShape& shape, int rows, int positions, const PayloadView& payload,
+                  int64_t position_bytes, int vector_bytes) {
+  enum class Order { kByHint, kPacked, kSource };
+  static const Order order = detail::env_choice<Order>(
+      "smcgraph::verify_and_pack", "SMCGRAPH_PACK_ORDER",
+      {{"hint", Order::kByHint}, {"packed", Order::kPacked}, {"source", Order::kSource}});
+  const bool wanted = order == Order::kSource ||
+                      (order == Order::kByHint && payload.expected_packed_fraction >= kSourceOrderMinPacked);
+  return payload.ready_before_wait && wanted &&
+         stored_tile_bytes(shape, rows, positions, position_bytes) / vector_bytes < INT32_MAX;
+}
+
 template <bool COUNTS_GIVEN>
-void launch(int vector_bytes, bool wide, const PackArgs& args, cudaStream_t stream) {
-  if (wide) {
-    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN, kWideCopyUnroll>,
-                       dim3(static_cast<unsigned>(int64_t{args.tiles} * args.splits)), dim3(kPackThreads), 0,
+void launch(int vector_bytes, bool wide, bool by_source, const PackArgs& args, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(int64_t{args.tiles} * args.splits));
+  if (wide && by_source) {
+    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN, kWideCopyUnroll, true>, grid, dim3(kPackThreads), 0,
+                       stream, args);
+  } else if (wide) {
+    detail::launch_pdl(VerifyPackKernel<16, COUNTS_GIVEN, kWideCopyUnroll>, grid, dim3(kPackThreads), 0,
                        stream, args);
   } else {
     launch_unrolled<COUNTS_GIVEN, kCopyUnroll>(vector_bytes, args, stream);
@@ -492,6 +558,8 @@ void validate_payload(const char* where, const PayloadView& payload, int positio
           payload.row_stride, "must be >= (draft_steps + include_next) * width");
   require(reinterpret_cast<uintptr_t>(payload.data) % dtype_bytes(payload.dtype) == 0, where, "payload.data",
           payload.data, "must be aligned to its element size");
+  require(payload.expected_packed_fraction >= 0.0f && payload.expected_packed_fraction <= 1.0f, where,
+          "payload.expected_packed_fraction", payload.expected_packed_fraction, "must be in [0, 1]");
 }
 
 /// The fields both launchers fill alike, from their rows (a TokenVerifyInputs or an AcceptedRows).
@@ -539,10 +607,12 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
       vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes);
   args.preload = payload.ready_before_wait &&
                  preloads(shape, args.rows, positions, args.position_bytes, vector_bytes, multiprocessors);
-  launch<COUNTS_GIVEN>(vector_bytes,
-                       !args.preload &&
-                           wide_copy(shape, args.rows, positions, args.position_bytes, vector_bytes),
-                       args, stream);
+  const bool wide =
+      !args.preload && wide_copy(shape, args.rows, positions, args.position_bytes, vector_bytes);
+  launch<COUNTS_GIVEN>(
+      vector_bytes, wide,
+      wide && source_order(shape, args.rows, positions, payload, args.position_bytes, vector_bytes), args,
+      stream);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
