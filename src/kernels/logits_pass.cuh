@@ -19,15 +19,21 @@
 //             argmax_s alpha m_s c + log2(sum_s) - log2(-log2 u_s) (offer_subtile). One Philox word per
 //             sub-tile; sub-tiles that are entirely -inf (Z_s = 0), or empty, never win. The key needs no
 //             row max, so this race is reduced in the same block reduction as the row's merged state.
-//   2. token: the last CTA re-reads sub-tile s* (an L2 hit: its CTA read it moments ago with L2's normal
-//             eviction policy), spread over all 256 threads (two per vector for fp32 and bf16), and runs
-//             the per-element race over it alone: argmax_v e_v / E_v with e_v = 2^(alpha (l_v - m_s*) c)
+//   2. token: the per-element race inside s* alone: argmax_v k_v with k_v = (l_v - m_s*) alpha c - log2 E_v
 //             and E_v = -log2 u_v, u_v from the rank draw of v (element kRankDrawElement + j, j the rank of
-//             v in s* by ascending vocab id), which is Gumbel-max over alpha l_v / T in ratio form (no
-//             division: fractions are compared by cross-multiplication, across threads too). Ties go to the
-//             smallest vocab id. The rank draws do not depend on which sub-tile wins, so a CTA draws its
-//             share of them (draw_race_noise) before it knows: while its logits load (launches of up to a
-//             wave), or while the sub-tile states load.
+//             v in s* by ascending vocab id), which is Gumbel-max over alpha l_v / T in base 2 (race_key: one
+//             float a element, rounded step by step, so any order of comparison picks the same element).
+//             Ties go to the smallest vocab id. The rank draws do not depend on which sub-tile wins, so a CTA
+//             draws its share of them (draw_race_noise) before it knows: while its logits load (launches of
+//             up to a wave), or while the sub-tile states load. Two places run it, with the same keys and so
+//             the same winner:
+//             - early race (PassArgs::early_race: launches whose CTAs fit one wave, not walk mode): every
+//               warp races its own sub-tile from the registers it just folded, against the CTA's table of
+//               the rank noise, before the merge; the merge carries each sub-tile's winner beside its state
+//               and the sub-tile race's winner brings its token along. Nothing after the merge.
+//             - late race (the rest): the last CTA re-reads sub-tile s* (an L2 hit: its CTA read it moments
+//               ago with L2's normal eviction policy; cluster mode: its owner's shared copy), spread over all
+//               256 threads, and reduces the threads' winners.
 //
 // Exactness: the sub-tile draws and the rank draws are distinct Philox words (c.x = 2^31 | s / 4 for
 // sub-tiles, 2^31 | 2^30 | j / 4 for ranks), so the noises are independent. Gumbel-max over the sub-tiles
@@ -67,6 +73,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -103,6 +110,13 @@ struct PassState {
   uint32_t flags;  ///< RowFlag bits
 };
 
+/// A sub-tile's own element race in a launch that races early (PassArgs::early_race, race_own_subtile): the
+/// winner's vocab id (-1 when none) and raw logit. Kept beside the sub-tile's PassState.
+struct SubTileWinner {
+  int index;
+  float logit;
+};
+
 /// The workspace's scratch, for the launchers only (not part of SampleWorkspace's public interface): the
 /// sampler's pass keeps a PassState per sub-tile there, the stochastic verifier (verify.cu) a result per
 /// tile.
@@ -110,6 +124,11 @@ struct SampleWorkspaceAccess {
   static void* partials(const SampleWorkspace& w) { return w.partials_; }
   static uint32_t* tickets(const SampleWorkspace& w) { return w.tickets_; }
   static int max_partials(const SampleWorkspace& w) { return w.max_partials_; }
+  /// The early race's sub-tile winners, one per partial, after the partials in the same allocation.
+  static SubTileWinner* winners(const SampleWorkspace& w) {
+    return reinterpret_cast<SubTileWinner*>(static_cast<char*>(w.partials_) +
+                                            static_cast<size_t>(w.max_partials_) * sizeof(PassState));
+  }
 };
 
 __device__ __forceinline__ PassState empty_state() {
@@ -124,8 +143,13 @@ struct SubtileBest {
   int index;
 };
 
+/// A sub-tile standing that also carries the sub-tile's own element-race winner (launches that race early).
+struct RacedSubtileBest : SubtileBest {
+  SubTileWinner winner;
+};
+
 /// The better of two sub-tile standings: the larger key, ties to the smaller index.
-__device__ __forceinline__ SubtileBest better_subtile(const SubtileBest& a, const SubtileBest& b) {
+template <class Best> __device__ __forceinline__ Best better_subtile(const Best& a, const Best& b) {
   const bool take_b = b.index >= 0 && (a.index < 0 || b.key > a.key || (b.key == a.key && b.index < a.index));
   return take_b ? b : a;
 }
@@ -242,58 +266,54 @@ __device__ __forceinline__ void fold_chunk(PassState& state, const float (&logit
   }
 }
 
-/// The element race of one thread over its share of the winning sub-tile: the best ratio e / E so far, kept
-/// as a fraction (no division) until the end.
+/// The element race of one thread over its share of a sub-tile: the best key so far. The key of element v
+/// is k_v = (l_v - m_s) alpha c - log2 E_v (race_key): Gumbel-max over alpha l_v / T in base 2, m_s the
+/// sub-tile's max, E_v = -log2 u_v from the rank draw. One number per element, compared as numbers with ties
+/// to the smaller vocab id, so a sub-tile's winner is the same whatever order its elements meet in: the early
+/// race (every warp over its own sub-tile, race_own_subtile) and the race over the winning sub-tile alone
+/// (race_runs) give the same bits.
 struct RaceState {
-  float numerator;   ///< e = 2^(alpha (l - m) c) of the best (m the sub-tile max); 0 while none
-  float denominator; ///< E = -log2 u of the best
-  float logit;       ///< raw logit of the best
-  int index;         ///< -1 when none
+  float key;   ///< -inf while none
+  float logit; ///< raw logit of the best
+  int index;   ///< -1 when none
 };
 
-/// Races up to N consecutive logits starting at vocab id `first` into `state`, element i against its noise
-/// E_i = noise[i] (draw_race_noise). A fixed pairwise tree picks the chunk's best, which then meets the
-/// running best. Masked (and missing) elements have e = 0: they never beat anything, and the sub-tile max (e
-/// = 1) is always a candidate.
-template <int N>
-__device__ __forceinline__ void race_chunk(RaceState& state, const float (&logits)[N],
-                                           const float (&noise)[N], int first, int count, float tile_max,
-                                           float power_c) {
-  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "a race chunk is 1, 2, 4 or 8 logits");
-  float numerator[N], denominator[N], logit[N];
-  int index[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    logit[i] = i < count ? logits[i] : -INFINITY;
-    numerator[i] = fast_exp2((logit[i] - tile_max) * power_c);
-    denominator[i] = noise[i];
-    index[i] = first + i;
-  }
-#pragma unroll
-  for (int width = N / 2; width >= 1; width /= 2) {
-#pragma unroll
-    for (int i = 0; i < width; ++i) { // strictly better only: ties keep the smaller vocab id
-      const bool right = numerator[i + width] * denominator[i] > numerator[i] * denominator[i + width];
-      numerator[i] = right ? numerator[i + width] : numerator[i];
-      denominator[i] = right ? denominator[i + width] : denominator[i];
-      logit[i] = right ? logit[i + width] : logit[i];
-      index[i] = right ? index[i + width] : index[i];
-    }
-  }
-  if (numerator[0] * state.denominator > state.numerator * denominator[0]) {
-    state.numerator = numerator[0];
-    state.denominator = denominator[0];
-    state.logit = logit[0];
-    state.index = index[0];
+/// k = (l - m) alpha c - log2 E, rounded step by step (no contraction into an FMA: every code path that races
+/// must compute the same bits). Masked logits (-inf) give -inf and never win; the sub-tile max gives
+/// -log2 E, finite.
+__device__ __forceinline__ float race_key(float logit, float subtile_max, float power_c, float log_noise) {
+  return __fsub_rn(__fmul_rn(__fsub_rn(logit, subtile_max), power_c), log_noise);
+}
+
+/// Offers an element to a thread's race; a thread offers its elements by ascending vocab id, so "strictly
+/// larger" keeps ties at the smaller id.
+__device__ __forceinline__ void offer_element(RaceState& state, float key, float logit, int index) {
+  if (key > state.key) {
+    state.key = key;
+    state.logit = logit;
+    state.index = index;
   }
 }
 
-/// The better of two element-race standings (a thread's best, then the CTA's): the larger ratio e / E by
-/// cross-multiplication, ties to the smaller vocab id; index -1 when none.
+/// Races up to N consecutive logits starting at vocab id `first` into `state`, element i against its noise
+/// log2 E_i = log_noise[i] (draw_race_noise). Missing elements (count < N) are -inf.
+template <int N>
+__device__ __forceinline__ void race_chunk(RaceState& state, const float (&logits)[N],
+                                           const float (&log_noise)[N], int first, int count, float tile_max,
+                                           float power_c) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float logit = i < count ? logits[i] : -INFINITY;
+    offer_element(state, race_key(logit, tile_max, power_c, log_noise[i]), logit, first + i);
+  }
+}
+
+/// The better of two element-race standings (threads', warps'): the larger key, ties to the smaller vocab id;
+/// index -1 when none. A total order, so any reduction tree gives the same winner.
 struct RaceStateOp {
   __device__ __forceinline__ RaceState operator()(const RaceState& a, const RaceState& b) const {
-    const float lhs = b.numerator * a.denominator, rhs = a.numerator * b.denominator;
-    const bool take_b = b.index >= 0 && (a.index < 0 || lhs > rhs || (lhs == rhs && b.index < a.index));
+    const bool take_b =
+        b.index >= 0 && (a.index < 0 || b.key > a.key || (b.key == a.key && b.index < a.index));
     return take_b ? b : a;
   }
 };
@@ -591,17 +611,17 @@ __device__ __forceinline__ void load_run(const typename DTypeTraits<DTYPE>::Scal
   }
 }
 
-/// The element race's noise of this thread: E = -log2 u for each element of its runs of the winning sub-tile
+/// The element race's noise of this thread: log2 E, E = -log2 u, for each element of its runs of a sub-tile
 /// (race_runs: run t + 256 i of kRaceRun elements, i < kRunsPerThread), u from the rank draw of the element's
 /// rank inside the sub-tile (philox.hpp, kRankDrawElement), not from its vocab id. It depends on the job's
 /// keys alone, not on which sub-tile wins, so a CTA can draw it before the race (early: while its logits
-/// load) and the serial tail keeps only the exponentials and the comparisons. log2f, not lg2.approx: winners
+/// load) and the serial tail keeps only the keys and the comparisons. log2f, not lg2.approx: winners
 /// have u near 1 where the approximation's 2^-22 absolute error is a large relative error of E.
 template <DType DTYPE> struct RaceNoise {
   static constexpr int kRun = kRaceRun<DTYPE>;
   static constexpr int kRuns = kSubTileLength<DTYPE> / kRun;
   static constexpr int kRunsPerThread = (kRuns + kPassThreads - 1) / kPassThreads;
-  float denominator[kRunsPerThread][kRun];
+  float log_noise[kRunsPerThread][kRun]; ///< log2 E of each element of the thread's runs
 };
 
 template <DType DTYPE, int UNROLL>
@@ -618,14 +638,14 @@ __device__ __forceinline__ RaceNoise<DTYPE> draw_race_noise(const JobContext& jo
                                                           job.stream_word);
 #pragma unroll
     for (int e = 0; e < kRun; ++e)
-      noise.denominator[i][e] =
-          -log2f(device::uniform_open01(device::group_word(group, (rank & 3u) + static_cast<uint32_t>(e))));
+      noise.log_noise[i][e] = log2f(
+          -log2f(device::uniform_open01(device::group_word(group, (rank & 3u) + static_cast<uint32_t>(e)))));
   }
   return noise;
 }
 
 /// The element race over sub-tile `warp` of the tile starting at vocab id `tile_begin` (max tile_max): this
-/// thread's best ratio e / E. The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (the tile's
+/// thread's best key (race_key). The sub-tile's 32 * kUnrollVectors vectors, j = lane + 32 k (the tile's
 /// vector k * 256 + warp * 32 + lane), are cut into runs of kRaceRun logits; thread t races runs t, t + 256,
 /// ... (one run per thread at the default tiling). Run `run` holds ranks run * kRaceRun .. of the sub-tile
 /// (runs ascend with vocab ids), whose noise the thread drew in `noise`. "Strictly better" keeps ties at the
@@ -641,7 +661,7 @@ __device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int v
   constexpr int kRunsPerVector = kPerVector / kRun;
   constexpr int kRuns = RaceNoise<DTYPE>::kRuns;
   constexpr int kRunsPerThread = RaceNoise<DTYPE>::kRunsPerThread;
-  RaceState state{0.0f, 1.0f, -INFINITY, -1};
+  RaceState state{-INFINITY, -INFINITY, -1};
 #pragma unroll
   for (int i = 0; i < kRunsPerThread; ++i) {
     const int run = static_cast<int>(threadIdx.x) + i * kPassThreads;
@@ -656,7 +676,7 @@ __device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int v
       continue;
     float values[kRun];
     load_run_at(first, vector, offset, count, values);
-    race_chunk<kRun>(state, values, noise.denominator[i], first, count, tile_max, power_c);
+    race_chunk<kRun>(state, values, noise.log_noise[i], first, count, tile_max, power_c);
   }
   return state;
 }
@@ -697,6 +717,45 @@ __device__ __forceinline__ RaceState race_subtile_shared(const uint4* tile, int 
   return race_runs<DTYPE>(load, vocab, tile_begin, warp, noise, tile_max, power_c);
 }
 
+/// The early race (PassArgs::early_race): a warp races its own sub-tile of the tile it just folded, from the
+/// vectors still in its registers, against the CTA's table of rank noise (log2 E of rank j at log_noise[j],
+/// draw_race_noise's runs written out), and every lane returns the winner.
+/// Sub-tile w's vector j = lane + 32 u is the tile's vector u * 256 + w * 32 + lane, its elements ranks j *
+/// kPerVector + e: the same keys race_runs computes for that sub-tile, so the same winner. `sub` is the
+/// warp-merged state (its max is the sub-tile's); a sub-tile that is all -inf or holds a NaN races nothing
+/// (the merge flags it).
+template <DType DTYPE, int UNROLL>
+__device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
+                                                          const TileVectors<DTYPE>& tile,
+                                                          const float* log_noise, float power_c) {
+  constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  RaceState best{-INFINITY, -INFINITY, -1};
+  if (sub.max != -INFINITY && sub.max == sub.max) { // warp-uniform
+#pragma unroll
+    for (int u = 0; u < kUnrollVectors; ++u) {
+      if (tile.count[u] > 0) {
+        float values[kPerVector];
+        unpack<DTYPE>(tile.raw[u], values); // elements past the row's end are -inf (load_vector)
+        const float* noise = log_noise + (lane + kWarpSize * u) * kPerVector;
+#pragma unroll
+        for (int e = 0; e < kPerVector; ++e)
+          offer_element(best, race_key(values[e], sub.max, power_c, noise[e]), values[e], tile.first[u] + e);
+      }
+    }
+  }
+#pragma unroll(UNROLL)
+  for (int offset = 16; offset >= 1; offset /= 2) {
+    RaceState other;
+    other.key = __shfl_xor_sync(kAll, best.key, offset);
+    other.logit = __shfl_xor_sync(kAll, best.logit, offset);
+    other.index = __shfl_xor_sync(kAll, best.index, offset);
+    best = RaceStateOp{}(best, other);
+  }
+  return SubTileWinner{best.index, best.logit};
+}
+
 /// Cluster mode's limits (the launcher also checks that the device schedules the cluster): at most 8 tiles a
 /// job (the portable cluster size) and 64 CTAs a launch. Measured on an H200 (sample_bench, same build, graph
 /// us a launch, cluster / ticket): 1 and 8 rows of 4 or 8 tiles gain 0.25-0.6 us; 64 rows of 4 tiles (256
@@ -709,6 +768,22 @@ inline constexpr int kMaxClusterCtas = 64;
 /// at most 64 tiles a job (bf16 / fp16 vocabularies up to 524288, fp32 up to 262144).
 inline constexpr int kMaxWalkSubTiles = 512;
 
+/// Sub-tile s's record (a PassState or a SubTileWinner) kept in shared memory: this CTA's (a one-tile job, or
+/// walk mode's), or, in cluster mode, that of the cluster's CTA s / kSubTiles (DSMEM).
+template <class T> __device__ __forceinline__ T load_shared_record(const T* shared, bool cluster, int s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster) {
+    const T* peer = cooperative_groups::this_cluster().map_shared_rank(const_cast<T*>(shared),
+                                                                       static_cast<unsigned>(s / kSubTiles));
+    return peer[s % kSubTiles];
+  }
+#else
+  if (cluster) // cluster mode launches only on compute capability >= 9 (sample.cu)
+    __trap();
+#endif
+  return shared[s];
+}
+
 /// A job's sub-tile states as its last CTA reads them: from the workspace, where the job's CTAs wrote them
 /// (L2 loads: L1 is not coherent across CTAs), or, for a one-tile job, from the CTA's shared memory.
 struct SubTileStates {
@@ -716,18 +791,8 @@ struct SubTileStates {
   const PassState* shared; ///< this CTA's kSubTiles states
   bool cluster;            ///< sub-tile s is in the shared memory of the cluster's CTA s / kSubTiles
   __device__ __forceinline__ PassState load(int s) const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cluster) {
-      const PassState* peer = cooperative_groups::this_cluster().map_shared_rank(
-          const_cast<PassState*>(shared), static_cast<unsigned>(s / kSubTiles));
-      return peer[s % kSubTiles];
-    }
-#else
-    if (cluster) // cluster mode launches only on compute capability >= 9 (sample.cu)
-      __trap();
-#endif
-    if (global == nullptr)
-      return shared[s];
+    if (cluster || global == nullptr)
+      return load_shared_record(shared, cluster, s);
     PassState state;
     state.max = __ldcg(&global[s].max);
     state.sum = __ldcg(&global[s].sum);
@@ -735,6 +800,18 @@ struct SubTileStates {
     state.max_index = __ldcg(&global[s].max_index);
     state.flags = __ldcg(&global[s].flags);
     return state;
+  }
+};
+
+/// A job's sub-tile winners (launches that race early), where SubTileStates finds the states.
+struct SubTileWinners {
+  const SubTileWinner* global;
+  const SubTileWinner* shared;
+  bool cluster;
+  __device__ __forceinline__ SubTileWinner load(int s) const {
+    if (cluster || global == nullptr)
+      return load_shared_record(shared, cluster, s);
+    return SubTileWinner{__ldcg(&global[s].index), __ldcg(&global[s].logit)};
   }
 };
 
@@ -753,28 +830,35 @@ template <int UNROLL> __device__ __forceinline__ float subtile_noise(const JobCo
 /// log Z_s = (m_s - M) alpha c + log2 sum_s + M alpha c would: M is common to every sub-tile, so the winner
 /// is the same without it, and the race can run beside the row's merge (one block reduction for both).
 /// Sub-tiles that are entirely -inf or empty (Z_s = 0) never win.
-template <PassMode MODE>
-__device__ __forceinline__ void offer_subtile(SubtileBest& best, const PassState& sub, float noise, int s,
-                                              float power_c) {
+template <PassMode MODE, class Best>
+__device__ __forceinline__ void offer_subtile(Best& best, const PassState& sub, float noise, int s,
+                                              float power_c, SubTileWinner winner = {}) {
   if (sub.max == -INFINITY)
     return;
   const float sum = MODE == PassMode::kRacePower ? sub.sum_power : sub.sum;
   const double key = fma(static_cast<double>(sub.max), static_cast<double>(power_c),
                          static_cast<double>(log2f(sum) - noise));
-  if (best.index < 0 || key > best.key)
-    best = SubtileBest{key, sub.max, s};
+  if (best.index < 0 || key > best.key) {
+    best.key = key;
+    best.max = sub.max;
+    best.index = s;
+    if constexpr (std::is_same_v<Best, RacedSubtileBest>)
+      best.winner = winner;
+  }
 }
 
 /// A job's merged state and its sub-tile race's standing, reduced together across the CTA.
-struct RowStanding {
+template <class Best> struct RowStanding {
   PassState state;
-  SubtileBest subtile;
+  Best subtile;
 };
 
-template <PassMode MODE> struct RowStandingOp {
+template <PassMode MODE, class Best> struct RowStandingOp {
   float c, alpha;
-  __device__ __forceinline__ RowStanding operator()(const RowStanding& a, const RowStanding& b) const {
-    return RowStanding{merge_states<MODE>(a.state, b.state, c, alpha), better_subtile(a.subtile, b.subtile)};
+  __device__ __forceinline__ RowStanding<Best> operator()(const RowStanding<Best>& a,
+                                                          const RowStanding<Best>& b) const {
+    return RowStanding<Best>{merge_states<MODE>(a.state, b.state, c, alpha),
+                             better_subtile(a.subtile, b.subtile)};
   }
 };
 
@@ -805,8 +889,15 @@ struct PassArgs {
   /// only the job's last CTA after the merge: for launches whose sample positions' CTAs fit one wave, where
   /// the other CTAs' draws cost nothing and the last CTA's tail gets shorter. The same numbers either way.
   bool early_noise{};
+  /// Every warp races its own sub-tile while its tile is in registers (race_own_subtile), so the job's merge
+  /// ends with the token: no element race after it, no re-read from L2 and no tile copy in shared memory.
+  /// Launches whose sample positions' CTAs fit one wave, not walk mode (where a CTA folds many tiles and is
+  /// bound by the fold); SMCGRAPH_SAMPLER_RACE=late turns it off. The same bits either way.
+  bool early_race{};
   /// splits * kSubTiles sub-tile states per job: sub-tile s (over the row) of job j at j * splits * 8 + s
   PassState* partials{};
+  /// early_race in ticket mode: the sub-tiles' winners, beside the partials (same indexing)
+  SubTileWinner* winners{};
   uint32_t* tickets{};
 };
 
@@ -854,7 +945,7 @@ __device__ __forceinline__ void walk_tiles(const PassArgs& args, const JobContex
 /// tiles, the job's last CTA (a ticket counter) then merges every sub-tile state in a fixed order, runs the
 /// two-level race and writes the outputs. WALK: the CTA is the job's only one and folds all its tiles
 /// (walk_tiles) before the same merge and race.
-template <DType DTYPE, PassMode MODE, int UNROLL, bool WALK>
+template <DType DTYPE, PassMode MODE, int UNROLL, bool WALK, bool EARLY>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
                         uint32_t param_flags, uint4* tile_copy) {
@@ -863,10 +954,11 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
   constexpr bool kRaces = MODE == PassMode::kRace || MODE == PassMode::kRacePower;
-  const bool cluster = !WALK && args.cluster; // uniform across the launch
+  const bool cluster = !WALK && args.cluster;       // uniform across the launch
+  const bool early_race = EARLY && args.early_race; // uniform across the launch
   // Walk mode keeps the job's sub-tile states where cluster mode keeps its tile copy (kMaxWalkSubTiles fit).
   PassState* walk_states = reinterpret_cast<PassState*>(tile_copy);
-  if (kRaces && cluster) {
+  if (kRaces && cluster && !early_race) {
 #pragma unroll
     for (int u = 0; u < kUnrollVectors; ++u) {
       const uint32_t fill = negative_infinity_bits<DTYPE>();
@@ -877,30 +969,62 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   // The element race's noise: drawn here, while the tile's loads are in flight, in launches of at most a
   // wave; after the merge, by the CTAs that race, otherwise (PassArgs::early_noise).
   RaceNoise<DTYPE> noise;
+  // The early race's table of rank noise, where the other modes keep their tile copy or walk states: thread
+  // t's runs written out (rank (t + 256 i) kRaceRun + e).
+  float* const rank_log_noise = reinterpret_cast<float*>(tile_copy);
+  static_assert(kSubTileLength<DTYPE> * sizeof(float) <= kUnrollVectors * kPassThreads * sizeof(uint4),
+                "the noise table fits the tile copy");
   if constexpr (kRaces) {
     if (args.early_noise)
       noise = draw_race_noise<DTYPE, UNROLL>(job);
+    if (early_race) {
+#pragma unroll
+      for (int i = 0; i < RaceNoise<DTYPE>::kRunsPerThread; ++i) {
+        const int run = static_cast<int>(threadIdx.x) + i * kPassThreads;
+        if (RaceNoise<DTYPE>::kRuns % kPassThreads == 0 || run < RaceNoise<DTYPE>::kRuns) {
+#pragma unroll
+          for (int e = 0; e < kRaceRun<DTYPE>; ++e)
+            rank_log_noise[run * kRaceRun<DTYPE> + e] = noise.log_noise[i][e];
+        }
+      }
+    }
   }
 
   PassState state;
+  SubTileWinner own_winner{-1, -INFINITY}; // early race: this warp's sub-tile's
   if constexpr (WALK) {
     walk_tiles<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, param_flags, walk_states);
     __syncthreads(); // every sub-tile state, for the merge below
   } else {
     state = subtile_state<DTYPE, MODE, UNROLL>(tile, job, param_flags);
+    if constexpr (kRaces && EARLY) {
+      if (early_race) {
+        __syncthreads(); // the noise table
+        own_winner = race_own_subtile<DTYPE, UNROLL>(
+            state, tile, rank_log_noise, MODE == PassMode::kRacePower ? job.alpha * job.c : job.c);
+      }
+    }
   }
   const int subtile_count = args.splits * kSubTiles;
-  PassState* subtiles = args.partials + static_cast<int64_t>(place.job_index) * subtile_count;
+  const int64_t job_subtiles = static_cast<int64_t>(place.job_index) * subtile_count;
+  PassState* subtiles = args.partials + job_subtiles;
+  __shared__ SubTileWinner warp_winners[kSubTiles]; // early race: a one-tile or cluster job's
   if constexpr (!WALK) {
     if (args.splits > 1 && !cluster) {
-      if (warp_leader)
+      if (warp_leader) {
         subtiles[place.split * kSubTiles + warp] = state;
+        if (EARLY && early_race)
+          args.winners[job_subtiles + place.split * kSubTiles + warp] = own_winner;
+      }
       // The job's last CTA merges (the partials are read with __ldcg below).
       if (!device::last_to_arrive(&args.tickets[place.job_index], static_cast<uint32_t>(args.splits)))
         return;
     } else {
-      if (warp_leader)
+      if (warp_leader) {
         warp_states[warp] = state;
+        if (EARLY && early_race)
+          warp_winners[warp] = own_winner;
+      }
       if (cluster) { // every CTA of the job: its peers' states (and its own tile copy) are ready after this
         cluster_arrive();
         cluster_wait();
@@ -911,13 +1035,15 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   }
   const SubTileStates states{!WALK && args.splits > 1 && !cluster ? subtiles : nullptr,
                              WALK ? walk_states : warp_states, cluster};
+  const SubTileWinners winners{!WALK && args.splits > 1 && !cluster ? args.winners + job_subtiles : nullptr,
+                               warp_winners, cluster};
   // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
   // reduction), the same whatever else the launch holds.
   const int thread = static_cast<int>(threadIdx.x);
   const PassState mine = thread < subtile_count ? states.load(thread) : empty_state();
   static_assert(kMaxClusterTiles * kSubTiles <= kPassThreads, "a cluster job's sub-tiles: one per thread");
   bool writer = !cluster || place.split == 0; // the CTA that writes the job's outputs
-  RaceState winner{0.0f, 1.0f, -INFINITY, -1};
+  RaceState winner{-INFINITY, -INFINITY, -1};
   if constexpr (kRaces) {
     // Sampling: the row's merge and the sub-tile race (offer_subtile) in one block reduction, then the
     // element race over the winning sub-tile (header comment). The noises depend only on the job's keys:
@@ -926,22 +1052,31 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     if (!args.early_noise)
       noise = draw_race_noise<DTYPE, UNROLL>(job);
     const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
-    SubtileBest subtile{-INFINITY, -INFINITY, -1};
+    // The one-wave instance carries each sub-tile's own race winner beside its standing (early race).
+    using Best = std::conditional_t<EARLY, RacedSubtileBest, SubtileBest>;
+    const auto winner_of = [&](int s) {
+      return EARLY && early_race ? winners.load(s) : SubTileWinner{-1, -INFINITY};
+    };
+    Best subtile{};
+    subtile.key = -INFINITY;
+    subtile.max = -INFINITY;
+    subtile.index = -1;
     if (thread < subtile_count)
-      offer_subtile<MODE>(subtile, mine, mine_noise, thread, power_c);
+      offer_subtile<MODE>(subtile, mine, mine_noise, thread, power_c, winner_of(thread));
     state = mine;
     for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads) { // ascending
       const PassState sub = states.load(s);
       state = merge_states<MODE>(state, sub, job.c, job.alpha);
-      offer_subtile<MODE>(subtile, sub, subtile_noise<UNROLL>(job, s), s, power_c);
+      offer_subtile<MODE>(subtile, sub, subtile_noise<UNROLL>(job, s), s, power_c, winner_of(s));
     }
-    __shared__ RowStanding standing_totals[kPassThreads / kWarpSize];
-    __shared__ RowStanding row_standing;
+    __shared__ RowStanding<Best> standing_totals[kPassThreads / kWarpSize];
+    __shared__ RowStanding<Best> row_standing;
     // Only the threads that hold a sub-tile take part (an empty state merges exactly: a 128-sub-tile row's
     // serial step merges 4 warp aggregates, not 8).
     const int valid_threads = min(subtile_count, kPassThreads);
-    const RowStanding standing = block_reduce_in_order<UNROLL>(
-        RowStanding{state, subtile}, RowStandingOp<MODE>{job.c, job.alpha}, valid_threads, standing_totals);
+    const RowStanding<Best> standing = block_reduce_in_order<UNROLL>(
+        RowStanding<Best>{state, subtile}, RowStandingOp<MODE, Best>{job.c, job.alpha}, valid_threads,
+        standing_totals);
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
     if (cluster)
@@ -951,7 +1086,14 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     __syncthreads();
     state = row_standing.state; // uniform across the CTA, so are the branches below
     subtile = row_standing.subtile;
-    if (!state.flags && state.max != -INFINITY) {
+    bool raced = false;
+    if constexpr (EARLY) {
+      if (early_race) { // the winning sub-tile's own race decided the token
+        winner = RaceState{0.0f, subtile.winner.logit, subtile.winner.index};
+        raced = true;
+      }
+    }
+    if (!raced && !state.flags && state.max != -INFINITY) {
       // index >= 0: the row has a finite logit, so a sub-tile with Z_s > 0
       __shared__ RaceState race_totals[kPassThreads / kWarpSize];
       const int tile_begin = (subtile.index / kSubTiles) * kSplitLength<DTYPE>;
@@ -1064,6 +1206,8 @@ template <DType DTYPE, int MIN_BLOCKS, bool WALK = false>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
   constexpr int kUnroll = pass_unroll<MIN_BLOCKS, WALK>();
+  // Only the one-wave instance may race early (PassArgs::early_race): the others keep their code as it was.
+  constexpr bool kEarly = !WALK && MIN_BLOCKS == kPassMinBlocks;
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it). Walk
   // mode: the job's sub-tile states.
   __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
@@ -1117,14 +1261,16 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK>(args, job, place, row_logits, tile, param_flags,
-                                                     tile_copy);
+    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, param_flags,
+                                                             tile_copy);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore, kUnroll, WALK>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kScore, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u,
+                                                            tile_copy);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace, kUnroll, WALK>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRace, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u, tile_copy);
   } else {
-    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u,
+                                                                tile_copy);
   }
 }
 

@@ -55,6 +55,14 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab)
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 
+namespace {
+/// The partials' allocation: a PassState per sub-tile, then a SubTileWinner per sub-tile (the early race's,
+/// SampleWorkspaceAccess::winners).
+size_t partial_bytes(int max_partials) {
+  return static_cast<size_t>(max_partials) * (sizeof(detail::PassState) + sizeof(detail::SubTileWinner));
+}
+} // namespace
+
 SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab, cudaStream_t stream)
     : max_jobs_(max_jobs), max_vocab_(max_vocab) {
   require(max_jobs >= 1, "SampleWorkspace", "max_jobs", max_jobs, "must be >= 1");
@@ -65,22 +73,22 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab, cudaStream_t strea
   require(partials < (int64_t{1} << 31), "SampleWorkspace", "max_jobs * sub-tiles", partials,
           "must be < 2^31");
   max_partials_ = static_cast<int>(partials);
-  bytes_ = static_cast<size_t>(max_partials_) * sizeof(detail::PassState) + static_cast<size_t>(max_jobs) * 4;
+  bytes_ = partial_bytes(max_partials_) + static_cast<size_t>(max_jobs) * 4;
   // Counted in device_memory_stats() like every DeviceBuffer.
-  partials_ = detail::device_allocate(static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
+  partials_ = detail::device_allocate(partial_bytes(max_partials_));
   try {
     tickets_ = static_cast<uint32_t*>(detail::device_allocate(static_cast<size_t>(max_jobs) * 4));
     // Zeroed on the caller's stream (CUB style): work enqueued on it after the constructor sees the zeros.
     SMCGRAPH_CUDA_CHECK(cudaMemsetAsync(tickets_, 0, static_cast<size_t>(max_jobs) * 4, stream));
   } catch (...) { // the destructor will not run: free what the constructor took
-    detail::device_free(partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
+    detail::device_free(partials_, partial_bytes(max_partials_));
     detail::device_free(tickets_, static_cast<size_t>(max_jobs) * 4);
     throw;
   }
 }
 
 SampleWorkspace::~SampleWorkspace() {
-  detail::device_free(partials_, static_cast<size_t>(max_partials_) * sizeof(detail::PassState));
+  detail::device_free(partials_, partial_bytes(max_partials_));
   detail::device_free(tickets_, static_cast<size_t>(max_jobs_) * 4);
   partials_ = nullptr;
   tickets_ = nullptr;
@@ -255,6 +263,7 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   require(partials <= SampleWorkspaceAccess::max_partials(workspace), where, "rows * positions * sub-tiles",
           partials, "exceeds the workspace");
   args.partials = static_cast<PassState*>(SampleWorkspaceAccess::partials(workspace));
+  args.winners = SampleWorkspaceAccess::winners(workspace);
   args.tickets = SampleWorkspaceAccess::tickets(workspace);
 
   // With programmatic dependent launch: the pass waits for its predecessor before any read.
@@ -269,6 +278,11 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A walk
   // CTA draws it while its first tile loads.
   args.early_noise = args.walk || int64_t{logits.rows} * args.splits <= wave;
+  // Those launches also race early (PassArgs::early_race); SMCGRAPH_SAMPLER_RACE=late keeps the element race
+  // after the merge (A/B runs; the same bits).
+  static const bool late_race =
+      env_choice<bool>("smcgraph::sample", "SMCGRAPH_SAMPLER_RACE", {{"early", false}, {"late", true}});
+  args.early_race = !args.walk && args.early_noise && !late_race;
   const int64_t ctas = args.walk ? jobs : jobs * args.splits;
   launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kPassThreads), 0,
                        args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
