@@ -5,6 +5,7 @@
 // Methods: smcgraph_fused_graph marks the payload ready before the launch's PDL wait
 // (PayloadView::ready_before_wait: in a speculative cycle the draft's KV is written by the draft forward,
 // kernels before the verify), so small launches preload it (pack_preloads; "pre" in the grid column);
+// "src" there marks a launch that copies in source order (pack_source_order);
 // smcgraph_fused_graph_late leaves it unmarked (as if the previous kernel wrote the payload). Every launch
 // passes the configuration's acceptance alpha as PayloadView::expected_packed_fraction (what an engine knows
 // from its running acceptance rate), so large marked launches of alpha >= 0.7 copy in source order
@@ -366,10 +367,14 @@ int main(int argc, char** argv) {
           for (const auto& [method, median_us] : it->second)
             versus += method + " " + format(median_us / row.timing.median_us, 2) + "x  ";
         const bool ours = row.method.rfind("smcgraph_", 0) == 0;
-        const std::string grid =
-            !ours ? "-"
-                  : std::to_string(shape.tiles) + "x" + std::to_string(shape.splits) +
-                        (preloads && row.method != "smcgraph_fused_graph_late" ? " pre" : "");
+        const bool marked = row.method != "smcgraph_fused_graph_late"; // the payload marked ready
+        const bool source = smcgraph::pack_source_order(
+            config.rows, config.draft_steps,
+            {nullptr, kPayloadDType, config.kv_dim, 0, marked, static_cast<float>(config.alpha)}, false,
+            false, 16);
+        const std::string grid = !ours ? "-"
+                                       : std::to_string(shape.tiles) + "x" + std::to_string(shape.splits) +
+                                             (preloads && marked ? " pre" : "") + (source ? " src" : "");
         std::printf("%-26s %5d %11d %5.2f %6d %7d %-9s %10s %10s %9s %8s %6s  %s\n", row.method.c_str(),
                     config.rows, config.draft_steps, config.alpha, config.kv_dim, row.packed_rows,
                     grid.c_str(), format(row.timing.median_us, 2).c_str(),

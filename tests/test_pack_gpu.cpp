@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -326,12 +327,28 @@ TEST_CASE("verify_and_pack: large ready launches copy in source order when the c
       {24, 100, 0.7, 2048, f16, true, true, 4096, 8},       // padded rows, a partial last tile
       {300, 16, 0.95, 1024, bf16, false, true, 4096, 0, 0}, // 19 tiles
   };
+  const char* order = std::getenv("SMCGRAPH_PACK_ORDER"); // "packed" turns source order off (A/B runs)
+  const bool forced_packed = order != nullptr && std::string(order) == "packed";
   for (PackCase& c : cases) {
     c.ready = true;
     c.expected_packed = c.alpha >= 0.5 ? static_cast<float>(c.alpha) : 0.9f;
     INFO(describe(c));
+    const smcgraph::PayloadView payload{nullptr, c.dtype, c.width, 0, true, c.expected_packed};
+    CHECK(smcgraph::pack_source_order(c.rows, c.draft_steps, payload, c.include_next, false, 16) ==
+          !forced_packed);
+    CHECK(smcgraph::pack_source_order(c.rows, c.draft_steps, payload, c.include_next, true, 16) ==
+          !forced_packed);
+    smcgraph::PayloadView unmarked = payload, low = payload;
+    unmarked.ready_before_wait = false;
+    low.expected_packed_fraction = 0.5f;
+    CHECK_FALSE(smcgraph::pack_source_order(c.rows, c.draft_steps, unmarked, c.include_next, false, 16));
+    CHECK(smcgraph::pack_source_order(c.rows, c.draft_steps, low, c.include_next, false, 16) ==
+          (order != nullptr && std::string(order) == "source"));
     run_case(c, rng, stream, workspace);
   }
+  // Small or narrow launches never do: a preloaded one, a 4-byte copy.
+  CHECK_FALSE(smcgraph::pack_source_order(32, 8, {nullptr, f16, 128, 0, true, 1.0f}, false, false, 16));
+  CHECK_FALSE(smcgraph::pack_source_order(32, 128, {nullptr, f32, 1, 0, true, 1.0f}, false, true, 4));
 }
 
 TEST_CASE("verify_and_pack: all accepted, all rejected, out-of-range ids") {

@@ -239,4 +239,12 @@ PackLaunchShape pack_launch_shape(int rows, int draft_steps, int width, DType dt
 bool pack_preloads(int rows, int draft_steps, int width, DType dtype, bool include_next, bool counts_given,
                    int vector_bytes);
 
+/// Whether a launch of this shape copies `payload` in source order (PayloadView::expected_packed_fraction):
+/// its copy is wide (16-byte copies, more than 16 KiB of stored payload a CTA), the payload is marked
+/// ready_before_wait and its expected_packed_fraction is at least kSourceOrderMinPacked
+/// (SMCGRAPH_PACK_ORDER=packed / source overrides the hint). Only width, dtype, ready_before_wait and
+/// expected_packed_fraction of `payload` matter; `vector_bytes` as for pack_preloads.
+bool pack_source_order(int rows, int draft_steps, const PayloadView& payload, bool include_next,
+                       bool counts_given, int vector_bytes);
+
 } // namespace smcgraph

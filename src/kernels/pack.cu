@@ -665,6 +665,22 @@ bool pack_preloads(int rows, int draft_steps, int width, DType dtype, bool inclu
                   current_device_info().multiprocessors);
 }
 
+bool pack_source_order(int rows, int draft_steps, const PayloadView& payload, bool include_next,
+                       bool counts_given, int vector_bytes) {
+  constexpr const char* kWhere = "smcgraph::pack_source_order";
+  require(vector_bytes == 16 || vector_bytes == 8 || vector_bytes == 4 || vector_bytes == 2, kWhere,
+          "vector_bytes", vector_bytes, "must be 16, 8, 4 or 2");
+  const int64_t position_bytes = int64_t{payload.width} * dtype_bytes(payload.dtype);
+  const int positions = draft_steps + (include_next ? 1 : 0);
+  const PackLaunchShape shape =
+      pack_launch_shape(rows, draft_steps, payload.width, payload.dtype, include_next, counts_given);
+  const bool preload =
+      payload.ready_before_wait &&
+      preloads(shape, rows, positions, position_bytes, vector_bytes, current_device_info().multiprocessors);
+  return !preload && wide_copy(shape, rows, positions, position_bytes, vector_bytes) &&
+         source_order(shape, rows, positions, payload, position_bytes, vector_bytes);
+}
+
 void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
                      const VerifyOutputs& verdict, const PackOutputs& out, PackWorkspace& workspace,
                      cudaStream_t stream) {
