@@ -25,11 +25,12 @@
 // (before the PDL wait when the payload is marked ready), so that batch's memory latency hides under the
 // verify and the scan (and the previous kernel) instead of following them; once the counts are scanned it
 // stores the accepted positions where the packed layout puts them, and later batches load only accepted ones.
-// The bytes are the same; the first batch also reads its rejected positions. Graph safety: tile statuses
-// carry the launch's generation; the last CTA to finish (an exit counter) resets the counter and advances the
-// generation, so a replay finds the workspace ready and stale statuses never match. A single-tile launch
-// touches no workspace at all. Forward progress relies on CTAs being dispatched in blockIdx order, as CUB's
-// single-pass scan does: a CTA only waits for lower-indexed ones.
+// The bytes are the same; the first batch also reads its rejected positions.
+//
+// Graph safety: tile statuses carry the launch's generation; the last CTA to finish (an exit counter)
+// resets the counter and advances the generation, so a replay finds the workspace ready and stale statuses
+// never match. A single-tile launch touches no workspace at all. Forward progress relies on CTAs being
+// dispatched in blockIdx order, as CUB's single-pass scan does: a CTA only waits for lower-indexed ones.
 #include <algorithm>
 #include <cstdint>
 
@@ -534,6 +535,21 @@ bool source_order(const PackLaunchShape& shape, int rows, int positions, const P
          stored_tile_bytes(shape, rows, positions, position_bytes) / vector_bytes < INT32_MAX;
 }
 
+/// How a launch copies: preload (small, ready), wide (8 vectors a thread a batch) and, if wide, source order.
+struct CopyPlan {
+  bool preload = false, wide = false, source_order = false;
+};
+CopyPlan copy_plan(const PackLaunchShape& shape, int rows, int positions, const PayloadView& payload,
+                   int64_t position_bytes, int vector_bytes, int multiprocessors) {
+  CopyPlan plan;
+  plan.preload = payload.ready_before_wait &&
+                 preloads(shape, rows, positions, position_bytes, vector_bytes, multiprocessors);
+  plan.wide = !plan.preload && wide_copy(shape, rows, positions, position_bytes, vector_bytes);
+  plan.source_order =
+      plan.wide && source_order(shape, rows, positions, payload, position_bytes, vector_bytes);
+  return plan;
+}
+
 template <bool COUNTS_GIVEN>
 void launch(int vector_bytes, bool wide, bool by_source, const PackArgs& args, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(int64_t{args.tiles} * args.splits));
@@ -605,14 +621,10 @@ void launch_pack(const char* where, PackArgs args, const PayloadView& payload, c
   args.splits = shape.splits;
   const int vector_bytes =
       vector_bytes_for(payload.data, out.packed, args.position_bytes, args.payload_row_stride_bytes);
-  args.preload = payload.ready_before_wait &&
-                 preloads(shape, args.rows, positions, args.position_bytes, vector_bytes, multiprocessors);
-  const bool wide =
-      !args.preload && wide_copy(shape, args.rows, positions, args.position_bytes, vector_bytes);
-  launch<COUNTS_GIVEN>(
-      vector_bytes, wide,
-      wide && source_order(shape, args.rows, positions, payload, args.position_bytes, vector_bytes), args,
-      stream);
+  const CopyPlan plan =
+      copy_plan(shape, args.rows, positions, payload, args.position_bytes, vector_bytes, multiprocessors);
+  args.preload = plan.preload;
+  launch<COUNTS_GIVEN>(vector_bytes, plan.wide, plan.source_order, args, stream);
   SMCGRAPH_CHECK_LAUNCH();
 }
 
@@ -671,14 +683,11 @@ bool pack_source_order(int rows, int draft_steps, const PayloadView& payload, bo
   require(vector_bytes == 16 || vector_bytes == 8 || vector_bytes == 4 || vector_bytes == 2, kWhere,
           "vector_bytes", vector_bytes, "must be 16, 8, 4 or 2");
   const int64_t position_bytes = int64_t{payload.width} * dtype_bytes(payload.dtype);
-  const int positions = draft_steps + (include_next ? 1 : 0);
   const PackLaunchShape shape =
       pack_launch_shape(rows, draft_steps, payload.width, payload.dtype, include_next, counts_given);
-  const bool preload =
-      payload.ready_before_wait &&
-      preloads(shape, rows, positions, position_bytes, vector_bytes, current_device_info().multiprocessors);
-  return !preload && wide_copy(shape, rows, positions, position_bytes, vector_bytes) &&
-         source_order(shape, rows, positions, payload, position_bytes, vector_bytes);
+  return copy_plan(shape, rows, draft_steps + (include_next ? 1 : 0), payload, position_bytes, vector_bytes,
+                   current_device_info().multiprocessors)
+      .source_order;
 }
 
 void verify_and_pack(const TokenVerifyInputs& inputs, const PayloadView& payload, bool include_next,
