@@ -26,6 +26,7 @@
 //   smcgraph::TokenVerifyInputs in{d_draft, K, d_target, K + 1, rows, /*draft_steps=*/K, vocab};
 //   smcgraph::PayloadView kv{d_kv, smcgraph::DType::kFloat16, kv_dim, int64_t{K} * kv_dim};
 //   kv.ready_before_wait = true; // optional: the draft forward wrote d_kv before the target's kernels ran
+//   kv.expected_packed_fraction = acceptance_rate; // optional: large ready payloads copy in source order
 //   smcgraph::VerifyOutputs verdict{d_accepted, d_next_tokens, d_mismatch};
 //   smcgraph::PackOutputs packed{d_packed_kv, int64_t{rows} * K, d_offsets, d_total};
 //   smcgraph::verify_and_pack(in, kv, /*include_next=*/false, verdict, packed, workspace, stream);
