@@ -327,8 +327,9 @@ TEST_CASE("verify_and_pack: large ready launches copy in source order when the c
       {24, 100, 0.7, 2048, f16, true, true, 4096, 8},       // padded rows, a partial last tile
       {300, 16, 0.95, 1024, bf16, false, true, 4096, 0, 0}, // 19 tiles
   };
-  const char* order = std::getenv("SMCGRAPH_PACK_ORDER"); // "packed" turns source order off (A/B runs)
-  const bool forced_packed = order != nullptr && std::string(order) == "packed";
+  // SMCGRAPH_PACK_ORDER (A/B runs): "packed" turns source order off, "source" on whatever the hint.
+  const std::string order = std::getenv("SMCGRAPH_PACK_ORDER") ? std::getenv("SMCGRAPH_PACK_ORDER") : "";
+  const bool forced_packed = order == "packed", forced_source = order == "source";
   for (PackCase& c : cases) {
     c.ready = true;
     c.expected_packed = c.alpha >= 0.5 ? static_cast<float>(c.alpha) : 0.9f;
@@ -343,7 +344,7 @@ TEST_CASE("verify_and_pack: large ready launches copy in source order when the c
     low.expected_packed_fraction = 0.5f;
     CHECK_FALSE(smcgraph::pack_source_order(c.rows, c.draft_steps, unmarked, c.include_next, false, 16));
     CHECK(smcgraph::pack_source_order(c.rows, c.draft_steps, low, c.include_next, false, 16) ==
-          (order != nullptr && std::string(order) == "source"));
+          forced_source);
     run_case(c, rng, stream, workspace);
   }
   // Small or narrow launches never do: a preloaded one, a 4-byte copy.

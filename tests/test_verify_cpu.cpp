@@ -455,6 +455,14 @@ TEST_CASE("verify_and_pack and pack_accepted name the bad parameter and its valu
   payload.expected_packed_fraction = std::nanf("");
   CHECK(fused(good_tokens(), payload, good_pack()).find("payload.expected_packed_fraction = nan") !=
         std::string::npos);
+  // The copy-plan queries check the copy unit before asking the device anything.
+  const smcgraph::PayloadView odd{nullptr, smcgraph::DType::kFloat16, 3, 0, true, 0.9f}; // 6-byte positions
+  CHECK(error_of([&] { smcgraph::pack_source_order(4, 8, odd, false, false, 4); }) ==
+        "smcgraph::pack_source_order: vector_bytes = 4: must divide a position's bytes (width * dtype size)");
+  CHECK(error_of([&] { smcgraph::pack_source_order(4, 8, odd, false, false, 32); }) ==
+        "smcgraph::pack_source_order: vector_bytes = 32: must be 16, 8, 4 or 2");
+  CHECK(error_of([&] { smcgraph::pack_preloads(4, 8, 3, smcgraph::DType::kFloat16, false, false, 4); }) ==
+        "smcgraph::pack_preloads: vector_bytes = 4: must divide a position's bytes (width * dtype size)");
   auto out = good_pack();
   out.packed = nullptr;
   CHECK(fused(good_tokens(), good_payload(), out) == where + "out.packed = null: must be a device pointer");

@@ -663,30 +663,37 @@ PackLaunchShape pack_launch_shape(int rows, int draft_steps, int width, DType dt
                    int64_t{width} * dtype_bytes(dtype), counts_given, current_device_info().multiprocessors);
 }
 
-bool pack_preloads(int rows, int draft_steps, int width, DType dtype, bool include_next, bool counts_given,
-                   int vector_bytes) {
-  constexpr const char* kWhere = "smcgraph::pack_preloads";
-  require(vector_bytes == 16 || vector_bytes == 8 || vector_bytes == 4 || vector_bytes == 2, kWhere,
+namespace {
+
+/// The copy plan a launch of this shape would take with this payload (pack_preloads, pack_source_order):
+/// `vector_bytes` checked as the launcher would pick it (16, 8, 4 or 2, dividing a position's bytes).
+CopyPlan query_copy_plan(const char* where, int rows, int draft_steps, const PayloadView& payload,
+                         bool include_next, bool counts_given, int vector_bytes) {
+  require(vector_bytes == 16 || vector_bytes == 8 || vector_bytes == 4 || vector_bytes == 2, where,
           "vector_bytes", vector_bytes, "must be 16, 8, 4 or 2");
-  const int64_t position_bytes = int64_t{width} * dtype_bytes(dtype);
-  require(position_bytes % vector_bytes == 0, kWhere, "vector_bytes", vector_bytes,
+  const int64_t position_bytes = int64_t{payload.width} * dtype_bytes(payload.dtype);
+  require(position_bytes % vector_bytes == 0, where, "vector_bytes", vector_bytes,
           "must divide a position's bytes (width * dtype size)");
   const PackLaunchShape shape =
-      pack_launch_shape(rows, draft_steps, width, dtype, include_next, counts_given);
-  return preloads(shape, rows, draft_steps + (include_next ? 1 : 0), position_bytes, vector_bytes,
-                  current_device_info().multiprocessors);
+      pack_launch_shape(rows, draft_steps, payload.width, payload.dtype, include_next, counts_given);
+  return copy_plan(shape, rows, draft_steps + (include_next ? 1 : 0), payload, position_bytes, vector_bytes,
+                   current_device_info().multiprocessors);
+}
+
+} // namespace
+
+bool pack_preloads(int rows, int draft_steps, int width, DType dtype, bool include_next, bool counts_given,
+                   int vector_bytes) {
+  const PayloadView ready{nullptr, dtype, width, 0, /*ready_before_wait=*/true};
+  return query_copy_plan("smcgraph::pack_preloads", rows, draft_steps, ready, include_next, counts_given,
+                         vector_bytes)
+      .preload;
 }
 
 bool pack_source_order(int rows, int draft_steps, const PayloadView& payload, bool include_next,
                        bool counts_given, int vector_bytes) {
-  constexpr const char* kWhere = "smcgraph::pack_source_order";
-  require(vector_bytes == 16 || vector_bytes == 8 || vector_bytes == 4 || vector_bytes == 2, kWhere,
-          "vector_bytes", vector_bytes, "must be 16, 8, 4 or 2");
-  const int64_t position_bytes = int64_t{payload.width} * dtype_bytes(payload.dtype);
-  const PackLaunchShape shape =
-      pack_launch_shape(rows, draft_steps, payload.width, payload.dtype, include_next, counts_given);
-  return copy_plan(shape, rows, draft_steps + (include_next ? 1 : 0), payload, position_bytes, vector_bytes,
-                   current_device_info().multiprocessors)
+  return query_copy_plan("smcgraph::pack_source_order", rows, draft_steps, payload, include_next,
+                         counts_given, vector_bytes)
       .source_order;
 }
 
