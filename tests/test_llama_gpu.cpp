@@ -738,6 +738,16 @@ TEST_CASE("llama forward: early PDL triggers give the same bits") {
   }
 }
 
+TEST_CASE("llama forward: weights marked streaming in L2 give the same bits") {
+  // SMCGRAPH_LLAMA_WEIGHT_CACHE=streaming (the default) launches the GEMMs and the small LM heads with an
+  // access-policy window that marks their weights streaming in L2 (llama_model.cu): a cache hint, so the
+  // logits of decodes, verify blocks, padding rows and graphs are the same bits as without it.
+  for (const Shape& shape : kKOrderShapes) {
+    CAPTURE(shape.hidden);
+    check_same_logits_when_forced(shape, "SMCGRAPH_LLAMA_WEIGHT_CACHE", "normal", "streaming");
+  }
+}
+
 TEST_CASE("llama forward: the small LM head gives cuBLASLt's bits") {
   // Forwards of up to 16 head rows take the small head (llama_head.cu: one kernel that normalises its rows
   // and chains one m16n8k16 MMA per 16 of K, the order of the pinned cuBLASLt matmul), larger ones the norm
@@ -858,9 +868,10 @@ TEST_CASE(
 TEST_CASE("llama forward: the kernel-choice variables must name a choice") {
   const Shape shape{1, 128, 4, 2, 256, 300, true, GgufType::kQ4_1, GgufType::kQ8_0};
   TinySetup setup(shape);
-  for (const char* name : {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
-                           "SMCGRAPH_GEMM_A_STAGING", "SMCGRAPH_GEMM_FRAGMENTS", "SMCGRAPH_LM_HEAD",
-                           "SMCGRAPH_ATTENTION_SPLIT", "SMCGRAPH_LLAMA_TRIGGER"}) {
+  for (const char* name :
+       {"SMCGRAPH_ATTENTION_GROUPING", "SMCGRAPH_GEMM_TILES", "SMCGRAPH_GEMM_NARROW_WARPS",
+        "SMCGRAPH_GEMM_A_STAGING", "SMCGRAPH_GEMM_FRAGMENTS", "SMCGRAPH_LM_HEAD", "SMCGRAPH_ATTENTION_SPLIT",
+        "SMCGRAPH_LLAMA_TRIGGER", "SMCGRAPH_LLAMA_WEIGHT_CACHE"}) {
     CAPTURE(name);
     const ScopedEnv scoped(name, "sideways");
     const std::string expected = std::string(name) + " = 'sideways'";

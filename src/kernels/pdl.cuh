@@ -10,6 +10,8 @@
 // pdl_enter() does both at the top of a small stage kernel.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <utility>
 
 #include <cuda_runtime.h>
@@ -37,18 +39,58 @@ inline cudaLaunchAttribute cluster_attribute(unsigned cluster_x) {
 /// Launches `kernel` as clusters of `cluster_x` CTAs along x (1: no clusters; grid.x a multiple of it), with
 /// the PDL attribute unless SMCGRAPH_DISABLE_PDL=1, and checks the launch: a launch error throws
 /// smcgraph::Error here, so callers need no SMCGRAPH_CHECK_LAUNCH() after it.
+/// A range of device memory one launch reads once, marked streaming in L2 (launch_pdl_streaming): bytes 0 is
+/// no range.
+struct L2StreamingRange {
+  const void* base = nullptr;
+  size_t bytes = 0;
+};
+
+/// The largest access-policy window of the current device (cudaDevAttrMaxAccessPolicyWindowSize; cached per
+/// device).
+inline size_t max_access_policy_window_bytes() {
+  constexpr int kDevices = 64;
+  static int cached[kDevices] = {}; // 0: not asked yet (a device without windows reports 0 and asks again)
+  int device = 0;
+  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= kDevices)
+    return 0;
+  if (cached[device] == 0)
+    SMCGRAPH_CUDA_CHECK(
+        cudaDeviceGetAttribute(&cached[device], cudaDevAttrMaxAccessPolicyWindowSize, device));
+  return static_cast<size_t>(cached[device]);
+}
+
+/// The launch attribute that marks `range` streaming (cudaAccessPropertyStreaming for hits and misses): L2
+/// evicts the lines the launch brings in for it first, so they do not push out what later launches reuse.
+/// The range is cut at the device's largest window.
+inline cudaLaunchAttribute streaming_window_attribute(L2StreamingRange range) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeAccessPolicyWindow;
+  attribute.val.accessPolicyWindow.base_ptr = const_cast<void*>(range.base);
+  attribute.val.accessPolicyWindow.num_bytes = std::min(range.bytes, max_access_policy_window_bytes());
+  attribute.val.accessPolicyWindow.hitRatio = 1.0f;
+  attribute.val.accessPolicyWindow.hitProp = cudaAccessPropertyStreaming;
+  attribute.val.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
+  return attribute;
+}
+
+/// A launch with PDL (unless SMCGRAPH_DISABLE_PDL), a cluster of cluster_x CTAs where > 1 and a streaming L2
+/// window over `streaming` where it has bytes.
 template <class... Params, class... Args>
-void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                          unsigned cluster_x, cudaStream_t stream, Args&&... args) {
+void launch_pdl_with(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, unsigned cluster_x,
+                     L2StreamingRange streaming, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2];
+  cudaLaunchAttribute attributes[3];
   unsigned count = 0;
   if (cluster_x > 1)
     attributes[count++] = cluster_attribute(cluster_x);
+  if (streaming.bytes > 0 && max_access_policy_window_bytes() > 0)
+    attributes[count++] = streaming_window_attribute(streaming);
   if (pdl_enabled()) {
     attributes[count] = cudaLaunchAttribute{};
     attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -62,9 +104,24 @@ void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size
 
 /// launch_pdl_clustered() without clusters: the launcher of every PDL kernel.
 template <class... Params, class... Args>
+void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                          unsigned cluster_x, cudaStream_t stream, Args&&... args) {
+  launch_pdl_with(kernel, grid, block, smem_bytes, cluster_x, L2StreamingRange{}, stream,
+                  std::forward<Args>(args)...);
+}
+
+template <class... Params, class... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
                 Args&&... args) {
-  launch_pdl_clustered(kernel, grid, block, smem_bytes, 1u, stream, std::forward<Args>(args)...);
+  launch_pdl_with(kernel, grid, block, smem_bytes, 1u, L2StreamingRange{}, stream,
+                  std::forward<Args>(args)...);
+}
+
+/// launch_pdl with `streaming` marked streaming in L2 (a range the launch reads once: weights).
+template <class... Params, class... Args>
+void launch_pdl_streaming(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                          L2StreamingRange streaming, cudaStream_t stream, Args&&... args) {
+  launch_pdl_with(kernel, grid, block, smem_bytes, 1u, streaming, stream, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ void pdl_wait() {

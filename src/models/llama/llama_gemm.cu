@@ -931,6 +931,13 @@ int max_optin_smem() {
   return current_device_info().shared_memory_optin_bytes - kStaticSmemBytes;
 }
 
+/// The weights of a GEMM launch as a streaming L2 range where GemmArgs::stream_weights asks for it.
+L2StreamingRange weight_range(const GemmArgs& a) {
+  if (!a.stream_weights)
+    return {};
+  return {a.weight, static_cast<size_t>(a.n) * a.k * sizeof(uint16_t)};
+}
+
 template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS = 1, int WARPS = kWarps>
 void launch_variant(const GemmArgs& a, cudaStream_t stream) {
   constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS;
@@ -938,8 +945,9 @@ void launch_variant(const GemmArgs& a, cudaStream_t stream) {
   const bool stage_w =
       !wide && smem_bytes(M_FRAGS, false, a.k, true, N_FRAGS, WARPS) <= static_cast<size_t>(max_optin_smem());
   const dim3 grid(static_cast<unsigned>(a.n / BN), static_cast<unsigned>(detail::ceil_div(a.tokens, BM)));
-  launch_pdl(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS, N_FRAGS, WARPS>, grid, dim3(32 * WARPS),
-             smem_bytes(M_FRAGS, wide, a.k, stage_w, N_FRAGS, WARPS), stream, a, stage_w);
+  launch_pdl_streaming(LlamaGemmKernel<EPILOGUE, M_FRAGS, N_WARPS, N_FRAGS, WARPS>, grid, dim3(32 * WARPS),
+                       smem_bytes(M_FRAGS, wide, a.k, stage_w, N_FRAGS, WARPS), weight_range(a), stream, a,
+                       stage_w);
 }
 
 /// Narrow tiles (one row fragment, one column warp with one column fragment, or two for `paired`; 8 warps
@@ -967,8 +975,8 @@ void launch_epilogue(int m_frags, bool wide, bool paired, bool split, const Gemm
 
 template <int EPILOGUE, int BM, int BN> void launch_pipelined(const GemmArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.n / BN), static_cast<unsigned>(detail::ceil_div(a.tokens, BM)));
-  launch_pdl(LlamaPipelinedGemmKernel<EPILOGUE, BM, BN>, grid, dim3(kThreads), pipe_smem_bytes(BM, BN),
-             stream, a);
+  launch_pdl_streaming(LlamaPipelinedGemmKernel<EPILOGUE, BM, BN>, grid, dim3(kThreads),
+                       pipe_smem_bytes(BM, BN), weight_range(a), stream, a);
 }
 
 template <int EPILOGUE>

@@ -128,6 +128,7 @@ struct SmallHeadArgs {
   const uint16_t* weight = nullptr; ///< [round_up(vocab, 64), k]: whole 64-row blocks readable
   void* logits = nullptr;
   DType dtype = DType::kFloat32;
+  bool stream_weights = false; ///< GemmArgs::stream_weights (read by the launcher)
   /// The int8 head's weights (LlamaWeights::head_q8 / head_q8_scales: fragment order, round_up(vocab, 64)
   /// rows); null for the bf16 small head.
   const int8_t* q8 = nullptr;
@@ -381,13 +382,20 @@ __global__ void __launch_bounds__(kSmallHeadThreads, kQ8HeadBlocksPerSm)
 /// where s.q8 is set (kQ8HeadBlocksPerSm blocks an SM), else the bf16 one (a block an SM).
 template <int N_FRAGS> void launch_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
   const int tiles = detail::ceil_div(s.vocab, kSmallHeadRows), sms = current_device_info().multiprocessors;
+  // The weights (the int8 values, or the bf16 rows: round_up(vocab, 64) rows either way) as a streaming L2
+  // range where GemmArgs::stream_weights asks for it.
+  const size_t weight_rows = static_cast<size_t>(detail::ceil_div(s.vocab, 64)) * 64;
+  L2StreamingRange streaming{};
+  if (s.stream_weights)
+    streaming = s.q8 != nullptr ? L2StreamingRange{s.q8, weight_rows * s.k}
+                                : L2StreamingRange{s.weight, weight_rows * s.k * sizeof(uint16_t)};
   if (s.q8 != nullptr)
-    launch_pdl(LlamaQ8HeadKernel<N_FRAGS>,
-               dim3(static_cast<unsigned>(std::min(tiles, kQ8HeadBlocksPerSm * sms))),
-               dim3(kSmallHeadThreads), q8_head_smem_bytes(s.k, N_FRAGS), stream, s);
+    launch_pdl_streaming(LlamaQ8HeadKernel<N_FRAGS>,
+                         dim3(static_cast<unsigned>(std::min(tiles, kQ8HeadBlocksPerSm * sms))),
+                         dim3(kSmallHeadThreads), q8_head_smem_bytes(s.k, N_FRAGS), streaming, stream, s);
   else
-    launch_pdl(LlamaSmallHeadKernel<N_FRAGS>, dim3(static_cast<unsigned>(std::min(tiles, sms))),
-               dim3(kSmallHeadThreads), small_head_smem_bytes(s.k, N_FRAGS), stream, s);
+    launch_pdl_streaming(LlamaSmallHeadKernel<N_FRAGS>, dim3(static_cast<unsigned>(std::min(tiles, sms))),
+                         dim3(kSmallHeadThreads), small_head_smem_bytes(s.k, N_FRAGS), streaming, stream, s);
 }
 
 void run_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
@@ -417,6 +425,7 @@ SmallHeadArgs small_args(const GemmArgs& a) {
   s.weight = a.weight;
   s.logits = a.logits;
   s.dtype = a.logits_dtype;
+  s.stream_weights = a.stream_weights;
   return s;
 }
 

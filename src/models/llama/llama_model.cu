@@ -134,6 +134,15 @@ struct LlamaModel::Workspace {
   /// (early_all = 15: O then reads its residual after its wait); 16 gate/up (early_max = 31: down reads its
   /// residual after its wait as well). 0: after_wait. Default early_o_down (6).
   uint8_t early_trigger = 6;
+  /// SMCGRAPH_LLAMA_WEIGHT_CACHE: the GEMMs and small LM heads launch with their weights marked streaming in
+  /// L2 (streaming, the default) or not (normal); GemmArgs::stream_weights. A forward reads its weights once
+  /// (SmolLM2: about 245 MB, five times an H200's L2), so unmarked they push out of L2 what the next kernels
+  /// and the next forward reuse: the KV, the sampler's code and inputs, the cycle's small buffers. H200,
+  /// graph us a cycle, normal -> streaming (two rounds each, alternating in one call): SMC N 8 K 4 at 1
+  /// request 2,069.4, 2,072.9 -> 2,018.8, 2,024.1 (non-model 66.5, 68.8 -> 43.5, 48.6); no draft at 1 request
+  /// 375.1, 375.1 -> 367.2, 367.8; speculative K 4 at 1 / 8 requests 1,763.5, 1,772.8 -> 1,719.8, 1,719.4 /
+  /// 1,931.2, 1,928.1 -> 1,884.0, 1,878.6; SMC at 8 requests 4,384.1, 4,354.4 -> 4,353.2, 4,356.1.
+  bool stream_weights = true;
 };
 
 namespace {
@@ -239,6 +248,8 @@ LlamaModel::LlamaModel(std::shared_ptr<const LlamaWeights> weights, const LlamaM
                                                                         {"early", 7},
                                                                         {"early_all", 15},
                                                                         {"early_max", 31}});
+  w.stream_weights =
+      choice_from_env<bool>("SMCGRAPH_LLAMA_WEIGHT_CACHE", {{"streaming", true}, {"normal", false}});
   const llama::HeadKernels head_kernels =
       choice_from_env<llama::HeadKernels>("SMCGRAPH_LM_HEAD", {{"by_size", llama::HeadKernels::kBySize},
                                                                {"small_bf16", llama::HeadKernels::kSmallBf16},
@@ -363,6 +374,7 @@ void LlamaModel::forward(const ForwardArgs& args, cudaStream_t stream) {
   g.narrow_warps = w.gemm_narrow_warps;
   g.a_staging = w.gemm_a_staging;
   g.fragments = w.gemm_fragments;
+  g.stream_weights = w.stream_weights;
 
   // Layers [first, last) of this model on residual stream x, with the shapes of `shape` and `att` (whose
   // positions the QKV projection's RoPE and KV write also take, with att's out_slots).

@@ -9,7 +9,9 @@
 #include "kernels/pdl.cuh"
 
 namespace smcgraph::llama {
+using detail::L2StreamingRange;
 using detail::launch_pdl;
+using detail::launch_pdl_streaming;
 using detail::pdl_enabled;
 using detail::pdl_trigger;
 using detail::pdl_wait;
