@@ -180,7 +180,6 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
   using WarpReduce = cub::WarpReduce<uint32_t>;
   __shared__ uint32_t first_rejected[kMaxRowsPerTile]; // per tile row: position << 8 | reason
   __shared__ int32_t prefix[kMaxRowsPerTile + 1]; // in-tile exclusive prefix of packed counts; [32] = tile's
-  __shared__ int32_t next_token[kMaxRowsPerTile];
   __shared__ typename WarpScan::TempStorage scan_storage;
   __shared__ typename WarpReduce::TempStorage reduce_storage[kPackWarps];
   __shared__ uint32_t generation;
@@ -376,7 +375,9 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
   if (leader)
     find_offset(); // split 0 publishes the inclusive prefix and writes offsets even with nothing to copy
 
-  // 4. Split 0 writes the per-row outputs, the total and the packed tokens.
+  // 4. Split 0 writes the per-row outputs, the total and the packed tokens: warp 0 a row's outputs and its
+  // next token (include_next), every thread the accepted draft tokens of positions (r, j) at the same time
+  // (no barrier between the two: both need only the scanned prefix).
   if (leader) {
     if (warp == 0 && lane < tile_rows) {
       const int row = row0 + lane;
@@ -395,18 +396,18 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
       } else if (args.next_in != nullptr) {
         next = args.next_in[row];
       }
-      next_token[lane] = next;
+      if (args.include_next && args.out.packed_tokens != nullptr)
+        args.out.packed_tokens[tile_offset + prefix[lane] + accepted] = next;
     }
     if (tile == args.tiles - 1 && threadIdx.x == 0)
       *args.out.total = static_cast<int32_t>(tile_offset) + tile_count;
     if (args.out.packed_tokens != nullptr) { // CTA-uniform
-      __syncthreads();
-      for (int index = threadIdx.x; index < tile_count; index += kPackThreads) {
-        const int r = row_of(prefix, tile_rows, index, 1);
-        const int j = index - prefix[r];
-        const int accepted = prefix[r + 1] - prefix[r] - args.include_next;
-        args.out.packed_tokens[tile_offset + index] =
-            j < accepted ? args.draft_tokens[(row0 + r) * args.draft_row_stride + j] : next_token[r];
+#pragma unroll 1
+      for (int p = threadIdx.x; p < tile_rows * args.draft_steps; p += kPackThreads) {
+        const int r = p / args.draft_steps, j = p - r * args.draft_steps;
+        if (j < prefix[r + 1] - prefix[r] - args.include_next)
+          args.out.packed_tokens[tile_offset + prefix[r] + j] =
+              args.draft_tokens[(row0 + r) * args.draft_row_stride + j];
       }
     }
   }
