@@ -371,23 +371,28 @@ TEST_CASE("verify_and_pack: all accepted, all rejected, out-of-range ids") {
     }
   }
   // -1 padding and ids >= vocab: a mismatch there, flagged; a target next token out of range is flagged too.
-  PackCase c{64, 12, 0.9, 32, DType::kBFloat16, true};
-  DeviceCase device_case(c, rng, stream);
-  auto batch = device_case.batch;
-  for (int row = 0; row < 64; row += 3) {
-    const int j = static_cast<int>(rng.integer(0, 11));
-    batch.draft[row * 12 + j] = row % 2 ? -1 : c.vocab + 5;
-    batch.accepted[row] = std::min(batch.accepted[row], j);
+  // 64 rows x 12 steps verify by ballots over two tiles; 32 x 8 (one tile, <= 8 steps) a lane a row.
+  for (const PackCase& c : {PackCase{64, 12, 0.9, 32, DType::kBFloat16, true},
+                            PackCase{32, 8, 0.9, 32, DType::kBFloat16, true}}) {
+    CAPTURE(describe(c));
+    DeviceCase device_case(c, rng, stream);
+    auto batch = device_case.batch;
+    const int steps = c.draft_steps;
+    for (int row = 0; row < c.rows; row += 3) {
+      const int j = static_cast<int>(rng.integer(0, steps - 1));
+      batch.draft[row * steps + j] = row % 2 ? -1 : c.vocab + 5;
+      batch.accepted[row] = std::min(batch.accepted[row], j);
+    }
+    for (int row = 1; row < c.rows; row += 5)
+      batch.target[row * (steps + 1) + batch.accepted[row]] = -7; // the next token
+    device_case.batch = batch;
+    device_case.upload_tokens();
+    device_case.poison();
+    test::run_on_stream(false, stream, [&](cudaStream_t s) { device_case.launch_fused(workspace, s); });
+    const Outputs out = device_case.read();
+    device_case.check(out, true);
+    CHECK(out.status == smcgraph::kFlagTokenOutOfRange);
   }
-  for (int row = 1; row < 64; row += 5)
-    batch.target[row * 13 + batch.accepted[row]] = -7; // the next token
-  device_case.batch = batch;
-  device_case.upload_tokens();
-  device_case.poison();
-  test::run_on_stream(false, stream, [&](cudaStream_t s) { device_case.launch_fused(workspace, s); });
-  const Outputs out = device_case.read();
-  device_case.check(out, true);
-  CHECK(out.status == smcgraph::kFlagTokenOutOfRange);
 }
 
 TEST_CASE("captured verify_and_pack replays correctly: the look-back workspace resets itself") {
