@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <utility>
 
@@ -50,15 +51,19 @@ struct L2StreamingRange {
 /// device).
 inline size_t max_access_policy_window_bytes() {
   constexpr int kDevices = 64;
-  static int cached[kDevices] = {}; // 0: not asked yet (a device without windows reports 0 and asks again)
+  // 0: not asked yet (a device without windows reports 0 and is asked again). Threads launching at once may
+  // both ask; they store the same value.
+  static std::atomic<int> cached[kDevices];
   int device = 0;
   SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= kDevices)
+  if (device < 0 || device >= kDevices)
     return 0;
-  if (cached[device] == 0)
-    SMCGRAPH_CUDA_CHECK(
-        cudaDeviceGetAttribute(&cached[device], cudaDevAttrMaxAccessPolicyWindowSize, device));
-  return static_cast<size_t>(cached[device]);
+  int bytes = cached[device].load(std::memory_order_relaxed);
+  if (bytes == 0) {
+    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxAccessPolicyWindowSize, device));
+    cached[device].store(bytes, std::memory_order_relaxed);
+  }
+  return static_cast<size_t>(bytes);
 }
 
 /// The launch attribute that marks `range` streaming (cudaAccessPropertyStreaming for hits and misses): L2
