@@ -195,7 +195,8 @@ struct DeviceInfo {
   int multiprocessors = 0;
   int compute_major = 0;
   int compute_minor = 0;
-  int shared_memory_optin_bytes = 0; ///< largest dynamic shared memory a block may opt in to
+  int shared_memory_optin_bytes = 0;      ///< largest dynamic shared memory a block may opt in to
+  int access_policy_max_window_bytes = 0; ///< largest L2 access-policy window (0: none)
 };
 const DeviceInfo& current_device_info();
 

@@ -11,7 +11,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <utility>
 
@@ -19,6 +18,7 @@
 
 #include "runtime/env.hpp"
 #include "smcgraph/error.hpp"
+#include "smcgraph/runtime.hpp"
 
 namespace smcgraph::detail {
 
@@ -37,9 +37,6 @@ inline cudaLaunchAttribute cluster_attribute(unsigned cluster_x) {
   return attribute;
 }
 
-/// Launches `kernel` as clusters of `cluster_x` CTAs along x (1: no clusters; grid.x a multiple of it), with
-/// the PDL attribute unless SMCGRAPH_DISABLE_PDL=1, and checks the launch: a launch error throws
-/// smcgraph::Error here, so callers need no SMCGRAPH_CHECK_LAUNCH() after it.
 /// A range of device memory one launch reads once, marked streaming in L2 (launch_pdl_streaming): bytes 0 is
 /// no range.
 struct L2StreamingRange {
@@ -47,41 +44,24 @@ struct L2StreamingRange {
   size_t bytes = 0;
 };
 
-/// The largest access-policy window of the current device (cudaDevAttrMaxAccessPolicyWindowSize; cached per
-/// device).
-inline size_t max_access_policy_window_bytes() {
-  constexpr int kDevices = 64;
-  // 0: not asked yet (a device without windows reports 0 and is asked again). Threads launching at once may
-  // both ask; they store the same value.
-  static std::atomic<int> cached[kDevices];
-  int device = 0;
-  SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= kDevices)
-    return 0;
-  int bytes = cached[device].load(std::memory_order_relaxed);
-  if (bytes == 0) {
-    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxAccessPolicyWindowSize, device));
-    cached[device].store(bytes, std::memory_order_relaxed);
-  }
-  return static_cast<size_t>(bytes);
-}
-
 /// The launch attribute that marks `range` streaming (cudaAccessPropertyStreaming for hits and misses): L2
 /// evicts the lines the launch brings in for it first, so they do not push out what later launches reuse.
-/// The range is cut at the device's largest window.
-inline cudaLaunchAttribute streaming_window_attribute(L2StreamingRange range) {
+/// The range is cut at `max_window_bytes`, the device's largest window (DeviceInfo).
+inline cudaLaunchAttribute streaming_window_attribute(L2StreamingRange range, size_t max_window_bytes) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeAccessPolicyWindow;
   attribute.val.accessPolicyWindow.base_ptr = const_cast<void*>(range.base);
-  attribute.val.accessPolicyWindow.num_bytes = std::min(range.bytes, max_access_policy_window_bytes());
+  attribute.val.accessPolicyWindow.num_bytes = std::min(range.bytes, max_window_bytes);
   attribute.val.accessPolicyWindow.hitRatio = 1.0f;
   attribute.val.accessPolicyWindow.hitProp = cudaAccessPropertyStreaming;
   attribute.val.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
   return attribute;
 }
 
-/// A launch with PDL (unless SMCGRAPH_DISABLE_PDL), a cluster of cluster_x CTAs where > 1 and a streaming L2
-/// window over `streaming` where it has bytes.
+/// Launches `kernel` with the PDL attribute unless SMCGRAPH_DISABLE_PDL=1, as clusters of `cluster_x` CTAs
+/// along x where > 1 (grid.x a multiple of it) and with a streaming L2 window over `streaming` where it has
+/// bytes and the device has windows, and checks the launch: a launch error throws smcgraph::Error here, so
+/// callers need no SMCGRAPH_CHECK_LAUNCH() after it.
 template <class... Params, class... Args>
 void launch_pdl_with(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, unsigned cluster_x,
                      L2StreamingRange streaming, cudaStream_t stream, Args&&... args) {
@@ -94,8 +74,11 @@ void launch_pdl_with(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
   unsigned count = 0;
   if (cluster_x > 1)
     attributes[count++] = cluster_attribute(cluster_x);
-  if (streaming.bytes > 0 && max_access_policy_window_bytes() > 0)
-    attributes[count++] = streaming_window_attribute(streaming);
+  if (streaming.bytes > 0) {
+    const auto max_window = static_cast<size_t>(current_device_info().access_policy_max_window_bytes);
+    if (max_window > 0)
+      attributes[count++] = streaming_window_attribute(streaming, max_window);
+  }
   if (pdl_enabled()) {
     attributes[count] = cudaLaunchAttribute{};
     attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -107,7 +90,7 @@ void launch_pdl_with(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
   SMCGRAPH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
-/// launch_pdl_clustered() without clusters: the launcher of every PDL kernel.
+/// launch_pdl_with() without a streaming range.
 template <class... Params, class... Args>
 void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
                           unsigned cluster_x, cudaStream_t stream, Args&&... args) {
@@ -115,6 +98,7 @@ void launch_pdl_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size
                   std::forward<Args>(args)...);
 }
 
+/// launch_pdl_clustered() without clusters: the launcher of every PDL kernel.
 template <class... Params, class... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
                 Args&&... args) {

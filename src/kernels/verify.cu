@@ -45,9 +45,7 @@ constexpr int kGreedyThreads = 256;
 constexpr int kGreedyWarps = kGreedyThreads / 32;
 constexpr int kWindowsPerBatch = 4; // ballot windows whose loads are issued together
 
-__device__ __forceinline__ bool out_of_range(int32_t token, int vocab) {
-  return token < 0 || token >= vocab;
-}
+using device::out_of_range;
 
 struct GreedyArgs {
   TokenVerifyInputs in;

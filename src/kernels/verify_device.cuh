@@ -13,6 +13,12 @@ inline constexpr uint32_t kNoRejection = 0xffffffffu;
 
 // Device pieces shared by verify.cu and pack.cu (compiled only by nvcc).
 
+/// A token id outside [0, vocab): a draft position holding one rejects with kFlagTokenOutOfRange, a next
+/// token is replaced by kInvalidToken and flagged.
+__device__ __forceinline__ bool out_of_range(int32_t token, int vocab) {
+  return token < 0 || token >= vocab;
+}
+
 /// One ballot round of a verification scan. Lane l of the calling warp
 /// reports whether position base + l rejects and why (RowFlag bits < 256); every lane gets the first
 /// rejection of the window encoded as position << 8 | reason, or kNoRejection. The minimum over windows is

@@ -144,6 +144,8 @@ const DeviceInfo& current_device_info() {
         cudaDeviceGetAttribute(&info.compute_minor, cudaDevAttrComputeCapabilityMinor, device));
     SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&info.shared_memory_optin_bytes,
                                                cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&info.access_policy_max_window_bytes,
+                                               cudaDevAttrMaxAccessPolicyWindowSize, device));
     cache[device] = info;
   });
   return cache[device];

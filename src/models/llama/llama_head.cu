@@ -135,6 +135,12 @@ struct SmallHeadArgs {
   const float* q8_scales = nullptr;
 };
 
+/// Rows of the head's weights as the small heads read them: the vocabulary rounded up to whole 64-row blocks
+/// (LlamaWeights pads the bf16 head and the int8 head's layout to them).
+__host__ __device__ constexpr int padded_head_rows(int vocab) {
+  return (vocab + 63) / 64 * 64;
+}
+
 constexpr int kSmallHeadWarps = 8;
 constexpr int kSmallHeadThreads = 32 * kSmallHeadWarps;
 constexpr int kSmallHeadRows = 16 * kSmallHeadWarps; // vocabulary rows a tile
@@ -217,7 +223,7 @@ __global__ void __launch_bounds__(kSmallHeadThreads, 1) LlamaSmallHeadKernel(con
   const int lda = a.k + kSmallHeadPad;
   const int chunks = (a.k + kSmallHeadChunk - 1) / kSmallHeadChunk; // stages a tile
   const int tiles = (a.vocab + kSmallHeadRows - 1) / kSmallHeadRows;
-  const int weight_rows = (a.vocab + 63) / 64 * 64;
+  const int weight_rows = padded_head_rows(a.vocab);
   const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int units = my_tiles * chunks; // (tile, chunk) stages this block consumes, in order
   // Unit u's copy: kSmallHeadRows rows x kSmallHeadChunk columns, 16 bytes a copy, 4 a thread.
@@ -382,9 +388,9 @@ __global__ void __launch_bounds__(kSmallHeadThreads, kQ8HeadBlocksPerSm)
 /// where s.q8 is set (kQ8HeadBlocksPerSm blocks an SM), else the bf16 one (a block an SM).
 template <int N_FRAGS> void launch_small_head(const SmallHeadArgs& s, cudaStream_t stream) {
   const int tiles = detail::ceil_div(s.vocab, kSmallHeadRows), sms = current_device_info().multiprocessors;
-  // The weights (the int8 values, or the bf16 rows: round_up(vocab, 64) rows either way) as a streaming L2
-  // range where GemmArgs::stream_weights asks for it.
-  const size_t weight_rows = static_cast<size_t>(detail::ceil_div(s.vocab, 64)) * 64;
+  // The weights (the int8 values, or the bf16 rows: padded_head_rows either way) as a streaming L2 range
+  // where GemmArgs::stream_weights asks for it.
+  const auto weight_rows = static_cast<size_t>(padded_head_rows(s.vocab));
   L2StreamingRange streaming{};
   if (s.stream_weights)
     streaming = s.q8 != nullptr ? L2StreamingRange{s.q8, weight_rows * s.k}
@@ -543,7 +549,7 @@ bool LtHead::Impl::small_head_gives_cublaslt_bits() {
   // result. Every variant (8 and 16 tokens) runs both ways with the pinned algorithm and the model's
   // logits type; one differing bit leaves the small head off.
   const int rows = std::min(kSmallHeadMaxTokens, max_tokens);
-  const int weight_rows = (vocab + 63) / 64 * 64, steps = hidden / 16;
+  const int weight_rows = padded_head_rows(vocab), steps = hidden / 16;
   std::vector<uint16_t> host_w(static_cast<size_t>(weight_rows) * hidden, 0);
   uint32_t state = 0x9e3779b9u;
   const auto next = [&] { // xorshift32
