@@ -30,6 +30,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "reference/llama_ref.hpp"
@@ -745,6 +746,76 @@ TEST_CASE("llama forward: weights marked streaming in L2 give the same bits") {
   for (const Shape& shape : kKOrderShapes) {
     CAPTURE(shape.hidden);
     check_same_logits_when_forced(shape, "SMCGRAPH_LLAMA_WEIGHT_CACHE", "normal", "streaming");
+  }
+}
+
+/// One forward of `model` over `batch` captured into a graph (not run): how many of its kernel nodes carry an
+/// access-policy window, each checked to mark its range streaming in L2 for hits and misses. Also checks that
+/// the capture left the stream without a window (with_streaming_window puts the old one back).
+int streaming_kernel_nodes(LlamaModel& model, DeviceBatch& batch, cudaStream_t stream) {
+  cudaGraph_t raw = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    model.forward(batch.args(), stream);
+  } catch (...) {
+    cudaStreamEndCapture(stream, &raw);
+    if (raw)
+      cudaGraphDestroy(raw);
+    throw;
+  }
+  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &raw));
+  const std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph(
+      raw, &cudaGraphDestroy);
+  size_t count = 0;
+  SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph.get(), nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph.get(), nodes.data(), &count));
+  int marked = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    SMCGRAPH_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    if (type != cudaGraphNodeTypeKernel)
+      continue;
+    cudaKernelNodeAttrValue value{};
+    SMCGRAPH_CUDA_CHECK(
+        cudaGraphKernelNodeGetAttribute(node, cudaKernelNodeAttributeAccessPolicyWindow, &value));
+    const cudaAccessPolicyWindow& window = value.accessPolicyWindow;
+    if (window.num_bytes == 0)
+      continue;
+    CHECK(window.hitProp == cudaAccessPropertyStreaming);
+    CHECK(window.missProp == cudaAccessPropertyStreaming);
+    CHECK(window.base_ptr != nullptr);
+    ++marked;
+  }
+  cudaStreamAttrValue after{};
+  SMCGRAPH_CUDA_CHECK(cudaStreamGetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &after));
+  CHECK_MESSAGE(after.accessPolicyWindow.num_bytes == 0, "the forward left a window on its stream");
+  return marked;
+}
+
+TEST_CASE("llama forward: a captured forward's GEMMs and LM head carry the streaming window") {
+  // SMCGRAPH_LLAMA_WEIGHT_CACHE=streaming: each layer's four GEMM launches and the LM head carry a window
+  // over their weights, in a captured graph's kernel nodes too. A decode of 6 rows takes the small head (a
+  // launch attribute); a verify block of 6 x 5 tokens takes cuBLASLt, which takes no launch attribute: its
+  // kernel gets the window from the stream for the call (with_streaming_window). normal marks nothing.
+  const Shape shape = kKOrderShapes[0];
+  TinySetup setup(shape);
+  const ScopedEnv head("SMCGRAPH_LM_HEAD", "by_size");
+  const auto model_with = [&](const char* value) {
+    const ScopedEnv scoped("SMCGRAPH_LLAMA_WEIGHT_CACHE", value);
+    return std::make_unique<LlamaModel>(setup.tiny->weights, options_of(4096, 512, 64, DType::kFloat32));
+  };
+  const std::unique_ptr<LlamaModel> streaming = model_with("streaming"), normal = model_with("normal");
+  const bool windows = smcgraph::current_device_info().access_policy_max_window_bytes > 0;
+  LlamaSequences s = reference::random_llama_sequences(std::vector<int>(6, 64), shape.vocab, 4096, 512, 1.0,
+                                                       setup.rng.engine());
+  for (const int per_row : {1, 5}) {
+    CAPTURE(per_row);
+    const LlamaForwardInputs in = step_inputs(
+        s, per_row, [](int) { return true; }, setup.rng.engine());
+    DeviceBatch batch(in, shape.vocab, DType::kFloat32, setup.stream);
+    CHECK(streaming_kernel_nodes(*streaming, batch, setup.stream) == (windows ? 4 * shape.layers + 1 : 0));
+    CHECK(streaming_kernel_nodes(*normal, batch, setup.stream) == 0);
   }
 }
 

@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
     }
 #pragma unroll
     for (int j = kLaneScanMaxSteps - 1; j >= 0; --j) { // backwards: the last one found is the first
-      const bool bad = d[j] < 0 || d[j] >= in.vocab;
+      const bool bad = device::out_of_range(d[j], in.vocab);
       if (j < in.draft_steps && (bad || d[j] != t[j]))
-        lane_first = (static_cast<uint32_t>(j) << 8) | (bad ? (kFlagTokenOutOfRange & 0xffu) : 0u);
+        lane_first = device::encode_rejection(j, bad ? kFlagTokenOutOfRange : 0u);
     }
   }
 
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
         const int r = item / windows;
         const int base = (item - r * windows) * 32;
         const bool inside = base + lane < in.draft_steps;
-        const bool bad = inside && (draft[b] < 0 || draft[b] >= in.vocab);
+        const bool bad = inside && device::out_of_range(draft[b], in.vocab);
         const bool reject = inside && (bad || draft[b] != target[b]);
         const uint32_t found = device::first_rejection(reject, bad ? kFlagTokenOutOfRange : 0u, base);
         if (lane == 0 && found != device::kNoRejection)
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
         const uint32_t first = lane_scan ? lane_first : first_rejected[lane];
         uint32_t flags = first == device::kNoRejection ? 0u : (first & 0xffu);
         next = args.verify.target_tokens[row * args.verify.target_row_stride + accepted];
-        if (next < 0 || next >= args.verify.vocab) {
+        if (device::out_of_range(next, args.verify.vocab)) {
           flags |= kFlagTokenOutOfRange;
           next = kInvalidToken;
         }

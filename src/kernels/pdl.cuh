@@ -58,6 +58,33 @@ inline cudaLaunchAttribute streaming_window_attribute(L2StreamingRange range, si
   return attribute;
 }
 
+/// Runs `launch` (a library's launches on `stream`, which take no launch attribute from us: cuBLASLt) with
+/// `range` marked streaming in L2 through the stream's access-policy window
+/// (cudaStreamAttributeAccessPolicyWindow), and puts the stream's previous window back after it, also when
+/// `launch` throws. Kernels captured from the stream keep the window in their graph nodes (test_llama_gpu
+/// checks a captured forward's nodes). Without a range, on a device without windows or on the legacy default
+/// stream (whose attributes cannot be set), `launch` runs unmarked.
+template <class Launch>
+void with_streaming_window(cudaStream_t stream, L2StreamingRange range, Launch&& launch) {
+  const auto max_window = static_cast<size_t>(current_device_info().access_policy_max_window_bytes);
+  if (range.bytes == 0 || max_window == 0 || stream == nullptr || stream == cudaStreamLegacy) {
+    launch();
+    return;
+  }
+  cudaStreamAttrValue previous{};
+  SMCGRAPH_CUDA_CHECK(cudaStreamGetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &previous));
+  const cudaLaunchAttribute marked = streaming_window_attribute(range, max_window);
+  SMCGRAPH_CUDA_CHECK(cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &marked.val));
+  try {
+    launch();
+  } catch (...) {
+    (void)cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow,
+                                 &previous); // the first error wins
+    throw;
+  }
+  SMCGRAPH_CUDA_CHECK(cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &previous));
+}
+
 /// Launches `kernel` with the PDL attribute unless SMCGRAPH_DISABLE_PDL=1, as clusters of `cluster_x` CTAs
 /// along x where > 1 (grid.x a multiple of it) and with a streaming L2 window over `streaming` where it has
 /// bytes and the device has windows, and checks the launch: a launch error throws smcgraph::Error here, so

@@ -712,9 +712,18 @@ bool LtHead::Impl::run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_
     Impl::Layouts l;
     m.make_layouts(l, out_rows, ldy);
     void* y = static_cast<uint8_t*>(a.logits) + offset * dtype_bytes(m.dtype);
-    lt_check(cublasLtMatmul(m.lt->handle(), m.lt->op(), &alpha, a.weight, &m.w, normed, &l.a, &beta, y, &l.y,
-                            y, &l.y, &m.algo, m.workspace.data(), kWorkspaceBytes, stream),
-             kLtHead, "cublasLtMatmul");
+    // The head's weights, read once (a launch's tokens fit the pinned algorithm's row tiles at the cycle's
+    // sizes), marked streaming in L2 like the small heads' (GemmArgs::stream_weights): cuBLASLt takes no
+    // launch attribute, so the stream carries the window for its call.
+    const L2StreamingRange weights =
+        a.stream_weights
+            ? L2StreamingRange{a.weight, static_cast<size_t>(m.vocab) * m.hidden * sizeof(uint16_t)}
+            : L2StreamingRange{};
+    with_streaming_window(stream, weights, [&] {
+      lt_check(cublasLtMatmul(m.lt->handle(), m.lt->op(), &alpha, a.weight, &m.w, normed, &l.a, &beta, y,
+                              &l.y, y, &l.y, &m.algo, m.workspace.data(), kWorkspaceBytes, stream),
+               kLtHead, "cublasLtMatmul");
+    });
   };
   if (P == io || P == 1) { // dense rows, or one token a row io tokens apart: one leading dimension
     if (a.tokens > m.max_tokens)

@@ -80,8 +80,9 @@ struct GemmArgs {
   /// this kernel's predecessor passed its wait (LlamaModel::forward sets it; pdl.hpp).
   bool trigger_early = false;
   /// Launch with the weights marked streaming in L2 (an access-policy window, cudaAccessPropertyStreaming;
-  /// the GEMM tiles and the small LM heads): the same values, other lines kept in L2 instead of the weights,
-  /// which a forward reads once. LlamaModel reads SMCGRAPH_LLAMA_WEIGHT_CACHE.
+  /// the GEMM tiles and the small LM heads; the cuBLASLt head through its stream's window): the same values,
+  /// other lines kept in L2 instead of the weights, which a forward reads once. LlamaModel reads
+  /// SMCGRAPH_LLAMA_WEIGHT_CACHE.
   bool stream_weights = false;
   uint16_t* out_bf16 = nullptr; ///< q [T, q_dim] (kQkvRope) or act [T, N / 2] (kSwiGlu)
   void* logits = nullptr;       ///< [T, logits_cols] (kLogits); columns >= logits_cols are dropped

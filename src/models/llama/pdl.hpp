@@ -15,6 +15,7 @@ using detail::launch_pdl_streaming;
 using detail::pdl_enabled;
 using detail::pdl_trigger;
 using detail::pdl_wait;
+using detail::with_streaming_window;
 
 /// The PDL wait, then the trigger that lets the next launch start, unless this launch gave it at its top
 /// (GemmArgs / AttentionArgs::trigger_early: the early-trigger kernels call pdl_trigger() first thing).
