@@ -19,11 +19,6 @@ __device__ __forceinline__ bool out_of_range(int32_t token, int vocab) {
   return token < 0 || token >= vocab;
 }
 
-/// A row's first rejection at `position` for `reason`, as first_rejection() encodes it.
-__device__ __forceinline__ uint32_t encode_rejection(int position, uint32_t reason) {
-  return (static_cast<uint32_t>(position) << 8) | (reason & 0xffu);
-}
-
 /// One ballot round of a verification scan. Lane l of the calling warp
 /// reports whether position base + l rejects and why (RowFlag bits < 256); every lane gets the first
 /// rejection of the window encoded as position << 8 | reason, or kNoRejection. The minimum over windows is
@@ -32,7 +27,7 @@ __device__ __forceinline__ uint32_t first_rejection(bool reject, uint32_t reason
   const unsigned rejecting = __ballot_sync(0xffffffffu, reject);
   const int lane = __ffs(rejecting) - 1;
   const uint32_t first_reason = __shfl_sync(0xffffffffu, reason, lane < 0 ? 0 : lane);
-  return rejecting == 0 ? kNoRejection : encode_rejection(base + lane, first_reason);
+  return rejecting == 0 ? kNoRejection : (static_cast<uint32_t>(base + lane) << 8) | (first_reason & 0xffu);
 }
 
 /// Writes one row's verdict (its only writer) and ORs its flags into row_flags and status.
