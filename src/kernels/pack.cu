@@ -27,11 +27,15 @@
 // stores the accepted positions where the packed layout puts them, and later batches load only accepted ones.
 // The bytes are the same; the first batch also reads its rejected positions.
 //
-// Small single-tile greedy launches (at most kLaneScanMaxSteps draft steps: a speculative cycle's verify of
-// up to 32 rows) verify a lane a row instead, in every warp at once, and each warp scans the counts into its
-// own copy of the prefix: no shared atomics and no CTA barrier before a warp stores. b 32, gamma 8, kv 128
-// fp16, payload preloaded went from 3.14-3.15 to 2.70-2.71 us a launch in a graph, gamma 8, kv 2048
-// from 3.22-3.23 to 2.76-2.77 (verify_pack_bench, NVIDIA H200); the others do not take it.
+// Greedy launches of at most kLaneScanMaxSteps draft steps (a speculative cycle's verify) verify a lane a
+// row instead, in every warp at once, and each warp scans the counts into its own copy of the prefix: no
+// shared atomics and no CTA barrier before a warp stores. b 32, gamma 8, kv 128 fp16, payload preloaded went
+// from 3.14-3.15 to 2.70-2.71 us a launch in a graph, gamma 8, kv 2048 from 3.22-3.23 to 2.76-2.77
+// (verify_pack_bench, NVIDIA H200). Chained launches (more than 32 rows) take it too: every thread reads the
+// launch's generation itself (no barrier publishes a shared copy before its first use) and warp 0 of the
+// tile's leader publishes the tile's count; b 256, gamma 8, kv 1024 went from 6.37 to 5.82 us, b 32 gamma 8
+// kv 128 2.71 -> 2.68, b 4 2.39-2.40 -> 2.46 (the shared kernel's code; same call, three rounds). Launches of
+// more draft steps, or with given counts, keep the ballot scan and one prefix a CTA.
 //
 // Graph safety: tile statuses carry the launch's generation; the last CTA to finish (an exit counter)
 // resets the counter and advances the generation, so a replay finds the workspace ready and stale statuses
@@ -65,8 +69,7 @@ constexpr int kPackWarps = kPackThreads / 32;
 constexpr int kMaxRowsPerTile = 32; // the in-tile scan is one warp
 constexpr int kTilePositions = 256; // draft positions a tile verifies: one per thread
 constexpr int kVerifyBatch = 4;     // (row, window) items per warp whose loads are issued together
-/// Single-tile greedy launches of at most this many draft steps verify a lane a row in every warp
-/// (lane_scan).
+/// Greedy launches of at most this many draft steps verify a lane a row in every warp (lane_scan).
 constexpr int kLaneScanMaxSteps = 8;
 constexpr int kCopyUnroll = 4; // vectors in flight per thread (the preload, and launches of <= 16 KiB a CTA)
 constexpr int kWideCopyUnroll = 8; // vectors in flight per thread where a CTA's share is above 16 KiB
@@ -205,11 +208,11 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
   Word* const statuses = args.workspace + kStatusWords;
   const char* const tile_payload = args.payload + row0 * args.payload_row_stride_bytes;
   const int64_t units_per_position = args.position_bytes / VECTOR_BYTES;
-  // Single-tile greedy launches of at most kLaneScanMaxSteps draft steps (one window a row) verify the tile
-  // in every warp at once, a lane a row (1'), and each warp scans the counts into its own copy of the prefix,
-  // so no warp waits for another (no shared atomics, no barrier) before its stores; else one prefix for the
-  // CTA.
-  const bool lane_scan = !COUNTS_GIVEN && !chained && args.draft_steps <= kLaneScanMaxSteps;
+  // Greedy launches of at most kLaneScanMaxSteps draft steps (one window a row) verify the tile in every warp
+  // at once, a lane a row (1'), and each warp scans the counts into its own copy of the prefix, so no warp
+  // waits for another (no shared atomics, no barrier) before its stores or its look-back; else one prefix
+  // for the CTA.
+  const bool lane_scan = !COUNTS_GIVEN && args.draft_steps <= kLaneScanMaxSteps;
   int32_t* const tile_prefix = lane_scan ? warp_prefix[warp] : prefix;
 
   // 0. The CTA's 1/splits of the tile's stored units (row r's positions in order, accepted or not; rows in
@@ -255,9 +258,17 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
     load_stored(source_begin, preloaded, false);
   detail::pdl_enter(); // PDL: launched while its predecessor finishes (kernels/pdl.cuh)
 
-  if (chained && threadIdx.x == 0)
-    generation = static_cast<uint32_t>(
+  // The launch's generation: thread 0 shares it through shared memory (the barriers after the verify publish
+  // it); lane_scan, where no barrier comes before the first use, has every thread read it itself.
+  uint32_t lane_generation = 0;
+  if (chained && (lane_scan || threadIdx.x == 0)) {
+    const auto word = static_cast<uint32_t>(
         DeviceAtomicWord(args.workspace[kGenerationWord]).load(cuda::memory_order_relaxed));
+    lane_generation = word;
+    if (threadIdx.x == 0)
+      generation = word;
+  }
+  const auto launch_generation = [&] { return lane_scan ? lane_generation : generation; };
 
   // 1'. lane_scan: lane r of every warp finds row r's first rejection itself (its positions in order, the
   // first rejecting one wins, with the reason the ballot scan below would give).
@@ -342,8 +353,8 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
     tile_prefix[lane] = exclusive;
     if (lane == 0) {
       tile_prefix[kMaxRowsPerTile] = aggregate;
-      if (chained && leader)
-        publish(statuses + tile, generation, tile == 0 ? kTileInclusive : kTileAggregate,
+      if (chained && leader && warp == 0) // lane_scan: every warp scans; warp 0 publishes
+        publish(statuses + tile, launch_generation(), tile == 0 ? kTileInclusive : kTileAggregate,
                 static_cast<uint32_t>(aggregate));
     }
   }
@@ -365,18 +376,19 @@ __global__ void __launch_bounds__(kPackThreads, UNROLL == kWideCopyUnroll ? kCta
       return;
     if (args.cta_lookback) {
       if (warp == 0) {
-        const uint32_t offset = look_back(statuses, tile, generation, reduce_storage[0]);
+        const uint32_t offset = look_back(statuses, tile, launch_generation(), reduce_storage[0]);
         if (lane == 0)
           shared_offset = offset;
       }
       __syncthreads();
       tile_offset = shared_offset;
     } else {
-      tile_offset = look_back(statuses, tile, generation, reduce_storage[warp]);
+      tile_offset = look_back(statuses, tile, launch_generation(), reduce_storage[warp]);
     }
     have_offset = true;
     if (leader && warp == 0 && lane == 0)
-      publish(statuses + tile, generation, kTileInclusive, tile_offset + static_cast<uint32_t>(tile_count));
+      publish(statuses + tile, launch_generation(), kTileInclusive,
+              tile_offset + static_cast<uint32_t>(tile_count));
   };
   for (int64_t batch = begin; batch < end; batch += kPackThreads * UNROLL) { // CTA-uniform
     Vector data[UNROLL];
