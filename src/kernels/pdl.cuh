@@ -77,9 +77,8 @@ void with_streaming_window(cudaStream_t stream, L2StreamingRange range, Launch&&
   SMCGRAPH_CUDA_CHECK(cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &marked.val));
   try {
     launch();
-  } catch (...) {
-    (void)cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow,
-                                 &previous); // the first error wins
+  } catch (...) { // the first error wins: the window is put back without a check of its own
+    (void)cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &previous);
     throw;
   }
   SMCGRAPH_CUDA_CHECK(cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &previous));

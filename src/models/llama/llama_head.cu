@@ -712,9 +712,10 @@ bool LtHead::Impl::run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_
     Impl::Layouts l;
     m.make_layouts(l, out_rows, ldy);
     void* y = static_cast<uint8_t*>(a.logits) + offset * dtype_bytes(m.dtype);
-    // The head's weights, read once (a launch's tokens fit the pinned algorithm's row tiles at the cycle's
-    // sizes), marked streaming in L2 like the small heads' (GemmArgs::stream_weights): cuBLASLt takes no
-    // launch attribute, so the stream carries the window for its call.
+    // The head's weights marked streaming in L2 like the small heads' (GemmArgs::stream_weights): cuBLASLt
+    // takes no launch attribute, so the stream carries the window for its call. Measured neutral in SMC
+    // cycles of 40, 320 and 2,560 head rows (NVIDIA H200, docs/real_model_results.md, forty-sixth session);
+    // kept so that every weight read of a forward is marked alike.
     const L2StreamingRange weights =
         a.stream_weights
             ? L2StreamingRange{a.weight, static_cast<size_t>(m.vocab) * m.hidden * sizeof(uint16_t)}

@@ -134,8 +134,9 @@ struct LlamaModel::Workspace {
   /// (early_all = 15: O then reads its residual after its wait); 16 gate/up (early_max = 31: down reads its
   /// residual after its wait as well). 0: after_wait. Default early_o_down (6).
   uint8_t early_trigger = 6;
-  /// SMCGRAPH_LLAMA_WEIGHT_CACHE: the GEMMs and small LM heads launch with their weights marked streaming in
-  /// L2 (streaming, the default) or not (normal); GemmArgs::stream_weights. A forward reads its weights once
+  /// SMCGRAPH_LLAMA_WEIGHT_CACHE: the GEMMs and LM heads launch with their weights marked streaming in L2
+  /// (streaming, the default; the cuBLASLt head through its stream's window) or not (normal);
+  /// GemmArgs::stream_weights. A forward reads its weights once
   /// (SmolLM2: about 245 MB, five times an H200's L2), so unmarked they push out of L2 what the next kernels
   /// and the next forward reuse: the KV, the sampler's code and inputs, the cycle's small buffers. H200,
   /// graph us a cycle, normal -> streaming (two rounds each, alternating in one call): SMC N 8 K 4 at 1
