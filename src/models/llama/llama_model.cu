@@ -136,13 +136,13 @@ struct LlamaModel::Workspace {
   uint8_t early_trigger = 6;
   /// SMCGRAPH_LLAMA_WEIGHT_CACHE: the GEMMs and LM heads launch with their weights marked streaming in L2
   /// (streaming, the default; the cuBLASLt head through its stream's window) or not (normal);
-  /// GemmArgs::stream_weights. A forward reads its weights once
-  /// (SmolLM2: about 245 MB, five times an H200's L2), so unmarked they push out of L2 what the next kernels
-  /// and the next forward reuse: the KV, the sampler's code and inputs, the cycle's small buffers. H200,
-  /// graph us a cycle, normal -> streaming (two rounds each, alternating in one call): SMC N 8 K 4 at 1
-  /// request 2,069.4, 2,072.9 -> 2,018.8, 2,024.1 (non-model 66.5, 68.8 -> 43.5, 48.6); no draft at 1 request
-  /// 375.1, 375.1 -> 367.2, 367.8; speculative K 4 at 1 / 8 requests 1,763.5, 1,772.8 -> 1,719.8, 1,719.4 /
-  /// 1,931.2, 1,928.1 -> 1,884.0, 1,878.6; SMC at 8 requests 4,384.1, 4,354.4 -> 4,353.2, 4,356.1.
+  /// GemmArgs::stream_weights. A forward reads its weights once (SmolLM2: about 245 MB, five times an H200's
+  /// L2), so unmarked they push out of L2 what the next kernels and the next forward reuse: the KV, the
+  /// sampler's code and inputs, the cycle's small buffers. H200, graph us a cycle, normal -> streaming (two
+  /// rounds each, alternating in one call): SMC N 8 K 4 at 1 request 2,069.4, 2,072.9 -> 2,018.8, 2,024.1
+  /// (non-model 66.5, 68.8 -> 43.5, 48.6); no draft at 1 request 375.1, 375.1 -> 367.2, 367.8; speculative K
+  /// 4 at 1 / 8 requests 1,763.5, 1,772.8 -> 1,719.8, 1,719.4 / 1,931.2, 1,928.1 -> 1,884.0, 1,878.6; SMC at
+  /// 8 requests 4,384.1, 4,354.4 -> 4,353.2, 4,356.1.
   bool stream_weights = true;
 };
 
