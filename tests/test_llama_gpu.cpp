@@ -30,7 +30,6 @@
 #include <set>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "reference/llama_ref.hpp"
@@ -753,19 +752,8 @@ TEST_CASE("llama forward: weights marked streaming in L2 give the same bits") {
 /// access-policy window, each checked to mark its range streaming in L2 for hits and misses. Also checks that
 /// the capture left the stream without a window (with_streaming_window puts the old one back).
 int streaming_kernel_nodes(LlamaModel& model, DeviceBatch& batch, cudaStream_t stream) {
-  cudaGraph_t raw = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  try {
-    model.forward(batch.args(), stream);
-  } catch (...) {
-    cudaStreamEndCapture(stream, &raw);
-    if (raw)
-      cudaGraphDestroy(raw);
-    throw;
-  }
-  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &raw));
-  const std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph(
-      raw, &cudaGraphDestroy);
+  const test::CapturedGraph graph =
+      test::capture_graph(stream, [&](cudaStream_t s) { model.forward(batch.args(), s); });
   size_t count = 0;
   SMCGRAPH_CUDA_CHECK(cudaGraphGetNodes(graph.get(), nullptr, &count));
   std::vector<cudaGraphNode_t> nodes(count);

@@ -92,12 +92,7 @@ HostLogits encode_logits(DType dtype, const std::vector<float>& values) {
   return out;
 }
 
-void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
-  if (!captured) {
-    work(stream);
-    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return;
-  }
+CapturedGraph capture_graph(cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
   cudaGraph_t graph = nullptr;
   SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
@@ -109,12 +104,21 @@ void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(
     throw;
   }
   SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  return CapturedGraph(graph, &cudaGraphDestroy);
+}
+
+void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
+  if (!captured) {
+    work(stream);
+    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  const CapturedGraph graph = capture_graph(stream, work);
   cudaGraphExec_t exec = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
   SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
   SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 // Regularized upper incomplete gamma Q(a, x) via series / continued fraction (Numerical Recipes 6.2).

@@ -9,10 +9,12 @@
 #include <cstring>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -85,6 +87,13 @@ struct HostLogits {
   std::vector<float> values;
 };
 HostLogits encode_logits(DType dtype, const std::vector<float>& values);
+
+/// A captured graph, destroyed with the object.
+using CapturedGraph = std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)>;
+
+/// `work` on `stream` captured into a graph (thread-local capture mode), not run; a throw from `work` ends
+/// the capture and discards the graph before it propagates.
+CapturedGraph capture_graph(cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
 
 /// Runs `work` on `stream` eagerly (captured = false) or captured into a graph and replayed once.
 void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
