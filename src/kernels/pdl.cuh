@@ -46,16 +46,22 @@ struct L2StreamingRange {
 
 /// The launch attribute that marks `range` streaming (cudaAccessPropertyStreaming for hits and misses): L2
 /// evicts the lines the launch brings in for it first, so they do not push out what later launches reuse.
-/// The range is cut at `max_window_bytes`, the device's largest window (DeviceInfo).
-inline cudaLaunchAttribute streaming_window_attribute(L2StreamingRange range, size_t max_window_bytes) {
-  cudaLaunchAttribute attribute{};
+/// The range is cut at the device's largest window (DeviceInfo). False, and `attribute` untouched, where
+/// there is nothing to mark: no bytes, or a device without windows.
+inline bool streaming_window_attribute(L2StreamingRange range, cudaLaunchAttribute& attribute) {
+  if (range.bytes == 0) // before the device query: most launches mark nothing
+    return false;
+  const auto max_window = static_cast<size_t>(current_device_info().access_policy_max_window_bytes);
+  if (max_window == 0)
+    return false;
+  attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeAccessPolicyWindow;
   attribute.val.accessPolicyWindow.base_ptr = const_cast<void*>(range.base);
-  attribute.val.accessPolicyWindow.num_bytes = std::min(range.bytes, max_window_bytes);
+  attribute.val.accessPolicyWindow.num_bytes = std::min(range.bytes, max_window);
   attribute.val.accessPolicyWindow.hitRatio = 1.0f;
   attribute.val.accessPolicyWindow.hitProp = cudaAccessPropertyStreaming;
   attribute.val.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
-  return attribute;
+  return true;
 }
 
 /// Runs `launch` (a library's launches on `stream`, which take no launch attribute from us: cuBLASLt) with
@@ -66,14 +72,13 @@ inline cudaLaunchAttribute streaming_window_attribute(L2StreamingRange range, si
 /// stream (whose attributes cannot be set), `launch` runs unmarked.
 template <class Launch>
 void with_streaming_window(cudaStream_t stream, L2StreamingRange range, Launch&& launch) {
-  const auto max_window = static_cast<size_t>(current_device_info().access_policy_max_window_bytes);
-  if (range.bytes == 0 || max_window == 0 || stream == nullptr || stream == cudaStreamLegacy) {
+  cudaLaunchAttribute marked;
+  if (stream == nullptr || stream == cudaStreamLegacy || !streaming_window_attribute(range, marked)) {
     launch();
     return;
   }
   cudaStreamAttrValue previous{};
   SMCGRAPH_CUDA_CHECK(cudaStreamGetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &previous));
-  const cudaLaunchAttribute marked = streaming_window_attribute(range, max_window);
   SMCGRAPH_CUDA_CHECK(cudaStreamSetAttribute(stream, cudaStreamAttributeAccessPolicyWindow, &marked.val));
   try {
     launch();
@@ -100,11 +105,8 @@ void launch_pdl_with(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
   unsigned count = 0;
   if (cluster_x > 1)
     attributes[count++] = cluster_attribute(cluster_x);
-  if (streaming.bytes > 0) {
-    const auto max_window = static_cast<size_t>(current_device_info().access_policy_max_window_bytes);
-    if (max_window > 0)
-      attributes[count++] = streaming_window_attribute(streaming, max_window);
-  }
+  if (streaming_window_attribute(streaming, attributes[count]))
+    ++count;
   if (pdl_enabled()) {
     attributes[count] = cudaLaunchAttribute{};
     attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
