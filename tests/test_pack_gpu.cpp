@@ -406,21 +406,14 @@ TEST_CASE("captured verify_and_pack replays correctly: the look-back workspace r
   REQUIRE(smcgraph::pack_launch_shape(32, 8, 128, DType::kBFloat16, true, false).tiles == 1);
 
   auto instantiate = [&](DeviceCase& device_case) {
-    cudaGraph_t graph = nullptr;
-    SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    device_case.launch_fused(workspace, stream);
-    SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
-    return exec;
+    return test::instantiate_graph(stream, [&](cudaStream_t s) { device_case.launch_fused(workspace, s); });
   };
-  cudaGraphExec_t chained_exec = instantiate(chained);
-  cudaGraphExec_t single_exec = instantiate(single);
+  const test::GraphExec chained_exec = instantiate(chained);
+  const test::GraphExec single_exec = instantiate(single);
   Outputs first;
   for (int replay = 0; replay < 4; ++replay) {
     chained.poison();
-    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(chained_exec, stream));
+    test::launch(chained_exec, stream);
     const Outputs out = chained.read();
     chained.check(out, true);
     if (replay == 0)
@@ -428,7 +421,7 @@ TEST_CASE("captured verify_and_pack replays correctly: the look-back workspace r
     CHECK(out.packed == first.packed); // identical replays
     CHECK(out.offsets == first.offsets);
     single.poison();
-    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(single_exec, stream)); // interleaved, same workspace
+    test::launch(single_exec, stream); // interleaved, same workspace
     single.check(single.read(), true);
   }
   // New tokens and payload in the same buffers: the replay reads them from device memory.
@@ -436,15 +429,13 @@ TEST_CASE("captured verify_and_pack replays correctly: the look-back workspace r
     chained.upload(reference::make_oracle_batch(rng.engine(), 256, 8, 4096, 0.3 + 0.3 * round), rng);
     chained.poison();
     for (int replay = 0; replay < 3; ++replay)
-      SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(chained_exec, stream));
+      test::launch(chained_exec, stream);
     chained.check(chained.read(), true);
   }
   // And an eager launch after the replays still finds the workspace ready.
   chained.poison();
   chained.launch_fused(workspace, stream);
   chained.check(chained.read(), true);
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(chained_exec));
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(single_exec));
 }
 
 TEST_CASE("pack_accepted clamps counts outside [0, draft_steps]") {

@@ -662,16 +662,13 @@ TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the coun
     for (int v = 0; v < batch.vocab; ++v)
       batch.logits[static_cast<size_t>(r) * batch.vocab + v] = 0.0f;
   DeviceBatch device(batch);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(device.stream, cudaStreamCaptureModeThreadLocal));
-  device.launch(device.stream);
-  smcgraph::advance_draw_counters(device.counters.data(), batch.rows, device.stream);
-  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(device.stream, &graph));
-  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::GraphExec exec = test::instantiate_graph(device.stream, [&](cudaStream_t s) {
+    device.launch(s);
+    smcgraph::advance_draw_counters(device.counters.data(), batch.rows, s);
+  });
   std::vector<std::vector<int32_t>> replays;
   for (int i = 0; i < 3; ++i) {
-    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, device.stream));
+    test::launch(exec, device.stream);
     replays.push_back(test::to_host(device.tokens.data(), batch.rows, device.stream));
   }
   int differing = 0;
@@ -687,13 +684,11 @@ TEST_CASE("graph replays draw fresh numbers and reproduce exactly after the coun
     CHECK(replays[2][r] == expected.token);
   }
   device.counters.copy_from_host(batch.counters.data(), batch.counters.size(), device.stream);
-  SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, device.stream));
+  test::launch(exec, device.stream);
   CHECK(test::to_host(device.tokens.data(), batch.rows, device.stream) == replays[0]);
   const auto counters = test::to_host(device.counters.data(), batch.rows, device.stream);
   for (int r = 0; r < batch.rows; ++r)
     CHECK(counters[r] == batch.counters[r] + 1);
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 TEST_CASE("bad rows get flags and sentinels; the other rows are untouched") {

@@ -239,19 +239,13 @@ TEST_CASE("weights over 10^4 cycles accumulate without drift") {
   d_finished.fill_bytes(0, stream);
 
   // One graph of 16 cycles, replayed `replays` times: also checks that replays read fresh device values.
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (const auto& device : device_cases) {
-    accumulate_weights(device->in, d_logw.data(), d_finished.data(), d_first_eos.data(), stream);
-  }
-  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::GraphExec exec = test::instantiate_graph(stream, [&](cudaStream_t s) {
+    for (const auto& device : device_cases)
+      accumulate_weights(device->in, d_logw.data(), d_finished.data(), d_first_eos.data(), s);
+  });
   for (int replay = 0; replay < replays; ++replay)
-    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    test::launch(exec, stream);
   const std::vector<double> actual = to_host(d_logw.data(), kRows, stream);
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 
   std::vector<double> expected(kRows, 0.0);
   std::vector<long double> exact(kRows, 0.0L);

@@ -531,17 +531,13 @@ TEST_CASE("a captured forward replays with new input values behind the same poin
   DeviceBatch batch(a, config.vocab, config.logits_dtype, stream);
   const ForwardArgs args = batch.args();
 
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  model.forward(args, stream);
-  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::GraphExec exec =
+      test::instantiate_graph(stream, [&](cudaStream_t s) { model.forward(args, s); });
   for (const ToyForwardInputs* in : {&a, &b, &a}) {
     batch.upload(*in, stream);
     upload_kv(model, kv0, stream);
     batch.logits.fill_bytes(kPoison, stream);
-    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    test::launch(exec, stream);
     stream.synchronize();
     const Expected expected = expect(reference, *in, kv0, config.logits_dtype);
     const std::string diff =
@@ -550,8 +546,6 @@ TEST_CASE("a captured forward replays with new input values behind the same poin
     const std::string kv_diff = kv_difference(download_kv(model, stream), expected.kv, config.hidden);
     CHECK_MESSAGE(kv_diff.empty(), kv_diff);
   }
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 TEST_CASE("tokens, positions, out slots and logits with a row stride give the dense forward's logits and KV, "
@@ -666,7 +660,7 @@ TEST_CASE("forward validates its arguments on the host; rows = 0 is a no-op") {
   CHECK(std::all_of(kv.begin(), kv.end(), [](float x) { return x == 0.0f; }));
 }
 
-TEST_CASE("bench shapes: validated tokens, informational timing") {
+TEST_CASE("bench shapes: validated tokens and KV, eagerly and replayed from a graph") {
   test::Rng rng;
   MESSAGE("seed ", rng.seed());
   Stream stream;
@@ -682,7 +676,7 @@ TEST_CASE("bench shapes: validated tokens, informational timing") {
     const ToyModelReference reference(config);
     const std::vector<float> kv0 = random_kv(config, rng);
     // Under a sanitizer fewer rows (still several 64-token tiles, each CTA walking several work items, the
-    // 16-token variant as is) and a single timed call: the timing is informational.
+    // 16-token variant as is). The forward's speed is bucket_sweep's (model_us), not this test's.
     const Shape shapes[] = {
         {test::sanitizer_scaled(512, 128, 40), 5}, {test::sanitizer_scaled(512, 128, 130), 1}, {16, 1}};
     for (const Shape shape : shapes) {
@@ -692,73 +686,36 @@ TEST_CASE("bench shapes: validated tokens, informational timing") {
       CAPTURE(shape.per_row);
       const ToyForwardInputs in = random_inputs(config, rng, shape.rows, shape.per_row, 1.0, 0.0);
       DeviceBatch batch(in, kVocab, dtype, stream);
-      run_forward(model, batch, kv0, false, stream);
+      for (const bool captured : {false, true}) {
+        CAPTURE(captured);
+        run_forward(model, batch, kv0, captured, stream);
 
-      // Validate a few whole tokens (first, last, random) and the whole KV.
-      std::vector<float> kv_expected = kv0;
-      reference.write_kv(in, kv_expected);
-      const std::string kv_diff = kv_difference(download_kv(model, stream), kv_expected, config.hidden);
-      CHECK_MESSAGE(kv_diff.empty(), kv_diff);
-      const size_t tokens = static_cast<size_t>(shape.rows) * shape.per_row;
-      const size_t token_bytes = static_cast<size_t>(kVocab) * smcgraph::dtype_bytes(dtype);
-      std::vector<size_t> checked = {0, tokens - 1};
-      for (int i = 0; i < 4; ++i)
-        checked.push_back(static_cast<size_t>(rng.integer(0, static_cast<int64_t>(tokens) - 1)));
-      std::vector<float> logits(kVocab);
-      std::vector<uint8_t> got(token_bytes), want(token_bytes);
-      for (size_t token : checked) {
-        CAPTURE(token);
-        reference.token_logits(in, kv_expected, static_cast<int>(token / shape.per_row),
-                               static_cast<int>(token % shape.per_row), logits.data());
-        for (int v = 0; v < kVocab; ++v)
-          encode_logit(dtype, logits[v], want.data() + static_cast<size_t>(v) * smcgraph::dtype_bytes(dtype));
-        SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(got.data(), batch.logits.data() + token * token_bytes,
-                                            token_bytes, cudaMemcpyDeviceToHost, stream));
-        stream.synchronize();
-        const std::string diff = logits_difference(got, want, dtype, 1, kVocab);
-        CHECK_MESSAGE(diff.empty(), diff);
-      }
-
-      // Timing: eager launches and graph replays, median of the per-call mean over a few rounds.
-      const ForwardArgs args = batch.args();
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      model.forward(args, stream);
-      SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      smcgraph::Event start(true), stop(true);
-      auto time_us = [&](bool graphed) {
-        const int calls = test::sanitizer_scaled(20, 1);
-        std::vector<float> rounds;
-        for (int round = 0; round < test::sanitizer_scaled(5, 1); ++round) {
-          start.record(stream);
-          for (int call = 0; call < calls; ++call) {
-            if (graphed) {
-              SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-            } else {
-              model.forward(args, stream);
-            }
-          }
-          stop.record(stream);
-          stop.synchronize();
-          rounds.push_back(stop.elapsed_ms_since(start) * 1000.0f / calls);
+        // Validate a few whole tokens (first, last, random) and the whole KV.
+        std::vector<float> kv_expected = kv0;
+        reference.write_kv(in, kv_expected);
+        const std::string kv_diff = kv_difference(download_kv(model, stream), kv_expected, config.hidden);
+        CHECK_MESSAGE(kv_diff.empty(), kv_diff);
+        const size_t tokens = static_cast<size_t>(shape.rows) * shape.per_row;
+        const size_t token_bytes = static_cast<size_t>(kVocab) * smcgraph::dtype_bytes(dtype);
+        std::vector<size_t> checked = {0, tokens - 1};
+        for (int i = 0; i < 4; ++i)
+          checked.push_back(static_cast<size_t>(rng.integer(0, static_cast<int64_t>(tokens) - 1)));
+        std::vector<float> logits(kVocab);
+        std::vector<uint8_t> got(token_bytes), want(token_bytes);
+        for (size_t token : checked) {
+          CAPTURE(token);
+          reference.token_logits(in, kv_expected, static_cast<int>(token / shape.per_row),
+                                 static_cast<int>(token % shape.per_row), logits.data());
+          for (int v = 0; v < kVocab; ++v)
+            encode_logit(dtype, logits[v],
+                         want.data() + static_cast<size_t>(v) * smcgraph::dtype_bytes(dtype));
+          SMCGRAPH_CUDA_CHECK(cudaMemcpyAsync(got.data(), batch.logits.data() + token * token_bytes,
+                                              token_bytes, cudaMemcpyDeviceToHost, stream));
+          stream.synchronize();
+          const std::string diff = logits_difference(got, want, dtype, 1, kVocab);
+          CHECK_MESSAGE(diff.empty(), diff);
         }
-        std::sort(rounds.begin(), rounds.end());
-        return rounds[rounds.size() / 2];
-      };
-      time_us(false); // warm-up
-      const float eager_us = time_us(false);
-      const float graph_us = time_us(true);
-      const double logit_bytes = static_cast<double>(tokens) * token_bytes;
-      const double head_bytes = static_cast<double>(kVocab) * config.hidden * sizeof(float);
-      const double fmas = static_cast<double>(tokens) * kVocab * config.hidden;
-      MESSAGE("toy forward ", dtype_text, " rows ", shape.rows, " x tokens ", shape.per_row, " x vocab ",
-              kVocab, ": eager ", eager_us, " us, graph ", graph_us, " us; logits ", logit_bytes / 1e6,
-              " MB (", logit_bytes / (graph_us * 1e3), " GB/s), head ", head_bytes / 1e6, " MB, ",
-              fmas / (graph_us * 1e6), " TFMA/s");
-      SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
+      }
     }
   }
 }

@@ -597,18 +597,15 @@ TEST_CASE("captured verify_stochastic draws fresh, host-reproducible numbers on 
   p.counters.resize(32);
   DeviceProblem device(p, stream);
   DeviceVerdict verdict(64);
-  cudaGraph_t graph = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  device.launch(verdict.view(), stream);
-  smcgraph::advance_draw_counters(device.counters.data(), 32, stream);
-  SMCGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const test::GraphExec exec = test::instantiate_graph(stream, [&](cudaStream_t s) {
+    device.launch(verdict.view(), s);
+    smcgraph::advance_draw_counters(device.counters.data(), 32, s);
+  });
   int near_ties = 0, changed = 0;
   std::vector<int32_t> previous;
   for (int replay = 0; replay < 4; ++replay) {
     verdict.poison(stream);
-    SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    test::launch(exec, stream);
     const VerdictOut out = verdict.read(stream);
     check_stochastic(p, out, &near_ties); // p.counters hold this replay's draw counters
     for (uint32_t& counter : p.counters)
@@ -620,8 +617,6 @@ TEST_CASE("captured verify_stochastic draws fresh, host-reproducible numbers on 
   }
   CHECK(near_ties <= 2);
   CHECK(changed > 0);
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  SMCGRAPH_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 } // namespace

@@ -107,18 +107,26 @@ CapturedGraph capture_graph(cudaStream_t stream, const std::function<void(cudaSt
   return CapturedGraph(graph, &cudaGraphDestroy);
 }
 
+GraphExec instantiate_graph(cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
+  const CapturedGraph graph = capture_graph(stream, work);
+  cudaGraphExec_t exec = nullptr;
+  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
+  return GraphExec(exec, &cudaGraphExecDestroy);
+}
+
+void launch(const GraphExec& exec, cudaStream_t stream) {
+  SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec.get(), stream));
+}
+
 void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
   if (!captured) {
     work(stream);
     SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
     return;
   }
-  const CapturedGraph graph = capture_graph(stream, work);
-  cudaGraphExec_t exec = nullptr;
-  SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
-  SMCGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  const GraphExec exec = instantiate_graph(stream, work);
+  launch(exec, stream);
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  SMCGRAPH_CUDA_CHECK(cudaGraphExecDestroy(exec));
 }
 
 // Regularized upper incomplete gamma Q(a, x) via series / continued fraction (Numerical Recipes 6.2).

@@ -95,6 +95,16 @@ using CapturedGraph = std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, declty
 /// the capture and discards the graph before it propagates.
 CapturedGraph capture_graph(cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
 
+/// An instantiated graph, destroyed with the object.
+using GraphExec = std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, decltype(&cudaGraphExecDestroy)>;
+
+/// `work` on `stream` captured (capture_graph) and instantiated, ready to replay with launch(); the graph
+/// itself is discarded once instantiated.
+GraphExec instantiate_graph(cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
+
+/// One replay of `exec` on `stream` (not synchronized).
+void launch(const GraphExec& exec, cudaStream_t stream);
+
 /// Runs `work` on `stream` eagerly (captured = false) or captured into a graph and replayed once.
 void run_on_stream(bool captured, cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
 
