@@ -477,12 +477,25 @@ constexpr int kGroupedMinWaves = 1;
 /// Waves of per-query blocks a split-KV launch may take (attention()).
 constexpr int kSplitBlockWaves = 2;
 /// Grouped blocks an SM for heads of up to kSmallHeadDim dimensions (their launch bound; one for larger
-/// heads).
-constexpr int kGroupedSmallHeadBlocksPerSm = 2;
-/// Waves of grouped blocks (kGroupedSmallHeadBlocksPerSm an SM, or one for larger heads) a split-KV launch of
-/// grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: on an H100, 4 waves give SmolLM2's
-/// 64-row decodes up to 5 blocks a group, as many as the row has splits, and gained; 2 waves gave 2 and
-/// lost).
+/// heads): 3 for the instance without split-KV whose batches take up to kGroupedSmallBatch queries (SmolLM2's
+/// 64-row decodes at up to 512 positions: 192 blocks), 2 for the others. The launch bound of 3 holds that
+/// instance to 80 registers (94 at 2; 4 bytes of spill): more of its blocks fit on an SM beside the QKV
+/// projection's, so (believed, not traced) more of the launch starts under its predecessor (PDL). Nsight
+/// Compute put the 2-bound launch at 25% theoretical occupancy (registers), 17.8% achieved, 0.2 instructions
+/// issued a cycle per scheduler. H200, SmolLM2, one call, two builds alternating, two rounds, graph us a
+/// cycle (bound 2 -> 3): no draft at 64 requests 855.6, 852.3 -> 837.0, 836.7 (the forward alone 823.6, 822.3
+/// -> 805.2, 805.4); SMC N 8 K 4 at 8 requests (64-row draft steps) 4,309.6, 4,307.1 -> 4,247.5, 4,259.6. The
+/// split instances and the batches of 4 spill 52-152 bytes at 80 registers and keep 2 (not measured at 3).
+/// SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS=2 at build time restores the old bound, for A/B runs.
+#ifndef SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS
+#define SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS 3
+#endif
+constexpr int kGroupedSmallHeadBlocksPerSm = SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS;
+constexpr int kGroupedSmallHeadSplitBlocksPerSm = 2;
+/// Waves of grouped blocks (kGroupedSmallHeadSplitBlocksPerSm an SM, or one for larger heads) a split-KV
+/// launch of grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: on an H100, 4 waves give
+/// SmolLM2's 64-row decodes up to 5 blocks a group, as many as the row has splits, and gained; 2 waves gave 2
+/// and lost).
 #ifndef SMCGRAPH_GROUPED_SPLIT_WAVES
 #define SMCGRAPH_GROUPED_SPLIT_WAVES 4
 #endif
@@ -512,7 +525,8 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // an SM before and after.) In the value loop a lane owns adjacent dimensions (lane D .. lane D + D - 1, D =
 // kMaxDimsPerLane) and reads them with one 4- or 8-byte shared-memory load; each dimension's sum keeps its
 // order, so the bits are unchanged. The 64-wide instances are held to two blocks an SM by their launch bound
-// (94-123 registers, no spill); without it the no-split QB 3 instance spilled. H100: SMC N 8 K 4 at 8
+// (94-123 registers, no spill; since the forty-seventh session the no-split QB 3 instance to three:
+// kGroupedSmallHeadBlocksPerSm); without it the no-split QB 3 instance spilled. H100: SMC N 8 K 4 at 8
 // requests and 2,048 positions 13,829 -> 13,545 us a cycle; 4,059 -> 4,049 from 32-token prompts.
 // Split-KV (SPLIT, a.split_blocks > 1: launches of up to kAttentionSplitMaxTokens tokens with the workspace):
 // block g of a (row, group, KV head) folds its queries' splits g, g + split_blocks, ..., each split's state
@@ -524,7 +538,10 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // 37,294-37,344 at 8,000; from 32-token prompts (one split) unchanged. Two waves (2 blocks a group at 2,048)
 // lost: 14,283-14,290.
 template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
-__global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM <= kSmallHeadDim ? kGroupedSmallHeadBlocksPerSm : 1)
+__global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM > kSmallHeadDim ? 1
+                                            : SPLIT || QB > kGroupedSmallBatch
+                                                ? kGroupedSmallHeadSplitBlocksPerSm
+                                                : kGroupedSmallHeadBlocksPerSm)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
   static_assert(QB >= 1 && QB <= kQueryBatch, "a batch fits the token states' shared memory");
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
@@ -1052,9 +1069,9 @@ void attention(const AttentionArgs& a, cudaStream_t stream) {
   // kGroupedSplitBlockWaves waves of grouped blocks (SmolLM2's SMC at 8 requests: 64-row draft steps, 192
   // groups); the same bits for any split_blocks (the kernel says why).
   AttentionArgs launch = a;
-  launch.split_blocks = split_blocks_for(a, split, grid.grouped_blocks,
-                                         int64_t{kGroupedSplitBlockWaves} *
-                                             (small ? kGroupedSmallHeadBlocksPerSm : 1) * multiprocessors);
+  launch.split_blocks = split_blocks_for(
+      a, split, grid.grouped_blocks,
+      int64_t{kGroupedSplitBlockWaves} * (small ? kGroupedSmallHeadSplitBlocksPerSm : 1) * multiprocessors);
   launch_pdl(kernel, dim3(a.rows, static_cast<unsigned>(grid.groups), a.kv_heads * launch.split_blocks),
              dim3(kThreads), grouped_smem_bytes(a.head_dim, group_queries), stream, launch, group_queries);
 }
