@@ -479,10 +479,12 @@ constexpr int kSplitBlockWaves = 2;
 /// Grouped blocks an SM for heads of up to kSmallHeadDim dimensions (their launch bound; one for larger
 /// heads): 3 for the instance without split-KV whose batches take up to kGroupedSmallBatch queries (SmolLM2's
 /// 64-row decodes at up to 512 positions: 192 blocks), 2 for the others. The launch bound of 3 holds that
-/// instance to 80 registers (94 at 2; 4 bytes of spill): more of its blocks fit on an SM beside the QKV
-/// projection's, so (believed, not traced) more of the launch starts under its predecessor (PDL). Nsight
-/// Compute put the 2-bound launch at 25% theoretical occupancy (registers), 17.8% achieved, 0.2 instructions
-/// issued a cycle per scheduler. H200, SmolLM2, one call, two builds alternating, two rounds, graph us a
+/// instance to 80 registers (94 at 2; 4 bytes of spill), so more of its blocks fit on an SM beside other
+/// kernels' blocks. Nsight Compute put the 2-bound launch at 25% theoretical occupancy (registers), 17.8%
+/// achieved, 0.2 instructions issued a cycle per scheduler. What the gain is made of is not understood: a
+/// kernel trace of the 64-row decode in two calls (trace_critical_path.py's shares, mean a layer, before ->
+/// after) leaves the attention's own share where it was (6.84 -> 6.88 us) and shortens the gate/up launch two
+/// kernels later (7.17 -> 6.20 us). H200, SmolLM2, one call, two builds alternating, two rounds, graph us a
 /// cycle (bound 2 -> 3): no draft at 64 requests 855.6, 852.3 -> 837.0, 836.7 (the forward alone 823.6, 822.3
 /// -> 805.2, 805.4); SMC N 8 K 4 at 8 requests (64-row draft steps) 4,309.6, 4,307.1 -> 4,247.5, 4,259.6. The
 /// split instances and the batches of 4 spill 52-152 bytes at 80 registers and keep 2 (not measured at 3).
