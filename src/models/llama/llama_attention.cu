@@ -477,22 +477,28 @@ constexpr int kGroupedMinWaves = 1;
 /// Waves of per-query blocks a split-KV launch may take (attention()).
 constexpr int kSplitBlockWaves = 2;
 /// Grouped blocks an SM for heads of up to kSmallHeadDim dimensions (their launch bound; one for larger
-/// heads): 3 for the instance without split-KV whose batches take up to kGroupedSmallBatch queries (SmolLM2's
-/// 64-row decodes at up to 512 positions: 192 blocks), 2 for the others. The launch bound of 3 holds that
-/// instance to 80 registers (94 at 2; 4 bytes of spill), so more of its blocks fit on an SM beside other
-/// kernels' blocks. Nsight Compute put the 2-bound launch at 25% theoretical occupancy (registers), 17.8%
-/// achieved, 0.2 instructions issued a cycle per scheduler. What the gain is made of is not understood: a
-/// kernel trace of the 64-row decode in two calls (trace_critical_path.py's shares, mean a layer, before ->
-/// after) leaves the attention's own share where it was (6.84 -> 6.88 us) and shortens the gate/up launch two
-/// kernels later (7.17 -> 6.20 us). H200, SmolLM2, one call, two builds alternating, two rounds, graph us a
-/// cycle (bound 2 -> 3): no draft at 64 requests 855.6, 852.3 -> 837.0, 836.7 (the forward alone 823.6, 822.3
-/// -> 805.2, 805.4); SMC N 8 K 4 at 8 requests (64-row draft steps) 4,309.6, 4,307.1 -> 4,247.5, 4,259.6. The
-/// split instances and the batches of 4 spill 52-152 bytes at 80 registers and keep 2 (not measured at 3).
-/// SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS=2 at build time restores the old bound, for A/B runs.
+/// heads): 3 for the instances whose batches take up to kGroupedSmallBatch queries (SmolLM2's 64-row decodes:
+/// 192 groups, with split-KV up to 5 blocks each), 2 for the batches of 4 (verify blocks), which spill 52-152
+/// bytes at 80 registers (not measured at 3). The bound of 3 holds the batch-of-3 instances to 80 registers
+/// (94 at 2 without split-KV, 4 bytes of spill at 3; 114-117 with split-KV, 52-76 bytes of spill at 3), so
+/// more of their blocks fit on an SM. Nsight Compute put the 2-bound launch of 64 rows at 25% theoretical
+/// occupancy (registers), 17.8% achieved, 0.2 instructions issued a cycle per scheduler. H200, SmolLM2, graph
+/// us a cycle, two builds alternating in one call each, two rounds (bound 2 -> 3): without split-KV (from
+/// 32-token prompts) no draft at 64 requests 855.6, 852.3 -> 837.0, 836.7 (the forward alone 823.6, 822.3 ->
+/// 805.2, 805.4), SMC N 8 K 4 at 8 requests (64-row draft steps) 4,309.6, 4,307.1 -> 4,247.5, 4,259.6; with
+/// split-KV (`--context 2048`) SMC at 8 requests 13,403.7, 13,413.4 -> 12,723.7, 12,718.6, and in one round
+/// no draft at 64 requests 2,828.2 -> 2,817.3, speculative K 4 at 8 5,140.5 -> 5,134.4. What the gain is made
+/// of is not understood: a kernel trace of the 64-row decode in two calls (trace_critical_path.py's shares,
+/// mean a layer, before -> after) leaves the attention's own share where it was (6.84 -> 6.88 us) and
+/// shortens the gate/up launch two kernels later (7.17 -> 6.20 us). SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS=2 at
+/// build time restores the old bound, for A/B runs.
 #ifndef SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS
 #define SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS 3
 #endif
 constexpr int kGroupedSmallHeadBlocksPerSm = SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS;
+constexpr int kGroupedSmallHeadBatch4BlocksPerSm = 2;
+/// The grouped blocks an SM that a split-KV launch counts its waves in (kGroupedSplitBlockWaves): 2, as
+/// before the launch bound of 3 (more waves, more blocks a group, were not measured).
 constexpr int kGroupedSmallHeadSplitBlocksPerSm = 2;
 /// Waves of grouped blocks (kGroupedSmallHeadSplitBlocksPerSm an SM, or one for larger heads) a split-KV
 /// launch of grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: on an H100, 4 waves give
@@ -527,7 +533,7 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // an SM before and after.) In the value loop a lane owns adjacent dimensions (lane D .. lane D + D - 1, D =
 // kMaxDimsPerLane) and reads them with one 4- or 8-byte shared-memory load; each dimension's sum keeps its
 // order, so the bits are unchanged. The 64-wide instances are held to two blocks an SM by their launch bound
-// (94-123 registers, no spill; since the forty-seventh session the no-split QB 3 instance to three:
+// (94-123 registers, no spill; since the forty-seventh session the QB 3 instances to three:
 // kGroupedSmallHeadBlocksPerSm); without it the no-split QB 3 instance spilled. H100: SMC N 8 K 4 at 8
 // requests and 2,048 positions 13,829 -> 13,545 us a cycle; 4,059 -> 4,049 from 32-token prompts.
 // Split-KV (SPLIT, a.split_blocks > 1: launches of up to kAttentionSplitMaxTokens tokens with the workspace):
@@ -541,9 +547,8 @@ size_t grouped_smem_bytes(int head_dim, int queries) {
 // lost: 14,283-14,290.
 template <int MAX_HEAD_DIM, bool EXACT, bool SPLIT, int QB>
 __global__ void __launch_bounds__(kThreads, MAX_HEAD_DIM > kSmallHeadDim ? 1
-                                            : SPLIT || QB > kGroupedSmallBatch
-                                                ? kGroupedSmallHeadSplitBlocksPerSm
-                                                : kGroupedSmallHeadBlocksPerSm)
+                                            : QB > kGroupedSmallBatch    ? kGroupedSmallHeadBatch4BlocksPerSm
+                                                                         : kGroupedSmallHeadBlocksPerSm)
     LlamaGroupedAttentionKernel(const AttentionArgs a, int group_queries) {
   static_assert(QB >= 1 && QB <= kQueryBatch, "a batch fits the token states' shared memory");
   static_assert(kAttentionChunk == 32, "a chunk is one warp pass: a lane per position");
