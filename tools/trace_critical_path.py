@@ -2,7 +2,7 @@
 """Where a captured cycle's time goes: each kernel's share of the critical path per graph replay, from the CSV
 that tools/kernel_trace.cpp writes (SMCGRAPH_TRACE_CSV: name,start_ns,end_ns,graph_id).
 
-  python3 tools/trace_critical_path.py TRACE.csv [--nodes N] [--graph ID] [--top K]
+  python3 tools/trace_critical_path.py TRACE.csv [--nodes N] [--graph ID] [--top K] [--per-node FIRST:LAST]
 
 A graph's replay is one period of its kernel-name sequence in start order (the shortest p with
 the next two p-long runs equal to the first; --nodes N sets it). The graphs measured are those of the longest
@@ -12,7 +12,10 @@ order, a kernel's critical share is its end minus the latest end before it (0 if
 kernel's whole duration): the shares add up to the replay's span, and a kernel that started early under its
 predecessor (programmatic dependent launch) counts only the time it added. Prints, per kernel name (template
 arguments kept), the mean share a replay, launches a replay and mean duration, then the total and the median
-span. Example, the real SMC cycle at 1 request:
+span. --per-node FIRST:LAST prints, for the replay's kernels FIRST .. LAST - 1 (positions in start order, 0
+first), the median over the replays of each one's gap (its start minus the latest end before it: negative
+where it started under its predecessor), duration and share: where inside a forward's layer the time goes.
+Example, the real SMC cycle at 1 request:
 
   CUDA_INJECTION64_PATH=$PWD/build/libsmcgraph_kernel_trace.so SMCGRAPH_TRACE_SKIP=0 \\
       SMCGRAPH_TRACE_CSV=/tmp/smc.csv build/bench/bucket_sweep --model smollm2 --kinds smc --particles 8 \\
@@ -59,7 +62,18 @@ def main():
     parser.add_argument("--graph", help="graph ids to measure, comma-separated (default: the longest replay's)")
     parser.add_argument("--nodes", type=int, help="kernels a replay (default: the most common run length)")
     parser.add_argument("--top", type=int, default=0, help="print only the K largest shares (default: all)")
+    parser.add_argument("--per-node", metavar="FIRST:LAST",
+                        help="also print each replay position's median gap, duration and share")
     args = parser.parse_args()
+    per_node = None
+    if args.per_node is not None:
+        try:
+            first, last = (int(x) for x in args.per_node.split(":"))
+        except ValueError:
+            sys.exit(f"trace_critical_path: --per-node {args.per_node!r}: expected FIRST:LAST (integers)")
+        if first < 0 or last <= first:
+            sys.exit(f"trace_critical_path: --per-node {args.per_node!r}: needs 0 <= FIRST < LAST")
+        per_node = (first, last)
 
     by_graph = collections.defaultdict(list)
     for record in load(args.csv):
@@ -106,6 +120,23 @@ def main():
     for name, total in rows:
         print(f"{total / n / 1000:9.1f} {launches[name] / n:9.1f} {duration[name] / launches[name] / 1000:8.2f}  {name}")
     print(f"{sum(share.values()) / n / 1000:9.1f} {sum(launches.values()) / n:9.1f} {'':8}  total")
+    if per_node is None:
+        return
+    first, last = per_node
+    nodes = len(replays[0])
+    if last > nodes:
+        sys.exit(f"trace_critical_path: --per-node {first}:{last}: a replay has {nodes} kernels")
+    print(f"{'node':>5} {'gap us':>8} {'dur us':>8} {'share us':>9}  kernel (medians over the replays)")
+    for i in range(first, last):
+        gaps, durations, shares = [], [], []
+        for replay in replays:
+            start, end, _, _ = replay[i]
+            before = max(r[1] for r in replay[:i]) if i else start
+            gaps.append(start - before)
+            durations.append(end - start)
+            shares.append(max(0, end - before) if i else end - start)
+        med = lambda values: statistics.median(values) / 1000
+        print(f"{i:5d} {med(gaps):8.2f} {med(durations):8.2f} {med(shares):9.2f}  {replays[0][i][2]}")
 
 
 if __name__ == "__main__":

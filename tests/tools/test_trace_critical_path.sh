@@ -2,7 +2,7 @@
 # CPU test of tools/trace_critical_path.py on a synthetic kernel trace (tools/kernel_trace.cpp's CSV): replays
 # found as the period of a graph's kernel names, output-parity graphs of the same sequence pooled, critical
 # shares that add up to the span (a kernel that starts under its predecessor counts only what it adds, a gap
-# counts to the kernel after it), --graph, and the refusals of malformed input.
+# counts to the kernel after it), --graph, --per-node, and the refusals of malformed input.
 #
 #   tests/tools/test_trace_critical_path.sh <repository root>
 set -uo pipefail
@@ -48,6 +48,18 @@ out="$(python3 "$tool" "$dir/trace.csv" --graph 4)" || fail "--graph 4: exit sta
 expect "$out" "graphs 4: 3 replays of 2 kernels, median span 3.0 us"
 expect "$out" " 2.0 1.0 2.00 Y"
 expect "$out" " 1.0 1.0 1.00 X"
+
+# Per node: A starts the replay (gap 0), B starts 2 us under A's end and adds 10, C waits 5 us and adds 10.
+out="$(python3 "$tool" "$dir/trace.csv" --per-node 0:3)" || fail "--per-node 0:3: exit status $?"
+expect "$out" " 0 0.00 10.00 10.00 A"
+expect "$out" " 1 -2.00 12.00 10.00 B"
+expect "$out" " 2 5.00 5.00 10.00 C"
+for bad in 2:2 3:1 x:2 -1:2; do
+  python3 "$tool" "$dir/trace.csv" --per-node "$bad" > /dev/null 2> "$dir/err" && fail "--per-node $bad accepted"
+  grep -q -- "--per-node" "$dir/err" || fail "--per-node $bad: message '$(cat "$dir/err")'"
+done
+python3 "$tool" "$dir/trace.csv" --per-node 0:4 > /dev/null 2> "$dir/err" && fail "--per-node 0:4 accepted"
+grep -q "a replay has 3 kernels" "$dir/err" || fail "--per-node 0:4: message '$(cat "$dir/err")'"
 
 python3 "$tool" "$dir/trace.csv" --graph 5 > /dev/null 2> "$dir/err" && fail "--graph 5 (absent) accepted"
 grep -q "not in the trace" "$dir/err" || fail "--graph 5: message '$(cat "$dir/err")'"
