@@ -126,16 +126,21 @@ def main():
     nodes = len(replays[0])
     if last > nodes:
         sys.exit(f"trace_critical_path: --per-node {first}:{last}: a replay has {nodes} kernels")
+    # (gap, duration, share) of positions first .. last - 1, a list per position over the replays; `before` is
+    # the latest end so far in the replay (a running maximum, as in the shares above).
+    rows = [([], [], []) for _ in range(first, last)]
+    for replay in replays:
+        before = replay[0][0]
+        for i, (start, end, _, _) in enumerate(replay[:last]):
+            if i >= first:
+                gaps, durations, shares = rows[i - first]
+                gaps.append(start - before)
+                durations.append(end - start)
+                shares.append(max(0, end - before) if i else end - start)
+            before = end if i == 0 else max(before, end)
     print(f"{'node':>5} {'gap us':>8} {'dur us':>8} {'share us':>9}  kernel (medians over the replays)")
-    for i in range(first, last):
-        gaps, durations, shares = [], [], []
-        for replay in replays:
-            start, end, _, _ = replay[i]
-            before = max(r[1] for r in replay[:i]) if i else start
-            gaps.append(start - before)
-            durations.append(end - start)
-            shares.append(max(0, end - before) if i else end - start)
-        med = lambda values: statistics.median(values) / 1000
+    med = lambda values: statistics.median(values) / 1000
+    for i, (gaps, durations, shares) in enumerate(rows, start=first):
         print(f"{i:5d} {med(gaps):8.2f} {med(durations):8.2f} {med(shares):9.2f}  {replays[0][i][2]}")
 
 
