@@ -479,27 +479,39 @@ constexpr int kSplitBlockWaves = 2;
 /// Grouped blocks an SM for heads of up to kSmallHeadDim dimensions (their launch bound; one for larger
 /// heads): 3 for the instances whose batches take up to kGroupedSmallBatch queries (SmolLM2's 64-row decodes:
 /// 192 groups, with split-KV up to 5 blocks each), 2 for the batches of 4 (verify blocks), which spill 52-152
-/// bytes at 80 registers (not measured at 3). The bound of 3 holds the batch-of-3 instances to 80 registers
-/// (94 at 2 without split-KV, 4 bytes of spill at 3; 114-117 with split-KV, 52-76 bytes of spill at 3), so
-/// more of their blocks fit on an SM. Nsight Compute put the 2-bound launch of 64 rows at 25% theoretical
-/// occupancy (registers), 17.8% achieved, 0.2 instructions issued a cycle per scheduler. H200, SmolLM2, graph
-/// us a cycle, two builds alternating in one call each, two rounds (bound 2 -> 3): without split-KV (from
-/// 32-token prompts) no draft at 64 requests 855.6, 852.3 -> 837.0, 836.7 (the forward alone 823.6, 822.3 ->
-/// 805.2, 805.4), SMC N 8 K 4 at 8 requests (64-row draft steps) 4,309.6, 4,307.1 -> 4,247.5, 4,259.6; with
-/// split-KV (`--context 2048`) SMC at 8 requests 13,403.7, 13,413.4 -> 12,723.7, 12,718.6, and in one round
-/// no draft at 64 requests 2,828.2 -> 2,817.3, speculative K 4 at 8 5,140.5 -> 5,134.4. What the gain is made
-/// of is not understood: a kernel trace of the 64-row decode in two calls (trace_critical_path.py's shares,
-/// mean a layer, before -> after) leaves the attention's own share where it was (6.84 -> 6.88 us) and
-/// shortens the gate/up launch two kernels later (7.17 -> 6.20 us). SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS=2 at
-/// build time restores the old bound, for A/B runs.
+/// bytes at 80 registers (at 3 they lost: below). The bound of 3 holds the batch-of-3 instances to 80
+/// registers (94 at 2 without split-KV, 4 bytes of spill at 3; 114-117 with split-KV, 52-76 bytes of spill at
+/// 3), so more of their blocks fit on an SM. Nsight Compute put the 2-bound launch of 64 rows at 25%
+/// theoretical occupancy (registers), 17.8% achieved, 0.2 instructions issued a cycle per scheduler. H200,
+/// SmolLM2, graph us a cycle, two builds alternating in one call each, two rounds (bound 2 -> 3): without
+/// split-KV (from 32-token prompts) no draft at 64 requests 855.6, 852.3 -> 837.0, 836.7 (the forward alone
+/// 823.6, 822.3 -> 805.2, 805.4), SMC N 8 K 4 at 8 requests (64-row draft steps) 4,309.6, 4,307.1 -> 4,247.5,
+/// 4,259.6; with split-KV (`--context 2048`) SMC at 8 requests 13,403.7, 13,413.4 -> 12,723.7, 12,718.6, and
+/// in one round no draft at 64 requests 2,828.2 -> 2,817.3, speculative K 4 at 8 5,140.5 -> 5,134.4. What the
+/// gain is made of is not understood: a kernel trace of the 64-row decode in two calls
+/// (trace_critical_path.py's shares, mean a layer, before -> after) leaves the attention's own share where it
+/// was (6.84 -> 6.88 us) and shortens the gate/up launch two kernels later (7.17 -> 6.20 us).
+/// SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS=2 at build time restores the old bound, for A/B runs.
 #ifndef SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS
 #define SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS 3
 #endif
 constexpr int kGroupedSmallHeadBlocksPerSm = SMCGRAPH_GROUPED_SMALL_HEAD_BLOCKS;
-constexpr int kGroupedSmallHeadBatch4BlocksPerSm = 2;
+/// The batches of 4 (verify blocks) at 3 blocks an SM lost (H200, forty-eighth session, one call, two rounds,
+/// graph us a cycle, 2 -> 3): speculative K 4 at 64 requests (groups of 15 queries) 4,074.3, 4,061.2 ->
+/// 4,095.7, 4,096.4; SMC N 8 K 4 at 8 requests 4,265.0, 4,250.3 -> 4,270.3, 4,247.6.
+/// SMCGRAPH_GROUPED_SMALL_HEAD_BATCH4_BLOCKS=3 at build time repeats it.
+#ifndef SMCGRAPH_GROUPED_SMALL_HEAD_BATCH4_BLOCKS
+#define SMCGRAPH_GROUPED_SMALL_HEAD_BATCH4_BLOCKS 2
+#endif
+constexpr int kGroupedSmallHeadBatch4BlocksPerSm = SMCGRAPH_GROUPED_SMALL_HEAD_BATCH4_BLOCKS;
 /// The grouped blocks an SM that a split-KV launch counts its waves in (kGroupedSplitBlockWaves): 2, as
-/// before the launch bound of 3 (more waves, more blocks a group, were not measured).
-constexpr int kGroupedSmallHeadSplitBlocksPerSm = 2;
+/// before the launch bound of 3. Counting 3 (more blocks a group) was even (H200, forty-eighth session, one
+/// call, two rounds, SMC N 8 K 4 at 8 requests from 2,048-token prompts, graph us a cycle, 2 -> 3: 12,688.7,
+/// 12,696.8 -> 12,705.6, 12,678.0); SMCGRAPH_GROUPED_SMALL_HEAD_SPLIT_BLOCKS=3 at build time repeats it.
+#ifndef SMCGRAPH_GROUPED_SMALL_HEAD_SPLIT_BLOCKS
+#define SMCGRAPH_GROUPED_SMALL_HEAD_SPLIT_BLOCKS 2
+#endif
+constexpr int kGroupedSmallHeadSplitBlocksPerSm = SMCGRAPH_GROUPED_SMALL_HEAD_SPLIT_BLOCKS;
 /// Waves of grouped blocks (kGroupedSmallHeadSplitBlocksPerSm an SM, or one for larger heads) a split-KV
 /// launch of grouped blocks may take (LlamaGroupedAttentionKernel has the A/B: on an H100, 4 waves give
 /// SmolLM2's 64-row decodes up to 5 blocks a group, as many as the row has splits, and gained; 2 waves gave 2
