@@ -217,16 +217,12 @@ struct JobContext {
   uint32_t stream_word;
 };
 
-/// Folds up to N consecutive logits starting at vocab id `first` into `state` (the first read: max and
-/// sums only, one exponential per element, two in kRacePower). `count` < N only at the end of a row;
-/// missing elements count as -inf.
+/// Folds N consecutive logits starting at vocab id `first` into `state` (the first read: max and sums only,
+/// one exponential per element, two in kRacePower). At the end of a row the caller has set the elements past
+/// it to -inf (fold_tile).
 template <PassMode MODE, int N>
-__device__ __forceinline__ void fold_chunk(PassState& state, const float (&logits)[N], int first, int count,
+__device__ __forceinline__ void fold_chunk(PassState& state, const float (&l)[N], int first,
                                            const JobContext& job) {
-  float l[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    l[i] = i < count ? logits[i] : -INFINITY;
   if constexpr (MODE == PassMode::kGreedy) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -480,7 +476,17 @@ __device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, c
     if (tile.count[u] > 0) {
       float values[kPerVector];
       unpack<DTYPE>(tile.raw[u], values);
-      fold_chunk<MODE, kPerVector>(state, values, tile.first[u], tile.count[u], job);
+      // Only a row's last vector can be partial: its elements past the row are set to -inf here, and full
+      // vectors fold as loaded (a select per element cost the fold a fifth of its instructions). The
+      // elements are -inf already when load_vector filled them, but folding the partial vector unmasked
+      // failed cycle_gpu's 517-wide fp32 rows (forty-eighth session, docs/toy_and_kernel_results.md: the
+      // vector reached the fold as zeros; not understood), so the mask stays where it always was.
+      if (tile.count[u] < kPerVector) {
+#pragma unroll
+        for (int i = 0; i < kPerVector; ++i)
+          values[i] = i < tile.count[u] ? values[i] : -INFINITY;
+      }
+      fold_chunk<MODE, kPerVector>(state, values, tile.first[u], job);
     }
   }
   // Per-thread NaN check: a NaN (or +inf) logit leaves max or the sums NaN.
