@@ -931,13 +931,6 @@ int max_optin_smem() {
   return current_device_info().shared_memory_optin_bytes - kStaticSmemBytes;
 }
 
-/// The weights of a GEMM launch as a streaming L2 range where GemmArgs::stream_weights asks for it.
-L2StreamingRange weight_range(const GemmArgs& a) {
-  if (!a.stream_weights)
-    return {};
-  return {a.weight, static_cast<size_t>(a.n) * a.k * sizeof(uint16_t)};
-}
-
 template <int EPILOGUE, int M_FRAGS, int N_WARPS, int N_FRAGS = 1, int WARPS = kWarps>
 void launch_variant(const GemmArgs& a, cudaStream_t stream) {
   constexpr int BM = 16 * M_FRAGS, BN = 16 * N_WARPS * N_FRAGS;

@@ -716,11 +716,7 @@ bool LtHead::Impl::run_cublaslt(const GemmArgs& a, uint16_t* normed, cudaStream_
     // takes no launch attribute, so the stream carries the window for its call. Measured neutral in SMC
     // cycles of 40, 320 and 2,560 head rows (NVIDIA H200, docs/real_model_results.md, forty-sixth session);
     // kept so that every weight read of a forward is marked alike.
-    const L2StreamingRange weights =
-        a.stream_weights
-            ? L2StreamingRange{a.weight, static_cast<size_t>(m.vocab) * m.hidden * sizeof(uint16_t)}
-            : L2StreamingRange{};
-    with_streaming_window(stream, weights, [&] {
+    with_streaming_window(stream, weight_range(a), [&] {
       lt_check(cublasLtMatmul(m.lt->handle(), m.lt->op(), &alpha, a.weight, &m.w, normed, &l.a, &beta, y,
                               &l.y, y, &l.y, &m.algo, m.workspace.data(), kWorkspaceBytes, stream),
                kLtHead, "cublasLtMatmul");

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "kernels/pdl.cuh"
+#include "models/llama/llama_kernels.hpp"
 
 namespace smcgraph::llama {
 using detail::L2StreamingRange;
@@ -16,6 +17,14 @@ using detail::pdl_enabled;
 using detail::pdl_trigger;
 using detail::pdl_wait;
 using detail::with_streaming_window;
+
+/// The weights of a launch over GemmArgs (W [n, k] bf16, all of its rows: the layer GEMMs, and the LM head's
+/// vocab_padded rows through cuBLASLt) as a streaming L2 range where GemmArgs::stream_weights asks for it.
+inline L2StreamingRange weight_range(const GemmArgs& a) {
+  if (!a.stream_weights)
+    return {};
+  return {a.weight, static_cast<size_t>(a.n) * a.k * sizeof(uint16_t)};
+}
 
 /// The PDL wait, then the trigger that lets the next launch start, unless this launch gave it at its top
 /// (GemmArgs / AttentionArgs::trigger_early: the early-trigger kernels call pdl_trigger() first thing).
