@@ -218,8 +218,8 @@ struct JobContext {
 };
 
 /// Folds N consecutive logits starting at vocab id `first` into `state` (the first read: max and sums only,
-/// one exponential per element, two in kRacePower). At the end of a row the caller has set the elements past
-/// it to -inf (fold_tile).
+/// one exponential per element, two in kRacePower). At the end of a row the elements past it are -inf
+/// (load_vector's fill).
 template <PassMode MODE, int N>
 __device__ __forceinline__ void fold_chunk(PassState& state, const float (&l)[N], int first,
                                            const JobContext& job) {
@@ -383,16 +383,24 @@ template <DType DTYPE> __device__ __forceinline__ uint32_t negative_infinity_bit
     return 0xfc00fc00u;
 }
 
-/// Loads vector `first .. first + count` of a row: one 16-byte load when the row is aligned and the vector
-/// full, element loads otherwise (missing elements read as -inf). Either way the same bits come out, so
-/// the fold below does not depend on a row's alignment. STREAMING (score positions, greedy, and the
+/// Loads vector `first .. first + min(count, N)` of a row (count: the elements left in the row from `first`,
+/// >= 1, possibly more than a vector): one 16-byte load when the row is aligned and the vector full,
+/// element loads otherwise (missing elements read as -inf). Either way the same bits come out, so the fold
+/// below does not depend on a row's alignment. The full-vector test reads the unclamped count on purpose:
+/// with `count == N` on load_tile's max(0, min(N, left)), CUDA 13.0's ptxas fused the test into that
+/// clamp (VIMNMX.RELU with a predicate output) in the streaming path of every pass instance, and a
+/// partial last vector (the 517-wide rows' ids 516-519, count 1) took the 16-byte load at aligned score
+/// positions: it read the 3 elements past the row (the next position's logits, or a padded row's zeros)
+/// instead of the -inf fill. The fold masked them until the forty-ninth session, so no result was wrong,
+/// but the unmasked fold failed cycle_gpu and sample_gpu's 517-wide score() case (forty-eighth and
+/// forty-ninth sessions, docs/toy_and_kernel_results.md). STREAMING (score positions, greedy, and the
 /// verifier in verify.cu): evict-first, the logits are read once. Sampling jobs load with L2's normal
 /// policy, so the winning tile is still in L2 when the last CTA reads it again.
 template <DType DTYPE, bool STREAMING = true>
 __device__ __forceinline__ uint4 load_vector(const typename DTypeTraits<DTYPE>::Scalar* row, int first,
                                              int count, bool aligned) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
-  if (aligned && count == kPerVector) {
+  if (aligned && count >= kPerVector) {
     const uint4* address = reinterpret_cast<const uint4*>(row + first);
     return STREAMING ? __ldcs(address) : __ldcg(address);
   }
@@ -445,9 +453,10 @@ __device__ __forceinline__ void load_tile(TileVectors<DTYPE>& tile,
 #pragma unroll
   for (int u = 0; u < kUnrollVectors; ++u) {
     tile.first[u] = begin + (u * kPassThreads + static_cast<int>(threadIdx.x)) * kPerVector;
-    tile.count[u] = max(0, min(kPerVector, end - tile.first[u]));
-    if (tile.count[u] > 0)
-      tile.raw[u] = load_vector<DTYPE, STREAMING>(row, tile.first[u], tile.count[u], aligned);
+    const int left = end - tile.first[u]; // unclamped: load_vector's full-vector test reads it
+    tile.count[u] = max(0, min(kPerVector, left));
+    if (left > 0)
+      tile.raw[u] = load_vector<DTYPE, STREAMING>(row, tile.first[u], left, aligned);
   }
 }
 
@@ -476,16 +485,8 @@ __device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, c
     if (tile.count[u] > 0) {
       float values[kPerVector];
       unpack<DTYPE>(tile.raw[u], values);
-      // Only a row's last vector can be partial: its elements past the row are set to -inf here, and full
-      // vectors fold as loaded (a select per element cost the fold a fifth of its instructions). The
-      // elements are -inf already when load_vector filled them, but folding the partial vector unmasked
-      // failed cycle_gpu's 517-wide fp32 rows (forty-eighth session, docs/toy_and_kernel_results.md: the
-      // vector reached the fold as zeros; not understood), so the mask stays where it always was.
-      if (tile.count[u] < kPerVector) {
-#pragma unroll
-        for (int i = 0; i < kPerVector; ++i)
-          values[i] = i < tile.count[u] ? values[i] : -INFINITY;
-      }
+      // Folded as loaded: a row's partial last vector holds -inf past the row's end (load_vector's fill).
+      // A select per element here cost the fold a fifth of its instructions.
       fold_chunk<MODE, kPerVector>(state, values, tile.first[u], job);
     }
   }
@@ -574,14 +575,15 @@ template <DType DTYPE> __device__ __forceinline__ float element_to_float(uint32_
 /// Loads the N logits [first, first + count) of a row from L2 (the race's re-read: __ldcg, the tile's CTA
 /// read it moments ago with L2's normal policy) as floats; missing ones (count < N) read as -inf. One 8- or
 /// 16-byte load when the row is aligned and the run full and that wide, element loads otherwise: the same
-/// values either way.
+/// values either way. `count` is the elements left in the row from `first` (>= 1, unclamped: see
+/// load_vector for why the full-run test does not read a clamped count).
 template <DType DTYPE, int N>
 __device__ __forceinline__ void load_run(const typename DTypeTraits<DTYPE>::Scalar* row, int first, int count,
                                          bool aligned, float (&out)[N]) {
   constexpr int kElementBytes = DTYPE == DType::kFloat32 ? 4 : 2;
   constexpr int kBytes = N * kElementBytes;
   if constexpr (kBytes == 8 || kBytes == 16) {
-    if (aligned && count == N) { // row + first is kBytes-aligned: first is a multiple of N
+    if (aligned && count >= N) { // row + first is kBytes-aligned: first is a multiple of N
       uint32_t words[kBytes / 4];
       if constexpr (kBytes == 16) {
         const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(row + first));
@@ -656,8 +658,9 @@ __device__ __forceinline__ RaceNoise<DTYPE> draw_race_noise(const JobContext& jo
 /// ... (one run per thread at the default tiling). Run `run` holds ranks run * kRaceRun .. of the sub-tile
 /// (runs ascend with vocab ids), whose noise the thread drew in `noise`. "Strictly better" keeps ties at the
 /// smaller id here as in the reduction across threads. power_c = alpha c (c when alpha = 1).
-/// load_run_at(first, vector, offset, count, values) gives a run's logits: vocab ids first .. first + count,
-/// at element `offset` of the tile's vector `vector` (missing ones -inf).
+/// load_run_at(first, vector, offset, left, values) gives a run's logits: vocab ids first .. first +
+/// min(left, kRun), `left` the elements left in the row, at element `offset` of the tile's vector `vector`
+/// (missing ones -inf).
 template <DType DTYPE, class LoadRun>
 __device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int vocab, int tile_begin,
                                                int warp, const RaceNoise<DTYPE>& noise, float tile_max,
@@ -677,12 +680,14 @@ __device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int v
     const int vector = (j / kWarpSize) * kPassThreads + warp * kWarpSize + j % kWarpSize;
     const int offset = (run % kRunsPerVector) * kRun; // the run's first element inside its vector
     const int first = tile_begin + vector * kPerVector + offset;
-    const int count = max(0, min(kRun, vocab - first));
-    if (count == 0) // past the end of the row (a partial last tile): nothing to load
+    // The elements left in the row, unclamped for load_run's full-run test (see load_vector); none past the
+    // end of the row (a partial last tile): nothing to load.
+    const int left = vocab - first;
+    if (left <= 0)
       continue;
     float values[kRun];
-    load_run_at(first, vector, offset, count, values);
-    race_chunk<kRun>(state, values, noise.log_noise[i], first, count, tile_max, power_c);
+    load_run_at(first, vector, offset, left, values);
+    race_chunk<kRun>(state, values, noise.log_noise[i], first, min(kRun, left), tile_max, power_c);
   }
   return state;
 }
