@@ -572,9 +572,9 @@ template <DType DTYPE> __device__ __forceinline__ float element_to_float(uint32_
     return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
 
-/// Loads the N logits [first, first + count) of a row from L2 (the race's re-read: __ldcg, the tile's CTA
-/// read it moments ago with L2's normal policy) as floats; missing ones (count < N) read as -inf. One 8- or
-/// 16-byte load when the row is aligned and the run full and that wide, element loads otherwise: the same
+/// Loads the N logits [first, first + min(count, N)) of a row from L2 (the race's re-read: __ldcg, the tile's
+/// CTA read it moments ago with L2's normal policy) as floats; missing ones (count < N) read as -inf. One 8-
+/// or 16-byte load when the row is aligned and the run full and that wide, element loads otherwise: the same
 /// values either way. `count` is the elements left in the row from `first` (>= 1, unclamped: see
 /// load_vector for why the full-run test does not read a clamped count).
 template <DType DTYPE, int N>
