@@ -56,6 +56,22 @@ def period(names):
     return len(names)
 
 
+def critical_steps(replay):
+    """(gap, duration, share) of each kernel of a replay, in start order: the gap is its start minus the latest
+    end before it (negative where it started under its predecessor; 0 for the first), the share its end minus
+    that latest end, at least 0 (the whole duration for the first). The latest end is a running maximum, so
+    the shares add up to the replay's span."""
+    steps, last_end = [], None
+    for start, end, _, _ in replay:
+        if last_end is None:
+            steps.append((0, end - start, end - start))
+            last_end = end
+        else:
+            steps.append((start - last_end, end - start, max(0, end - last_end)))
+            last_end = max(last_end, end)
+    return steps
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("csv")
@@ -105,13 +121,12 @@ def main():
     share, launches, duration = collections.Counter(), collections.Counter(), collections.Counter()
     spans = []
     for replay in replays:
-        last_end = None
-        for start, end, name, _ in replay:
-            share[name] += end - start if last_end is None else max(0, end - last_end)
-            last_end = end if last_end is None else max(last_end, end)
+        steps = critical_steps(replay)
+        for (_, _, name, _), (_, took, added) in zip(replay, steps):
+            share[name] += added
             launches[name] += 1
-            duration[name] += end - start
-        spans.append(last_end - replay[0][0])
+            duration[name] += took
+        spans.append(sum(added for _, _, added in steps))  # the shares add up to the span
     n = len(replays)
     print(f"graphs {','.join(map(str, graphs))}: {n} replays of {len(replays[0])} kernels, "
           f"median span {statistics.median(spans) / 1000:.1f} us")
@@ -126,18 +141,13 @@ def main():
     nodes = len(replays[0])
     if last > nodes:
         sys.exit(f"trace_critical_path: --per-node {first}:{last}: a replay has {nodes} kernels")
-    # (gap, duration, share) of positions first .. last - 1, a list per position over the replays; `before` is
-    # the latest end so far in the replay (a running maximum, as in the shares above).
+    # (gap, duration, share) of positions first .. last - 1, a list per position over the replays.
     rows = [([], [], []) for _ in range(first, last)]
     for replay in replays:
-        before = replay[0][0]
-        for i, (start, end, _, _) in enumerate(replay[:last]):
-            if i >= first:
-                gaps, durations, shares = rows[i - first]
-                gaps.append(start - before)
-                durations.append(end - start)
-                shares.append(max(0, end - before) if i else end - start)
-            before = end if i == 0 else max(before, end)
+        for (gaps, durations, shares), step in zip(rows, critical_steps(replay)[first:last]):
+            gaps.append(step[0])
+            durations.append(step[1])
+            shares.append(step[2])
     print(f"{'node':>5} {'gap us':>8} {'dur us':>8} {'share us':>9}  kernel (medians over the replays)")
     med = lambda values: statistics.median(values) / 1000
     for i, (gaps, durations, shares) in enumerate(rows, start=first):
