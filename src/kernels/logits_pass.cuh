@@ -291,17 +291,16 @@ __device__ __forceinline__ void offer_element(RaceState& state, float key, float
   }
 }
 
-/// Races up to N consecutive logits starting at vocab id `first` into `state`, element i against its noise
-/// log2 E_i = log_noise[i] (draw_race_noise). Missing elements (count < N) are -inf.
+/// Races N consecutive logits starting at vocab id `first` into `state`, element i against its noise
+/// log2 E_i = log_noise[i] (draw_race_noise). The loaders give elements past the end of the row as -inf
+/// (load_run's fill, the shared tile's), whose key -inf never wins: no mask here.
 template <int N>
 __device__ __forceinline__ void race_chunk(RaceState& state, const float (&logits)[N],
-                                           const float (&log_noise)[N], int first, int count, float tile_max,
+                                           const float (&log_noise)[N], int first, float tile_max,
                                            float power_c) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float logit = i < count ? logits[i] : -INFINITY;
-    offer_element(state, race_key(logit, tile_max, power_c, log_noise[i]), logit, first + i);
-  }
+  for (int i = 0; i < N; ++i)
+    offer_element(state, race_key(logits[i], tile_max, power_c, log_noise[i]), logits[i], first + i);
 }
 
 /// The better of two element-race standings (threads', warps'): the larger key, ties to the smaller vocab id;
@@ -687,7 +686,7 @@ __device__ __forceinline__ RaceState race_runs(const LoadRun& load_run_at, int v
       continue;
     float values[kRun];
     load_run_at(first, vector, offset, left, values);
-    race_chunk<kRun>(state, values, noise.log_noise[i], first, min(kRun, left), tile_max, power_c);
+    race_chunk<kRun>(state, values, noise.log_noise[i], first, tile_max, power_c);
   }
   return state;
 }
