@@ -60,6 +60,29 @@ void launch_empty_kernel(cudaStream_t stream);
 /// predecessor either. Loaded once per process (its PTX is generated and JIT-compiled at the first call).
 void launch_cold_kernel(cudaStream_t stream, bool l2_flush);
 
+/// The driver's own host cost of launching a captured cycle, the floor of Engine::step()'s host time: two
+/// graphs of `nodes` empty kernels and an event record node (a cycle's shape), launched in turn on a stream
+/// of their own. launch() times one cudaGraphLaunch on the host (microseconds); call it where step() would
+/// be called (the GPU running the engine's previous cycle), so both see the same driver and GPU state.
+class BareGraphLaunch {
+public:
+  explicit BareGraphLaunch(int nodes);
+  ~BareGraphLaunch();
+  BareGraphLaunch(const BareGraphLaunch&) = delete;
+  BareGraphLaunch& operator=(const BareGraphLaunch&) = delete;
+  double launch();
+  /// Waits for every launch so far.
+  void synchronize();
+
+private:
+  void release() noexcept;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t events_[2] = {nullptr, nullptr};
+  cudaGraph_t graphs_[2] = {nullptr, nullptr};
+  cudaGraphExec_t execs_[2] = {nullptr, nullptr};
+  int launches_ = 0;
+};
+
 /// The current device's name ("NVIDIA H200").
 std::string device_name();
 

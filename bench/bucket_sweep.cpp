@@ -267,21 +267,42 @@ Summary time_cycles(Engine& engine, int cycles, std::vector<RequestUpdate>& upda
   return summarize(std::move(us));
 }
 
-/// Host time of step() alone: one cycle is in flight when step() is called, so it only launches.
-double host_us_per_step(Engine& engine, int cycles, std::vector<RequestUpdate>& updates) {
+/// Median host times of step() and of a bare graph launch beside it (host_us_per_step).
+struct HostTimes {
+  double step_us = NAN, launch_us = NAN;
+};
+
+/// Host time of step() alone: one cycle is in flight when step() is called, so it only launches. With
+/// `bare`, also the driver's own cost of a graph launch in the same place (BareGraphLaunch: a graph of the
+/// cycle's node count, empty kernels), right after the wait for the older cycle as step() is, the two in
+/// turns (so neither always goes first): step()'s floor, measured in the same driver and GPU state. The
+/// cudaGraphLaunch time moves between 3 and 20 us in phases on the same machine and cycle, whatever the graph
+/// holds (docs/toy_and_kernel_results.md, fiftieth session), so a step() time is read against this column.
+HostTimes host_us_per_step(Engine& engine, int cycles, std::vector<RequestUpdate>& updates,
+                           bench::BareGraphLaunch* bare) {
   drain(engine, updates);
   engine.step();
-  std::vector<double> samples;
+  std::vector<double> samples, launches;
   for (int i = 0; i < cycles; ++i) {
+    if (bare && i % 2 == 0)
+      launches.push_back(bare->launch());
     const auto t0 = std::chrono::steady_clock::now();
     engine.step();
     const auto t1 = std::chrono::steady_clock::now();
     samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    if (bare && i % 2 == 1)
+      launches.push_back(bare->launch());
     for (RequestUpdate& update : engine.poll())
       updates.push_back(std::move(update));
   }
   drain(engine, updates);
-  return summarize(std::move(samples)).median_us;
+  HostTimes times;
+  times.step_us = summarize(std::move(samples)).median_us;
+  if (bare) {
+    bare->synchronize();
+    times.launch_us = summarize(std::move(launches)).median_us;
+  }
+  return times;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -502,6 +523,7 @@ const std::vector<std::string> kCsvColumns = {"device",
                                               "eager_p90_us",
                                               "eager_over_graph",
                                               "host_step_us",
+                                              "bare_launch_us",
                                               "eager_host_step_us",
                                               "model_us",
                                               "head_us",
@@ -551,6 +573,7 @@ std::vector<std::string> csv_cells(const Environment& env, const Row& row) {
           format(row.eager.p90_us, 2),
           format(row.eager.median_us / row.graph.median_us, 3),
           format(row.host_step_us, 2),
+          format(row.bare_launch_us, 2),
           format(row.eager_host_step_us, 2),
           format(row.model.cycle_us, 2),
           format(row.model.head_us, 2),
@@ -666,9 +689,9 @@ struct SweepContext {
 };
 
 void print_table_header() {
-  std::printf("%8s %5s %10s %10s %7s %9s %10s %9s %10s %9s %8s %6s %11s %9s %6s %8s\n", "requests", "rows",
-              "graph_us", "eager_us", "eag/gr", "host_us", "eag_host", "model_us", "nonmodel", "floor_us",
-              "nm/flr", "tok/c", "tokens/s", "capt_ms", "nodes", "nm_nodes");
+  std::printf("%8s %5s %10s %10s %7s %9s %9s %10s %9s %10s %9s %8s %6s %11s %9s %6s %8s\n", "requests",
+              "rows", "graph_us", "eager_us", "eag/gr", "host_us", "launch", "eag_host", "model_us",
+              "nonmodel", "floor_us", "nm/flr", "tok/c", "tokens/s", "capt_ms", "nodes", "nm_nodes");
 }
 
 const char* kind_name(CycleKind kind) {
@@ -844,7 +867,12 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     ctx.progress->update(*ctx.done, std::string(label) + ": host step");
     refill_and_warm_up(engine, ids, requests, *ctx.seed, check);
     updates.clear();
-    row.host_step_us = host_us_per_step(engine, o.cycles, updates);
+    {
+      bench::BareGraphLaunch bare(static_cast<int>(std::max<int64_t>(1, row.graph_nodes)));
+      const HostTimes times = host_us_per_step(engine, o.cycles, updates, &bare);
+      row.host_step_us = times.step_us;
+      row.bare_launch_us = times.launch_us;
+    }
     check_updates(updates, static_cast<size_t>(o.cycles + 1) * requests, config, check);
 
     // 4. The same recipe eagerly.
@@ -856,7 +884,7 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     check_updates(updates, static_cast<size_t>(o.cycles) * requests, config, check);
     refill_and_warm_up(engine, ids, requests, *ctx.seed, check);
     updates.clear();
-    row.eager_host_step_us = host_us_per_step(engine, o.cycles, updates);
+    row.eager_host_step_us = host_us_per_step(engine, o.cycles, updates, nullptr).step_us;
     check_updates(updates, static_cast<size_t>(o.cycles + 1) * requests, config, check);
     engine.set_eager(false);
     check_slots(engine, check);
@@ -913,15 +941,16 @@ void sweep_engine(const SweepContext& ctx, const ModelPair& models, CycleKind ki
     row.problem = check.problem;
     ctx.csv->row(csv_cells(env, row));
 
-    std::printf("%8d %5d %10s %10s %7s %9s %10s %9s %10s %9s %8s %6s %11s %9s %6lld %8lld%s\n", requests,
+    std::printf("%8d %5d %10s %10s %7s %9s %9s %10s %9s %10s %9s %8s %6s %11s %9s %6lld %8lld%s\n", requests,
                 rows, format(row.graph.median_us, 1).c_str(), format(row.eager.median_us, 1).c_str(),
                 format(row.eager.median_us / row.graph.median_us, 2).c_str(),
-                format(row.host_step_us, 1).c_str(), format(row.eager_host_step_us, 1).c_str(),
-                format(row.model.cycle_us, 1).c_str(), format(row.nonmodel_us, 1).c_str(),
-                format(row.floor_us, 1).c_str(), format(row.nonmodel_us / row.floor_us, 2).c_str(),
-                format(row.tokens_per_cycle, 2).c_str(), format(row.tokens_per_s, 0).c_str(),
-                format(row.capture_ms, 2).c_str(), static_cast<long long>(row.graph_nodes),
-                static_cast<long long>(row.nonmodel_nodes), row.valid ? "" : "  INVALID");
+                format(row.host_step_us, 1).c_str(), format(row.bare_launch_us, 1).c_str(),
+                format(row.eager_host_step_us, 1).c_str(), format(row.model.cycle_us, 1).c_str(),
+                format(row.nonmodel_us, 1).c_str(), format(row.floor_us, 1).c_str(),
+                format(row.nonmodel_us / row.floor_us, 2).c_str(), format(row.tokens_per_cycle, 2).c_str(),
+                format(row.tokens_per_s, 0).c_str(), format(row.capture_ms, 2).c_str(),
+                static_cast<long long>(row.graph_nodes), static_cast<long long>(row.nonmodel_nodes),
+                row.valid ? "" : "  INVALID");
     if (models.real)
       std::printf(
           "%8s  HBM roofline: %.1f MB a cycle (weights per forward, KV, logits) = %s us at copy bandwidth, "

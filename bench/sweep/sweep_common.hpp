@@ -127,6 +127,8 @@ struct Row {
   int particles = 0, steps = 0, requests = 0, rows = 0;
   Summary graph, eager;
   double host_step_us = NAN, eager_host_step_us = NAN;
+  double bare_launch_us =
+      NAN; ///< the driver's cudaGraphLaunch of a graph of the cycle's nodes, beside step()
   ModelTiming model;
   double nonmodel_us = NAN;
   int64_t logits_bytes = 0, state_bytes = 0;
