@@ -979,10 +979,14 @@ struct ClusterModeGuard {
   ~ClusterModeGuard() { smcgraph::set_sample_clusters(enabled); }
 };
 
-/// Restores the sampler's walk-mode threshold as the case found it when the case ends.
+/// Restores the sampler's walk-mode settings as the case found them when the case ends.
 struct WalkModeGuard {
   const int min_jobs = smcgraph::sample_walk_min_jobs();
-  ~WalkModeGuard() { smcgraph::set_sample_walk_min_jobs(min_jobs); }
+  const int max_walkers = smcgraph::sample_walk_max_walkers();
+  ~WalkModeGuard() {
+    smcgraph::set_sample_walk_min_jobs(min_jobs);
+    smcgraph::set_sample_walk_max_walkers(max_walkers);
+  }
 };
 
 constexpr int kWalkOff = std::numeric_limits<int>::max();
@@ -1165,10 +1169,17 @@ TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, a
       const Outputs ticketed = device.run(captured);
       smcgraph::set_sample_walk_min_jobs(1);
       REQUIRE(smcgraph::sample_uses_walk(shape.rows, shape.vocab, shape.dtype));
-      const Outputs walked = device.run(captured);
-      CHECK(walked.bitwise_equal(ticketed));
-      for (int r = 0; r < batch.rows; ++r)
-        check_row(batch, walked, r, tally);
+      // These few rows take several walkers a job, two tiles each; one walker a job walks every tile
+      // (the staging's stages go round several times).
+      for (const int max_walkers : {0, 1}) {
+        CAPTURE(max_walkers);
+        smcgraph::set_sample_walk_max_walkers(max_walkers);
+        const Outputs walked = device.run(captured);
+        CHECK(walked.bitwise_equal(ticketed));
+        for (int r = 0; r < batch.rows; ++r)
+          check_row(batch, walked, r, tally);
+      }
+      smcgraph::set_sample_walk_max_walkers(0);
     }
     CHECK(tally.mismatches == 0);
   }
@@ -1180,14 +1191,35 @@ TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, a
   smcgraph::set_sample_walk_min_jobs(5);
   CHECK_FALSE(smcgraph::sample_uses_walk(4, 8193, DType::kBFloat16));
   CHECK_THROWS_AS(smcgraph::set_sample_walk_min_jobs(-1), smcgraph::Error);
-  // By default, the launches whose CTAs (one a job) fill at least 95% of their waves of walk CTAs.
+  CHECK_THROWS_AS(smcgraph::set_sample_walk_max_walkers(-1), smcgraph::Error);
+  // By default: the register walk where its CTAs (one a job, 2 an SM) fill at least 95% of their waves;
+  // else the staged walk where its CTAs (walkers a job, as many as a wave of 4 an SM holds for the jobs,
+  // each walking at least two tiles) do.
   smcgraph::set_sample_walk_min_jobs(0);
   int device = 0, sms = 0;
   SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
   SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int slots = 2 * sms; // kPassMinBlocksWalk CTAs an SM
-  CHECK(smcgraph::sample_uses_walk(slots, 128256, DType::kBFloat16));
-  CHECK(smcgraph::sample_uses_walk(2 * slots - 1, 128256, DType::kBFloat16));
-  CHECK_FALSE(smcgraph::sample_uses_walk(slots / 2, 128256, DType::kBFloat16));
-  CHECK_FALSE(smcgraph::sample_uses_walk(slots + 1, 128256, DType::kBFloat16));
+  const auto fills = [](int64_t ctas, int64_t slots) {
+    const int64_t waves = (ctas + slots - 1) / slots;
+    return static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots);
+  };
+  const int splits = 16; // 128256 bf16
+  for (const int jobs :
+       {1, 8, sms / 2, 3 * sms / 4, sms, 2 * sms - 1, 2 * sms, 2 * sms + 1, 4 * sms - 1, 4 * sms + 1}) {
+    CAPTURE(jobs);
+    if (jobs < 1)
+      continue;
+    const int64_t walkers = std::clamp<int64_t>(4 * int64_t{sms} / jobs, 1, splits / 2);
+    const int64_t tiles = (splits + walkers - 1) / walkers;
+    const int64_t used = (splits + tiles - 1) / tiles;
+    const bool expected = fills(jobs, 2 * int64_t{sms}) || (used > 1 && fills(jobs * used, 4 * int64_t{sms}));
+    CHECK(smcgraph::sample_uses_walk(jobs, 128256, DType::kBFloat16) == expected);
+  }
+  if (sms == 132) { // an H100 SXM or H200: the shapes the rule was measured at
+    CHECK(smcgraph::sample_uses_walk(256, 128256, DType::kBFloat16)); // register walk
+    CHECK(smcgraph::sample_uses_walk(128, 128256, DType::kBFloat16)); // 4 walkers a job
+    CHECK(smcgraph::sample_uses_walk(64, 128256, DType::kBFloat16));  // 8 walkers a job
+    CHECK_FALSE(smcgraph::sample_uses_walk(8, 128256, DType::kBFloat16));
+    CHECK_FALSE(smcgraph::sample_uses_walk(96, 128256, DType::kBFloat16));
+  }
 }

@@ -187,21 +187,38 @@ bool sample_clusters_enabled();
 bool sample_uses_clusters(int jobs, int vocab, DType dtype);
 
 /// Walk mode, the third way (besides clusters and tickets) for a job's tiles to meet in sample() and score():
-/// one CTA a job folds the job's tiles one after another, the next two tiles' loads in flight while it folds
-/// one, and keeps the sub-tile states in shared memory: no workspace, fence, ticket or second CTA. Each tile
-/// is folded by the same threads in the same order as a tile's own CTA folds it, and the states merge in the
-/// same order, so the bits are those of the other modes. It serves launches that cluster mode does not take,
-/// with 2 to 64 tiles a job, and by default only those whose CTAs (one a job) fill at least 95% of the waves
-/// they take: a walk CTA reads its tiles in sequence, so it wins with whole waves of jobs (256 x 128256 bf16:
-/// 15% faster on an H200) and loses with a partial one (64-192 rows: up to 51% slower).
-/// set_sample_walk_min_jobs(n) walks every launch of at least n jobs instead (1: all it can take), INT_MAX
-/// none, 0 restores the default; SMCGRAPH_SAMPLER_WALK_MIN_JOBS=<n> sets it at start and
-/// SMCGRAPH_DISABLE_SAMPLER_WALK=1 turns the mode off. For benches and tests; not synchronised with launches
-/// on other host threads.
+/// a job's CTAs fold its tiles one after another instead of one CTA a tile. Each tile is folded by the same
+/// threads in the same order as a tile's own CTA folds it, and the states merge in the same order, so the
+/// bits are those of the other modes. It serves launches that cluster mode does not take, with 2 to 64
+/// tiles a job, by default only those whose CTAs fill at least 95% of the waves they take, in one of two
+/// forms:
+/// - the register walk: one CTA a job (two an SM, the next two tiles' loads in flight in registers), the
+///   sub-tile states in shared memory; no workspace, fence or ticket. For jobs that fill waves of one CTA a
+///   job (256 x 128256 bf16: 15% faster than tickets on an H200).
+/// - the staged walk: `walkers` CTAs a job (four an SM; as many as one wave holds for the launch's jobs, each
+///   walking at least two tiles, the next two copied into shared memory by cp.async), the last to finish
+///   merging through the workspace as ticket mode does. For fewer jobs: on an H200, 64 x 128256 bf16 (eight
+///   walkers) 18.1 -> 16.0 us and 128 x 128256 (four) 28.2 -> 23.2 us after a kernel that flushed L2.
+/// Launches whose CTAs would fill neither (1-8 rows; 96 or 192 rows of 128256, where the walkers' tiles
+/// do not divide into a full wave) stay in ticket mode.
+/// set_sample_walk_min_jobs(n) walks every launch of at least n jobs instead (1: all it can take; staged
+/// where a job gets more than one walker), INT_MAX none, 0 restores the default;
+/// SMCGRAPH_SAMPLER_WALK_MIN_JOBS=<n> sets it at start and SMCGRAPH_DISABLE_SAMPLER_WALK=1 turns the mode
+/// off. For benches and tests; not synchronised with launches on other host threads.
 void set_sample_walk_min_jobs(int jobs);
 
 /// The setting set_sample_walk_min_jobs() sets (0: the default rule).
 int sample_walk_min_jobs();
+
+/// The most CTAs a walked job takes (its walkers, each folding a consecutive run of its tiles; the last to
+/// finish merges): 0 (the default) takes as many as one wave of walk CTAs holds for the launch's jobs, each
+/// walking at least two tiles; n caps them at n (1: one CTA a job). SMCGRAPH_SAMPLER_WALKERS=<n> sets it at
+/// start. The same bits at any count. For benches and tests; not synchronised with launches on other host
+/// threads.
+void set_sample_walk_max_walkers(int walkers);
+
+/// The setting set_sample_walk_max_walkers() sets (0: the default rule).
+int sample_walk_max_walkers();
 
 /// Whether a launch of `jobs` over `vocab` logits of `dtype` made now on the current device runs in walk
 /// mode.

@@ -65,11 +65,16 @@
 // workspace, and the job's last CTA to arrive (a ticket) merges them and re-reads the winning sub-tile from
 // L2.
 //
-// Walk mode (launches that ticket mode would run and whose jobs fill whole waves of one CTA a job;
-// sample.cu's walk_mode, smcgraph::set_sample_walk_min_jobs): the job's only CTA folds its tiles one after
-// another (walk_tiles: each as the tile's own CTA would, two tiles' loads in flight ahead), keeps the
-// sub-tile states in shared memory and merges and races as the last CTA of ticket mode does. No workspace,
-// fence or ticket.
+// Walk mode (launches that ticket mode would run and whose CTAs fill whole waves; sample.cu's walk_plan,
+// smcgraph::set_sample_walk_min_jobs / set_sample_walk_max_walkers), in two instances:
+// - the register walk (jobs that fill waves of one CTA a job, 2 an SM): the job's only CTA folds its tiles
+//   one after another (walk_tiles: each as the tile's own CTA would, two tiles' loads in flight ahead in
+//   registers), keeps the sub-tile states in shared memory and merges and races as the last CTA of ticket
+//   mode does. No workspace, fence or ticket.
+// - the staged walk (fewer jobs: 64 or 128 rows of 128256): `walkers` CTAs a job, 4 an SM, each folding a
+//   run of consecutive tiles (walk_tiles_staged: the next two tiles copied into shared memory by cp.async
+//   while one is folded), writing the sub-tile states to the workspace; the job's last walker to arrive (a
+//   ticket) merges and races as in ticket mode.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +83,7 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 
 #include "kernels/pdl.cuh"
 #include "kernels/cluster_barrier.cuh"
@@ -898,7 +904,10 @@ struct PassArgs {
   // set by launch_logits_pass
   int splits{};   ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
   bool cluster{}; ///< a job's CTAs are one thread-block cluster (splits > 1; header comment)
-  bool walk{};    ///< one CTA a job walks the job's tiles in order (walk mode; header comment)
+  bool walk{};    ///< a job's CTAs walk its tiles in order (walk mode; header comment)
+  int walkers{
+      1}; ///< walk mode: CTAs a job, walker w folding tiles w * walk_tiles .. (w + 1) * walk_tiles - 1
+  int walk_tiles{}; ///< walk mode: tiles a walker folds (the last walker's may be fewer)
   /// Every CTA of a sampling job draws its element-race noise (draw_race_noise) while its logits load, not
   /// only the job's last CTA after the merge: for launches whose sample positions' CTAs fit one wave, where
   /// the other CTAs' draws cost nothing and the last CTA's tail gets shorter. The same numbers either way.
@@ -955,14 +964,104 @@ __device__ __forceinline__ void walk_tiles(const PassArgs& args, const JobContex
   }
 }
 
+/// Staged walk mode's shared staging: kWalkStages tiles' vectors, each thread's own (vector u of stage s at
+/// s * kTileVectorSlots + u * kPassThreads + thread), in dynamic shared memory.
+inline constexpr int kWalkStages = 3;
+inline constexpr int kTileVectorSlots = kUnrollVectors * kPassThreads;
+inline constexpr size_t kWalkStagingBytes = size_t{kWalkStages} * kTileVectorSlots * sizeof(uint4);
+
+/// Staged walk mode's first read: the CTA folds tiles first_tile .. first_tile + args.walk_tiles - 1 of its
+/// job in order (its part of the row: the job's args.walkers CTAs split its tiles), each exactly as a tile's
+/// own CTA would (the same threads, vectors and warp merge), and writes sub-tile s's state at states[s] (the
+/// workspace, as ticket mode's CTAs do). The next two tiles are in flight while a tile is folded, copied
+/// into `staging` (kWalkStages tiles) by cp.async, not held in registers: a thread holds one tile, so four
+/// CTAs fit an SM (64 registers) and a launch of 256 jobs runs two CTAs a job. A thread copies and reads
+/// back only its own vectors, so no barrier orders them: cp.async's wait makes a thread's copies visible to
+/// it. Vectors that are partial (a row's end) or unaligned are loaded by load_vector and stored, the same
+/// bits. `first` holds tile first_tile's loads, issued by the kernel.
+template <DType DTYPE, PassMode MODE, int UNROLL>
+__device__ __forceinline__ void
+walk_tiles_staged(const PassArgs& args, const JobContext& job, const JobPlace& place,
+                  const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& first,
+                  int first_tile, uint32_t param_flags, PassState* states, uint4* staging) {
+  constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
+  const int thread = static_cast<int>(threadIdx.x);
+  const int warp = thread / kWarpSize;
+  const int vocab = args.logits.vocab;
+  const int end_tile = min(args.splits, first_tile + args.walk_tiles);
+  // Tile c's copies into stage `stage`, then a commit (an empty group past the last tile, so that the
+  // count of groups in flight stays fixed).
+  const auto issue = [&](int c, int stage) {
+    if (c < end_tile) {
+      const int begin = c * kSplitLength<DTYPE>;
+      const int end = min(vocab, begin + kSplitLength<DTYPE>);
+      bool rest = false; // a partial or unaligned vector
+#pragma unroll
+      for (int u = 0; u < kUnrollVectors; ++u) {
+        const int element = begin + (u * kPassThreads + thread) * kPerVector;
+        const int left = end - element; // unclamped, as load_vector reads it
+        if (place.aligned && left >= kPerVector)
+          __pipeline_memcpy_async(staging + stage * kTileVectorSlots + u * kPassThreads + thread,
+                                  row_logits + element, sizeof(uint4));
+        else
+          rest = rest || left > 0;
+      }
+      if (rest) { // rare (a row's end, unaligned rows): a loop, so load_vector's element path is code once
+#pragma unroll 1
+        for (int u = 0; u < kUnrollVectors; ++u) {
+          const int element = begin + (u * kPassThreads + thread) * kPerVector;
+          const int left = end - element;
+          if (!(place.aligned && left >= kPerVector) && left > 0)
+            staging[stage * kTileVectorSlots + u * kPassThreads + thread] =
+                load_vector<DTYPE>(row_logits, element, left, place.aligned);
+        }
+      }
+    }
+    __pipeline_commit();
+  };
+  // Tile c from stage `stage` (its copies have landed).
+  const auto read = [&](TileVectors<DTYPE>& tile, int c, int stage) {
+    const int begin = c * kSplitLength<DTYPE>;
+    const int end = min(vocab, begin + kSplitLength<DTYPE>);
+#pragma unroll
+    for (int u = 0; u < kUnrollVectors; ++u) {
+      tile.first[u] = begin + (u * kPassThreads + thread) * kPerVector;
+      tile.count[u] = max(0, min(kPerVector, end - tile.first[u]));
+      if (tile.count[u] > 0)
+        tile.raw[u] = staging[stage * kTileVectorSlots + u * kPassThreads + thread];
+    }
+  };
+  // The first tile joins the others in stage 0 (one copy of the fold's code: the instance runs cold).
+#pragma unroll
+  for (int u = 0; u < kUnrollVectors; ++u)
+    if (first.count[u] > 0)
+      staging[u * kPassThreads + thread] = first.raw[u];
+  issue(first_tile + 1, 1);
+  issue(first_tile + 2, 2);
+  int stage = 0; // tile c's: tiles first_tile, + 1, + 2, ... take stages 0, 1, 2, 0, ...
+#pragma unroll 1
+  for (int c = first_tile; c < end_tile; ++c) {
+    __pipeline_wait_prior(kWalkStages - 1); // tile c's group; the two after it may still be in flight
+    TileVectors<DTYPE> tile;
+    read(tile, c, stage);
+    const PassState state = subtile_state<DTYPE, MODE, UNROLL>(tile, job, param_flags);
+    if (thread % kWarpSize == 0)
+      states[c * kSubTiles + warp] = state;
+    // The stage is free once its vectors are folded (their registers consumed): tile c + 3 goes there.
+    issue(c + kWalkStages, stage);
+    stage = stage == kWalkStages - 1 ? 0 : stage + 1;
+  }
+  __pipeline_wait_prior(0); // no copy outlives the walk (the CTA's shared memory)
+}
+
 /// One tile of one job, after the CTA issued its loads: fold it into sub-tile states; for a job of several
 /// tiles, the job's last CTA (a ticket counter) then merges every sub-tile state in a fixed order, runs the
 /// two-level race and writes the outputs. WALK: the CTA is the job's only one and folds all its tiles
 /// (walk_tiles) before the same merge and race.
-template <DType DTYPE, PassMode MODE, int UNROLL, bool WALK, bool EARLY>
+template <DType DTYPE, PassMode MODE, int UNROLL, bool WALK, bool STAGED, bool EARLY>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
-                        uint32_t param_flags, uint4* tile_copy) {
+                        uint32_t param_flags, uint4* tile_copy, uint4* walk_staging) {
   __shared__ PassState warp_states[kSubTiles]; // a one-tile or cluster job's sub-tile states
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -970,8 +1069,6 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   constexpr bool kRaces = MODE == PassMode::kRace || MODE == PassMode::kRacePower;
   const bool cluster = !WALK && args.cluster;       // uniform across the launch
   const bool early_race = EARLY && args.early_race; // uniform across the launch
-  // Walk mode keeps the job's sub-tile states where cluster mode keeps its tile copy (kMaxWalkSubTiles fit).
-  PassState* walk_states = reinterpret_cast<PassState*>(tile_copy);
   if (kRaces && cluster && !early_race) {
 #pragma unroll
     for (int u = 0; u < kUnrollVectors; ++u) {
@@ -989,7 +1086,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   static_assert(kSubTileLength<DTYPE> * sizeof(float) <= kUnrollVectors * kPassThreads * sizeof(uint4),
                 "the noise table fits the tile copy");
   if constexpr (kRaces) {
-    if (args.early_noise)
+    if (!STAGED && args.early_noise) // the staged walk's walkers draw late: fewer registers live on the walk
       noise = draw_race_noise<DTYPE, UNROLL>(job);
     if (early_race) {
 #pragma unroll
@@ -1004,9 +1101,21 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     }
   }
 
+  const int subtile_count = args.splits * kSubTiles;
+  const int64_t job_subtiles = static_cast<int64_t>(place.job_index) * subtile_count;
+  PassState* subtiles = args.partials + job_subtiles;
   PassState state;
   SubTileWinner own_winner{-1, -INFINITY}; // early race: this warp's sub-tile's
-  if constexpr (WALK) {
+  // The register walk keeps the job's sub-tile states where cluster mode keeps its tile copy
+  // (kMaxWalkSubTiles fit); the staged walk's walkers write theirs to the workspace, as ticket mode does.
+  PassState* walk_states = reinterpret_cast<PassState*>(tile_copy);
+  if constexpr (WALK && STAGED) {
+    walk_tiles_staged<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, place.split * args.walk_tiles,
+                                           param_flags, subtiles, walk_staging);
+    // The job's last walker merges.
+    if (!device::last_to_arrive(&args.tickets[place.job_index], static_cast<uint32_t>(args.walkers)))
+      return;
+  } else if constexpr (WALK) {
     walk_tiles<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, param_flags, walk_states);
     __syncthreads(); // every sub-tile state, for the merge below
   } else {
@@ -1019,9 +1128,6 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       }
     }
   }
-  const int subtile_count = args.splits * kSubTiles;
-  const int64_t job_subtiles = static_cast<int64_t>(place.job_index) * subtile_count;
-  PassState* subtiles = args.partials + job_subtiles;
   __shared__ SubTileWinner warp_winners[kSubTiles]; // early race: a one-tile or cluster job's
   if constexpr (!WALK) {
     if (args.splits > 1 && !cluster) {
@@ -1047,8 +1153,8 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       }
     }
   }
-  const SubTileStates states{!WALK && args.splits > 1 && !cluster ? subtiles : nullptr,
-                             WALK ? walk_states : warp_states, cluster};
+  const SubTileStates states{STAGED || (!WALK && args.splits > 1 && !cluster) ? subtiles : nullptr,
+                             WALK && !STAGED ? walk_states : warp_states, cluster};
   const SubTileWinners winners{!WALK && args.splits > 1 && !cluster ? args.winners + job_subtiles : nullptr,
                                warp_winners, cluster};
   // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
@@ -1063,7 +1169,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // element race over the winning sub-tile (header comment). The noises depend only on the job's keys:
     // the Philox calls and logs run while the states load (from L2 or a peer), off the serial tail.
     const float mine_noise = thread < subtile_count ? subtile_noise<UNROLL>(job, thread) : 0.0f;
-    if (!args.early_noise)
+    if (STAGED || !args.early_noise)
       noise = draw_race_noise<DTYPE, UNROLL>(job);
     const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
     // The one-wave instance carries each sub-tile's own race winner beside its standing (early race).
@@ -1201,10 +1307,17 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
 #ifndef SMCGRAPH_PASS_MIN_BLOCKS_WALK
 #define SMCGRAPH_PASS_MIN_BLOCKS_WALK 2
 #endif
+#ifndef SMCGRAPH_PASS_MIN_BLOCKS_STAGED
+#define SMCGRAPH_PASS_MIN_BLOCKS_STAGED 4
+#endif
 inline constexpr int kPassMinBlocks = SMCGRAPH_PASS_MIN_BLOCKS;
 inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
 /// Walk mode's instance (a CTA a job, three tiles' loads in registers at once): its CTAs an SM.
 inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
+/// The staged walk's instance (walkers a job, one tile in registers, two in shared memory): its CTAs an SM.
+/// An instance <DTYPE, MIN_BLOCKS, WALK = true> is the staged walk's when MIN_BLOCKS is this count.
+inline constexpr int kPassMinBlocksStaged = SMCGRAPH_PASS_MIN_BLOCKS_STAGED;
+static_assert(kPassMinBlocksStaged != kPassMinBlocksWalk, "the two walk instances differ in MIN_BLOCKS");
 /// The unrolling of the pass's fixed-count loops (the Philox rounds, warp_merge, block_reduce_in_order) in an
 /// instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or less run cold in a cycle and
 /// wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one, whose launches of many waves
@@ -1212,9 +1325,14 @@ inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// one call, two rounds, sample_bench us a launch (loops in both instances -> unrolled in the large one):
 /// 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x 128256 bf16 25.41-25.58
 /// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us. The walk instance
-/// (WALK) is unrolled too: its launches fill whole waves.
+/// (WALK) is unrolled too: its launches fill whole waves. The staged walk's (WALK, kPassMinBlocksStaged)
+/// keeps the loops: its launches are one wave of short CTAs (two to four tiles each) that run cold in a
+/// cycle. H200, sample_bench after a kernel that flushed L2 (coldL2), 64 x 128256 bf16: ticket mode 18.1-18.2
+/// us, the staged walk unrolled 19.8-20.7, with loops (and one copy of the fold, late noise) 16.0.
 template <int MIN_BLOCKS, bool WALK = false> __host__ __device__ constexpr int pass_unroll() {
-  return WALK || (MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks) ? 16 : 1;
+  if (WALK)
+    return MIN_BLOCKS == kPassMinBlocksStaged ? 1 : 16;
+  return MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
 }
 template <DType DTYPE, int MIN_BLOCKS, bool WALK = false>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
@@ -1222,14 +1340,21 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
   constexpr int kUnroll = pass_unroll<MIN_BLOCKS, WALK>();
   // Only the one-wave instance may race early (PassArgs::early_race): the others keep their code as it was.
   constexpr bool kEarly = !WALK && MIN_BLOCKS == kPassMinBlocks;
+  constexpr bool kStaged = WALK && MIN_BLOCKS == kPassMinBlocksStaged;
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it). Walk
   // mode: the job's sub-tile states.
-  __shared__ uint4 tile_copy[kUnrollVectors * kPassThreads];
-  static_assert(kMaxWalkSubTiles * sizeof(PassState) <= sizeof(tile_copy), "walk mode's states fit");
+  // (The staged walk uses none: its instance keeps one element, so that four CTAs fit an SM.)
+  __shared__ uint4 tile_copy[kStaged ? 1 : kUnrollVectors * kPassThreads];
+  static_assert(kStaged || kMaxWalkSubTiles * sizeof(PassState) <= sizeof(tile_copy),
+                "walk mode's states fit");
+  // The staged walk's staging (walk_tiles_staged): kWalkStagingBytes of dynamic shared memory; none in the
+  // others.
+  extern __shared__ uint4 walk_staging[];
   pdl_enter();
   JobPlace place;
-  place.split = WALK ? 0 : static_cast<int>(blockIdx.x) % args.splits;
-  place.job_index = WALK ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) / args.splits;
+  const int ctas_per_job = kStaged ? args.walkers : WALK ? 1 : args.splits;
+  place.split = static_cast<int>(blockIdx.x) % ctas_per_job; // walk mode: the walker
+  place.job_index = static_cast<int>(blockIdx.x) / ctas_per_job;
   place.row = place.job_index / args.logits.positions;
   place.position = place.job_index % args.logits.positions;
   const int row = place.row, position = place.position;
@@ -1254,8 +1379,8 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
                              position * args.logits.position_stride;
   place.aligned = (reinterpret_cast<uintptr_t>(row_logits) % kVectorBytes) == 0;
   TileVectors<DTYPE> tile;
-  load_job_tile<DTYPE>(tile, row_logits, place.split, args.logits.vocab, place.sample_position,
-                       place.aligned);
+  load_job_tile<DTYPE>(tile, row_logits, kStaged ? place.split * args.walk_tiles : place.split,
+                       args.logits.vocab, place.sample_position, place.aligned);
 
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
@@ -1275,16 +1400,17 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, param_flags,
-                                                             tile_copy);
+    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile,
+                                                                      param_flags, tile_copy, walk_staging);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u,
-                                                            tile_copy);
+    run_job<DTYPE, PassMode::kScore, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile, 0u,
+                                                                     tile_copy, walk_staging);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u, tile_copy);
+    run_job<DTYPE, PassMode::kRace, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile, 0u,
+                                                                    tile_copy, walk_staging);
   } else {
-    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u,
-                                                                tile_copy);
+    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile,
+                                                                         0u, tile_copy, walk_staging);
   }
 }
 

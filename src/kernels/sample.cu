@@ -14,10 +14,14 @@
 #include "smcgraph/error.hpp"
 #include "smcgraph/runtime.hpp"
 #include "kernels/launch_checks.hpp"
+#include "kernels/smem_limit.hpp"
 #include "runtime/env.hpp"
 
 namespace smcgraph {
 using detail::ceil_div;
+namespace detail {
+using PassKernel = void (*)(PassArgs);
+} // namespace detail
 
 int sample_tile_length(DType dtype) {
   static_assert(detail::kSplitLength<DType::kBFloat16> == detail::kSplitLength<DType::kFloat16>,
@@ -55,6 +59,21 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab)
   SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(nullptr));
 }
 
+namespace detail {
+/// The staged walk instances' shared memory, set up outside any capture (a workspace comes before its
+/// launches): their staging's dynamic bytes (kWalkStagingBytes, more than the 48 KiB a kernel gets unasked)
+/// and the carveout that holds four of their CTAs an SM.
+void prepare_walk_instances() {
+  for (const PassKernel kernel : {LogitsPassKernel<DType::kFloat32, kPassMinBlocksStaged, true>,
+                                  LogitsPassKernel<DType::kBFloat16, kPassMinBlocksStaged, true>,
+                                  LogitsPassKernel<DType::kFloat16, kPassMinBlocksStaged, true>}) {
+    raise_smem_limit(kernel, kWalkStagingBytes);
+    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared));
+  }
+}
+} // namespace detail
+
 namespace {
 /// The partials' allocation: a PassState per sub-tile, then a SubTileWinner per sub-tile (the early race's,
 /// SampleWorkspaceAccess::winners).
@@ -73,6 +92,7 @@ SampleWorkspace::SampleWorkspace(int max_jobs, int max_vocab, cudaStream_t strea
   require(partials < (int64_t{1} << 31), "SampleWorkspace", "max_jobs * sub-tiles", partials,
           "must be < 2^31");
   max_partials_ = static_cast<int>(partials);
+  detail::prepare_walk_instances();
   bytes_ = partial_bytes(max_partials_) + static_cast<size_t>(max_jobs) * 4;
   // Counted in device_memory_stats() like every DeviceBuffer.
   partials_ = detail::device_allocate(partial_bytes(max_partials_));
@@ -118,8 +138,6 @@ std::atomic<bool>& sampler_clusters() {
   return enabled;
 }
 
-using PassKernel = void (*)(PassArgs);
-
 /// The pass kernel's instance <dtype, MIN_BLOCKS, WALK>.
 template <int MIN_BLOCKS, bool WALK = false> PassKernel pass_instance(DType dtype) {
   switch (dtype) {
@@ -139,7 +157,7 @@ PassKernel pass_kernel(DType dtype, bool large = false) {
 }
 
 /// set_sample_walk_min_jobs()'s setting: 0 (the default) walks the launches that fill their waves of walk
-/// CTAs (walk_mode), INT_MAX none, n every launch of at least n jobs that walk mode can take.
+/// CTAs (walk_plan), INT_MAX none, n every launch of at least n jobs that walk mode can take.
 std::atomic<int>& sampler_walk_min_jobs() {
   static std::atomic<int> min_jobs = [] {
     if (env_flag("SMCGRAPH_DISABLE_SAMPLER_WALK"))
@@ -152,36 +170,79 @@ std::atomic<int>& sampler_walk_min_jobs() {
   return min_jobs;
 }
 
-/// Whether a launch of `jobs` jobs of `splits` tiles that cluster mode does not take runs in walk mode. By
-/// default (setting 0), when its CTAs (one a job) fill at least kWalkMinWaveFill of the waves they take
-/// (kPassMinBlocksWalk CTAs an SM). A walk CTA is slow, one tile after another; it wins only where every SM
-/// runs as many of them as the others. NVIDIA H200 (132 SMs: waves of 264), sample_bench graph us a launch,
-/// ticket -> walk, two rounds in one call: 256 x 128256 bf16 38.7-38.9 -> 33.1-33.2 (39.8% -> 46.6% of copy),
-/// fp32 57.2-57.3 -> 46.1-46.2, 256 x 49152 bf16 22.0 -> 16.0-16.1, 256 x 32000 17.4-17.5 -> 12.4; 128 x
-/// 128256 bf16 25.3-25.5 -> 24.3 (one CTA an SM); but 64 / 96 / 192 x 128256 bf16 16.0 / 20.7-20.8 / 30.9 ->
-/// 24.1 / 24.2 / 32.5, 128 x 128256 fp32 32.9-33.0 -> 36.4-36.5. The toy cycle (bucket_sweep, V 128256 bf16,
-/// walking from 128 jobs): SMC at 64 requests (512-row samples, 2,560-job scores) 1,962.3 -> 1,930.9 us, but
-/// SMC at 8 and speculative at 64 requests (320-job scores: 1.2 waves) 371.3 -> 380.2 and 374.5 -> 402.3.
-/// With this rule (one call, walk off -> default): the toy SMC cycle at 64 requests 1,958.0 -> 1,936.1 us
-/// (non-model 633.2 -> 612.8), the other toy and real-model cycles within noise (none of their launches
-/// walks), 1 / 8 / 64 / 128 / 192 x 128256 bf16 unchanged.
+/// The fill a walk's CTAs must reach (walk_plan). The register walk's measurements (one CTA a job,
+/// kPassMinBlocksWalk an SM; the only walk until the fiftieth session): a walk CTA is slow, one tile after
+/// another; it wins only where every SM runs as many of them as the others. NVIDIA H200 (132 SMs: waves of
+/// 264), sample_bench graph us a launch, ticket -> walk, two rounds in one call: 256 x 128256 bf16 38.7-38.9
+/// -> 33.1-33.2 (39.8% -> 46.6% of copy), fp32 57.2-57.3 -> 46.1-46.2, 256 x 49152 bf16 22.0 -> 16.0-16.1,
+/// 256 x 32000 17.4-17.5 -> 12.4; 128 x 128256 bf16 25.3-25.5 -> 24.3 (one CTA an SM); but 64 / 96 / 192 x
+/// 128256 bf16 16.0 / 20.7-20.8 / 30.9 -> 24.1 / 24.2 / 32.5, 128 x 128256 fp32 32.9-33.0 -> 36.4-36.5. The
+/// toy cycle (bucket_sweep, V 128256 bf16, walking from 128 jobs): SMC at 64 requests (512-row samples,
+/// 2,560-job scores) 1,962.3 -> 1,930.9 us, but SMC at 8 and speculative at 64 requests (320-job scores: 1.2
+/// waves) 371.3 -> 380.2 and 374.5 -> 402.3. With this rule (one call, walk off -> default): the toy SMC
+/// cycle at 64 requests 1,958.0 -> 1,936.1 us (non-model 633.2 -> 612.8), the other toy and real-model cycles
+/// within noise (none of their launches walks), 1 / 8 / 64 / 128 / 192 x 128256 bf16 unchanged.
 constexpr double kWalkMinWaveFill = 0.95;
 
-bool walk_mode(int64_t jobs, int splits) {
-  if (splits < 2 || splits * kSubTiles > kMaxWalkSubTiles)
-    return false;
-  const int setting = sampler_walk_min_jobs().load(std::memory_order_relaxed);
-  if (setting > 0)
-    return jobs >= setting;
-  const int64_t slots = int64_t{current_device_info().multiprocessors} * kPassMinBlocksWalk;
-  const int64_t waves = (jobs + slots - 1) / slots;
-  return static_cast<double>(jobs) >= kWalkMinWaveFill * static_cast<double>(waves * slots);
+/// set_sample_walk_max_walkers()'s setting: 0 (the default rule), n at most n CTAs a walked job.
+std::atomic<int>& sampler_walk_max_walkers() {
+  static std::atomic<int> walkers = static_cast<int>(
+      env_integer("SMCGRAPH_SAMPLER_WALKERS", 0, std::numeric_limits<int>::max(),
+                  "must be a whole number of CTAs a job, 0 to 2147483647 (0: the default rule)")
+          .value_or(0));
+  return walkers;
 }
 
-/// Waves of the kPassMinBlocks instance past which a ticket-mode launch takes the kPassMinBlocksLarge one.
-/// H100, sample_bench graph us a launch, 4 / 6 CTAs an SM: 64 x 128256 bf16 (1,024 CTAs, 1.9 waves) 15.67 /
-/// 16.83; 256 x 128256 bf16 (4,096 CTAs) 42.89 / 40.74, fp32 66.05 / 60.08; 1-8 rows 0.1-0.2 us slower at 6.
-/// The toy SMC cycle at 64 requests (512-row samples, 8,192 CTAs) 2,079.0, 2,067.6 -> 1,991.3, 1,995.9 us.
+/// How a launch of `jobs` jobs of `splits` tiles walks: one CTA a job (the register walk) or `walkers` CTAs
+/// a job (the staged walk), each walking `tiles` consecutive tiles (the last walker's may be fewer; none is
+/// empty).
+struct WalkPlan {
+  bool walk = false;
+  int walkers = 1, tiles = 0;
+  bool staged() const { return walk && walkers > 1; }
+};
+
+/// The default rule, or set_sample_walk_min_jobs()'s and set_sample_walk_max_walkers()'s settings:
+/// - the register walk (one CTA a job, kPassMinBlocksWalk an SM) where its CTAs fill at least
+///   kWalkMinWaveFill of the waves they take (256 x 128256 bf16 on an H200);
+/// - else the staged walk, with as many walkers a job as a wave of its CTAs (kPassMinBlocksStaged an SM)
+///   holds for the launch's jobs, each walking at least two tiles, where they fill at least kWalkMinWaveFill
+///   of the waves they take (64 and 128 x 128256 on an H200);
+/// - else no walk.
+/// A forced walk (setting > 0) takes the staged walk's walkers (capped), the register walk at one.
+/// NVIDIA H200, sample_bench graph us a launch, ticket -> staged walk (fiftieth session, two rounds): 64 x
+/// 128256 bf16 15.8 -> 13.8, fp32 22.7-22.8 -> 17.3-17.4, 128 x 128256 bf16 24.8 -> 19.3, fp32 32.0 ->
+/// 29.4; at 256 rows the staged walk (two walkers) lost to the register walk: bf16 30.4 against 30.4, fp32
+/// 49.9-50.0 against 43.7-43.8, 256 x 49152 bf16 16.3 against 15.1, 256 x 32000 13.2 against 11.9.
+WalkPlan walk_plan(int64_t jobs, int splits) {
+  WalkPlan plan;
+  if (splits < 2 || splits * kSubTiles > kMaxWalkSubTiles)
+    return plan;
+  const int64_t sms = current_device_info().multiprocessors;
+  const auto fills = [](int64_t ctas, int64_t slots) {
+    const int64_t waves = (ctas + slots - 1) / slots;
+    return static_cast<double>(ctas) >= kWalkMinWaveFill * static_cast<double>(waves * slots);
+  };
+  const int64_t staged_slots = sms * kPassMinBlocksStaged;
+  int64_t walkers = std::clamp<int64_t>(staged_slots / jobs, 1, splits / 2);
+  if (const int cap = sampler_walk_max_walkers().load(std::memory_order_relaxed); cap > 0)
+    walkers = std::min<int64_t>(walkers, cap);
+  plan.tiles = static_cast<int>(ceil_div(splits, walkers));
+  plan.walkers = static_cast<int>(ceil_div(splits, plan.tiles));
+  const int setting = sampler_walk_min_jobs().load(std::memory_order_relaxed);
+  if (setting > 0) {
+    plan.walk = jobs >= setting;
+  } else if (fills(jobs, sms * kPassMinBlocksWalk)) {
+    plan.walk = true;
+    plan.walkers = 1;
+  } else {
+    plan.walk = plan.walkers > 1 && fills(jobs * plan.walkers, staged_slots);
+  }
+  if (plan.walkers == 1)
+    plan.tiles = splits;
+  return plan;
+}
+
 constexpr int kLargePassWaves = 4;
 
 /// Whether a launch of `jobs` jobs of `splits` tiles runs in cluster mode (logits_pass.cuh): within the
@@ -225,14 +286,16 @@ bool cluster_schedulable(PassKernel kernel, int64_t jobs, int splits) {
 }
 
 /// How a pass of `jobs` jobs of `splits` tiles meets: in clusters where they can be scheduled, else walking
-/// where walk_mode says so, else through tickets. launch_logits_pass and sample_uses_clusters / _walk ask
+/// where walk_plan says so, else through tickets. launch_logits_pass and sample_uses_clusters / _walk ask
 /// here.
 struct PassMeeting {
-  bool cluster, walk;
+  bool cluster;
+  WalkPlan walk;
 };
 PassMeeting pass_meeting(DType dtype, int64_t jobs, int splits) {
   const bool cluster = cluster_schedulable(pass_kernel(dtype), jobs, splits);
-  return {cluster, !cluster && walk_mode(jobs, splits)};
+  WalkPlan walk = cluster ? WalkPlan{} : walk_plan(jobs, splits);
+  return {cluster, walk};
 }
 
 } // namespace
@@ -269,22 +332,26 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   // With programmatic dependent launch: the pass waits for its predecessor before any read.
   const PassMeeting meeting = pass_meeting(dtype, jobs, args.splits);
   args.cluster = meeting.cluster;
-  args.walk = meeting.walk;
+  args.walk = meeting.walk.walk;
+  args.walkers = meeting.walk.staged() ? meeting.walk.walkers : 1;
+  args.walk_tiles = meeting.walk.staged() ? meeting.walk.tiles : 0;
   const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
   const PassKernel kernel =
-      args.walk ? pass_instance<kPassMinBlocksWalk, true>(dtype)
-                : pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
+      meeting.walk.staged() ? pass_instance<kPassMinBlocksStaged, true>(dtype)
+      : args.walk           ? pass_instance<kPassMinBlocksWalk, true>(dtype)
+                  : pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
   // The CTAs of sample positions (one a row: score()'s other positions draw nothing) fit one wave of the pass
   // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A walk
   // CTA draws it while its first tile loads.
-  args.early_noise = args.walk || int64_t{logits.rows} * args.splits <= wave;
+  args.early_noise = args.walk ? !meeting.walk.staged() : int64_t{logits.rows} * args.splits <= wave;
   // Those launches also race early (PassArgs::early_race); SMCGRAPH_SAMPLER_RACE=late keeps the element race
   // after the merge (A/B runs; the same bits).
   static const bool late_race =
       env_choice<bool>("smcgraph::sample", "SMCGRAPH_SAMPLER_RACE", {{"early", false}, {"late", true}});
   args.early_race = !args.walk && args.early_noise && !late_race;
-  const int64_t ctas = args.walk ? jobs : jobs * args.splits;
-  launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kPassThreads), 0,
+  const int64_t ctas = args.walk ? jobs * args.walkers : jobs * args.splits;
+  launch_pdl_clustered(kernel, dim3(static_cast<unsigned>(ctas)), dim3(kPassThreads),
+                       meeting.walk.staged() ? kWalkStagingBytes : 0,
                        args.cluster ? static_cast<unsigned>(args.splits) : 1u, stream, args);
 }
 
@@ -308,9 +375,19 @@ int sample_walk_min_jobs() {
   return detail::sampler_walk_min_jobs().load(std::memory_order_relaxed);
 }
 
+void set_sample_walk_max_walkers(int walkers) {
+  require(walkers >= 0, "set_sample_walk_max_walkers", "walkers", walkers,
+          "must be >= 0 (0: the default rule; n: at most n CTAs a walked job)");
+  detail::sampler_walk_max_walkers().store(walkers, std::memory_order_relaxed);
+}
+
+int sample_walk_max_walkers() {
+  return detail::sampler_walk_max_walkers().load(std::memory_order_relaxed);
+}
+
 bool sample_uses_walk(int jobs, int vocab, DType dtype) {
   require(jobs >= 1, "sample_uses_walk", "jobs", jobs, "must be >= 1");
-  return detail::pass_meeting(dtype, jobs, sample_splits(vocab, dtype)).walk;
+  return detail::pass_meeting(dtype, jobs, sample_splits(vocab, dtype)).walk.walk;
 }
 
 bool sample_uses_clusters(int jobs, int vocab, DType dtype) {
