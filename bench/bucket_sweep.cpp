@@ -1090,7 +1090,9 @@ int run(const Options& o, const char* argv0) {
                 o.draft_perturbation);
   std::printf("; max_seq_len %d, slot pool %d\n", constants.max_seq_len, constants.pool_size);
   std::printf(
-      "graph/eager = median GPU time per cycle; host = host time per step(); model = draft head + "
+      "graph/eager = median GPU time per cycle; host = host time per step(); launch = the driver's "
+      "cudaGraphLaunch of a graph of the cycle's nodes, timed in turns with step() (step()'s floor); "
+      "eag_host = host time per eager step(); model = draft head + "
       "(K-1) draft steps + verify timed alone at the rows' mid-phase length; nonmodel = graph - model (it "
       "can be slightly negative "
       "with the real model: inside the cycle's graph a forward's first launch overlaps the end of the "
