@@ -975,10 +975,10 @@ inline constexpr size_t kWalkStagingBytes = size_t{kWalkStages} * kTileVectorSlo
 /// own CTA would (the same threads, vectors and warp merge), and writes sub-tile s's state at states[s] (the
 /// workspace, as ticket mode's CTAs do). The next two tiles are in flight while a tile is folded, copied
 /// into `staging` (kWalkStages tiles) by cp.async, not held in registers: a thread holds one tile, so four
-/// CTAs fit an SM (64 registers) and a launch of 256 jobs runs two CTAs a job. A thread copies and reads
-/// back only its own vectors, so no barrier orders them: cp.async's wait makes a thread's copies visible to
-/// it. Vectors that are partial (a row's end) or unaligned are loaded by load_vector and stored, the same
-/// bits. `first` holds tile first_tile's loads, issued by the kernel.
+/// CTAs fit an SM (64 registers) and a launch of 64 jobs of 16 tiles runs eight CTAs a job. A thread copies
+/// and reads back only its own vectors, so no barrier orders them: cp.async's wait makes a thread's copies
+/// visible to it. Vectors that are partial (a row's end) or unaligned are loaded by load_vector and stored,
+/// the same bits. `first` holds tile first_tile's loads, issued by the kernel.
 template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ void
 walk_tiles_staged(const PassArgs& args, const JobContext& job, const JobPlace& place,
