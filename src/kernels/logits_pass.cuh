@@ -905,9 +905,9 @@ struct PassArgs {
   int splits{};   ///< tiles per job: ceil(vocab / kSplitLength<DTYPE>)
   bool cluster{}; ///< a job's CTAs are one thread-block cluster (splits > 1; header comment)
   bool walk{};    ///< a job's CTAs walk its tiles in order (walk mode; header comment)
-  int walkers{
-      1}; ///< walk mode: CTAs a job, walker w folding tiles w * walk_tiles .. (w + 1) * walk_tiles - 1
-  int walk_tiles{}; ///< walk mode: tiles a walker folds (the last walker's may be fewer)
+  /// The staged walk: CTAs a job, walker w folding tiles w * walk_tiles .. (w + 1) * walk_tiles - 1
+  int walkers{1};
+  int walk_tiles{}; ///< the staged walk: tiles a walker folds (the last walker's may be fewer)
   /// Every CTA of a sampling job draws its element-race noise (draw_race_noise) while its logits load, not
   /// only the job's last CTA after the merge: for launches whose sample positions' CTAs fit one wave, where
   /// the other CTAs' draws cost nothing and the last CTA's tail gets shorter. The same numbers either way.
