@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/walk_plan.hpp"
 #include "reference/sample_ref.hpp"
 #include "smcgraph/error.hpp"
 #include "smcgraph/philox.hpp"
@@ -370,4 +371,124 @@ TEST_CASE("reference sampler: flags and sentinels") {
   CHECK(r.token == 3);
   CHECK(r.sub_tile == 3);
   CHECK(r.tile == 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Walk mode's rule (kernels/walk_plan.hpp), on the host: an H200's 132 SMs, the pass's instance constants.
+
+namespace {
+
+smcgraph::detail::WalkPlanContext h200_walk_context(int min_jobs = 0, int max_walkers = 0) {
+  smcgraph::detail::WalkPlanContext context;
+  context.sms = 132;
+  context.register_blocks = 2;
+  context.staged_blocks = 4;
+  context.max_subtiles = 512;
+  context.subtiles_per_tile = 8;
+  context.min_wave_fill = 0.95;
+  context.min_jobs_setting = min_jobs;
+  context.max_walkers_setting = max_walkers;
+  return context;
+}
+
+} // namespace
+
+TEST_CASE("walk plan: the register walk, the staged walk and tickets at the shapes they were measured at") {
+  using smcgraph::detail::plan_walk;
+  const auto h200 = h200_walk_context();
+  struct Expected {
+    int64_t jobs;
+    int splits;
+    bool walk;
+    int walkers, tiles;
+  };
+  // 16 tiles: 128256 bf16; 6: 49152 bf16; 32: 128256 fp32.
+  const Expected cases[] = {
+      {256, 16, true, 1, 16},  // the register walk: 256 CTAs of 264 slots
+      {264, 16, true, 1, 16},  // a full wave
+      {512, 16, true, 1, 16},  // two waves at 97%
+      {2560, 16, true, 1, 16}, // the toy SMC score at 64 requests: ten waves at 97%
+      {265, 16, false, 1, 16}, // two waves at 50%, and one walker a job is not the staged walk
+      {128, 16, true, 4, 4},   // the staged walk: 512 CTAs of 528 slots
+      {64, 16, true, 8, 2},    // eight walkers of two tiles
+      {64, 32, true, 8, 4},    // fp32: eight walkers of four tiles
+      {96, 16, false, 4, 4},   // 384 CTAs: 73% of a wave
+      {192, 16, false, 2, 8},  // 384 CTAs
+      {8, 16, false, 8, 2},    // 64 CTAs
+      {64, 6, false, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs
+      {256, 6, true, 1, 6},    // the register walk
+      {1, 1, false, 1, 0},     // one tile: nothing to walk
+      {4, 65, false, 1, 0},    // past 512 sub-tiles
+  };
+  for (const Expected& e : cases) {
+    CAPTURE(e.jobs);
+    CAPTURE(e.splits);
+    const auto plan = plan_walk(e.jobs, e.splits, h200);
+    CHECK(plan.walk == e.walk);
+    CHECK(plan.walkers == e.walkers);
+    CHECK(plan.tiles == e.tiles);
+  }
+}
+
+TEST_CASE("walk plan: the settings force a walk and cap its walkers") {
+  using smcgraph::detail::plan_walk;
+  // Forced from one job: the staged walk's walkers, one walker the register walk.
+  auto plan = plan_walk(12, 16, h200_walk_context(1));
+  CHECK(plan.walk);
+  CHECK(plan.staged());
+  CHECK(plan.walkers == 8);
+  CHECK(plan.tiles == 2);
+  plan = plan_walk(12, 16, h200_walk_context(1, 1));
+  CHECK(plan.walk);
+  CHECK_FALSE(plan.staged());
+  CHECK(plan.tiles == 16);
+  plan = plan_walk(12, 16, h200_walk_context(1, 3)); // three walkers of 6, 6 and 4 tiles
+  CHECK(plan.walkers == 3);
+  CHECK(plan.tiles == 6);
+  plan = plan_walk(4, 2, h200_walk_context(1)); // two tiles: one walker
+  CHECK(plan.walk);
+  CHECK(plan.walkers == 1);
+  CHECK_FALSE(plan_walk(4, 16, h200_walk_context(5)).walk); // below the setting
+  // The cap applies under the default rule too: 64 jobs with at most 2 walkers fill no wave.
+  CHECK_FALSE(plan_walk(64, 16, h200_walk_context(0, 2)).walk);
+  CHECK(plan_walk(128, 16, h200_walk_context(0, 4)).walkers == 4);
+}
+
+TEST_CASE("walk plan: every plan covers the job's tiles with non-empty walkers, and a default walk fills") {
+  using smcgraph::detail::plan_walk;
+  for (const int sms : {1, 8, 78, 132}) {
+    for (const int max_walkers : {0, 1, 3}) {
+      for (const int min_jobs : {0, 1}) {
+        auto context = h200_walk_context(min_jobs, max_walkers);
+        context.sms = sms;
+        for (int splits = 1; splits <= 70; ++splits) {
+          for (int64_t jobs = 1; jobs <= 1200; jobs += (jobs < 300 ? 1 : 37)) {
+            const auto plan = plan_walk(jobs, splits, context);
+            if (!plan.walk)
+              continue;
+            CAPTURE(sms);
+            CAPTURE(max_walkers);
+            CAPTURE(min_jobs);
+            CAPTURE(splits);
+            CAPTURE(jobs);
+            REQUIRE(splits >= 2);
+            REQUIRE(splits * 8 <= 512);
+            REQUIRE(plan.walkers >= 1);
+            REQUIRE(int64_t{plan.walkers} * plan.tiles >= splits);    // every tile has a walker
+            REQUIRE(int64_t{plan.walkers - 1} * plan.tiles < splits); // and every walker a tile
+            if (plan.staged()) {
+              REQUIRE(plan.tiles >= 2);
+              REQUIRE((max_walkers == 0 || plan.walkers <= max_walkers));
+            }
+            if (min_jobs == 0) { // the default rule walks only launches that fill their waves
+              const int64_t slots = int64_t{sms} * (plan.staged() ? 4 : 2);
+              const int64_t ctas = jobs * plan.walkers;
+              const int64_t waves = (ctas + slots - 1) / slots;
+              REQUIRE(static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots));
+            }
+          }
+        }
+      }
+    }
+  }
 }

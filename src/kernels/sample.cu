@@ -15,6 +15,7 @@
 #include "smcgraph/runtime.hpp"
 #include "kernels/launch_checks.hpp"
 #include "kernels/smem_limit.hpp"
+#include "kernels/walk_plan.hpp"
 #include "runtime/env.hpp"
 
 namespace smcgraph {
@@ -193,16 +194,8 @@ std::atomic<int>& sampler_walk_max_walkers() {
   return walkers;
 }
 
-/// How a launch of `jobs` jobs of `splits` tiles walks: one CTA a job (the register walk) or `walkers` CTAs
-/// a job (the staged walk), each walking `tiles` consecutive tiles (the last walker's may be fewer; none is
-/// empty).
-struct WalkPlan {
-  bool walk = false;
-  int walkers = 1, tiles = 0;
-  bool staged() const { return walk && walkers > 1; }
-};
-
-/// The default rule, or set_sample_walk_min_jobs()'s and set_sample_walk_max_walkers()'s settings:
+/// plan_walk (walk_plan.hpp) on this device, with set_sample_walk_min_jobs()'s and
+/// set_sample_walk_max_walkers()'s settings:
 /// - the register walk (one CTA a job, kPassMinBlocksWalk an SM) where its CTAs fill at least
 ///   kWalkMinWaveFill of the waves they take (256 x 128256 bf16 on an H200);
 /// - else the staged walk, with as many walkers a job as a wave of its CTAs (kPassMinBlocksStaged an SM)
@@ -210,37 +203,22 @@ struct WalkPlan {
 ///   of the waves they take (64 and 128 x 128256 on an H200);
 /// - else no walk.
 /// A forced walk (setting > 0) takes the staged walk's walkers (capped), the register walk at one.
-/// NVIDIA H200, sample_bench graph us a launch, ticket -> staged walk (fiftieth session, two rounds): 64 x
-/// 128256 bf16 15.8 -> 13.8, fp32 22.7-22.8 -> 17.3-17.4, 128 x 128256 bf16 24.8 -> 19.3, fp32 32.0 ->
-/// 29.4; at 256 rows the staged walk (two walkers) lost to the register walk: bf16 30.4 against 30.4, fp32
-/// 49.9-50.0 against 43.7-43.8, 256 x 49152 bf16 16.3 against 15.1, 256 x 32000 13.2 against 11.9.
+/// NVIDIA H200, sample_bench graph us a launch, ticket -> staged walk (fiftieth session, two rounds, in the
+/// chain / after a kernel that flushed L2): 64 x 128256 bf16 15.9 / 18.1 -> 15.0 / 16.0, fp32 22.7 / 24.0 ->
+/// 20.0 / 21.0, 128 x 128256 bf16 24.6 / 28.2 -> 21.6 / 23.2, fp32 31.9 / 34.3 -> 31.4 / 32.8. At 256 rows a
+/// first (unrolled) staged walk of two walkers a job tied the register walk in bf16 (30.4 us) and lost in
+/// fp32 (43.7 -> 50.0), 256 x 49152 bf16 (15.1 -> 16.3) and 256 x 32000 (11.9 -> 13.2).
 WalkPlan walk_plan(int64_t jobs, int splits) {
-  WalkPlan plan;
-  if (splits < 2 || splits * kSubTiles > kMaxWalkSubTiles)
-    return plan;
-  const int64_t sms = current_device_info().multiprocessors;
-  const auto fills = [](int64_t ctas, int64_t slots) {
-    const int64_t waves = (ctas + slots - 1) / slots;
-    return static_cast<double>(ctas) >= kWalkMinWaveFill * static_cast<double>(waves * slots);
-  };
-  const int64_t staged_slots = sms * kPassMinBlocksStaged;
-  int64_t walkers = std::clamp<int64_t>(staged_slots / jobs, 1, splits / 2);
-  if (const int cap = sampler_walk_max_walkers().load(std::memory_order_relaxed); cap > 0)
-    walkers = std::min<int64_t>(walkers, cap);
-  plan.tiles = static_cast<int>(ceil_div(splits, walkers));
-  plan.walkers = static_cast<int>(ceil_div(splits, plan.tiles));
-  const int setting = sampler_walk_min_jobs().load(std::memory_order_relaxed);
-  if (setting > 0) {
-    plan.walk = jobs >= setting;
-  } else if (fills(jobs, sms * kPassMinBlocksWalk)) {
-    plan.walk = true;
-    plan.walkers = 1;
-  } else {
-    plan.walk = plan.walkers > 1 && fills(jobs * plan.walkers, staged_slots);
-  }
-  if (plan.walkers == 1)
-    plan.tiles = splits;
-  return plan;
+  WalkPlanContext context;
+  context.sms = current_device_info().multiprocessors;
+  context.register_blocks = kPassMinBlocksWalk;
+  context.staged_blocks = kPassMinBlocksStaged;
+  context.max_subtiles = kMaxWalkSubTiles;
+  context.subtiles_per_tile = kSubTiles;
+  context.min_wave_fill = kWalkMinWaveFill;
+  context.min_jobs_setting = sampler_walk_min_jobs().load(std::memory_order_relaxed);
+  context.max_walkers_setting = sampler_walk_max_walkers().load(std::memory_order_relaxed);
+  return plan_walk(jobs, splits, context);
 }
 
 constexpr int kLargePassWaves = 4;
