@@ -1312,7 +1312,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
 #endif
 inline constexpr int kPassMinBlocks = SMCGRAPH_PASS_MIN_BLOCKS;
 inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
-/// Walk mode's instance (a CTA a job, three tiles' loads in registers at once): its CTAs an SM.
+/// The register walk's instance (a CTA a job, three tiles' loads in registers at once): its CTAs an SM.
 inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// The staged walk's instance (walkers a job, one tile in registers, two in shared memory): its CTAs an SM.
 /// An instance <DTYPE, MIN_BLOCKS, WALK = true> is the staged walk's when MIN_BLOCKS is this count.

@@ -319,8 +319,9 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
       : args.walk           ? pass_instance<kPassMinBlocksWalk, true>(dtype)
                   : pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
   // The CTAs of sample positions (one a row: score()'s other positions draw nothing) fit one wave of the pass
-  // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A walk
-  // CTA draws it while its first tile loads.
+  // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A
+  // register-walk CTA draws it while its first tile loads; the staged walk's last walker draws it after the
+  // merge (fewer registers live on the walk).
   args.early_noise = args.walk ? !meeting.walk.staged() : int64_t{logits.rows} * args.splits <= wave;
   // Those launches also race early (PassArgs::early_race); SMCGRAPH_SAMPLER_RACE=late keeps the element race
   // after the merge (A/B runs; the same bits).
