@@ -230,52 +230,26 @@ void launch_cold_kernel(cudaStream_t stream, bool l2_flush) {
 BareGraphLaunch::BareGraphLaunch(int nodes) {
   if (nodes < 1)
     throw Error("BareGraphLaunch: nodes = " + std::to_string(nodes) + ", want >= 1");
-  try {
-    SMCGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    for (int i = 0; i < 2; ++i) {
-      SMCGRAPH_CUDA_CHECK(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming));
-      GraphOwner owner;
-      capture(
-          [&](cudaStream_t s) {
-            for (int n = 0; n < nodes; ++n)
-              launch_empty_kernel(s);
-            // The engine's graphs end with the event the host waits on (Engine's capture).
-            SMCGRAPH_CUDA_CHECK(cudaEventRecordWithFlags(events_[i], s, cudaEventRecordExternal));
-          },
-          stream_, 1, owner);
-      graphs_[i] = owner.graph;
-      owner.graph = nullptr;
-      SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(&execs_[i], graphs_[i], 0));
-      SMCGRAPH_CUDA_CHECK(cudaGraphUpload(execs_[i], stream_));
-    }
-    SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  } catch (...) {
-    release();
-    throw;
+  for (int i = 0; i < 2; ++i) {
+    GraphOwner owner;
+    capture(
+        [&](cudaStream_t s) {
+          for (int n = 0; n < nodes; ++n)
+            launch_empty_kernel(s);
+          // The engine's graphs end with the event the host waits on (Engine's capture).
+          SMCGRAPH_CUDA_CHECK(cudaEventRecordWithFlags(events_[i].get(), s, cudaEventRecordExternal));
+        },
+        stream_, 1, owner);
+    *graphs_[i].out() = owner.graph;
+    owner.graph = nullptr;
+    SMCGRAPH_CUDA_CHECK(cudaGraphInstantiate(execs_[i].out(), graphs_[i], 0));
+    SMCGRAPH_CUDA_CHECK(cudaGraphUpload(execs_[i], stream_));
   }
+  stream_.synchronize();
 }
 
 BareGraphLaunch::~BareGraphLaunch() {
-  release();
-}
-
-void BareGraphLaunch::release() noexcept {
-  if (stream_)
-    cudaStreamSynchronize(stream_);
-  for (int i = 0; i < 2; ++i) {
-    if (execs_[i])
-      cudaGraphExecDestroy(execs_[i]);
-    if (graphs_[i])
-      cudaGraphDestroy(graphs_[i]);
-    if (events_[i])
-      cudaEventDestroy(events_[i]);
-    execs_[i] = nullptr;
-    graphs_[i] = nullptr;
-    events_[i] = nullptr;
-  }
-  if (stream_)
-    cudaStreamDestroy(stream_);
-  stream_ = nullptr;
+  cudaStreamSynchronize(stream_); // no throw from a destructor; the handles go once the launches drained
 }
 
 double BareGraphLaunch::launch() {
@@ -287,7 +261,7 @@ double BareGraphLaunch::launch() {
 }
 
 void BareGraphLaunch::synchronize() {
-  SMCGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  stream_.synchronize();
 }
 
 double measure_copy_bandwidth_gbs(cudaStream_t stream) {

@@ -20,6 +20,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "smcgraph/runtime.hpp"
+
 namespace smcgraph::bench {
 
 /// Device-to-device cudaMemcpyAsync of 1 GiB (source filled with non-zero bytes), counting bytes read plus
@@ -75,11 +77,10 @@ public:
   void synchronize();
 
 private:
-  void release() noexcept;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t events_[2] = {nullptr, nullptr};
-  cudaGraph_t graphs_[2] = {nullptr, nullptr};
-  cudaGraphExec_t execs_[2] = {nullptr, nullptr};
+  Stream stream_;
+  Event events_[2];
+  detail::UniqueHandle<cudaGraph_t, cudaGraphDestroy> graphs_[2];
+  detail::UniqueHandle<cudaGraphExec_t, cudaGraphExecDestroy> execs_[2];
   int launches_ = 0;
 };
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <vector>
 
+#include "kernels/walk_plan.hpp"
 #include "reference/sample_ref.hpp"
 #include "smcgraph/philox.hpp"
 #include "smcgraph/runtime.hpp"
@@ -1192,27 +1193,24 @@ TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, a
   CHECK_FALSE(smcgraph::sample_uses_walk(4, 8193, DType::kBFloat16));
   CHECK_THROWS_AS(smcgraph::set_sample_walk_min_jobs(-1), smcgraph::Error);
   CHECK_THROWS_AS(smcgraph::set_sample_walk_max_walkers(-1), smcgraph::Error);
-  // By default: the register walk where its CTAs (one a job, 2 an SM) fill at least 95% of their waves;
-  // else the staged walk where its CTAs (walkers a job, as many as a wave of 4 an SM holds for the jobs,
-  // each walking at least two tiles) do.
+  // By default, kernels/walk_plan.hpp's rule (tested on the host in test_sample_cpu) on this device: the
+  // register walk (2 CTAs an SM) or the staged walk (4) where their CTAs fill at least 95% of their waves.
   smcgraph::set_sample_walk_min_jobs(0);
   int device = 0, sms = 0;
   SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
   SMCGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const auto fills = [](int64_t ctas, int64_t slots) {
-    const int64_t waves = (ctas + slots - 1) / slots;
-    return static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots);
-  };
-  const int splits = 16; // 128256 bf16
+  smcgraph::detail::WalkPlanContext context;
+  context.sms = sms;
+  context.register_blocks = 2; // kPassMinBlocksWalk
+  context.staged_blocks = 4;   // kPassMinBlocksStaged
+  context.max_subtiles = 512;  // kMaxWalkSubTiles
+  context.subtiles_per_tile = 8;
   for (const int jobs :
        {1, 8, sms / 2, 3 * sms / 4, sms, 2 * sms - 1, 2 * sms, 2 * sms + 1, 4 * sms - 1, 4 * sms + 1}) {
     CAPTURE(jobs);
     if (jobs < 1)
       continue;
-    const int64_t walkers = std::clamp<int64_t>(4 * int64_t{sms} / jobs, 1, splits / 2);
-    const int64_t tiles = (splits + walkers - 1) / walkers;
-    const int64_t used = (splits + tiles - 1) / tiles;
-    const bool expected = fills(jobs, 2 * int64_t{sms}) || (used > 1 && fills(jobs * used, 4 * int64_t{sms}));
+    const bool expected = smcgraph::detail::plan_walk(jobs, 16, context).walk; // 128256 bf16: 16 tiles
     CHECK(smcgraph::sample_uses_walk(jobs, 128256, DType::kBFloat16) == expected);
   }
   if (sms == 132) { // an H100 SXM or H200: the shapes the rule was measured at

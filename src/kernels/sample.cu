@@ -68,9 +68,7 @@ void prepare_walk_instances() {
   for (const PassKernel kernel : {LogitsPassKernel<DType::kFloat32, kPassMinBlocksStaged, true>,
                                   LogitsPassKernel<DType::kBFloat16, kPassMinBlocksStaged, true>,
                                   LogitsPassKernel<DType::kFloat16, kPassMinBlocksStaged, true>}) {
-    raise_smem_limit(kernel, kWalkStagingBytes);
-    SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             cudaSharedmemCarveoutMaxShared));
+    prepare_max_shared_kernel(kernel, kWalkStagingBytes);
   }
 }
 } // namespace detail

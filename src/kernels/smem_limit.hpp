@@ -23,14 +23,19 @@ template <class Kernel> void raise_smem_limit(Kernel kernel, size_t bytes) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-/// A Llama forward kernel's shared-memory setup: its limit raised to `bytes` (0: left as it is) and one
-/// carveout for every kernel of the forward (the most shared memory), so the SMs never reconfigure L1 /
-/// shared memory between them.
-template <class Kernel> void prepare_forward_kernel(Kernel kernel, size_t bytes) {
+/// A kernel's shared-memory setup for running with the most shared memory: its limit raised to `bytes` (0:
+/// left as it is) and the carveout that gives shared memory all it can (call outside capture).
+template <class Kernel> void prepare_max_shared_kernel(Kernel kernel, size_t bytes) {
   if (bytes > 0)
     raise_smem_limit(kernel, bytes);
   SMCGRAPH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            cudaSharedmemCarveoutMaxShared));
+}
+
+/// A Llama forward kernel's shared-memory setup: prepare_max_shared_kernel, one carveout for every kernel of
+/// the forward (the most shared memory), so the SMs never reconfigure L1 / shared memory between them.
+template <class Kernel> void prepare_forward_kernel(Kernel kernel, size_t bytes) {
+  prepare_max_shared_kernel(kernel, bytes);
 }
 
 } // namespace smcgraph::detail
