@@ -386,6 +386,7 @@ smcgraph::detail::WalkPlanContext h200_walk_context(int min_jobs = 0, int max_wa
   context.max_subtiles = 512;
   context.subtiles_per_tile = 8;
   context.min_wave_fill = 0.95;
+  context.short_walk_tiles = 4;
   context.min_jobs_setting = min_jobs;
   context.max_walkers_setting = max_walkers;
   return context;
@@ -412,10 +413,18 @@ TEST_CASE("walk plan: the register walk, the staged walk and tickets at the shap
       {128, 16, true, 4, 4},   // the staged walk: 512 CTAs of 528 slots
       {64, 16, true, 8, 2},    // eight walkers of two tiles
       {64, 32, true, 8, 4},    // fp32: eight walkers of four tiles
-      {96, 16, false, 4, 4},   // 384 CTAs: 73% of a wave
-      {192, 16, false, 2, 8},  // 384 CTAs
+      {96, 16, true, 4, 4},    // a short walk: 384 CTAs (73% of a wave), four tiles a walker
+      {80, 16, true, 6, 3},    // 480 CTAs (91%), three tiles a walker
+      {24, 16, true, 8, 2},    // 192 CTAs
+      {16, 16, false, 8, 2},   // 128 CTAs: fewer than one an SM
+      {16, 32, true, 16, 2},   // fp32: 256 CTAs of two tiles
+      {80, 32, false, 6, 6},   // fp32: six tiles a walker is not short, 480 CTAs do not fill
+      {160, 16, false, 3, 6},  // 480 CTAs of six tiles
+      {192, 16, false, 2, 8},  // 384 CTAs of eight tiles
       {8, 16, false, 8, 2},    // 64 CTAs
-      {64, 6, false, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs
+      {64, 6, true, 3, 2},     // SmolLM2's vocabulary at 8 requests: 192 CTAs of two tiles
+      {48, 6, true, 3, 2},     // 144 CTAs
+      {40, 6, false, 3, 2},    // 120 CTAs
       {256, 6, true, 1, 6},    // the register walk
       {1, 1, false, 1, 0},     // one tile: nothing to walk
       {4, 65, false, 1, 0},    // past 512 sub-tiles
@@ -449,7 +458,8 @@ TEST_CASE("walk plan: the settings force a walk and cap its walkers") {
   CHECK(plan.walk);
   CHECK(plan.walkers == 1);
   CHECK_FALSE(plan_walk(4, 16, h200_walk_context(5)).walk); // below the setting
-  // The cap applies under the default rule too: 64 jobs with at most 2 walkers fill no wave.
+  // The cap applies under the default rule too: 64 jobs with at most 2 walkers fill no wave, and walk 8
+  // tiles each.
   CHECK_FALSE(plan_walk(64, 16, h200_walk_context(0, 2)).walk);
   CHECK(plan_walk(128, 16, h200_walk_context(0, 4)).walkers == 4);
 }
@@ -480,11 +490,13 @@ TEST_CASE("walk plan: every plan covers the job's tiles with non-empty walkers, 
               REQUIRE(plan.tiles >= 2);
               REQUIRE((max_walkers == 0 || plan.walkers <= max_walkers));
             }
-            if (min_jobs == 0) { // the default rule walks only launches that fill their waves
+            if (min_jobs == 0) { // the default rule walks launches that fill their waves, and short walks
               const int64_t slots = int64_t{sms} * (plan.staged() ? 4 : 2);
               const int64_t ctas = jobs * plan.walkers;
               const int64_t waves = (ctas + slots - 1) / slots;
-              REQUIRE(static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots));
+              const bool fills = static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots);
+              const bool short_walk = plan.staged() && plan.tiles <= 4 && ctas >= sms;
+              REQUIRE((fills || short_walk));
             }
           }
         }

@@ -107,6 +107,10 @@ enum class PassMode : int {
   kRacePower = 3, ///< sample, alpha != 1: lse of l / T and of alpha l / T per tile, race on the latter
 };
 
+/// How a pass instance meets a job's tiles (the mode header above): ticket or cluster mode, one CTA a tile
+/// (kNone); the register walk, one CTA a job (kRegisters); the staged walk, `walkers` CTAs a job (kStaged).
+enum class PassWalk : int { kNone = 0, kRegisters = 1, kStaged = 2 };
+
 /// Per-thread and per-tile state of the first read; merged across threads and tiles.
 struct PassState {
   float max;       ///< max raw logit seen (NaN once a NaN was seen)
@@ -449,6 +453,11 @@ template <DType DTYPE> struct TileVectors {
   int count[kUnrollVectors];
 };
 
+/// The first logit of this thread's vector u of the tile starting at vocab id `begin` (TileVectors' layout).
+template <DType DTYPE> __device__ __forceinline__ int tile_vector_first(int begin, int u) {
+  return begin + (u * kPassThreads + static_cast<int>(threadIdx.x)) * DTypeTraits<DTYPE>::kPerVector;
+}
+
 /// Issues this thread's loads of the tile starting at vocab id `begin` (it ends at `end`).
 template <DType DTYPE, bool STREAMING>
 __device__ __forceinline__ void load_tile(TileVectors<DTYPE>& tile,
@@ -457,7 +466,7 @@ __device__ __forceinline__ void load_tile(TileVectors<DTYPE>& tile,
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
 #pragma unroll
   for (int u = 0; u < kUnrollVectors; ++u) {
-    tile.first[u] = begin + (u * kPassThreads + static_cast<int>(threadIdx.x)) * kPerVector;
+    tile.first[u] = tile_vector_first<DTYPE>(begin, u);
     const int left = end - tile.first[u]; // unclamped: load_vector's full-vector test reads it
     tile.count[u] = max(0, min(kPerVector, left));
     if (left > 0)
@@ -998,7 +1007,7 @@ walk_tiles_staged(const PassArgs& args, const JobContext& job, const JobPlace& p
       bool rest = false; // a partial or unaligned vector
 #pragma unroll
       for (int u = 0; u < kUnrollVectors; ++u) {
-        const int element = begin + (u * kPassThreads + thread) * kPerVector;
+        const int element = tile_vector_first<DTYPE>(begin, u);
         const int left = end - element; // unclamped, as load_vector reads it
         if (place.aligned && left >= kPerVector)
           __pipeline_memcpy_async(staging + stage * kTileVectorSlots + u * kPassThreads + thread,
@@ -1009,7 +1018,7 @@ walk_tiles_staged(const PassArgs& args, const JobContext& job, const JobPlace& p
       if (rest) { // rare (a row's end, unaligned rows): a loop, so load_vector's element path is code once
 #pragma unroll 1
         for (int u = 0; u < kUnrollVectors; ++u) {
-          const int element = begin + (u * kPassThreads + thread) * kPerVector;
+          const int element = tile_vector_first<DTYPE>(begin, u);
           const int left = end - element;
           if (!(place.aligned && left >= kPerVector) && left > 0)
             staging[stage * kTileVectorSlots + u * kPassThreads + thread] =
@@ -1025,7 +1034,7 @@ walk_tiles_staged(const PassArgs& args, const JobContext& job, const JobPlace& p
     const int end = min(vocab, begin + kSplitLength<DTYPE>);
 #pragma unroll
     for (int u = 0; u < kUnrollVectors; ++u) {
-      tile.first[u] = begin + (u * kPassThreads + thread) * kPerVector;
+      tile.first[u] = tile_vector_first<DTYPE>(begin, u);
       tile.count[u] = max(0, min(kPerVector, end - tile.first[u]));
       if (tile.count[u] > 0)
         tile.raw[u] = staging[stage * kTileVectorSlots + u * kPassThreads + thread];
@@ -1056,18 +1065,20 @@ walk_tiles_staged(const PassArgs& args, const JobContext& job, const JobPlace& p
 
 /// One tile of one job, after the CTA issued its loads: fold it into sub-tile states; for a job of several
 /// tiles, the job's last CTA (a ticket counter) then merges every sub-tile state in a fixed order, runs the
-/// two-level race and writes the outputs. WALK: the CTA is the job's only one and folds all its tiles
-/// (walk_tiles) before the same merge and race.
-template <DType DTYPE, PassMode MODE, int UNROLL, bool WALK, bool STAGED, bool EARLY>
+/// two-level race and writes the outputs. The register walk (WALK = kRegisters): the CTA is the job's only
+/// one and folds all its tiles (walk_tiles) before the same merge and race; the staged walk (kStaged): the
+/// CTA is one of the job's walkers and folds its run of tiles (walk_tiles_staged), the last to arrive merges.
+template <DType DTYPE, PassMode MODE, int UNROLL, PassWalk WALK, bool EARLY>
 __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPlace& place,
                         const typename DTypeTraits<DTYPE>::Scalar* row_logits, const TileVectors<DTYPE>& tile,
                         uint32_t param_flags, uint4* tile_copy, uint4* walk_staging) {
   __shared__ PassState warp_states[kSubTiles]; // a one-tile or cluster job's sub-tile states
+  constexpr bool kWalk = WALK != PassWalk::kNone, kStaged = WALK == PassWalk::kStaged;
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
   constexpr bool kRaces = MODE == PassMode::kRace || MODE == PassMode::kRacePower;
-  const bool cluster = !WALK && args.cluster;       // uniform across the launch
+  const bool cluster = !kWalk && args.cluster;      // uniform across the launch
   const bool early_race = EARLY && args.early_race; // uniform across the launch
   if (kRaces && cluster && !early_race) {
 #pragma unroll
@@ -1086,7 +1097,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   static_assert(kSubTileLength<DTYPE> * sizeof(float) <= kUnrollVectors * kPassThreads * sizeof(uint4),
                 "the noise table fits the tile copy");
   if constexpr (kRaces) {
-    if (!STAGED && args.early_noise) // the staged walk's walkers draw late: fewer registers live on the walk
+    if (!kStaged && args.early_noise) // the staged walk's walkers draw late: fewer registers live on the walk
       noise = draw_race_noise<DTYPE, UNROLL>(job);
     if (early_race) {
 #pragma unroll
@@ -1109,13 +1120,13 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
   // The register walk keeps the job's sub-tile states where cluster mode keeps its tile copy
   // (kMaxWalkSubTiles fit); the staged walk's walkers write theirs to the workspace, as ticket mode does.
   PassState* walk_states = reinterpret_cast<PassState*>(tile_copy);
-  if constexpr (WALK && STAGED) {
+  if constexpr (kStaged) {
     walk_tiles_staged<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, place.split * args.walk_tiles,
                                            param_flags, subtiles, walk_staging);
     // The job's last walker merges.
     if (!device::last_to_arrive(&args.tickets[place.job_index], static_cast<uint32_t>(args.walkers)))
       return;
-  } else if constexpr (WALK) {
+  } else if constexpr (kWalk) {
     walk_tiles<DTYPE, MODE, UNROLL>(args, job, place, row_logits, tile, param_flags, walk_states);
     __syncthreads(); // every sub-tile state, for the merge below
   } else {
@@ -1129,7 +1140,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     }
   }
   __shared__ SubTileWinner warp_winners[kSubTiles]; // early race: a one-tile or cluster job's
-  if constexpr (!WALK) {
+  if constexpr (!kWalk) {
     if (args.splits > 1 && !cluster) {
       if (warp_leader) {
         subtiles[place.split * kSubTiles + warp] = state;
@@ -1153,9 +1164,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       }
     }
   }
-  const SubTileStates states{STAGED || (!WALK && args.splits > 1 && !cluster) ? subtiles : nullptr,
-                             WALK && !STAGED ? walk_states : warp_states, cluster};
-  const SubTileWinners winners{!WALK && args.splits > 1 && !cluster ? args.winners + job_subtiles : nullptr,
+  const SubTileStates states{kStaged || (!kWalk && args.splits > 1 && !cluster) ? subtiles : nullptr,
+                             kWalk && !kStaged ? walk_states : warp_states, cluster};
+  const SubTileWinners winners{!kWalk && args.splits > 1 && !cluster ? args.winners + job_subtiles : nullptr,
                                warp_winners, cluster};
   // The row's state from its sub-tiles', in a fixed order (each thread's sub-tiles in turn, then a block
   // reduction), the same whatever else the launch holds.
@@ -1169,7 +1180,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // element race over the winning sub-tile (header comment). The noises depend only on the job's keys:
     // the Philox calls and logs run while the states load (from L2 or a peer), off the serial tail.
     const float mine_noise = thread < subtile_count ? subtile_noise<UNROLL>(job, thread) : 0.0f;
-    if (STAGED || !args.early_noise)
+    if (kStaged || !args.early_noise)
       noise = draw_race_noise<DTYPE, UNROLL>(job);
     const float power_c = MODE == PassMode::kRacePower ? job.alpha * job.c : job.c;
     // The one-wave instance carries each sub-tile's own race winner beside its standing (early race).
@@ -1315,32 +1326,31 @@ inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
 /// The register walk's instance (a CTA a job, three tiles' loads in registers at once): its CTAs an SM.
 inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// The staged walk's instance (walkers a job, one tile in registers, two in shared memory): its CTAs an SM.
-/// An instance <DTYPE, MIN_BLOCKS, WALK = true> is the staged walk's when MIN_BLOCKS is this count.
 inline constexpr int kPassMinBlocksStaged = SMCGRAPH_PASS_MIN_BLOCKS_STAGED;
-static_assert(kPassMinBlocksStaged != kPassMinBlocksWalk, "the two walk instances differ in MIN_BLOCKS");
 /// The unrolling of the pass's fixed-count loops (the Philox rounds, warp_merge, block_reduce_in_order) in an
 /// instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or less run cold in a cycle and
 /// wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one, whose launches of many waves
 /// fetch their code once and are bound by instruction issue. The same bits either way. NVIDIA H200, A/B in
 /// one call, two rounds, sample_bench us a launch (loops in both instances -> unrolled in the large one):
 /// 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x 128256 bf16 25.41-25.58
-/// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us. The walk instance
-/// (WALK) is unrolled too: its launches fill whole waves. The staged walk's (WALK, kPassMinBlocksStaged)
-/// keeps the loops: its launches are one wave of short CTAs (two to four tiles each) that run cold in a
-/// cycle. H200, sample_bench after a kernel that flushed L2 (coldL2), 64 x 128256 bf16: ticket mode 18.1-18.2
-/// us, the staged walk unrolled 19.8-20.7, with loops (and one copy of the fold, late noise) 16.0.
-template <int MIN_BLOCKS, bool WALK = false> __host__ __device__ constexpr int pass_unroll() {
-  if (WALK)
-    return MIN_BLOCKS == kPassMinBlocksStaged ? 1 : 16;
+/// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us. The register
+/// walk's instance (PassWalk::kRegisters) is unrolled too: its launches fill whole waves. The staged walk's
+/// (PassWalk::kStaged) keeps the loops: its launches are one wave of short CTAs (two to four tiles each) that
+/// run cold in a cycle. H200, sample_bench after a kernel that flushed L2 (coldL2), 64 x 128256 bf16: ticket
+/// mode 18.1-18.2 us, the staged walk unrolled 19.8-20.7, with loops (and one copy of the fold, late
+/// noise) 16.0.
+template <int MIN_BLOCKS, PassWalk WALK = PassWalk::kNone> __host__ __device__ constexpr int pass_unroll() {
+  if (WALK != PassWalk::kNone)
+    return WALK == PassWalk::kStaged ? 1 : 16;
   return MIN_BLOCKS == kPassMinBlocksLarge && MIN_BLOCKS != kPassMinBlocks ? 16 : 1;
 }
-template <DType DTYPE, int MIN_BLOCKS, bool WALK = false>
+template <DType DTYPE, int MIN_BLOCKS, PassWalk WALK = PassWalk::kNone>
 __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(const PassArgs args) {
   using Scalar = typename DTypeTraits<DTYPE>::Scalar;
   constexpr int kUnroll = pass_unroll<MIN_BLOCKS, WALK>();
+  constexpr bool kWalk = WALK != PassWalk::kNone, kStaged = WALK == PassWalk::kStaged;
   // Only the one-wave instance may race early (PassArgs::early_race): the others keep their code as it was.
-  constexpr bool kEarly = !WALK && MIN_BLOCKS == kPassMinBlocks;
-  constexpr bool kStaged = WALK && MIN_BLOCKS == kPassMinBlocksStaged;
+  constexpr bool kEarly = !kWalk && MIN_BLOCKS == kPassMinBlocks;
   // Cluster mode, sample position: the CTA's tile, its vector q at q (the element race may run on it). Walk
   // mode: the job's sub-tile states.
   // (The staged walk uses none: its instance keeps one element, so that four CTAs fit an SM.)
@@ -1352,7 +1362,7 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
   extern __shared__ uint4 walk_staging[];
   pdl_enter();
   JobPlace place;
-  const int ctas_per_job = kStaged ? args.walkers : WALK ? 1 : args.splits;
+  const int ctas_per_job = kStaged ? args.walkers : kWalk ? 1 : args.splits;
   place.split = static_cast<int>(blockIdx.x) % ctas_per_job; // walk mode: the walker
   place.job_index = static_cast<int>(blockIdx.x) / ctas_per_job;
   place.row = place.job_index / args.logits.positions;
@@ -1400,17 +1410,17 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
 
   // The mode is uniform across the CTA (one job per CTA), so this branch does not diverge.
   if (param_flags || temperature == 0.0f) {
-    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile,
-                                                                      param_flags, tile_copy, walk_staging);
+    run_job<DTYPE, PassMode::kGreedy, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, param_flags,
+                                                             tile_copy, walk_staging);
   } else if (!place.sample_position) {
-    run_job<DTYPE, PassMode::kScore, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile, 0u,
-                                                                     tile_copy, walk_staging);
+    run_job<DTYPE, PassMode::kScore, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u, tile_copy,
+                                                            walk_staging);
   } else if (alpha == 1.0f) {
-    run_job<DTYPE, PassMode::kRace, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile, 0u,
-                                                                    tile_copy, walk_staging);
+    run_job<DTYPE, PassMode::kRace, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u, tile_copy,
+                                                           walk_staging);
   } else {
-    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK, kStaged, kEarly>(args, job, place, row_logits, tile,
-                                                                         0u, tile_copy, walk_staging);
+    run_job<DTYPE, PassMode::kRacePower, kUnroll, WALK, kEarly>(args, job, place, row_logits, tile, 0u,
+                                                                tile_copy, walk_staging);
   }
 }
 

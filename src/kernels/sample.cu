@@ -65,9 +65,10 @@ namespace detail {
 /// launches): their staging's dynamic bytes (kWalkStagingBytes, more than the 48 KiB a kernel gets unasked)
 /// and the carveout that holds four of their CTAs an SM.
 void prepare_walk_instances() {
-  for (const PassKernel kernel : {LogitsPassKernel<DType::kFloat32, kPassMinBlocksStaged, true>,
-                                  LogitsPassKernel<DType::kBFloat16, kPassMinBlocksStaged, true>,
-                                  LogitsPassKernel<DType::kFloat16, kPassMinBlocksStaged, true>}) {
+  for (const PassKernel kernel :
+       {LogitsPassKernel<DType::kFloat32, kPassMinBlocksStaged, PassWalk::kStaged>,
+        LogitsPassKernel<DType::kBFloat16, kPassMinBlocksStaged, PassWalk::kStaged>,
+        LogitsPassKernel<DType::kFloat16, kPassMinBlocksStaged, PassWalk::kStaged>}) {
     prepare_max_shared_kernel(kernel, kWalkStagingBytes);
   }
 }
@@ -138,7 +139,7 @@ std::atomic<bool>& sampler_clusters() {
 }
 
 /// The pass kernel's instance <dtype, MIN_BLOCKS, WALK>.
-template <int MIN_BLOCKS, bool WALK = false> PassKernel pass_instance(DType dtype) {
+template <int MIN_BLOCKS, PassWalk WALK = PassWalk::kNone> PassKernel pass_instance(DType dtype) {
   switch (dtype) {
   case DType::kFloat32:
     return LogitsPassKernel<DType::kFloat32, MIN_BLOCKS, WALK>;
@@ -183,6 +184,33 @@ std::atomic<int>& sampler_walk_min_jobs() {
 /// within noise (none of their launches walks), 1 / 8 / 64 / 128 / 192 x 128256 bf16 unchanged.
 constexpr double kWalkMinWaveFill = 0.95;
 
+/// The staged walk's short walks (walk_plan): a walk of at most this many tiles a walker runs where its CTAs
+/// are at least one an SM, whatever fill of the wave they reach. NVIDIA H200, sample_bench us a launch, two
+/// rounds in one call (fifty-first session), ticket mode -> the staged walk (forced), in the chain / after a
+/// kernel that flushed L2: x 128256 bf16 (16 tiles), 24 rows (8 walkers of 2 tiles, 192 CTAs) 12.36 / 12.6
+/// -> 10.2 / 12.7, 32 rows 12.95 / 13.65 -> 10.44 / 13.7, 48 rows 14.35 / 16.8 -> 14.35 / 14.55, 80 rows (6
+/// walkers of 3) 19.0 / 21.8-22.1 -> 17.9 / 19.2-19.5, 96 rows (4 of 4) 20.35 / 23.8-24.3 -> 20.3
+/// / 19.6-19.9, 112 rows 23.1 / 26.1 -> 20.8 / 22.8; x 128256 fp32 (32 tiles), 16 rows (16 of 2) 11.75
+/// / 13.0-13.2 -> 10.45 / 11.05-11.35, 24 rows 14.2 / 15.2 -> 13.2-13.3 / 12.8-12.9; x 49152 bf16 (6 tiles),
+/// 48 rows (3 of 2, 144 CTAs) 11.93 / 12.5-12.7 -> 9.77 / 12.1-12.2, 64 rows 12.31 / 12.9-13.0 -> 9.94
+/// / 12.5, 128 rows 14.57 / 18.05 -> 14.3 / 14.5-14.8, 192 rows (2 of 3) 18.54 / 22.0-22.3 -> 17.28 / 17.27,
+/// 224 rows 19.83 / 23.1 -> 17.64 / 19.8-20.1; at 96 / 112 x 49152 the chain lost 12.9 -> 14.0 and 13.66
+/// -> 14.1 where the cold launch won 16.3-16.6 -> 13.8-13.9 and 17.0-17.5 -> 14.0-14.2. Below one CTA an SM
+/// the walk lost (16 x 128256 bf16, 8 walkers of 2 tiles: 8.86 / 11.6-11.8 -> 8.65 / 12.2-12.35; 16 x 49152,
+/// 48 CTAs: 6.87 / 11.7 -> 8.08 / 11.8; 1-8 x 128256 bf16: 6.9-7.2 / 11.1-11.4 -> 8.2-8.4 / 11.8-12.0), and
+/// longer walks lost in the chain (x 128256 bf16, 160 and 192 rows, 6 and 8 tiles a walker: 25.8
+/// -> 26.6, 29.4 -> 31.1; fp32, 80 to 112 rows, 6 to 8 tiles: 23.0-28.9 -> 24.1-30.1).
+constexpr int kShortWalkTiles = 4;
+
+/// kShortWalkTiles, or SMCGRAPH_SAMPLER_SHORT_WALK_TILES (A/B runs; 0: no short walks, the rule before them).
+int short_walk_tiles() {
+  static const int tiles =
+      static_cast<int>(env_integer("SMCGRAPH_SAMPLER_SHORT_WALK_TILES", 0, kMaxWalkSubTiles,
+                                   "must be a whole number of tiles a walker, 0 to 512 (0: no short walks)")
+                           .value_or(kShortWalkTiles));
+  return tiles;
+}
+
 /// set_sample_walk_max_walkers()'s setting: 0 (the default rule), n at most n CTAs a walked job.
 std::atomic<int>& sampler_walk_max_walkers() {
   static std::atomic<int> walkers = static_cast<int>(
@@ -198,7 +226,9 @@ std::atomic<int>& sampler_walk_max_walkers() {
 ///   kWalkMinWaveFill of the waves they take (256 x 128256 bf16 on an H200);
 /// - else the staged walk, with as many walkers a job as a wave of its CTAs (kPassMinBlocksStaged an SM)
 ///   holds for the launch's jobs, each walking at least two tiles, where they fill at least kWalkMinWaveFill
-///   of the waves they take (64 and 128 x 128256 on an H200);
+///   of the waves they take (64 and 128 x 128256 on an H200), or where a walker walks at most
+///   kShortWalkTiles tiles and the CTAs are at least one an SM (24-112 x 128256 bf16, 16-24 x 128256 fp32,
+///   48-224 x 49152 bf16 on an H200);
 /// - else no walk.
 /// A forced walk (setting > 0) takes the staged walk's walkers (capped), the register walk at one.
 /// NVIDIA H200, sample_bench graph us a launch, ticket -> staged walk (fiftieth session, two rounds, in the
@@ -214,6 +244,7 @@ WalkPlan walk_plan(int64_t jobs, int splits) {
   context.max_subtiles = kMaxWalkSubTiles;
   context.subtiles_per_tile = kSubTiles;
   context.min_wave_fill = kWalkMinWaveFill;
+  context.short_walk_tiles = short_walk_tiles();
   context.min_jobs_setting = sampler_walk_min_jobs().load(std::memory_order_relaxed);
   context.max_walkers_setting = sampler_walk_max_walkers().load(std::memory_order_relaxed);
   return plan_walk(jobs, splits, context);
@@ -313,8 +344,8 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   args.walk_tiles = meeting.walk.staged() ? meeting.walk.tiles : 0;
   const int64_t wave = int64_t{current_device_info().multiprocessors} * kPassMinBlocks;
   const PassKernel kernel =
-      meeting.walk.staged() ? pass_instance<kPassMinBlocksStaged, true>(dtype)
-      : args.walk           ? pass_instance<kPassMinBlocksWalk, true>(dtype)
+      meeting.walk.staged() ? pass_instance<kPassMinBlocksStaged, PassWalk::kStaged>(dtype)
+      : args.walk           ? pass_instance<kPassMinBlocksWalk, PassWalk::kRegisters>(dtype)
                   : pass_kernel(dtype, !args.cluster && jobs * args.splits > kLargePassWaves * wave);
   // The CTAs of sample positions (one a row: score()'s other positions draw nothing) fit one wave of the pass
   // kernel (kPassMinBlocks CTAs an SM): every one draws its race noise early (PassArgs::early_noise). A

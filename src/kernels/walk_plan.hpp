@@ -25,6 +25,8 @@ struct WalkPlanContext {
   int max_subtiles = 0;        ///< sub-tiles a walked job may have (kMaxWalkSubTiles)
   int subtiles_per_tile = 0;   ///< kSubTiles
   double min_wave_fill = 0.95; ///< kWalkMinWaveFill
+  int short_walk_tiles = 0;    ///< kShortWalkTiles: a staged walk of at most this many tiles a walker
+                               ///< needs only one walker an SM (0: no short walks)
   int min_jobs_setting = 0;    ///< set_sample_walk_min_jobs(): 0 the default rule, n walk from n jobs
   int max_walkers_setting = 0; ///< set_sample_walk_max_walkers(): 0 the default rule, n at most n walkers
 };
@@ -32,7 +34,8 @@ struct WalkPlanContext {
 /// The default rule (settings 0):
 /// - the register walk where its CTAs (one a job) fill at least min_wave_fill of the waves they take;
 /// - else the staged walk, with as many walkers a job as one wave of its CTAs holds for the launch's jobs
-///   (each walking at least two tiles), where they fill at least min_wave_fill of the waves they take;
+///   (each walking at least two tiles), where they fill at least min_wave_fill of the waves they take, or,
+///   a short walk (at most short_walk_tiles tiles a walker), where they are at least one an SM;
 /// - else no walk.
 /// A forced walk (min_jobs_setting > 0) walks every launch of at least that many jobs, with the staged
 /// walk's walkers (capped by max_walkers_setting), the register walk at one. No walk below two tiles a job
@@ -57,7 +60,9 @@ inline WalkPlan plan_walk(int64_t jobs, int splits, const WalkPlanContext& c) {
     plan.walk = true;
     plan.walkers = 1;
   } else {
-    plan.walk = plan.walkers > 1 && fills(jobs * plan.walkers, staged_slots);
+    const int64_t ctas = jobs * plan.walkers;
+    const bool short_walk = plan.tiles <= c.short_walk_tiles && ctas >= c.sms;
+    plan.walk = plan.walkers > 1 && (fills(ctas, staged_slots) || short_walk);
   }
   if (plan.walkers == 1)
     plan.tiles = splits;
