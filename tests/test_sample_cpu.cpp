@@ -378,7 +378,8 @@ TEST_CASE("reference sampler: flags and sentinels") {
 
 namespace {
 
-smcgraph::detail::WalkPlanContext h200_walk_context(int min_jobs = 0, int max_walkers = 0) {
+smcgraph::detail::WalkPlanContext h200_walk_context(int min_jobs = 0, int max_walkers = 0,
+                                                    int short_walk_tiles = 0) {
   smcgraph::detail::WalkPlanContext context;
   context.sms = 132;
   context.register_blocks = 2;
@@ -386,7 +387,7 @@ smcgraph::detail::WalkPlanContext h200_walk_context(int min_jobs = 0, int max_wa
   context.max_subtiles = 512;
   context.subtiles_per_tile = 8;
   context.min_wave_fill = 0.95;
-  context.short_walk_tiles = 4;
+  context.short_walk_tiles = short_walk_tiles; // kShortWalkTiles: off
   context.min_jobs_setting = min_jobs;
   context.max_walkers_setting = max_walkers;
   return context;
@@ -413,18 +414,10 @@ TEST_CASE("walk plan: the register walk, the staged walk and tickets at the shap
       {128, 16, true, 4, 4},   // the staged walk: 512 CTAs of 528 slots
       {64, 16, true, 8, 2},    // eight walkers of two tiles
       {64, 32, true, 8, 4},    // fp32: eight walkers of four tiles
-      {96, 16, true, 4, 4},    // a short walk: 384 CTAs (73% of a wave), four tiles a walker
-      {80, 16, true, 6, 3},    // 480 CTAs (91%), three tiles a walker
-      {24, 16, true, 8, 2},    // 192 CTAs
-      {16, 16, false, 8, 2},   // 128 CTAs: fewer than one an SM
-      {16, 32, true, 16, 2},   // fp32: 256 CTAs of two tiles
-      {80, 32, false, 6, 6},   // fp32: six tiles a walker is not short, 480 CTAs do not fill
-      {160, 16, false, 3, 6},  // 480 CTAs of six tiles
-      {192, 16, false, 2, 8},  // 384 CTAs of eight tiles
+      {96, 16, false, 4, 4},   // 384 CTAs: 73% of a wave
+      {192, 16, false, 2, 8},  // 384 CTAs
       {8, 16, false, 8, 2},    // 64 CTAs
-      {64, 6, true, 3, 2},     // SmolLM2's vocabulary at 8 requests: 192 CTAs of two tiles
-      {48, 6, true, 3, 2},     // 144 CTAs
-      {40, 6, false, 3, 2},    // 120 CTAs
+      {64, 6, false, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs
       {256, 6, true, 1, 6},    // the register walk
       {1, 1, false, 1, 0},     // one tile: nothing to walk
       {4, 65, false, 1, 0},    // past 512 sub-tiles
@@ -437,6 +430,44 @@ TEST_CASE("walk plan: the register walk, the staged walk and tickets at the shap
     CHECK(plan.walkers == e.walkers);
     CHECK(plan.tiles == e.tiles);
   }
+}
+
+TEST_CASE("walk plan: short walks (SMCGRAPH_SAMPLER_SHORT_WALK_TILES) need few tiles and a CTA an SM") {
+  using smcgraph::detail::plan_walk;
+  const auto h200 = h200_walk_context(0, 0, 4);
+  struct Expected {
+    int64_t jobs;
+    int splits;
+    bool walk;
+    int walkers, tiles;
+  };
+  const Expected cases[] = {
+      {96, 16, true, 4, 4},   // 384 CTAs (73% of a wave), four tiles a walker
+      {80, 16, true, 6, 3},   // 480 CTAs (91%), three tiles a walker
+      {24, 16, true, 8, 2},   // 192 CTAs
+      {16, 16, false, 8, 2},  // 128 CTAs: fewer than one an SM
+      {16, 32, true, 16, 2},  // fp32: 256 CTAs of two tiles
+      {80, 32, false, 6, 6},  // fp32: six tiles a walker is not short, 480 CTAs do not fill
+      {160, 16, false, 3, 6}, // 480 CTAs of six tiles
+      {192, 16, false, 2, 8}, // 384 CTAs of eight tiles
+      {8, 16, false, 8, 2},   // 64 CTAs
+      {64, 6, true, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs of two tiles
+      {48, 6, true, 3, 2},    // 144 CTAs
+      {40, 6, false, 3, 2},   // 120 CTAs
+      {256, 16, true, 1, 16}, // the register walk still comes first
+      {128, 16, true, 4, 4},  // and the filling staged walk
+  };
+  for (const Expected& e : cases) {
+    CAPTURE(e.jobs);
+    CAPTURE(e.splits);
+    const auto plan = plan_walk(e.jobs, e.splits, h200);
+    CHECK(plan.walk == e.walk);
+    CHECK(plan.walkers == e.walkers);
+    CHECK(plan.tiles == e.tiles);
+  }
+  // A setting of 2 tiles takes the two-tile walks only.
+  CHECK(plan_walk(24, 16, h200_walk_context(0, 0, 2)).walk);
+  CHECK_FALSE(plan_walk(80, 16, h200_walk_context(0, 0, 2)).walk);
 }
 
 TEST_CASE("walk plan: the settings force a walk and cap its walkers") {
@@ -469,34 +500,37 @@ TEST_CASE("walk plan: every plan covers the job's tiles with non-empty walkers, 
   for (const int sms : {1, 8, 78, 132}) {
     for (const int max_walkers : {0, 1, 3}) {
       for (const int min_jobs : {0, 1}) {
-        auto context = h200_walk_context(min_jobs, max_walkers);
-        context.sms = sms;
-        for (int splits = 1; splits <= 70; ++splits) {
-          for (int64_t jobs = 1; jobs <= 1200; jobs += (jobs < 300 ? 1 : 37)) {
-            const auto plan = plan_walk(jobs, splits, context);
-            if (!plan.walk)
-              continue;
-            CAPTURE(sms);
-            CAPTURE(max_walkers);
-            CAPTURE(min_jobs);
-            CAPTURE(splits);
-            CAPTURE(jobs);
-            REQUIRE(splits >= 2);
-            REQUIRE(splits * 8 <= 512);
-            REQUIRE(plan.walkers >= 1);
-            REQUIRE(int64_t{plan.walkers} * plan.tiles >= splits);    // every tile has a walker
-            REQUIRE(int64_t{plan.walkers - 1} * plan.tiles < splits); // and every walker a tile
-            if (plan.staged()) {
-              REQUIRE(plan.tiles >= 2);
-              REQUIRE((max_walkers == 0 || plan.walkers <= max_walkers));
-            }
-            if (min_jobs == 0) { // the default rule walks launches that fill their waves, and short walks
-              const int64_t slots = int64_t{sms} * (plan.staged() ? 4 : 2);
-              const int64_t ctas = jobs * plan.walkers;
-              const int64_t waves = (ctas + slots - 1) / slots;
-              const bool fills = static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots);
-              const bool short_walk = plan.staged() && plan.tiles <= 4 && ctas >= sms;
-              REQUIRE((fills || short_walk));
+        for (const int short_tiles : {0, 4}) {
+          auto context = h200_walk_context(min_jobs, max_walkers, short_tiles);
+          context.sms = sms;
+          for (int splits = 1; splits <= 70; ++splits) {
+            for (int64_t jobs = 1; jobs <= 1200; jobs += (jobs < 300 ? 1 : 37)) {
+              const auto plan = plan_walk(jobs, splits, context);
+              if (!plan.walk)
+                continue;
+              CAPTURE(sms);
+              CAPTURE(max_walkers);
+              CAPTURE(short_tiles);
+              CAPTURE(min_jobs);
+              CAPTURE(splits);
+              CAPTURE(jobs);
+              REQUIRE(splits >= 2);
+              REQUIRE(splits * 8 <= 512);
+              REQUIRE(plan.walkers >= 1);
+              REQUIRE(int64_t{plan.walkers} * plan.tiles >= splits);    // every tile has a walker
+              REQUIRE(int64_t{plan.walkers - 1} * plan.tiles < splits); // and every walker a tile
+              if (plan.staged()) {
+                REQUIRE(plan.tiles >= 2);
+                REQUIRE((max_walkers == 0 || plan.walkers <= max_walkers));
+              }
+              if (min_jobs == 0) { // the default rule walks launches that fill their waves, and short walks
+                const int64_t slots = int64_t{sms} * (plan.staged() ? 4 : 2);
+                const int64_t ctas = jobs * plan.walkers;
+                const int64_t waves = (ctas + slots - 1) / slots;
+                const bool fills = static_cast<double>(ctas) >= 0.95 * static_cast<double>(waves * slots);
+                const bool short_walk = plan.staged() && plan.tiles <= short_tiles && ctas >= sms;
+                REQUIRE((fills || short_walk));
+              }
             }
           }
         }

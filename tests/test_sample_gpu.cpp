@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/walk_plan.hpp"
+#include "runtime/env.hpp"
 #include "reference/sample_ref.hpp"
 #include "smcgraph/philox.hpp"
 #include "smcgraph/runtime.hpp"
@@ -1194,8 +1195,8 @@ TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, a
   CHECK_THROWS_AS(smcgraph::set_sample_walk_min_jobs(-1), smcgraph::Error);
   CHECK_THROWS_AS(smcgraph::set_sample_walk_max_walkers(-1), smcgraph::Error);
   // By default, kernels/walk_plan.hpp's rule (tested on the host in test_sample_cpu) on this device: the
-  // register walk (2 CTAs an SM) or the staged walk (4) where their CTAs fill at least 95% of their waves,
-  // and the staged walk's short walks (at most 4 tiles a walker, at least a CTA an SM).
+  // register walk (2 CTAs an SM) or the staged walk (4) where their CTAs fill at least 95% of their waves
+  // (short walks are off unless SMCGRAPH_SAMPLER_SHORT_WALK_TILES sets them).
   smcgraph::set_sample_walk_min_jobs(0);
   int device = 0, sms = 0;
   SMCGRAPH_CUDA_CHECK(cudaGetDevice(&device));
@@ -1206,7 +1207,8 @@ TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, a
   context.staged_blocks = 4;   // kPassMinBlocksStaged
   context.max_subtiles = 512;  // kMaxWalkSubTiles
   context.subtiles_per_tile = 8;
-  context.short_walk_tiles = 4; // kShortWalkTiles
+  context.short_walk_tiles = static_cast<int>(
+      smcgraph::detail::env_integer("SMCGRAPH_SAMPLER_SHORT_WALK_TILES", 0, 512, "tiles").value_or(0));
   for (const int jobs :
        {1, 8, sms / 2, 3 * sms / 4, sms, 2 * sms - 1, 2 * sms, 2 * sms + 1, 4 * sms - 1, 4 * sms + 1}) {
     CAPTURE(jobs);
@@ -1219,10 +1221,14 @@ TEST_CASE("sample(): walk mode gives ticket mode's bits on rows of many tiles, a
     CHECK(smcgraph::sample_uses_walk(256, 128256, DType::kBFloat16)); // register walk
     CHECK(smcgraph::sample_uses_walk(128, 128256, DType::kBFloat16)); // 4 walkers a job
     CHECK(smcgraph::sample_uses_walk(64, 128256, DType::kBFloat16));  // 8 walkers a job
-    CHECK(smcgraph::sample_uses_walk(96, 128256, DType::kBFloat16));  // a short walk: 4 walkers of 4 tiles
-    CHECK(smcgraph::sample_uses_walk(64, 49152, DType::kBFloat16));   // 3 walkers of 2 tiles
     CHECK_FALSE(smcgraph::sample_uses_walk(8, 128256, DType::kBFloat16));
-    CHECK_FALSE(smcgraph::sample_uses_walk(16, 128256, DType::kBFloat16));  // 128 CTAs
-    CHECK_FALSE(smcgraph::sample_uses_walk(192, 128256, DType::kBFloat16)); // 8 tiles a walker
+    CHECK_FALSE(smcgraph::sample_uses_walk(192, 128256, DType::kBFloat16)); // 384 CTAs of 8 tiles
+    if (context.short_walk_tiles == 0) {
+      CHECK_FALSE(smcgraph::sample_uses_walk(96, 128256, DType::kBFloat16)); // 384 CTAs of 4 tiles
+      CHECK_FALSE(smcgraph::sample_uses_walk(64, 49152, DType::kBFloat16));  // 192 CTAs of 2 tiles
+    } else if (context.short_walk_tiles >= 4) {                              // short walks
+      CHECK(smcgraph::sample_uses_walk(96, 128256, DType::kBFloat16));
+      CHECK(smcgraph::sample_uses_walk(64, 49152, DType::kBFloat16));
+    }
   }
 }

@@ -184,8 +184,9 @@ std::atomic<int>& sampler_walk_min_jobs() {
 /// within noise (none of their launches walks), 1 / 8 / 64 / 128 / 192 x 128256 bf16 unchanged.
 constexpr double kWalkMinWaveFill = 0.95;
 
-/// The staged walk's short walks (walk_plan): a walk of at most this many tiles a walker runs where its CTAs
-/// are at least one an SM, whatever fill of the wave they reach. NVIDIA H200, sample_bench us a launch, two
+/// The staged walk's short walks (walk_plan), off by default: SMCGRAPH_SAMPLER_SHORT_WALK_TILES=n also walks
+/// launches whose walkers walk at most n tiles each and are at least one CTA an SM, whatever fill of the wave
+/// they reach. Alone they win (n = 4): NVIDIA H200, sample_bench us a launch, two
 /// rounds in one call (fifty-first session), ticket mode -> the staged walk (forced), in the chain / after a
 /// kernel that flushed L2: x 128256 bf16 (16 tiles), 24 rows (8 walkers of 2 tiles, 192 CTAs) 12.36 / 12.6
 /// -> 10.2 / 12.7, 32 rows 12.95 / 13.65 -> 10.44 / 13.7, 48 rows 14.35 / 16.8 -> 14.35 / 14.55, 80 rows (6
@@ -200,9 +201,18 @@ constexpr double kWalkMinWaveFill = 0.95;
 /// 48 CTAs: 6.87 / 11.7 -> 8.08 / 11.8; 1-8 x 128256 bf16: 6.9-7.2 / 11.1-11.4 -> 8.2-8.4 / 11.8-12.0), and
 /// longer walks lost in the chain (x 128256 bf16, 160 and 192 rows, 6 and 8 tiles a walker: 25.8
 /// -> 26.6, 29.4 -> 31.1; fp32, 80 to 112 rows, 6 to 8 tiles: 23.0-28.9 -> 24.1-30.1).
-constexpr int kShortWalkTiles = 4;
+/// In the cycles they lost (bucket_sweep, one call, two rounds, off -> 4): the toy SMC cycle (V 128256 bf16,
+/// N 8, K 4) at 1 request 156.6-157.0 -> 162.5-163.1 us, the toy speculative cycle at 8 requests 148.9-149.4
+/// -> 152.1-152.5 (their 40-job score launches, 8 walkers of 2 tiles, are the only launches that changed),
+/// and the SmolLM2 SMC cycle at 8 requests (its 64 x 49152 samples) 4,325.2 -> 4,331.5 (one round, non-model
+/// 55.2 -> 63.6); no cycle won, so the default stays the rule above. (A guess, not measured: in those cycles
+/// the staged instance runs from code no other launch keeps in the caches, which the benchmark's chain does
+/// not show.) sample_bench's own grid in that call, off -> 4: 64 x 32000 fp32 10.9 / 11.7 -> 9.3 / 10.0, 8 x
+/// 151936 fp32 11.8 / 11.5 -> 10.9 / 11.2, 64 x 151936 bf16 18.35 / 21.9-22.0 -> 18.1 / 19.5-19.8, the
+/// rest unchanged.
+constexpr int kShortWalkTiles = 0;
 
-/// kShortWalkTiles, or SMCGRAPH_SAMPLER_SHORT_WALK_TILES (A/B runs; 0: no short walks, the rule before them).
+/// kShortWalkTiles, or SMCGRAPH_SAMPLER_SHORT_WALK_TILES (0: no short walks; 4: the setting measured).
 int short_walk_tiles() {
   static const int tiles =
       static_cast<int>(env_integer("SMCGRAPH_SAMPLER_SHORT_WALK_TILES", 0, kMaxWalkSubTiles,
@@ -226,9 +236,9 @@ std::atomic<int>& sampler_walk_max_walkers() {
 ///   kWalkMinWaveFill of the waves they take (256 x 128256 bf16 on an H200);
 /// - else the staged walk, with as many walkers a job as a wave of its CTAs (kPassMinBlocksStaged an SM)
 ///   holds for the launch's jobs, each walking at least two tiles, where they fill at least kWalkMinWaveFill
-///   of the waves they take (64 and 128 x 128256 on an H200), or where a walker walks at most
-///   kShortWalkTiles tiles and the CTAs are at least one an SM (24-112 x 128256 bf16, 16-24 x 128256 fp32,
-///   48-224 x 49152 bf16 on an H200);
+///   of the waves they take (64 and 128 x 128256 on an H200), or, with short walks set
+///   (SMCGRAPH_SAMPLER_SHORT_WALK_TILES=n, default off), where a walker walks at most n tiles and the CTAs
+///   are at least one an SM;
 /// - else no walk.
 /// A forced walk (setting > 0) takes the staged walk's walkers (capped), the register walk at one.
 /// NVIDIA H200, sample_bench graph us a launch, ticket -> staged walk (fiftieth session, two rounds, in the
