@@ -3,9 +3,9 @@
 // One read of the logits per (row, position) from memory. The vocabulary is cut into fixed tiles
 // (sample_tile_length(): a function of the dtype only), one CTA each, and each tile into
 // kSampleSubTilesPerTile sub-tiles, one per warp of that CTA (sample_subtile(): the elements the warp reads,
-// not contiguous). Each sub-tile keeps an online log-sum-exp (max and sum, base 2) and draws no random
-// numbers; the last CTA of a row combines the sub-tiles' results (a ticket counter that it resets, so a
-// captured graph replays without host help) and samples in two levels, an exact two-level Gumbel-max:
+// not contiguous). Each sub-tile keeps a log-sum-exp (its max, then the sum relative to it, base 2) and draws
+// no random numbers; the last CTA of a row combines the sub-tiles' results (a ticket counter that it resets,
+// so a captured graph replays without host help) and samples in two levels, an exact two-level Gumbel-max:
 //   1. a sub-tile s by Gumbel-max over log Z_s, Z_s = sum over sub-tile s of exp(alpha l_v / T), one Philox
 //      word per sub-tile (philox.hpp: element kTileDrawElement + s, s numbered over the row);
 //   2. the token inside sub-tile s by Gumbel-max over alpha l_v / T of that sub-tile alone, one Philox word

@@ -4,11 +4,12 @@
 // kSplitLength<DTYPE> logits (4096 fp32, 8192 bf16/fp16: a function of the dtype only), one CTA per tile.
 // Thread t of a CTA reads the 16-byte vectors t, t + 256, t + 512, t + 768 of its tile, so warp w reads the
 // vectors w * 32 + lane + 256 k (lane < 32, k < 4): that set of elements (1024 bf16 / 512 fp32, not
-// contiguous) is sub-tile w of the tile, and sub-tile 8 c + w of the row. Each thread keeps an online
-// log-sum-exp in base 2 of what it reads: max m and sums relative to it, sum 2^((l - m) c) and, for
-// alpha != 1, sum 2^(alpha (l - m) c), with c = log2(e) / T. That costs one exponential per element (two at
-// alpha != 1) and no random number. A warp-shuffle reduction turns the 32 lanes' states into the sub-tile's,
-// and the CTA writes its 8 sub-tile states to the workspace. The last CTA of the job (a ticket counter it
+// contiguous) is sub-tile w of the tile, and sub-tile 8 c + w of the row. A warp folds its sub-tile into a
+// log-sum-exp in base 2 from its registers in two passes (fold_subtile): the sub-tile's max m (each lane's,
+// then a shuffle reduction), then sums relative to it, sum 2^((l - m) c) and, for alpha != 1,
+// sum 2^(alpha (l - m) c), with c = log2(e) / T, each lane's then the warp's. That costs one exponential per
+// element (two at alpha != 1) and no random number, and the CTA writes its 8 sub-tile states to the
+// workspace. The last CTA of the job (a ticket counter it
 // resets to 0, so graph replays need no memset) merges all the row's sub-tile states into lse(l / T) and
 // lse(alpha l / T) for the log-prob and log Z outputs, and, when the job samples, draws the token in two
 // levels (an exact two-level Gumbel-max):
@@ -227,48 +228,18 @@ struct JobContext {
   uint32_t stream_word;
 };
 
-/// Folds N consecutive logits starting at vocab id `first` into `state` (the first read: max and sums only,
-/// one exponential per element, two in kRacePower). At the end of a row the elements past it are -inf
-/// (load_vector's fill).
-template <PassMode MODE, int N>
-__device__ __forceinline__ void fold_chunk(PassState& state, const float (&l)[N], int first,
-                                           const JobContext& job) {
-  if constexpr (MODE == PassMode::kGreedy) {
+/// Folds N consecutive logits starting at vocab id `first` into a greedy `state` (argmax, ties to the
+/// smallest id; a NaN flags the row). At the end of a row the elements past it are -inf (load_vector's fill).
+template <int N>
+__device__ __forceinline__ void fold_greedy_chunk(PassState& state, const float (&l)[N], int first) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      if (l[i] != l[i])
-        state.flags |= kFlagNanLogit;
-      if (l[i] > state.max) {
-        state.max = l[i];
-        state.max_index = first + i;
-      }
+  for (int i = 0; i < N; ++i) {
+    if (l[i] != l[i])
+      state.flags |= kFlagNanLogit;
+    if (l[i] > state.max) {
+      state.max = l[i];
+      state.max_index = first + i;
     }
-    return;
-  } else {
-    float chunk_max = l[0];
-#pragma unroll
-    for (int i = 1; i < N; ++i)
-      chunk_max = max_nan(chunk_max, l[i]);
-    if (!(chunk_max <= state.max)) { // a new maximum, or NaN: rescale what was summed so far
-      const float shift = state.max == -INFINITY ? -INFINITY : (state.max - chunk_max) * job.c;
-      state.sum *= fast_exp2(shift);
-      if constexpr (MODE == PassMode::kRacePower)
-        state.sum_power *= fast_exp2(job.alpha * shift);
-      state.max = chunk_max;
-    }
-    if (state.max == -INFINITY)
-      return; // everything so far is masked
-    float e[N], e_power[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float scaled = (l[i] - state.max) * job.c; // <= 0; -inf for masked; NaN poisons the sums
-      e[i] = fast_exp2(scaled);
-      if constexpr (MODE == PassMode::kRacePower)
-        e_power[i] = fast_exp2(job.alpha * scaled);
-    }
-    state.sum += device::tree_sum<N>(e);
-    if constexpr (MODE == PassMode::kRacePower)
-      state.sum_power += device::tree_sum<N>(e_power);
   }
 }
 
@@ -488,10 +459,9 @@ __device__ __forceinline__ void load_job_tile(TileVectors<DTYPE>& tile,
     load_tile<DTYPE, true>(tile, row, begin, end, aligned);
 }
 
-/// The first read of one tile of one job, from its loaded vectors: this thread's max and sums (the vectors
+/// The greedy first read of one tile of one job, from its loaded vectors: this thread's argmax (the vectors
 /// are folded in the order they were loaded).
-template <DType DTYPE, PassMode MODE>
-__device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, const JobContext& job) {
+template <DType DTYPE> __device__ __forceinline__ PassState fold_greedy_tile(const TileVectors<DTYPE>& tile) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   PassState state = empty_state();
 #pragma unroll
@@ -499,29 +469,131 @@ __device__ __forceinline__ PassState fold_tile(const TileVectors<DTYPE>& tile, c
     if (tile.count[u] > 0) {
       float values[kPerVector];
       unpack<DTYPE>(tile.raw[u], values);
-      // Folded as loaded: a row's partial last vector holds -inf past the row's end (load_vector's fill).
-      // A select per element here cost the fold a fifth of its instructions.
-      fold_chunk<MODE, kPerVector>(state, values, tile.first[u], job);
+      fold_greedy_chunk<kPerVector>(state, values, tile.first[u]);
     }
-  }
-  // Per-thread NaN check: a NaN (or +inf) logit leaves max or the sums NaN.
-  if constexpr (MODE != PassMode::kGreedy) {
-    if (state.max != state.max || state.sum != state.sum || state.sum_power != state.sum_power)
-      state.flags |= kFlagNanLogit;
   }
   if (state.max == INFINITY)
     state.flags |= kFlagNanLogit;
   return state;
 }
 
-/// One tile's sub-tile states, one a warp (every lane holds its warp's): the tile folded (an empty state for
-/// a row with a bad parameter), then merged across the warp. No block-wide reduction: the job's merge
-/// combines the sub-tiles.
+/// The largest of this thread's loaded logits, NaN if any is NaN, -inf if it holds none (a row's partial
+/// last vector holds -inf past the row's end: load_vector's fill). 16-bit logits are compared two at a time
+/// in their own format (max.NaN.bf16x2 / f16x2, exact: the max is one of the operands), then widened.
+template <DType DTYPE> __device__ __forceinline__ float thread_max(const TileVectors<DTYPE>& tile) {
+#if __CUDA_ARCH__ >= 800
+  if constexpr (DTYPE != DType::kFloat32) {
+    constexpr bool kBf16 = DTYPE == DType::kBFloat16;
+    uint32_t pair = negative_infinity_bits<DTYPE>();
+#pragma unroll
+    for (int u = 0; u < kUnrollVectors; ++u) {
+      if (tile.count[u] > 0) {
+        const uint32_t words[4] = {tile.raw[u].x, tile.raw[u].y, tile.raw[u].z, tile.raw[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (kBf16)
+            asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(pair) : "r"(pair), "r"(words[i]));
+          else
+            asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(pair) : "r"(pair), "r"(words[i]));
+        }
+      }
+    }
+    float halves[8];
+    unpack<DTYPE>(make_uint4(pair, pair, pair, pair), halves);
+    return max_nan(halves[0], halves[1]);
+  }
+#endif
+  constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
+  float m = -INFINITY;
+#pragma unroll
+  for (int u = 0; u < kUnrollVectors; ++u) {
+    if (tile.count[u] > 0) {
+      float values[kPerVector];
+      unpack<DTYPE>(tile.raw[u], values);
+#pragma unroll
+      for (int i = 0; i < kPerVector; ++i)
+        m = max_nan(m, values[i]);
+    }
+  }
+  return m;
+}
+
+/// The sum over this warp's lanes of `value`, on every lane: an xor butterfly, each step adding the same two
+/// numbers on both lanes of a pair, so every lane ends with the same bits.
+template <int UNROLL> __device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll(UNROLL)
+  for (int offset = 16; offset >= 1; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+/// max_nan over this warp's lanes, on every lane.
+template <int UNROLL> __device__ __forceinline__ float warp_max_nan(float value) {
+#pragma unroll(UNROLL)
+  for (int offset = 16; offset >= 1; offset /= 2)
+    value = max_nan(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+/// The first read of one sub-tile (this warp's vectors of one tile, in registers) at a sampled or scored
+/// position: its state on every lane. Two passes over the registers: the sub-tile's max M (the lanes' maxima,
+/// then the warp's), then each lane's sums 2^((l - M) c) (and 2^(alpha (l - M) c) in kRacePower), one
+/// exponential an element (two), then the warp's sums. Every exponent is relative to the sub-tile's own max,
+/// so nothing is rescaled along the way and the lanes' states need no merge; a NaN or +inf logit flags the
+/// sub-tile (max NaN or +inf, sums NaN), a sub-tile of -inf only (or of nothing) keeps sums 0. NVIDIA H200,
+/// against the online fold (each lane's running max and rescaled sums, then five merges of lane states across
+/// the warp; one call, two rounds): see docs/toy_and_kernel_results.md, fifty-first session.
+template <DType DTYPE, PassMode MODE, int UNROLL>
+__device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile, const JobContext& job) {
+  constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
+  PassState state = empty_state();
+  const float m = warp_max_nan<UNROLL>(thread_max<DTYPE>(tile));
+  state.max = m;
+  if (m != m || m == INFINITY) { // a NaN or +inf logit in the sub-tile
+    state.flags = kFlagNanLogit;
+    state.sum = NAN;
+    state.sum_power = NAN;
+    return state;
+  }
+  if (m == -INFINITY)
+    return state; // all masked (or past the row's end): sums 0
+  float sum = 0.0f, sum_power = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kUnrollVectors; ++u) {
+    if (tile.count[u] > 0) {
+      float l[kPerVector], e[kPerVector], e_power[kPerVector];
+      unpack<DTYPE>(tile.raw[u], l);
+#pragma unroll
+      for (int i = 0; i < kPerVector; ++i) {
+        const float scaled = (l[i] - m) * job.c; // <= 0; -inf for masked
+        e[i] = fast_exp2(scaled);
+        if constexpr (MODE == PassMode::kRacePower)
+          e_power[i] = fast_exp2(job.alpha * scaled);
+      }
+      sum += device::tree_sum<kPerVector>(e);
+      if constexpr (MODE == PassMode::kRacePower)
+        sum_power += device::tree_sum<kPerVector>(e_power);
+    }
+  }
+  state.sum = warp_sum<UNROLL>(sum);
+  state.sum_power = MODE == PassMode::kRacePower ? warp_sum<UNROLL>(sum_power) : state.sum;
+  if (state.sum != state.sum || state.sum_power != state.sum_power) // c = inf (a denormal T): 0 x inf
+    state.flags = kFlagNanLogit;
+  return state;
+}
+
+/// One tile's sub-tile states, one a warp (every lane holds its warp's): an empty state for a row with a bad
+/// parameter (greedy mode), else the greedy fold merged across the warp, or fold_subtile. No block-wide
+/// reduction: the job's merge combines the sub-tiles.
 template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState subtile_state(const TileVectors<DTYPE>& tile, const JobContext& job,
                                                    uint32_t param_flags) {
-  const PassState state = param_flags ? empty_state() : fold_tile<DTYPE, MODE>(tile, job);
-  return warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+  if constexpr (MODE == PassMode::kGreedy) {
+    const PassState state = param_flags ? empty_state() : fold_greedy_tile<DTYPE>(tile);
+    return warp_merge<MODE, UNROLL>(state, job.c, job.alpha);
+  } else {
+    return param_flags ? empty_state() : fold_subtile<DTYPE, MODE, UNROLL>(tile, job);
+  }
 }
 
 /// Sub-tiles per tile, the unit of the sampler's first level: one per warp of the tile's CTA. Sub-tile w of a
