@@ -540,9 +540,14 @@ template <int UNROLL> __device__ __forceinline__ float warp_max_nan(float value)
 /// then the warp's), then each lane's sums 2^((l - M) c) (and 2^(alpha (l - M) c) in kRacePower), one
 /// exponential an element (two), then the warp's sums. Every exponent is relative to the sub-tile's own max,
 /// so nothing is rescaled along the way and the lanes' states need no merge; a NaN or +inf logit flags the
-/// sub-tile (max NaN or +inf, sums NaN), a sub-tile of -inf only (or of nothing) keeps sums 0. NVIDIA H200,
-/// against the online fold (each lane's running max and rescaled sums, then five merges of lane states across
-/// the warp; one call, two rounds): see docs/toy_and_kernel_results.md, fifty-first session.
+/// sub-tile (max NaN or +inf, sums NaN), a sub-tile of -inf only (or of nothing) keeps sums 0. Against the
+/// online fold it replaced (each lane's running max and rescaled sums, then five merges of lane states across
+/// the warp: about 350 instructions a thread a bf16 tile, now about 215), NVIDIA H200, one call, two rounds,
+/// sample_bench us a launch in the chain / after a kernel that flushed L2: 256 x 128256 bf16 30.3 / 35.5-35.6
+/// -> 24.6 / 29.8-30.0 (51.0% -> 62.7% of copy bandwidth), fp32 43.6-43.75 / 46.1-46.35 -> 39.8 / 40.8-41.0
+/// (70.7% -> 77.4%), 64 x 128256 bf16 15.0 / 15.9-16.1 -> 13.65 / 14.9-15.0, 1 x 128256 bf16 6.85 /
+/// 10.9-11.4 -> 6.63 / 10.75-10.9; the toy SMC cycle (N 8, K 4, V 128256 bf16) at 1 / 8 / 64 requests
+/// 156.7-157.4 / 364.9-366.5 / 1,893.2-1,895.1 -> 154.5-154.7 / 355.4-355.6 / 1,811.9-1,814.9 us.
 template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
