@@ -336,7 +336,8 @@ template <PassMode MODE> struct MergeOp {
 
 /// The merged state of a warp's 32 lanes (a sub-tile's state), on every lane: a fixed xor-butterfly of
 /// merges, so a sub-tile's state does not depend on anything but its logits. Only the fields MODE uses travel
-/// (merge_states copies sum into sum_power outside kRacePower and ignores max_index outside kGreedy).
+/// (merge_states copies sum into sum_power outside kRacePower and ignores max_index outside kGreedy). The
+/// greedy fold's (subtile_state); the other modes fold a sub-tile in two passes (fold_subtile).
 template <PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState warp_merge(PassState state, float c, float alpha) {
   constexpr unsigned kAll = 0xffffffffu;
@@ -617,7 +618,7 @@ __device__ __forceinline__ PassState subtile_state(const TileVectors<DTYPE>& til
 }
 
 /// Sub-tiles per tile, the unit of the sampler's first level: one per warp of the tile's CTA. Sub-tile w of a
-/// tile is the set of elements warp w folds in fold_range: its lanes' vectors w * 32 + lane + 256 k of the
+/// tile is the set of elements warp w folds in subtile_state: its lanes' vectors w * 32 + lane + 256 k of the
 /// tile, k < kUnrollVectors (not contiguous; the last tile's may be partial or empty).
 inline constexpr int kWarpSize = 32;
 inline constexpr int kSubTiles = kPassThreads / kWarpSize;
@@ -839,8 +840,8 @@ __device__ __forceinline__ RaceState race_subtile_shared(const uint4* tile, int 
 /// draw_race_noise's runs written out), and every lane returns the winner.
 /// Sub-tile w's vector j = lane + 32 u is the tile's vector u * 256 + w * 32 + lane, its elements ranks j *
 /// kPerVector + e: the same keys race_runs computes for that sub-tile, so the same winner. `sub` is the
-/// warp-merged state (its max is the sub-tile's); a sub-tile that is all -inf or holds a NaN races nothing
-/// (the merge flags it).
+/// sub-tile's state (subtile_state: its max is the sub-tile's); a sub-tile that is all -inf or holds a NaN
+/// races nothing (its state flags it).
 template <DType DTYPE, int UNROLL>
 __device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
                                                           const TileVectors<DTYPE>& tile,
@@ -1420,12 +1421,13 @@ inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
 inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// The staged walk's instance (walkers a job, one tile in registers, two in shared memory): its CTAs an SM.
 inline constexpr int kPassMinBlocksStaged = SMCGRAPH_PASS_MIN_BLOCKS_STAGED;
-/// The unrolling of the pass's fixed-count loops (the Philox rounds, warp_merge, block_reduce_in_order) in an
-/// instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or less run cold in a cycle and
-/// wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one, whose launches of many waves
-/// fetch their code once and are bound by instruction issue. The same bits either way. NVIDIA H200, A/B in
-/// one call, two rounds, sample_bench us a launch (loops in both instances -> unrolled in the large one):
-/// 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x 128256 bf16 25.41-25.58
+/// The unrolling of the pass's fixed-count loops (the Philox rounds, the warp reductions,
+/// block_reduce_in_order) in an instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or
+/// less run cold in a cycle and wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one,
+/// whose launches of many waves fetch their code once and are bound by instruction issue. The same bits
+/// either way. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch (loops in both instances ->
+/// unrolled in the large one): 256 x 128256 bf16 39.84-39.98 -> 38.63-38.68, fp32 61.42-61.59 -> 57.13; 128 x
+/// 128256 bf16 25.41-25.58
 /// -> 25.45-25.47; the toy SMC cycle at 64 requests 1,967.9-1,971.5 -> 1,965.3-1,966.2 us. The register
 /// walk's instance (PassWalk::kRegisters) is unrolled too: its launches fill whole waves. The staged walk's
 /// (PassWalk::kStaged) keeps the loops: its launches are one wave of short CTAs (two to four tiles each) that
