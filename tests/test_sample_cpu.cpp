@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -393,78 +394,71 @@ smcgraph::detail::WalkPlanContext h200_walk_context(int min_jobs = 0, int max_wa
   return context;
 }
 
-} // namespace
+/// A launch shape and the plan the rule must give it.
+struct ExpectedPlan {
+  int64_t jobs;
+  int splits;
+  bool walk;
+  int walkers, tiles;
+};
 
-TEST_CASE("walk plan: the register walk, the staged walk and tickets at the shapes they were measured at") {
-  using smcgraph::detail::plan_walk;
-  const auto h200 = h200_walk_context();
-  struct Expected {
-    int64_t jobs;
-    int splits;
-    bool walk;
-    int walkers, tiles;
-  };
-  // 16 tiles: 128256 bf16; 6: 49152 bf16; 32: 128256 fp32.
-  const Expected cases[] = {
-      {256, 16, true, 1, 16},  // the register walk: 256 CTAs of 264 slots
-      {264, 16, true, 1, 16},  // a full wave
-      {512, 16, true, 1, 16},  // two waves at 97%
-      {2560, 16, true, 1, 16}, // the toy SMC score at 64 requests: ten waves at 97%
-      {265, 16, false, 1, 16}, // two waves at 50%, and one walker a job is not the staged walk
-      {128, 16, true, 4, 4},   // the staged walk: 512 CTAs of 528 slots
-      {64, 16, true, 8, 2},    // eight walkers of two tiles
-      {64, 32, true, 8, 4},    // fp32: eight walkers of four tiles
-      {96, 16, false, 4, 4},   // 384 CTAs: 73% of a wave
-      {192, 16, false, 2, 8},  // 384 CTAs
-      {8, 16, false, 8, 2},    // 64 CTAs
-      {64, 6, false, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs
-      {256, 6, true, 1, 6},    // the register walk
-      {1, 1, false, 1, 0},     // one tile: nothing to walk
-      {4, 65, false, 1, 0},    // past 512 sub-tiles
-  };
-  for (const Expected& e : cases) {
+void check_plans(std::initializer_list<ExpectedPlan> cases,
+                 const smcgraph::detail::WalkPlanContext& context) {
+  for (const ExpectedPlan& e : cases) {
     CAPTURE(e.jobs);
     CAPTURE(e.splits);
-    const auto plan = plan_walk(e.jobs, e.splits, h200);
+    const auto plan = smcgraph::detail::plan_walk(e.jobs, e.splits, context);
     CHECK(plan.walk == e.walk);
     CHECK(plan.walkers == e.walkers);
     CHECK(plan.tiles == e.tiles);
   }
 }
 
+} // namespace
+
+TEST_CASE("walk plan: the register walk, the staged walk and tickets at the shapes they were measured at") {
+  // 16 tiles: 128256 bf16; 6: 49152 bf16; 32: 128256 fp32.
+  check_plans(
+      {
+          {256, 16, true, 1, 16},  // the register walk: 256 CTAs of 264 slots
+          {264, 16, true, 1, 16},  // a full wave
+          {512, 16, true, 1, 16},  // two waves at 97%
+          {2560, 16, true, 1, 16}, // the toy SMC score at 64 requests: ten waves at 97%
+          {265, 16, false, 1, 16}, // two waves at 50%, and one walker a job is not the staged walk
+          {128, 16, true, 4, 4},   // the staged walk: 512 CTAs of 528 slots
+          {64, 16, true, 8, 2},    // eight walkers of two tiles
+          {64, 32, true, 8, 4},    // fp32: eight walkers of four tiles
+          {96, 16, false, 4, 4},   // 384 CTAs: 73% of a wave
+          {192, 16, false, 2, 8},  // 384 CTAs
+          {8, 16, false, 8, 2},    // 64 CTAs
+          {64, 6, false, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs
+          {256, 6, true, 1, 6},    // the register walk
+          {1, 1, false, 1, 0},     // one tile: nothing to walk
+          {4, 65, false, 1, 0},    // past 512 sub-tiles
+      },
+      h200_walk_context());
+}
+
 TEST_CASE("walk plan: short walks (SMCGRAPH_SAMPLER_SHORT_WALK_TILES) need few tiles and a CTA an SM") {
   using smcgraph::detail::plan_walk;
-  const auto h200 = h200_walk_context(0, 0, 4);
-  struct Expected {
-    int64_t jobs;
-    int splits;
-    bool walk;
-    int walkers, tiles;
-  };
-  const Expected cases[] = {
-      {96, 16, true, 4, 4},   // 384 CTAs (73% of a wave), four tiles a walker
-      {80, 16, true, 6, 3},   // 480 CTAs (91%), three tiles a walker
-      {24, 16, true, 8, 2},   // 192 CTAs
-      {16, 16, false, 8, 2},  // 128 CTAs: fewer than one an SM
-      {16, 32, true, 16, 2},  // fp32: 256 CTAs of two tiles
-      {80, 32, false, 6, 6},  // fp32: six tiles a walker is not short, 480 CTAs do not fill
-      {160, 16, false, 3, 6}, // 480 CTAs of six tiles
-      {192, 16, false, 2, 8}, // 384 CTAs of eight tiles
-      {8, 16, false, 8, 2},   // 64 CTAs
-      {64, 6, true, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs of two tiles
-      {48, 6, true, 3, 2},    // 144 CTAs
-      {40, 6, false, 3, 2},   // 120 CTAs
-      {256, 16, true, 1, 16}, // the register walk still comes first
-      {128, 16, true, 4, 4},  // and the filling staged walk
-  };
-  for (const Expected& e : cases) {
-    CAPTURE(e.jobs);
-    CAPTURE(e.splits);
-    const auto plan = plan_walk(e.jobs, e.splits, h200);
-    CHECK(plan.walk == e.walk);
-    CHECK(plan.walkers == e.walkers);
-    CHECK(plan.tiles == e.tiles);
-  }
+  check_plans(
+      {
+          {96, 16, true, 4, 4},   // 384 CTAs (73% of a wave), four tiles a walker
+          {80, 16, true, 6, 3},   // 480 CTAs (91%), three tiles a walker
+          {24, 16, true, 8, 2},   // 192 CTAs
+          {16, 16, false, 8, 2},  // 128 CTAs: fewer than one an SM
+          {16, 32, true, 16, 2},  // fp32: 256 CTAs of two tiles
+          {80, 32, false, 6, 6},  // fp32: six tiles a walker is not short, 480 CTAs do not fill
+          {160, 16, false, 3, 6}, // 480 CTAs of six tiles
+          {192, 16, false, 2, 8}, // 384 CTAs of eight tiles
+          {8, 16, false, 8, 2},   // 64 CTAs
+          {64, 6, true, 3, 2},    // SmolLM2's vocabulary at 8 requests: 192 CTAs of two tiles
+          {48, 6, true, 3, 2},    // 144 CTAs
+          {40, 6, false, 3, 2},   // 120 CTAs
+          {256, 16, true, 1, 16}, // the register walk still comes first
+          {128, 16, true, 4, 4},  // and the filling staged walk
+      },
+      h200_walk_context(0, 0, 4));
   // A setting of 2 tiles takes the two-tile walks only.
   CHECK(plan_walk(24, 16, h200_walk_context(0, 0, 2)).walk);
   CHECK_FALSE(plan_walk(80, 16, h200_walk_context(0, 0, 2)).walk);

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/launch_checks.hpp"
+
 namespace smcgraph::detail {
 
 /// How a launch of `jobs` jobs of `splits` tiles walks: one CTA a job (the register walk) or `walkers` CTAs
@@ -45,15 +47,14 @@ inline WalkPlan plan_walk(int64_t jobs, int splits, const WalkPlanContext& c) {
   if (jobs < 1 || splits < 2 || int64_t{splits} * c.subtiles_per_tile > c.max_subtiles)
     return plan;
   const auto fills = [&](int64_t ctas, int64_t slots) {
-    const int64_t waves = (ctas + slots - 1) / slots;
-    return static_cast<double>(ctas) >= c.min_wave_fill * static_cast<double>(waves * slots);
+    return static_cast<double>(ctas) >= c.min_wave_fill * static_cast<double>(ceil_div(ctas, slots) * slots);
   };
   const int64_t staged_slots = c.sms * c.staged_blocks;
   int64_t walkers = std::clamp<int64_t>(staged_slots / jobs, 1, std::max(1, splits / 2));
   if (c.max_walkers_setting > 0)
     walkers = std::min<int64_t>(walkers, c.max_walkers_setting);
-  plan.tiles = static_cast<int>((splits + walkers - 1) / walkers);
-  plan.walkers = (splits + plan.tiles - 1) / plan.tiles;
+  plan.tiles = static_cast<int>(ceil_div(splits, walkers));
+  plan.walkers = static_cast<int>(ceil_div(splits, plan.tiles));
   if (c.min_jobs_setting > 0) {
     plan.walk = jobs >= c.min_jobs_setting;
   } else if (fills(jobs, c.sms * c.register_blocks)) {
