@@ -536,20 +536,12 @@ template <DType DTYPE> __device__ __forceinline__ float thread_max(const TileVec
   return m;
 }
 
-/// The sum over this warp's lanes of `value`, on every lane: an xor butterfly, each step adding the same two
-/// numbers on both lanes of a pair, so every lane ends with the same bits.
-template <int UNROLL> __device__ __forceinline__ float warp_sum(float value) {
+/// `op` (commutative) over this warp's lanes' values, on every lane: an xor butterfly, each step combining
+/// the same two values on both lanes of a pair, so every lane ends with the same bits.
+template <int UNROLL, class Op> __device__ __forceinline__ float warp_all_reduce(float value, const Op& op) {
 #pragma unroll(UNROLL)
   for (int offset = 16; offset >= 1; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-
-/// max_nan over this warp's lanes, on every lane.
-template <int UNROLL> __device__ __forceinline__ float warp_max_nan(float value) {
-#pragma unroll(UNROLL)
-  for (int offset = 16; offset >= 1; offset /= 2)
-    value = max_nan(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
   return value;
 }
 
@@ -570,7 +562,9 @@ template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   PassState state = empty_state();
-  const float m = warp_max_nan<UNROLL>(thread_max<DTYPE>(tile));
+  const auto add = [](float a, float b) { return a + b; };
+  const float m =
+      warp_all_reduce<UNROLL>(thread_max<DTYPE>(tile), [](float a, float b) { return max_nan(a, b); });
   state.max = m;
   if (m != m || m == INFINITY) { // a NaN or +inf logit in the sub-tile
     state.flags = kFlagNanLogit;
@@ -596,8 +590,8 @@ __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile
     if constexpr (MODE == PassMode::kRacePower)
       sum_power += device::tree_sum<kPerVector>(e_power);
   }
-  state.sum = warp_sum<UNROLL>(sum);
-  state.sum_power = MODE == PassMode::kRacePower ? warp_sum<UNROLL>(sum_power) : state.sum;
+  state.sum = warp_all_reduce<UNROLL>(sum, add);
+  state.sum_power = MODE == PassMode::kRacePower ? warp_all_reduce<UNROLL>(sum_power, add) : state.sum;
   if (state.sum != state.sum || state.sum_power != state.sum_power) // c = inf (a denormal T): 0 x inf
     state.flags = kFlagNanLogit;
   return state;
