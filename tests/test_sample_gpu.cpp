@@ -246,6 +246,73 @@ TEST_CASE("sample() matches the host reference across dtypes, vocabularies and r
   CHECK(tally.mismatches * 10000 <= tally.checked);
 }
 
+TEST_CASE("greedy rows: ties across a sub-tile's lanes and tiles, signed zeros, +inf, NaN and all -inf") {
+  // The greedy fold reduces a sub-tile's lanes with redux.sync (warp_merge_greedy): the largest max, then the
+  // smallest id among the lanes holding it, where -0 ties +0. Each row below is built so that a wrong tie
+  // rule, a lost NaN or a wrong empty state gives a different token or flag than the reference's.
+  test::Rng rng;
+  INFO("seed " << rng.seed());
+  Tally tally;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int vocab : {1000, 49152, 128256}) {
+      CAPTURE(dtype);
+      CAPTURE(vocab);
+      const int per_vector = dtype == DType::kFloat32 ? 4 : 8; // one lane's 16-byte vector
+      Batch batch = random_batch(rng, dtype, 12, vocab, vocab, 0.0);
+      auto row = [&](int r) { return batch.logits.data() + static_cast<size_t>(r) * vocab; };
+      for (int r = 0; r < batch.rows; ++r) {
+        batch.temperature[r] = 0.0f;
+        std::fill(row(r), row(r) + vocab, -5.0f);
+      }
+      const int far = vocab - 3;
+      // 0: ties in three lanes of one sub-tile (vectors 0, 1 and 31), the smallest id in lane 1.
+      row(0)[31 * per_vector + 2] = row(0)[per_vector + 1] = row(0)[7 * per_vector + 3] = 3.0f;
+      row(0)[31 * per_vector] = 2.0f;
+      // 1: a tie inside one lane's vector and one in the last tile.
+      row(1)[far] = row(1)[2] = row(1)[3] = 4.0f;
+      // 2, 3: the max is zero: -0 at the smaller id, +0 at the larger, and the other way round.
+      for (int r : {2, 3})
+        std::fill(row(r), row(r) + vocab, -1.0f);
+      row(2)[per_vector + 2] = -0.0f;
+      row(2)[5 * per_vector] = 0.0f;
+      row(3)[per_vector + 2] = 0.0f;
+      row(3)[5 * per_vector] = -0.0f;
+      // 4: every logit -inf. 5: one finite logit, the rest -inf, in the last lane of a sub-tile.
+      std::fill(row(4), row(4) + vocab, -kInf);
+      std::fill(row(5), row(5) + vocab, -kInf);
+      row(5)[31 * per_vector + per_vector - 1] = -7.0f;
+      // 6: +inf beside a finite max. 7: NaN beside the max. 8: NaN in a row of -inf.
+      row(6)[10] = 9.0f;
+      row(6)[far] = kInf;
+      row(7)[10] = 9.0f;
+      row(7)[per_vector * 3] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(row(8), row(8) + vocab, -kInf);
+      row(8)[far] = std::numeric_limits<float>::quiet_NaN();
+      // 9-11: random rows with many exact ties at the max (bf16-exact values).
+      for (int r = 9; r < batch.rows; ++r) {
+        for (int v = 0; v < vocab; ++v)
+          row(r)[v] = static_cast<float>(rng.integer(-8, 2));
+        row(r)[rng.integer(0, vocab - 1)] = 3.0f;
+        row(r)[rng.integer(0, vocab - 1)] = 3.0f;
+      }
+      DeviceBatch device(batch);
+      const Outputs eager = device.run(false);
+      const Outputs graphed = device.run(true);
+      REQUIRE(eager.bitwise_equal(graphed));
+      for (int r = 0; r < batch.rows; ++r)
+        check_row(batch, eager, r, tally);
+      CHECK(eager.tokens[0] == per_vector + 1);
+      CHECK(eager.tokens[1] == 2);
+      CHECK(eager.tokens[2] == per_vector + 2);
+      CHECK(eager.tokens[3] == per_vector + 2);
+      CHECK(eager.tokens[5] == 31 * per_vector + per_vector - 1);
+      for (int r : {6, 7, 8})
+        CHECK(eager.flags[r] != 0);
+    }
+  }
+  CHECK(tally.mismatches == 0);
+}
+
 TEST_CASE("a workspace zeroed on the caller's stream (CUB style) serves the next launch on it") {
   test::Rng rng;
   INFO("seed " << rng.seed());
