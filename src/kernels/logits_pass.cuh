@@ -573,27 +573,76 @@ template <int UNROLL> __device__ __forceinline__ float warp_max_nan(float value)
 #endif
 }
 
-/// warp_merge<kGreedy> on sm_80+ in three redux.sync: the largest max (a lane's greedy max is never NaN:
-/// fold_greedy_chunk skips NaN and flags it), the smallest index among the lanes whose max equals it as a
-/// float (so -0 ties +0, as merge_states' comparisons do), the flags' OR; the max is then the winning lane's
-/// own (its zero keeps its sign). The same state, bit for bit, as the butterfly of merge_states: the greatest
-/// max, ties to the smallest vocab id, -inf and index -1 when no lane holds one.
-template <int UNROLL> __device__ __forceinline__ PassState warp_merge_greedy(PassState state, float c) {
 #if __CUDA_ARCH__ >= 800
+/// The lane of this warp that holds the largest `value` (never NaN here), ties to the smallest `index`, and
+/// that index, on every lane: two redux.sync, the max over order_key, then the min over the indices of the
+/// lanes whose value equals it as a float (so -0 ties +0, as the float comparisons of merge_states and
+/// RaceStateOp do). A lane without a candidate has index < 0; when no lane has one, index is -1 and the lane
+/// any. The callers' butterflies (warp_merge<kGreedy>, RaceStateOp) pick the same element: theirs is a total
+/// order on (value, index), this is its maximum.
+struct WarpArgmax {
+  int index, lane;
+};
+
+__device__ __forceinline__ WarpArgmax warp_argmax(float value, int index) {
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kNone = 0x7fffffff;
-  const float m = from_order_key(__reduce_max_sync(kAll, order_key(state.max)));
-  const int candidate = state.max_index >= 0 && state.max == m ? state.max_index : kNone;
-  const int index = __reduce_min_sync(kAll, candidate);
-  // no candidate only when every lane's max is -inf (a lane with a larger max holds its index): any lane's
-  const int winner = (__ffs(__ballot_sync(kAll, candidate == index)) - 1) & 31;
+  const float m = from_order_key(__reduce_max_sync(kAll, order_key(value)));
+  const int candidate = index >= 0 && value == m ? index : kNone;
+  const int best = __reduce_min_sync(kAll, candidate);
+  const int lane = (__ffs(__ballot_sync(kAll, candidate == best)) - 1) & 31;
+  return WarpArgmax{best == kNone ? -1 : best, lane};
+}
+#endif
+
+/// warp_merge<kGreedy> on sm_80+: warp_argmax over the lanes' maxima (a lane's greedy max is never NaN:
+/// fold_greedy_chunk skips NaN and flags it; a lane that holds no element has max -inf and index -1), the
+/// winning lane's own max (its zero keeps its sign), the flags' OR: the same state, bit for bit, as the
+/// butterfly of merge_states.
+template <int UNROLL> __device__ __forceinline__ PassState warp_merge_greedy(PassState state, float c) {
+#if __CUDA_ARCH__ >= 800
+  const WarpArgmax best = warp_argmax(state.max, state.max_index);
   PassState out = empty_state();
-  out.max = __shfl_sync(kAll, state.max, winner);
-  out.max_index = index == kNone ? -1 : index;
-  out.flags = __reduce_or_sync(kAll, state.flags);
+  out.max = __shfl_sync(0xffffffffu, state.max, best.lane); // -inf when no lane holds one
+  out.max_index = best.index;
+  out.flags = __reduce_or_sync(0xffffffffu, state.flags);
   return out;
 #else
   return warp_merge<PassMode::kGreedy, UNROLL>(state, c, 1.0f);
+#endif
+}
+
+/// The sum over this warp's lanes of values in [0, TERMS] (a lane's sum of TERMS terms, each in [0, 1]; or
+/// NaN), on every lane. On sm_80+ in fixed point through two redux.sync.add: each lane splits its value into
+/// an integer multiple of 2^-S and a remainder in units of 2^-2S (S as large as 32 lanes' totals fit in an
+/// int: 20 for 32 terms), the warp adds each part exactly, and one FMA joins them. The total is that of the
+/// values rounded to 2^-2S (2^-40 for 32 terms) and then rounded once to a float: since a sub-tile's sum is
+/// >= 1 (its max's own term), more accurate than the five float additions of the butterfly, the same on every
+/// lane and independent of the lanes' order. A NaN on any lane gives NaN (the F2I conversions would turn it
+/// into 0). Before sm_80, the butterfly of float additions. With warp_argmax in the early race: NVIDIA H200,
+/// A/B/C in one call, two rounds, sample_bench us a launch in the chain (before / the sums / both): 1 x
+/// 128256 bf16 6.47 / 6.39 / 6.29, 8 x 128256 bf16 6.90-6.94 / 6.82 / 6.70-6.71, 1 x 32000 bf16 5.74-5.82 /
+/// 5.63 / 5.51; 64 rows within 0.05 us; 256 x 128256 bf16 22.93-22.94 / 22.99 / 22.99 and fp32 38.31-38.43 /
+/// 38.44-38.46 / 38.45 (the register walk gained nothing); the toy cycles within 1%.
+template <int TERMS, int UNROLL> __device__ __forceinline__ float warp_sum_unit_terms(float value) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int kLaneBits = 5; // 32 lanes
+  constexpr int kTermBits = TERMS <= 1 ? 0 : 32 - __builtin_clz(static_cast<unsigned>(TERMS - 1));
+  constexpr int kShift = 30 - kLaneBits - kTermBits; // 32 x TERMS x 2^S <= 2^30
+  static_assert(kShift >= 12, "too many terms a lane for the fixed-point warp sum");
+  constexpr float kScale = static_cast<float>(1u << kShift), kUnit = 1.0f / kScale;
+  constexpr unsigned kAll = 0xffffffffu;
+  const float scaled = value * kScale; // exact (a power of two)
+  const float whole = truncf(scaled);
+  const int high = static_cast<int>(whole);
+  const int low = __float2int_rn((scaled - whole) * kScale); // the fraction is exact; rounded to 2^-2S
+  const int high_total = __reduce_add_sync(kAll, high);
+  const int low_total = __reduce_add_sync(kAll, low);
+  const float total =
+      fmaf(static_cast<float>(high_total), kUnit, static_cast<float>(low_total) * (kUnit * kUnit));
+  return __any_sync(kAll, value != value) ? __int_as_float(0x7fffffff) : total;
+#else
+  return warp_all_reduce<UNROLL>(value, [](float a, float b) { return a + b; });
 #endif
 }
 
@@ -614,7 +663,6 @@ template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   PassState state = empty_state();
-  const auto add = [](float a, float b) { return a + b; };
   const float m = warp_max_nan<UNROLL>(thread_max<DTYPE>(tile));
   state.max = m;
   if (m != m || m == INFINITY) { // a NaN or +inf logit in the sub-tile
@@ -641,8 +689,10 @@ __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile
     if constexpr (MODE == PassMode::kRacePower)
       sum_power += device::tree_sum<kPerVector>(e_power);
   }
-  state.sum = warp_all_reduce<UNROLL>(sum, add);
-  state.sum_power = MODE == PassMode::kRacePower ? warp_all_reduce<UNROLL>(sum_power, add) : state.sum;
+  constexpr int kLaneTerms = kUnrollVectors * kPerVector; // each <= 1: l <= m, c > 0, alpha > 0
+  state.sum = warp_sum_unit_terms<kLaneTerms, UNROLL>(sum);
+  state.sum_power =
+      MODE == PassMode::kRacePower ? warp_sum_unit_terms<kLaneTerms, UNROLL>(sum_power) : state.sum;
   if (state.sum != state.sum || state.sum_power != state.sum_power) // c = inf (a denormal T): 0 x inf
     state.flags = kFlagNanLogit;
   return state;
@@ -908,10 +958,15 @@ __device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
       }
     }
   }
-  // A butterfly, so every lane ends with the winner (lane 0 stores it beside the state, and the merge needs
-  // it in the warp leader's registers): RaceStateOp is a total order, so any tree picks the same element.
-  // warp_in_order::reduce_down to lane 0 gave the same bits 0.1-0.15 us slower a launch (forty-fifth
+  // Every lane ends with the winner (lane 0 stores it beside the state, and the merge needs it in the warp
+  // leader's registers): RaceStateOp is a total order, so any reduction picks the same element. On sm_80+
+  // warp_argmax (keys are finite or -inf, a lane without a candidate has index -1), else a butterfly.
+  // warp_in_order::reduce_down to lane 0 gave the butterfly's bits 0.1-0.15 us slower a launch (forty-fifth
   // session, sample_bench 1 x 1024 to 8 x 128256).
+#if __CUDA_ARCH__ >= 800
+  const WarpArgmax winner = warp_argmax(best.key, best.index);
+  return SubTileWinner{winner.index, __shfl_sync(kAll, best.logit, winner.lane)};
+#else
 #pragma unroll(UNROLL)
   for (int offset = 16; offset >= 1; offset /= 2) {
     RaceState other;
@@ -921,6 +976,7 @@ __device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
     best = RaceStateOp{}(best, other);
   }
   return SubTileWinner{best.index, best.logit};
+#endif
 }
 
 /// Cluster mode's limits (the launcher also checks that the device schedules the cluster): at most 8 tiles a
