@@ -979,6 +979,38 @@ __device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
 #endif
 }
 
+/// The CTA's element-race winner from its threads' standings, on thread 0 (the call holds a
+/// __syncthreads(); `totals` is kPassThreads / kWarpSize shared slots). RaceStateOp is a total order (keys are
+/// finite or -inf, vocab ids distinct), so every reduction picks the same element: on sm_80+ warp_argmax in
+/// each warp, then in warp 0 over the warps' winners (two redux.sync steps each), else
+/// block_reduce_in_order's butterflies and in-order fold. NVIDIA H200, A/B in one call, two rounds,
+/// sample_bench us a launch in the chain (the late race runs in launches of more than one wave): 64 x 128256
+/// bf16 13.24-13.27 -> 12.56-12.59, fp32 17.64-17.81 -> 17.08-17.15; 256 x 128256 bf16 23.00 -> 22.70-22.72
+/// (67.0-67.1% -> 67.9-68.0% of copy), fp32 38.31-38.44 -> 38.00-38.15 (80.2-80.5% -> 80.9-81.2%); 1 / 8
+/// rows 0.05-0.1 us; the toy SMC cycle (K 8) at 8 / 64 requests 620.0 / 3,332.5 -> 614.5 / 3,316.2 us.
+template <int UNROLL>
+__device__ __forceinline__ RaceState block_race_winner(const RaceState& mine, RaceState* totals) {
+#if __CUDA_ARCH__ >= 800
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize, warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const WarpArgmax in_warp = warp_argmax(mine.key, mine.index);
+  if (lane == in_warp.lane) // a lane without a candidate stores its own -inf standing
+    totals[warp] = mine;
+  __syncthreads();
+  RaceState best{-INFINITY, -INFINITY, -1};
+  if (warp == 0) {
+    const RaceState total = lane < kPassThreads / kWarpSize ? totals[lane] : best;
+    const WarpArgmax across = warp_argmax(total.key, total.index);
+    best.key = __shfl_sync(kAll, total.key, across.lane);
+    best.logit = __shfl_sync(kAll, total.logit, across.lane);
+    best.index = across.index;
+  }
+  return best;
+#else
+  return block_reduce_in_order<UNROLL>(mine, RaceStateOp{}, kPassThreads, totals);
+#endif
+}
+
 /// Cluster mode's limits (the launcher also checks that the device schedules the cluster): at most 8 tiles a
 /// job (the portable cluster size) and 64 CTAs a launch. Measured on an H200 (sample_bench, same build, graph
 /// us a launch, cluster / ticket): 1 and 8 rows of 4 or 8 tiles gain 0.25-0.6 us; 64 rows of 4 tiles (256
@@ -1428,12 +1460,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
         if (writer) {
           winner = race_subtile_shared<DTYPE>(tile_copy, args.logits.vocab, tile_begin,
                                               subtile.index % kSubTiles, noise, subtile.max, power_c);
-          winner = block_reduce_in_order<UNROLL>(winner, RaceStateOp{}, kPassThreads, race_totals);
+          winner = block_race_winner<UNROLL>(winner, race_totals);
         }
       } else {
         winner = race_subtile<DTYPE>(row_logits, args.logits.vocab, tile_begin, subtile.index % kSubTiles,
                                      place.aligned, noise, subtile.max, power_c);
-        winner = block_reduce_in_order<UNROLL>(winner, RaceStateOp{}, kPassThreads, race_totals);
+        winner = block_race_winner<UNROLL>(winner, race_totals);
       }
     }
   } else {
