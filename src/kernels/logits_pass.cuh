@@ -980,9 +980,9 @@ __device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
 }
 
 /// The CTA's element-race winner from its threads' standings, on thread 0 (the call holds a
-/// __syncthreads(); `totals` is kPassThreads / kWarpSize shared slots). RaceStateOp is a total order (keys are
-/// finite or -inf, vocab ids distinct), so every reduction picks the same element: on sm_80+ warp_argmax in
-/// each warp, then in warp 0 over the warps' winners (two redux.sync steps each), else
+/// __syncthreads(); `totals` is kPassThreads / kWarpSize shared slots). RaceStateOp is a total order (keys
+/// are finite or -inf, vocab ids distinct), so every reduction picks the same element: on sm_80+ warp_argmax
+/// in each warp, then in warp 0 over the warps' winners (two redux.sync steps each), else
 /// block_reduce_in_order's butterflies and in-order fold. NVIDIA H200, A/B in one call, two rounds,
 /// sample_bench us a launch in the chain (the late race runs in launches of more than one wave): 64 x 128256
 /// bf16 13.24-13.27 -> 12.56-12.59, fp32 17.64-17.81 -> 17.08-17.15; 256 x 128256 bf16 23.00 -> 22.70-22.72
@@ -992,7 +992,8 @@ template <int UNROLL>
 __device__ __forceinline__ RaceState block_race_winner(const RaceState& mine, RaceState* totals) {
 #if __CUDA_ARCH__ >= 800
   constexpr unsigned kAll = 0xffffffffu;
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize, warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
+            warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const WarpArgmax in_warp = warp_argmax(mine.key, mine.index);
   if (lane == in_warp.lane) // a lane without a candidate stores its own -inf standing
     totals[warp] = mine;
