@@ -78,6 +78,7 @@
 //   ticket) merges and races as in ticket mode.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -1118,6 +1119,130 @@ template <PassMode MODE, class Best> struct RowStandingOp {
   }
 };
 
+#if __CUDA_ARCH__ >= 800
+/// order_key for a double (int64 keys; NaN as the largest), for the sub-tile race's keys.
+__device__ __forceinline__ long long order_key(double value) {
+  const long long bits = __double_as_longlong(value);
+  return value != value ? 0x7fffffffffffffffLL : bits >= 0 ? bits : bits ^ 0x7fffffffffffffffLL;
+}
+
+/// The lane holding this warp's best sub-tile standing in better_subtile's order (the larger key, ties to
+/// the smaller index; a standing with index < 0 holds none), and its index, on every lane: three redux.sync
+/// over the key's order_key (its high word, then its low word among the lanes that share the high word, then
+/// the smallest index among the lanes that share the key). `key + 0.0` turns -0 into +0, so keys that compare
+/// equal as doubles get equal order keys, as better_subtile's comparison has them.
+__device__ __forceinline__ WarpArgmax warp_best_subtile(double key, int index) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr int kNone = 0x7fffffff;
+  const long long k = order_key(key + 0.0);
+  const int high = static_cast<int>(k >> 32);
+  const unsigned low = static_cast<unsigned>(k);
+  const bool held = index >= 0;
+  const int best_high = __reduce_max_sync(kAll, held ? high : INT_MIN);
+  const bool high_ties = held && high == best_high;
+  const unsigned best_low = __reduce_max_sync(kAll, high_ties ? low : 0u);
+  const int candidate = high_ties && low == best_low ? index : kNone;
+  const int best = __reduce_min_sync(kAll, candidate);
+  const int lane = (__ffs(__ballot_sync(kAll, candidate == best)) - 1) & 31;
+  return WarpArgmax{best == kNone ? -1 : best, lane};
+}
+
+/// `value` (any type of a 4-byte-multiple size) from lane `lane`, word by word.
+template <class T> __device__ __forceinline__ T shuffle_from(const T& value, int lane) {
+  static_assert(sizeof(T) % 4 == 0, "shuffled as 32-bit words");
+  T out;
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(&value);
+  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i)
+    words[i] = __shfl_sync(0xffffffffu, in[i], lane);
+  return out;
+}
+
+/// A warp's part of a job's row standing (block_row_standing).
+template <class Best> struct WarpStanding {
+  float sum, sum_power;
+  uint32_t flags;
+  Best subtile;
+};
+#endif
+
+/// A job's merged state and sub-tile race standing from its threads' (each thread's sub-tiles already merged
+/// in ascending order), on thread 0; the call holds two __syncthreads(). On sm_80+ without rescaling merges:
+/// the row's max M first (a redux.sync a warp, then every thread folds the warps' maxima from shared memory),
+/// then each thread's sums relative to M, 2^((m_t - M) c) sum_t (and with alpha c), a float butterfly a warp,
+/// the flags' OR and the best sub-tile (warp_best_subtile) a warp, and thread 0 adds the warps' sums in warp
+/// order. The sums are relative to one max, not rescaled at every step, so the row's log Z is as accurate as
+/// before or more; the sub-tile winner is the same (better_subtile is a total order on the offered
+/// sub-tiles). Before sm_80, block_reduce_in_order over RowStandingOp. `valid` threads hold a sub-tile (the
+/// others hold empty standings). Against block_reduce_in_order (the butterflies of 12-word standings, each
+/// step a merge with exponentials, then thread 0's merges of the warps' totals): NVIDIA H200, A/B in one
+/// call, two rounds, sample_bench us a launch in the chain: 256 x 128256 bf16 22.47 -> 21.77-21.78 (69.0%
+/// -> 71.2% of copy), fp32 37.46-37.51 -> 36.48 (82.7% -> 85.0%), 256 x 151936 fp32 42.90-43.10
+/// -> 42.12-42.15, 64 x 128256 fp32 17.19 -> 16.01, bf16 12.51-12.55 -> 12.30-12.33, 1 x 128256 fp32 6.37
+/// -> 6.09, bf16 6.21 -> 6.16; 1 x 32000 bf16 5.46 -> 5.54; the toy SMC cycle at 64 requests, K 4 / 8:
+/// 1,774.0 / 3,318.4 -> 1,767.8 / 3,305.9 us, the other cycles within 0.5%.
+template <PassMode MODE, int UNROLL, class Best>
+__device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState& state, const Best& subtile,
+                                                                float c, float alpha, int valid) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int kWarps = kPassThreads / kWarpSize;
+  __shared__ float warp_maxima[kWarps];
+  __shared__ WarpStanding<Best> warp_standings[kWarps];
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
+            warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int warps = (valid + kWarpSize - 1) / kWarpSize; // the warps that hold a sub-tile (>= 1)
+  const float warp_max = warp_max_nan<UNROLL>(state.max);
+  if (lane == 0)
+    warp_maxima[warp] = warp_max;
+  __syncthreads();
+  float m = warp_maxima[0];
+#pragma unroll(UNROLL)
+  for (int w = 1; w < kWarps; ++w)
+    if (w < warps)
+      m = max_nan(m, warp_maxima[w]);
+  float sum = 0.0f, sum_power = 0.0f;
+  if (state.max != -INFINITY) { // a NaN max (or M) gives NaN sums; the flags carry it
+    const float shift = (state.max - m) * c;
+    sum = state.sum * fast_exp2(shift);
+    if constexpr (MODE == PassMode::kRacePower)
+      sum_power = state.sum_power * fast_exp2(alpha * shift);
+  }
+  const auto add = [](float a, float b) { return a + b; };
+  sum = warp_all_reduce<UNROLL>(sum, add);
+  if constexpr (MODE == PassMode::kRacePower)
+    sum_power = warp_all_reduce<UNROLL>(sum_power, add);
+  const uint32_t flags = __reduce_or_sync(0xffffffffu, state.flags);
+  const WarpArgmax best = warp_best_subtile(subtile.key, subtile.index);
+  const Best warp_best = shuffle_from(subtile, best.lane);
+  if (lane == 0)
+    warp_standings[warp] = WarpStanding<Best>{sum, sum_power, flags, warp_best};
+  __syncthreads();
+  RowStanding<Best> out;
+  if (threadIdx.x == 0) {
+    WarpStanding<Best> total = warp_standings[0];
+#pragma unroll(UNROLL)
+    for (int w = 1; w < kWarps; ++w) {
+      if (w < warps) {
+        const WarpStanding<Best> next = warp_standings[w];
+        total.sum += next.sum;
+        total.sum_power += next.sum_power;
+        total.flags |= next.flags;
+        total.subtile = better_subtile(total.subtile, next.subtile);
+      }
+    }
+    out.state =
+        PassState{m, total.sum, MODE == PassMode::kRacePower ? total.sum_power : total.sum, -1, total.flags};
+    out.subtile = total.subtile;
+  }
+  return out;
+#else
+  __shared__ RowStanding<Best> standing_totals[kPassThreads / kWarpSize];
+  return block_reduce_in_order<UNROLL>(RowStanding<Best>{state, subtile}, RowStandingOp<MODE, Best>{c, alpha},
+                                       valid, standing_totals);
+#endif
+}
+
 /// Arguments of the pass kernel (launch arguments: fixed for the life of a captured graph).
 struct PassArgs {
   LogitsView logits{};
@@ -1428,14 +1553,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       state = merge_states<MODE>(state, sub, job.c, job.alpha);
       offer_subtile<MODE>(subtile, sub, subtile_noise<UNROLL>(job, s), s, power_c, winner_of(s));
     }
-    __shared__ RowStanding<Best> standing_totals[kPassThreads / kWarpSize];
     __shared__ RowStanding<Best> row_standing;
     // Only the threads that hold a sub-tile take part (an empty state merges exactly: a 128-sub-tile row's
-    // serial step merges 4 warp aggregates, not 8).
+    // serial step folds 4 warp aggregates, not 8).
     const int valid_threads = min(subtile_count, kPassThreads);
-    const RowStanding<Best> standing = block_reduce_in_order<UNROLL>(
-        RowStanding<Best>{state, subtile}, RowStandingOp<MODE, Best>{job.c, job.alpha}, valid_threads,
-        standing_totals);
+    const RowStanding<Best> standing =
+        block_row_standing<MODE, UNROLL>(state, subtile, job.c, job.alpha, valid_threads);
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
     if (cluster)
