@@ -1147,18 +1147,6 @@ __device__ __forceinline__ WarpArgmax warp_best_subtile(double key, int index) {
   return WarpArgmax{best == kNone ? -1 : best, lane};
 }
 
-/// `value` (any type of a 4-byte-multiple size) from lane `lane`, word by word.
-template <class T> __device__ __forceinline__ T shuffle_from(const T& value, int lane) {
-  static_assert(sizeof(T) % 4 == 0, "shuffled as 32-bit words");
-  T out;
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(&value);
-  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i)
-    words[i] = __shfl_sync(0xffffffffu, in[i], lane);
-  return out;
-}
-
 /// A warp's part of a job's row standing (block_row_standing).
 template <class Best> struct WarpStanding {
   float sum, sum_power;
@@ -1214,7 +1202,7 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
     sum_power = warp_all_reduce<UNROLL>(sum_power, add);
   const uint32_t flags = __reduce_or_sync(0xffffffffu, state.flags);
   const WarpArgmax best = warp_best_subtile(subtile.key, subtile.index);
-  const Best warp_best = shuffle_from(subtile, best.lane);
+  const Best warp_best = device::warp_in_order::shuffle_from(subtile, best.lane);
   if (lane == 0)
     warp_standings[warp] = WarpStanding<Best>{sum, sum_power, flags, warp_best};
   __syncthreads();

@@ -15,17 +15,29 @@ namespace smcgraph::device::warp_in_order {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-/// Every 32-bit word of `value` (any type of a 4-byte-multiple size) shuffled up (UP) or down by `offset`
-/// lanes.
-template <bool UP, class T> __device__ __forceinline__ T shuffle(const T& value, int offset) {
+/// Every 32-bit word of `value` (any type of a 4-byte-multiple size) through `move`, one warp shuffle of a
+/// word.
+template <class T, class Move> __device__ __forceinline__ T shuffle_words(const T& value, const Move& move) {
   static_assert(sizeof(T) % 4 == 0, "shuffled as 32-bit words");
   T out;
   const uint32_t* in = reinterpret_cast<const uint32_t*>(&value);
   uint32_t* words = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
   for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i)
-    words[i] = UP ? __shfl_up_sync(kFullMask, in[i], offset) : __shfl_down_sync(kFullMask, in[i], offset);
+    words[i] = move(in[i]);
   return out;
+}
+
+/// `value` shuffled up (UP) or down by `offset` lanes.
+template <bool UP, class T> __device__ __forceinline__ T shuffle(const T& value, int offset) {
+  return shuffle_words(value, [offset](uint32_t word) {
+    return UP ? __shfl_up_sync(kFullMask, word, offset) : __shfl_down_sync(kFullMask, word, offset);
+  });
+}
+
+/// `value` of lane `lane`.
+template <class T> __device__ __forceinline__ T shuffle_from(const T& value, int lane) {
+  return shuffle_words(value, [lane](uint32_t word) { return __shfl_sync(kFullMask, word, lane); });
 }
 
 /// cub's reduction tree: lane l folds lane l + offset into itself (op(mine, other)) for offset 1, 2, 4, 8,
