@@ -6,11 +6,13 @@
 // vectors w * 32 + lane + 256 k (lane < 32, k < 4): that set of elements (1024 bf16 / 512 fp32, not
 // contiguous) is sub-tile w of the tile, and sub-tile 8 c + w of the row. A warp folds its sub-tile into a
 // log-sum-exp in base 2 from its registers in two passes (fold_subtile): the sub-tile's max m (each lane's,
-// then a shuffle reduction), then sums relative to it, sum 2^((l - m) c) and, for alpha != 1,
-// sum 2^(alpha (l - m) c), with c = log2(e) / T, each lane's then the warp's. That costs one exponential per
+// then the warp's: one redux.sync over order-preserving integer keys), then sums relative to it,
+// sum 2^((l - m) c) and, for alpha != 1, sum 2^(alpha (l - m) c), with c = log2(e) / T, each lane's then the
+// warp's (exact fixed-point redux.sync adds: warp_sum_unit_terms). That costs one exponential per
 // element (two at alpha != 1) and no random number, and the CTA writes its 8 sub-tile states to the
 // workspace. The last CTA of the job (a ticket counter it
-// resets to 0, so graph replays need no memset) merges all the row's sub-tile states into lse(l / T) and
+// resets to 0, so graph replays need no memset) merges all the row's sub-tile states (block_row_standing:
+// the row's max first, then every sum relative to it) into lse(l / T) and
 // lse(alpha l / T) for the log-prob and log Z outputs, and, when the job samples, draws the token in two
 // levels (an exact two-level Gumbel-max):
 //
