@@ -1157,6 +1157,10 @@ template <class Best> struct WarpStanding {
 };
 #endif
 
+/// The sub-tile standing of a job that does not race (score positions, greedy, kRace rows past their sample
+/// position): block_row_standing reduces the merged state only.
+struct NoSubtileRace {};
+
 /// A job's merged state and sub-tile race standing from its threads' (each thread's sub-tiles already merged
 /// in ascending order), on thread 0; the call holds two __syncthreads(). On sm_80+ without rescaling merges:
 /// the row's max M first (a redux.sync a warp, then every thread folds the warps' maxima from shared memory),
@@ -1175,6 +1179,8 @@ template <class Best> struct WarpStanding {
 template <PassMode MODE, int UNROLL, class Best>
 __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState& state, const Best& subtile,
                                                                 float c, float alpha, int valid) {
+  static_assert(MODE != PassMode::kGreedy, "greedy jobs merge in block_merge_greedy");
+  constexpr bool kRaces = !std::is_same_v<Best, NoSubtileRace>;
 #if __CUDA_ARCH__ >= 800
   constexpr int kWarps = kPassThreads / kWarpSize;
   __shared__ float warp_maxima[kWarps];
@@ -1203,8 +1209,11 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
   if constexpr (MODE == PassMode::kRacePower)
     sum_power = warp_all_reduce<UNROLL>(sum_power, add);
   const uint32_t flags = __reduce_or_sync(0xffffffffu, state.flags);
-  const WarpArgmax best = warp_best_subtile(subtile.key, subtile.index);
-  const Best warp_best = device::warp_in_order::shuffle_from(subtile, best.lane);
+  Best warp_best{};
+  if constexpr (kRaces) {
+    const WarpArgmax best = warp_best_subtile(subtile.key, subtile.index);
+    warp_best = device::warp_in_order::shuffle_from(subtile, best.lane);
+  }
   if (lane == 0)
     warp_standings[warp] = WarpStanding<Best>{sum, sum_power, flags, warp_best};
   __syncthreads();
@@ -1218,7 +1227,8 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
         total.sum += next.sum;
         total.sum_power += next.sum_power;
         total.flags |= next.flags;
-        total.subtile = better_subtile(total.subtile, next.subtile);
+        if constexpr (kRaces)
+          total.subtile = better_subtile(total.subtile, next.subtile);
       }
     }
     out.state =
@@ -1227,9 +1237,48 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
   }
   return out;
 #else
-  __shared__ RowStanding<Best> standing_totals[kPassThreads / kWarpSize];
-  return block_reduce_in_order<UNROLL>(RowStanding<Best>{state, subtile}, RowStandingOp<MODE, Best>{c, alpha},
-                                       valid, standing_totals);
+  if constexpr (kRaces) {
+    __shared__ RowStanding<Best> standing_totals[kPassThreads / kWarpSize];
+    return block_reduce_in_order<UNROLL>(RowStanding<Best>{state, subtile},
+                                         RowStandingOp<MODE, Best>{c, alpha}, valid, standing_totals);
+  } else {
+    __shared__ PassState merge_totals[kPassThreads / kWarpSize];
+    return RowStanding<Best>{
+        block_reduce_in_order<UNROLL>(state, MergeOp<MODE>{c, alpha}, valid, merge_totals), {}};
+  }
+#endif
+}
+
+/// block_row_standing with NoSubtileRace and block_merge_greedy for the jobs that do not race, against
+/// block_reduce_in_order over MergeOp: NVIDIA H200, A/B in one call, one round, toy cycles (N 8, K 4, V
+/// 128256 bf16), graph us at 1 / 8 / 64 requests: SMC 152.0 / 346.4 / 1,768.4 -> 151.6 / 347.1 / 1,754.8
+/// (non-model at 64 requests 447.4 -> 429.4, 1.59x -> 1.52x its floor), speculative 111.6 / 145.1 / 356.1 ->
+/// 109.1 / 142.3 / 353.4 (non-model at 1 request 47.8 -> 45.5); sample_bench within 0.1 us (its rows race).
+///
+/// A greedy job's merged state from its threads' (each thread's sub-tiles merged in ascending order), on
+/// thread 0; the call holds a __syncthreads(). On sm_80+ warp_merge_greedy a warp, then thread 0 merges the
+/// warps' states in warp order; before, block_reduce_in_order. The same state either way:
+/// merge_states<kGreedy> selects the greatest max, ties to the smallest vocab id (a total order on the states
+/// that hold an element), and ORs the flags.
+template <int UNROLL>
+__device__ __forceinline__ PassState block_merge_greedy(const PassState& state, float c) {
+  constexpr int kWarps = kPassThreads / kWarpSize;
+  __shared__ PassState warp_states[kWarps];
+#if __CUDA_ARCH__ >= 800
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
+            warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  PassState merged = warp_merge_greedy<UNROLL>(state, c);
+  if (lane == 0)
+    warp_states[warp] = merged;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll(UNROLL)
+    for (int w = 1; w < kWarps; ++w)
+      merged = merge_states<PassMode::kGreedy>(merged, warp_states[w], c, 1.0f);
+  }
+  return merged;
+#else
+  return block_reduce_in_order<UNROLL>(state, MergeOp<PassMode::kGreedy>{c, 1.0f}, kPassThreads, warp_states);
 #endif
 }
 
@@ -1583,13 +1632,15 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
       }
     }
   } else {
-    __shared__ PassState merge_totals[kPassThreads / kWarpSize];
     state = mine;
     for (int s = thread + kPassThreads; s < subtile_count; s += kPassThreads)
       state = merge_states<MODE>(state, states.load(s), job.c, job.alpha);
     // The whole CTA (cub's partial-block path measured slower here: greedy draft samples of the toy's
     // speculative cycle, +3 us a cycle at 1 request).
-    state = block_reduce_in_order<UNROLL>(state, MergeOp<MODE>{job.c, job.alpha}, kPassThreads, merge_totals);
+    if constexpr (MODE == PassMode::kGreedy)
+      state = block_merge_greedy<UNROLL>(state, job.c);
+    else
+      state = block_row_standing<MODE, UNROLL>(state, NoSubtileRace{}, job.c, job.alpha, kPassThreads).state;
     if (cluster)
       cluster_arrive_relaxed(); // every loaded state is consumed (above)
   }
