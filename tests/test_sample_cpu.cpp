@@ -2,12 +2,14 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "kernels/order_key.hpp"
 #include "kernels/walk_plan.hpp"
 #include "reference/sample_ref.hpp"
 #include "smcgraph/error.hpp"
@@ -531,4 +533,169 @@ TEST_CASE("walk plan: every plan covers the job's tiles with non-empty walkers, 
       }
     }
   }
+}
+
+namespace {
+
+/// max.NaN.f32 as NVIDIA GPUs compute it: a NaN operand gives the canonical NaN 0x7fffffff, -0 is below +0
+/// (IEEE 754-2019 maximum), otherwise the larger operand.
+float max_nan_reference(float a, float b) {
+  if (a != a || b != b)
+    return std::bit_cast<float>(0x7fffffff);
+  if (a == b)
+    return std::signbit(a) ? b : a; // equal values differ only in a zero's sign: +0 wins
+  return a > b ? a : b;
+}
+
+/// Values that matter to order keys: signed zeros, infinities, the smallest subnormals and normals, the
+/// extremes and +-1.
+template <class T> std::vector<T> special_values() {
+  using limits = std::numeric_limits<T>;
+  return {T(0),
+          -T(0),
+          limits::infinity(),
+          -limits::infinity(),
+          limits::denorm_min(),
+          -limits::denorm_min(),
+          limits::min(),
+          -limits::min(),
+          limits::max(),
+          -limits::max(),
+          T(1),
+          T(-1)};
+}
+
+/// special_values, NaNs of both signs and several payloads, and random bit patterns.
+std::vector<float> key_test_floats(smcgraph::test::Rng& rng, int random_count) {
+  std::vector<float> values = special_values<float>();
+  for (uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xffffffffu, 0x7fffffffu})
+    values.push_back(std::bit_cast<float>(nan));
+  for (int i = 0; i < random_count; ++i)
+    values.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng.bits())));
+  return values;
+}
+
+} // namespace
+
+TEST_CASE("order keys: the larger of two float keys is max.NaN of the floats, bit for bit") {
+  // The sampler's warp max and warp argmax reduce these keys with redux.sync (logits_pass.cuh): the max key
+  // must map back to max.NaN's bits, and keys must order as the floats do.
+  using smcgraph::detail::from_order_key;
+  using smcgraph::detail::order_key;
+  smcgraph::test::Rng rng;
+  INFO("seed " << rng.seed());
+  const std::vector<float> values = key_test_floats(rng, 3000);
+  long pairs = 0;
+  for (float a : values) {
+    for (float b : values) {
+      const float from_keys = from_order_key(std::max(order_key(a), order_key(b)));
+      const uint32_t want = std::bit_cast<uint32_t>(max_nan_reference(a, b));
+      if (std::bit_cast<uint32_t>(from_keys) != want) {
+        INFO("a " << std::bit_cast<uint32_t>(a) << ", b " << std::bit_cast<uint32_t>(b));
+        REQUIRE(std::bit_cast<uint32_t>(from_keys) == want);
+      }
+      if (a == a && b == b && a < b && !(order_key(a) < order_key(b))) {
+        INFO("a " << a << ", b " << b);
+        REQUIRE(order_key(a) < order_key(b));
+      }
+      ++pairs;
+    }
+    if (a == a) // a key maps back to its float's bits
+      REQUIRE(std::bit_cast<uint32_t>(from_order_key(order_key(a))) == std::bit_cast<uint32_t>(a));
+  }
+  CHECK(pairs == static_cast<long>(values.size() * values.size()));
+}
+
+TEST_CASE("order keys: double keys order as the doubles do, and value + 0.0 makes the zeros tie") {
+  // warp_best_subtile reduces the sub-tile race's double keys by their 64-bit order keys: equal keys must
+  // mean equal doubles (better_subtile's ties go by index), larger keys larger doubles.
+  using smcgraph::detail::order_key;
+  smcgraph::test::Rng rng;
+  INFO("seed " << rng.seed());
+  std::vector<double> values = special_values<double>();
+  for (int i = 0; i < 2000; ++i) {
+    const double v = std::bit_cast<double>(rng.bits());
+    if (v == v)
+      values.push_back(v);
+    values.push_back(rng.normal(0.0, 100.0)); // near-equal values, the keys of real races
+  }
+  for (double a : values)
+    for (double b : values) {
+      const int64_t ka = order_key(a + 0.0), kb = order_key(b + 0.0);
+      if ((a < b) != (ka < kb) || (a == b) != (ka == kb)) {
+        INFO("a " << a << ", b " << b);
+        REQUIRE((a < b) == (ka < kb));
+        REQUIRE((a == b) == (ka == kb));
+      }
+    }
+  CHECK(order_key(std::bit_cast<double>(0x7ff8000000000000ull)) == INT64_MAX);
+  CHECK(order_key(-0.0) < order_key(0.0));
+  CHECK(order_key(-0.0 + 0.0) == order_key(0.0));
+}
+
+namespace {
+
+/// 32 lanes' values through FixedPointSum: the integer totals fit, the join is within 2 ulp of the
+/// quantized values' exact total, and that is within 32 half-units of 2^-2S of the values' own total.
+template <int TERMS> void check_fixed_point_sums(smcgraph::test::Rng& rng) {
+  using Sum = smcgraph::detail::FixedPointSum<TERMS>;
+  const double unit = std::ldexp(1.0, -Sum::kShift), unit2 = unit * unit;
+  for (int trial = 0; trial < 20000; ++trial) {
+    float lanes[32];
+    const int kind = trial % 4;
+    for (float& v : lanes) {
+      switch (kind) {
+      case 0: // a sub-tile's sums: up to TERMS terms in [0, 1]
+        v = static_cast<float>(rng.uniform(0.0, TERMS));
+        break;
+      case 1: // every term 1 (all logits at the max): the largest totals
+        v = static_cast<float>(TERMS);
+        break;
+      case 2: // tiny sums beside one large one
+        v = static_cast<float>(std::ldexp(rng.uniform(), -static_cast<int>(rng.integer(0, 60))));
+        break;
+      default: // few lanes hold anything (masked logits)
+        v = rng.integer(0, 3) == 0 ? static_cast<float>(rng.uniform(0.0, TERMS)) : 0.0f;
+      }
+    }
+    if (kind == 2)
+      lanes[rng.integer(0, 31)] = 1.0f; // the sub-tile's max: its own term is 1
+    int64_t high_total = 0, low_total = 0;
+    double values_total = 0.0;
+    for (float v : lanes) {
+      const typename Sum::Parts parts = Sum::split(v);
+      CHECK(parts.high >= 0);
+      CHECK(parts.low >= 0);
+      CHECK(parts.low <= (1 << Sum::kShift));
+      // the split is exact up to the rounding of the remainder to 2^-2S
+      CHECK(std::fabs(parts.high * unit + parts.low * unit2 - static_cast<double>(v)) <= 0.5 * unit2);
+      high_total += parts.high;
+      low_total += parts.low;
+      values_total += v;
+    }
+    REQUIRE(high_total <= INT32_MAX); // the warp's redux.sync.add does not overflow
+    REQUIRE(low_total <= INT32_MAX);
+    const double quantized_total =
+        static_cast<double>(high_total) * unit + static_cast<double>(low_total) * unit2;
+    const float joined = Sum::join(static_cast<int32_t>(high_total), static_cast<int32_t>(low_total));
+    const double ulp = std::ldexp(1.0, std::ilogb(quantized_total == 0.0 ? 1.0 : quantized_total) - 23);
+    INFO("trial " << trial << ", kind " << kind << ", total " << values_total);
+    CHECK(std::fabs(static_cast<double>(joined) - quantized_total) <= 2.0 * ulp);
+    CHECK(std::fabs(quantized_total - values_total) <= 32 * 0.5 * unit2);
+    if (values_total == 0.0)
+      CHECK(joined == 0.0f);
+  }
+}
+
+} // namespace
+
+TEST_CASE("fixed-point warp sums: exact integer parts, no overflow, one rounding") {
+  // warp_sum_unit_terms (logits_pass.cuh) adds a sub-tile's lane sums as these parts with redux.sync.add:
+  // 32 bf16 / fp16 terms a lane (4 vectors of 8), 16 fp32 (4 of 4).
+  smcgraph::test::Rng rng;
+  INFO("seed " << rng.seed());
+  CHECK(smcgraph::detail::FixedPointSum<32>::kShift == 20);
+  CHECK(smcgraph::detail::FixedPointSum<16>::kShift == 21);
+  check_fixed_point_sums<32>(rng);
+  check_fixed_point_sums<16>(rng);
 }

@@ -29,11 +29,7 @@
 #include <array>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define SMCGRAPH_HOST_DEVICE __host__ __device__
-#else
-#define SMCGRAPH_HOST_DEVICE
-#endif
+#include "smcgraph/host_device.hpp"
 
 namespace smcgraph {
 

@@ -91,6 +91,7 @@
 
 #include "kernels/pdl.cuh"
 #include "kernels/cluster_barrier.cuh"
+#include "kernels/order_key.hpp"
 #include "kernels/random.cuh"
 #include "kernels/ticket.cuh"
 #include "kernels/tree_sum.cuh"
@@ -549,19 +550,8 @@ template <int UNROLL, class Op> __device__ __forceinline__ float warp_all_reduce
   return value;
 }
 
-/// A float as an int that orders like max.NaN orders floats: its bits, the low 31 flipped when it is negative
-/// (so -0 sits below +0), any NaN as INT_MAX, whose bits map back (from_order_key) to the canonical NaN
-/// max.NaN returns. For redux.sync, which reduces integers only.
-__device__ __forceinline__ int order_key(float value) {
-  const int bits = __float_as_int(value);
-  return value != value ? 0x7fffffff : bits >= 0 ? bits : bits ^ 0x7fffffff;
-}
-
-__device__ __forceinline__ float from_order_key(int key) {
-  return __int_as_float(key >= 0 ? key : key ^ 0x7fffffff);
-}
-
-/// max_nan over this warp's lanes, on every lane: on sm_80+ one redux.sync.max.s32 over order_key, the same
+/// max_nan over this warp's lanes, on every lane: on sm_80+ one redux.sync.max.s32 over order_key
+/// (order_key.hpp; test_sample_cpu checks that the larger key maps back to max.NaN's bits), the same
 /// bits as the butterfly of max_nan (the fallback) in 12 instructions instead of 5 dependent shuffle + max
 /// steps. With warp_merge_greedy: NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch in the
 /// chain: 1 / 8 / 64 x 128256 bf16 6.60-6.61 / 7.06-7.07 / 13.69-13.77 -> 6.45-6.46 / 6.94 / 13.20-13.29,
@@ -622,27 +612,18 @@ template <int UNROLL> __device__ __forceinline__ PassState warp_merge_greedy(Pas
 /// values rounded to 2^-2S (2^-40 for 32 terms) and then rounded once to a float: since a sub-tile's sum is
 /// >= 1 (its max's own term), more accurate than the five float additions of the butterfly, the same on every
 /// lane and independent of the lanes' order. A NaN on any lane gives NaN (the F2I conversions would turn it
-/// into 0). Before sm_80, the butterfly of float additions. With warp_argmax in the early race: NVIDIA H200,
-/// A/B/C in one call, two rounds, sample_bench us a launch in the chain (before / the sums / both): 1 x
-/// 128256 bf16 6.47 / 6.39 / 6.29, 8 x 128256 bf16 6.90-6.94 / 6.82 / 6.70-6.71, 1 x 32000 bf16 5.74-5.82 /
-/// 5.63 / 5.51; 64 rows within 0.05 us; 256 x 128256 bf16 22.93-22.94 / 22.99 / 22.99 and fp32 38.31-38.43 /
-/// 38.44-38.46 / 38.45 (the register walk gained nothing); the toy cycles within 1%.
+/// into 0). The split and the join are FixedPointSum's (order_key.hpp; test_sample_cpu checks the bounds and
+/// the rounding on the host). Before sm_80, the butterfly of float additions. With warp_argmax in the early
+/// race: NVIDIA H200, A/B/C in one call, two rounds, sample_bench us a launch in the chain (before / the sums
+/// / both): 1 x 128256 bf16 6.47 / 6.39 / 6.29, 8 x 128256 bf16 6.90-6.94 / 6.82 / 6.70-6.71, 1 x 32000
+/// bf16 5.74-5.82 / 5.63 / 5.51; 64 rows within 0.05 us; 256 x 128256 bf16 22.93-22.94 / 22.99 / 22.99 and
+/// fp32 38.31-38.43 / 38.44-38.46 / 38.45 (the register walk gained nothing); the toy cycles within 1%.
 template <int TERMS, int UNROLL> __device__ __forceinline__ float warp_sum_unit_terms(float value) {
 #if __CUDA_ARCH__ >= 800
-  constexpr int kLaneBits = 5; // 32 lanes
-  constexpr int kTermBits = TERMS <= 1 ? 0 : 32 - __builtin_clz(static_cast<unsigned>(TERMS - 1));
-  constexpr int kShift = 30 - kLaneBits - kTermBits; // 32 x TERMS x 2^S <= 2^30
-  static_assert(kShift >= 12, "too many terms a lane for the fixed-point warp sum");
-  constexpr float kScale = static_cast<float>(1u << kShift), kUnit = 1.0f / kScale;
+  using Sum = FixedPointSum<TERMS>;
   constexpr unsigned kAll = 0xffffffffu;
-  const float scaled = value * kScale; // exact (a power of two)
-  const float whole = truncf(scaled);
-  const int high = static_cast<int>(whole);
-  const int low = __float2int_rn((scaled - whole) * kScale); // the fraction is exact; rounded to 2^-2S
-  const int high_total = __reduce_add_sync(kAll, high);
-  const int low_total = __reduce_add_sync(kAll, low);
-  const float total =
-      fmaf(static_cast<float>(high_total), kUnit, static_cast<float>(low_total) * (kUnit * kUnit));
+  const typename Sum::Parts parts = Sum::split(value);
+  const float total = Sum::join(__reduce_add_sync(kAll, parts.high), __reduce_add_sync(kAll, parts.low));
   return __any_sync(kAll, value != value) ? __int_as_float(0x7fffffff) : total;
 #else
   return warp_all_reduce<UNROLL>(value, [](float a, float b) { return a + b; });
@@ -1122,12 +1103,6 @@ template <PassMode MODE, class Best> struct RowStandingOp {
 };
 
 #if __CUDA_ARCH__ >= 800
-/// order_key for a double (int64 keys; NaN as the largest), for the sub-tile race's keys.
-__device__ __forceinline__ long long order_key(double value) {
-  const long long bits = __double_as_longlong(value);
-  return value != value ? 0x7fffffffffffffffLL : bits >= 0 ? bits : bits ^ 0x7fffffffffffffffLL;
-}
-
 /// The lane holding this warp's best sub-tile standing in better_subtile's order (the larger key, ties to
 /// the smaller index; a standing with index < 0 holds none), and its index, on every lane: three redux.sync
 /// over the key's order_key (its high word, then its low word among the lanes that share the high word, then
@@ -1136,7 +1111,7 @@ __device__ __forceinline__ long long order_key(double value) {
 __device__ __forceinline__ WarpArgmax warp_best_subtile(double key, int index) {
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kNone = 0x7fffffff;
-  const long long k = order_key(key + 0.0);
+  const int64_t k = order_key(key + 0.0);
   const int high = static_cast<int>(k >> 32);
   const unsigned low = static_cast<unsigned>(k);
   const bool held = index >= 0;
