@@ -80,6 +80,10 @@
 //   ticket) merges and races as in ticket mode.
 #pragma once
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "smcgraph's sampler pass needs compute capability 8.0 or newer (max.NaN, redux.sync): set gpu_arch to 80 or above"
+#endif
+
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -288,16 +292,6 @@ __device__ __forceinline__ void race_chunk(RaceState& state, const float (&logit
     offer_element(state, race_key(logits[i], tile_max, power_c, log_noise[i]), logits[i], first + i);
 }
 
-/// The better of two element-race standings (threads', warps'): the larger key, ties to the smaller vocab id;
-/// index -1 when none. A total order, so any reduction tree gives the same winner.
-struct RaceStateOp {
-  __device__ __forceinline__ RaceState operator()(const RaceState& a, const RaceState& b) const {
-    const bool take_b =
-        b.index >= 0 && (a.index < 0 || b.key > a.key || (b.key == a.key && b.index < a.index));
-    return take_b ? b : a;
-  }
-};
-
 /// Merges b into a (order-independent up to rounding; greedy ties go to the smaller vocab id).
 template <PassMode MODE>
 __device__ __forceinline__ PassState merge_states(const PassState& a, const PassState& b, float c,
@@ -329,35 +323,6 @@ __device__ __forceinline__ PassState merge_states(const PassState& a, const Pass
     }
     return out;
   }
-}
-
-template <PassMode MODE> struct MergeOp {
-  float c, alpha;
-  __device__ __forceinline__ PassState operator()(const PassState& a, const PassState& b) const {
-    return merge_states<MODE>(a, b, c, alpha);
-  }
-};
-
-/// The merged state of a warp's 32 lanes (a sub-tile's state), on every lane: a fixed xor-butterfly of
-/// merges, so a sub-tile's state does not depend on anything but its logits. Only the fields MODE uses travel
-/// (merge_states copies sum into sum_power outside kRacePower and ignores max_index outside kGreedy). The
-/// greedy fold's before sm_80 (warp_merge_greedy); the other modes fold a sub-tile in two passes
-/// (fold_subtile).
-template <PassMode MODE, int UNROLL>
-__device__ __forceinline__ PassState warp_merge(PassState state, float c, float alpha) {
-  constexpr unsigned kAll = 0xffffffffu;
-#pragma unroll(UNROLL) // five merges: as a loop (UNROLL 1) the pass's code is short (it runs cold in a cycle)
-  for (int offset = 16; offset >= 1; offset /= 2) {
-    PassState other;
-    other.max = __shfl_xor_sync(kAll, state.max, offset);
-    other.sum = MODE == PassMode::kGreedy ? 0.0f : __shfl_xor_sync(kAll, state.sum, offset);
-    other.sum_power =
-        MODE == PassMode::kRacePower ? __shfl_xor_sync(kAll, state.sum_power, offset) : other.sum;
-    other.max_index = MODE == PassMode::kGreedy ? __shfl_xor_sync(kAll, state.max_index, offset) : -1;
-    other.flags = __shfl_xor_sync(kAll, state.flags, offset);
-    state = merge_states<MODE>(state, other, c, alpha);
-  }
-  return state;
 }
 
 template <DType DTYPE> __device__ __forceinline__ uint32_t negative_infinity_bits() {
@@ -508,7 +473,6 @@ template <DType DTYPE> __device__ __forceinline__ PassState fold_greedy_tile(con
 /// -inf past the row's end: load_tile). 16-bit logits are compared two at a time
 /// in their own format (max.NaN.bf16x2 / f16x2, exact: the max is one of the operands), then widened.
 template <DType DTYPE> __device__ __forceinline__ float thread_max(const TileVectors<DTYPE>& tile) {
-#if __CUDA_ARCH__ >= 800
   if constexpr (DTYPE != DType::kFloat32) {
     constexpr bool kBf16 = DTYPE == DType::kBFloat16;
     uint32_t pair = negative_infinity_bits<DTYPE>();
@@ -527,7 +491,6 @@ template <DType DTYPE> __device__ __forceinline__ float thread_max(const TileVec
     unpack<DTYPE>(make_uint4(pair, pair, pair, pair), halves);
     return max_nan(halves[0], halves[1]);
   }
-#endif
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   float m = -INFINITY;
 #pragma unroll
@@ -550,29 +513,24 @@ template <int UNROLL, class Op> __device__ __forceinline__ float warp_all_reduce
   return value;
 }
 
-/// max_nan over this warp's lanes, on every lane: on sm_80+ one redux.sync.max.s32 over order_key
-/// (order_key.hpp; test_sample_cpu checks that the larger key maps back to max.NaN's bits), the same
-/// bits as the butterfly of max_nan (the fallback) in 12 instructions instead of 5 dependent shuffle + max
-/// steps. With warp_merge_greedy: NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch in the
-/// chain: 1 / 8 / 64 x 128256 bf16 6.60-6.61 / 7.06-7.07 / 13.69-13.77 -> 6.45-6.46 / 6.94 / 13.20-13.29,
-/// 256 x 128256 bf16 23.28-23.29 -> 22.90-22.94 (66.2-66.3% -> 67.2-67.3% of copy), fp32 38.56-38.69 ->
-/// 38.24-38.42 (79.7-80.0% -> 80.3-80.7%); the toy speculative cycle (K 4 / 8, V 128256 bf16) at 1 request
-/// 113.4 / 189.1 -> 111.9 / 186.1 us, at 64 364.4 / 638.8 -> 356.6 / 623.6; the SMC cycles within 0.5%.
-template <int UNROLL> __device__ __forceinline__ float warp_max_nan(float value) {
-#if __CUDA_ARCH__ >= 800
+/// max_nan over this warp's lanes, on every lane: one redux.sync.max.s32 over order_key (order_key.hpp;
+/// test_sample_cpu checks that the larger key maps back to max.NaN's bits), the same bits as a butterfly of
+/// max_nan in 12 instructions instead of 5 dependent shuffle + max steps. With warp_merge_greedy: NVIDIA
+/// H200, A/B in one call, two rounds, sample_bench us a launch in the chain: 1 / 8 / 64 x 128256
+/// bf16 6.60-6.61 / 7.06-7.07 / 13.69-13.77 -> 6.45-6.46 / 6.94 / 13.20-13.29, 256 x 128256 bf16 23.28-23.29
+/// -> 22.90-22.94 (66.2-66.3% -> 67.2-67.3% of copy), fp32 38.56-38.69 -> 38.24-38.42 (79.7-80.0%
+/// -> 80.3-80.7%); the toy speculative cycle (K 4 / 8, V 128256 bf16) at 1 request 113.4 / 189.1 -> 111.9 /
+/// 186.1 us, at 64 364.4 / 638.8 -> 356.6 / 623.6; the SMC cycles within 0.5%.
+__device__ __forceinline__ float warp_max_nan(float value) {
   return from_order_key(__reduce_max_sync(0xffffffffu, order_key(value)));
-#else
-  return warp_all_reduce<UNROLL>(value, [](float a, float b) { return max_nan(a, b); });
-#endif
 }
 
-#if __CUDA_ARCH__ >= 800
 /// The lane of this warp that holds the largest `value` (never NaN here), ties to the smallest `index`, and
 /// that index, on every lane: two redux.sync, the max over order_key, then the min over the indices of the
 /// lanes whose value equals it as a float (so -0 ties +0, as the float comparisons of merge_states and
-/// RaceStateOp do). A lane without a candidate has index < 0; when no lane has one, index is -1 and the lane
-/// any. The callers' butterflies (warp_merge<kGreedy>, RaceStateOp) pick the same element: theirs is a total
-/// order on (value, index), this is its maximum.
+/// offer_element do). A lane without a candidate has index < 0; when no lane has one, index is -1 and the
+/// lane any. The order (the larger value, ties to the smaller index) is total on the lanes that hold a
+/// candidate, so this picks what any reduction of merge_states<kGreedy> or of the race's comparisons would.
 struct WarpArgmax {
   int index, lane;
 };
@@ -586,48 +544,39 @@ __device__ __forceinline__ WarpArgmax warp_argmax(float value, int index) {
   const int lane = (__ffs(__ballot_sync(kAll, candidate == best)) - 1) & 31;
   return WarpArgmax{best == kNone ? -1 : best, lane};
 }
-#endif
 
-/// warp_merge<kGreedy> on sm_80+: warp_argmax over the lanes' maxima (a lane's greedy max is never NaN:
-/// fold_greedy_chunk skips NaN and flags it; a lane that holds no element has max -inf and index -1), the
-/// winning lane's own max (its zero keeps its sign), the flags' OR: the same state, bit for bit, as the
-/// butterfly of merge_states.
-template <int UNROLL> __device__ __forceinline__ PassState warp_merge_greedy(PassState state, float c) {
-#if __CUDA_ARCH__ >= 800
+/// The greedy merge of a warp's lanes, on every lane: warp_argmax over the lanes' maxima (a lane's greedy max
+/// is never NaN: fold_greedy_chunk skips NaN and flags it; a lane that holds no element has max -inf and
+/// index -1), the winning lane's own max (its zero keeps its sign), the flags' OR: the same state, bit for
+/// bit, as any reduction of merge_states<kGreedy> (until the fifty-second session, an xor butterfly of it).
+__device__ __forceinline__ PassState warp_merge_greedy(PassState state) {
   const WarpArgmax best = warp_argmax(state.max, state.max_index);
   PassState out = empty_state();
   out.max = __shfl_sync(0xffffffffu, state.max, best.lane); // -inf when no lane holds one
   out.max_index = best.index;
   out.flags = __reduce_or_sync(0xffffffffu, state.flags);
   return out;
-#else
-  return warp_merge<PassMode::kGreedy, UNROLL>(state, c, 1.0f);
-#endif
 }
 
 /// The sum over this warp's lanes of values in [0, TERMS] (a lane's sum of TERMS terms, each in [0, 1]; or
-/// NaN), on every lane. On sm_80+ in fixed point through two redux.sync.add: each lane splits its value into
+/// NaN), on every lane, in fixed point through two redux.sync.add: each lane splits its value into
 /// an integer multiple of 2^-S and a remainder in units of 2^-2S (S as large as 32 lanes' totals fit in an
 /// int: 20 for 32 terms), the warp adds each part exactly, and one FMA joins them. The total is that of the
 /// values rounded to 2^-2S (2^-40 for 32 terms) and then rounded once to a float: since a sub-tile's sum is
 /// >= 1 (its max's own term), more accurate than the five float additions of the butterfly, the same on every
 /// lane and independent of the lanes' order. A NaN on any lane gives NaN (the F2I conversions would turn it
 /// into 0). The split and the join are FixedPointSum's (order_key.hpp; test_sample_cpu checks the bounds and
-/// the rounding on the host). Before sm_80, the butterfly of float additions. With warp_argmax in the early
+/// the rounding on the host). With warp_argmax in the early
 /// race: NVIDIA H200, A/B/C in one call, two rounds, sample_bench us a launch in the chain (before / the sums
 /// / both): 1 x 128256 bf16 6.47 / 6.39 / 6.29, 8 x 128256 bf16 6.90-6.94 / 6.82 / 6.70-6.71, 1 x 32000
 /// bf16 5.74-5.82 / 5.63 / 5.51; 64 rows within 0.05 us; 256 x 128256 bf16 22.93-22.94 / 22.99 / 22.99 and
 /// fp32 38.31-38.43 / 38.44-38.46 / 38.45 (the register walk gained nothing); the toy cycles within 1%.
-template <int TERMS, int UNROLL> __device__ __forceinline__ float warp_sum_unit_terms(float value) {
-#if __CUDA_ARCH__ >= 800
+template <int TERMS> __device__ __forceinline__ float warp_sum_unit_terms(float value) {
   using Sum = FixedPointSum<TERMS>;
   constexpr unsigned kAll = 0xffffffffu;
   const typename Sum::Parts parts = Sum::split(value);
   const float total = Sum::join(__reduce_add_sync(kAll, parts.high), __reduce_add_sync(kAll, parts.low));
   return __any_sync(kAll, value != value) ? __int_as_float(0x7fffffff) : total;
-#else
-  return warp_all_reduce<UNROLL>(value, [](float a, float b) { return a + b; });
-#endif
 }
 
 /// The first read of one sub-tile (this warp's vectors of one tile, in registers) at a sampled or scored
@@ -647,7 +596,7 @@ template <DType DTYPE, PassMode MODE, int UNROLL>
 __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile, const JobContext& job) {
   constexpr int kPerVector = DTypeTraits<DTYPE>::kPerVector;
   PassState state = empty_state();
-  const float m = warp_max_nan<UNROLL>(thread_max<DTYPE>(tile));
+  const float m = warp_max_nan(thread_max<DTYPE>(tile));
   state.max = m;
   if (m != m || m == INFINITY) { // a NaN or +inf logit in the sub-tile
     state.flags = kFlagNanLogit;
@@ -674,9 +623,8 @@ __device__ __forceinline__ PassState fold_subtile(const TileVectors<DTYPE>& tile
       sum_power += device::tree_sum<kPerVector>(e_power);
   }
   constexpr int kLaneTerms = kUnrollVectors * kPerVector; // each <= 1: l <= m, c > 0, alpha > 0
-  state.sum = warp_sum_unit_terms<kLaneTerms, UNROLL>(sum);
-  state.sum_power =
-      MODE == PassMode::kRacePower ? warp_sum_unit_terms<kLaneTerms, UNROLL>(sum_power) : state.sum;
+  state.sum = warp_sum_unit_terms<kLaneTerms>(sum);
+  state.sum_power = MODE == PassMode::kRacePower ? warp_sum_unit_terms<kLaneTerms>(sum_power) : state.sum;
   if (state.sum != state.sum || state.sum_power != state.sum_power) // c = inf (a denormal T): 0 x inf
     state.flags = kFlagNanLogit;
   return state;
@@ -690,7 +638,7 @@ __device__ __forceinline__ PassState subtile_state(const TileVectors<DTYPE>& til
                                                    uint32_t param_flags) {
   if constexpr (MODE == PassMode::kGreedy) {
     const PassState state = param_flags ? empty_state() : fold_greedy_tile<DTYPE>(tile);
-    return warp_merge_greedy<UNROLL>(state, job.c);
+    return warp_merge_greedy(state);
   } else {
     return param_flags ? empty_state() : fold_subtile<DTYPE, MODE, UNROLL>(tile, job);
   }
@@ -703,38 +651,6 @@ inline constexpr int kWarpSize = 32;
 inline constexpr int kSubTiles = kPassThreads / kWarpSize;
 static_assert(kPassThreads % kWarpSize == 0, "a CTA is whole warps");
 
-/// cub::BlockReduce<T, kPassThreads>::Reduce(value, op, valid) (the warp-reductions algorithm): the same
-/// operations in the same order, so the same bits, written as loops (UNROLL: pass_unroll). Each warp folds
-/// lane l + offset into lane l for offset 1, 2, 4, 8, 16 (while l + offset is a valid lane:
-/// device::warp_in_order::reduce_down), then thread 0
-/// folds the warps' totals in warp order (the warps that hold a valid thread). cub unrolls all of it for
-/// every operator, which made the reductions about a fifth of the pass's code; a cycle runs the pass from
-/// cold instruction caches and a flushed L2, where its time follows its code size (sample_bench's cold
-/// columns). The result is thread 0's; `totals` is kPassThreads / kWarpSize shared slots; the call holds a
-/// __syncthreads(). With the Philox rounds and warp_merge as loops too (random.cuh), the bf16 pass went from
-/// 9,648 to 5,904 SASS instructions. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch, in
-/// the chain / after a kernel that flushed L2: 1 x 128256 bf16 6.64-6.67 / 14.91-15.64 -> 7.03 / 9.23-9.46, 8
-/// x 49152 6.37-6.40 / 14.60-14.70 -> 6.60-6.61 / 8.53-8.58, 64 x 128256 14.92-14.95 / 18.36-18.50
-/// -> 15.88-15.89 / 16.92-17.02 (warm, a loop costs issue slots; cold, fewer bytes of code come from HBM).
-/// The real SMC cycle (N 8, K 4, with resample_device.cuh's loops) at 1 / 8 requests 1,933.2-1,936.4 /
-/// 3,983.8-3,993.7 -> 1,904.8-1,905.9 / 3,957.4-3,960.4 us, its non-model time 95.6-99.0 -> 64.0-66.1 us at 1
-/// request; the toy SMC cycle at 64 requests (512-row passes, the large instance) 1,955.7-1,956.3 ->
-/// 1,965.1-1,965.3.
-template <int UNROLL, class T, class Op>
-__device__ __forceinline__ T block_reduce_in_order(T value, const Op& op, int valid, T* totals) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
-            warp = static_cast<int>(threadIdx.x) / kWarpSize;
-  value = device::warp_in_order::reduce_down<UNROLL>(value, op, min(valid - warp * kWarpSize, kWarpSize) - 1);
-  if (lane == 0)
-    totals[warp] = value;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll(UNROLL)
-    for (int w = 1; w < kPassThreads / kWarpSize && w * kWarpSize < valid; ++w)
-      value = op(value, totals[w]);
-  }
-  return value;
-}
 template <DType DTYPE> inline constexpr int kSubTileLength = kSplitLength<DTYPE> / kSubTiles;
 
 /// Logits per run of the element race: the winning sub-tile spread over the CTA's threads (4 bf16 / 2 fp32
@@ -943,38 +859,25 @@ __device__ __forceinline__ SubTileWinner race_own_subtile(const PassState& sub,
     }
   }
   // Every lane ends with the winner (lane 0 stores it beside the state, and the merge needs it in the warp
-  // leader's registers): RaceStateOp is a total order, so any reduction picks the same element. On sm_80+
-  // warp_argmax (keys are finite or -inf, a lane without a candidate has index -1), else a butterfly.
-  // warp_in_order::reduce_down to lane 0 gave the butterfly's bits 0.1-0.15 us slower a launch (forty-fifth
-  // session, sample_bench 1 x 1024 to 8 x 128256).
-#if __CUDA_ARCH__ >= 800
+  // leader's registers): the race's order (the larger key, ties to the smaller vocab id) is total, so any
+  // reduction picks the same element; warp_argmax (keys are finite or -inf, a lane without a candidate has
+  // index -1). Until the fifty-second session an xor butterfly (warp_in_order::reduce_down to lane 0 gave
+  // its bits 0.1-0.15 us slower a launch, forty-fifth session).
   const WarpArgmax winner = warp_argmax(best.key, best.index);
   return SubTileWinner{winner.index, __shfl_sync(kAll, best.logit, winner.lane)};
-#else
-#pragma unroll(UNROLL)
-  for (int offset = 16; offset >= 1; offset /= 2) {
-    RaceState other;
-    other.key = __shfl_xor_sync(kAll, best.key, offset);
-    other.logit = __shfl_xor_sync(kAll, best.logit, offset);
-    other.index = __shfl_xor_sync(kAll, best.index, offset);
-    best = RaceStateOp{}(best, other);
-  }
-  return SubTileWinner{best.index, best.logit};
-#endif
 }
 
 /// The CTA's element-race winner from its threads' standings, on thread 0 (the call holds a
-/// __syncthreads(); `totals` is kPassThreads / kWarpSize shared slots). RaceStateOp is a total order (keys
-/// are finite or -inf, vocab ids distinct), so every reduction picks the same element: on sm_80+ warp_argmax
-/// in each warp, then in warp 0 over the warps' winners (two redux.sync steps each), else
-/// block_reduce_in_order's butterflies and in-order fold. NVIDIA H200, A/B in one call, two rounds,
-/// sample_bench us a launch in the chain (the late race runs in launches of more than one wave): 64 x 128256
-/// bf16 13.24-13.27 -> 12.56-12.59, fp32 17.64-17.81 -> 17.08-17.15; 256 x 128256 bf16 23.00 -> 22.70-22.72
-/// (67.0-67.1% -> 67.9-68.0% of copy), fp32 38.31-38.44 -> 38.00-38.15 (80.2-80.5% -> 80.9-81.2%); 1 / 8
-/// rows 0.05-0.1 us; the toy SMC cycle (K 8) at 8 / 64 requests 620.0 / 3,332.5 -> 614.5 / 3,316.2 us.
-template <int UNROLL>
+/// __syncthreads(); `totals` is kPassThreads / kWarpSize shared slots). The race's order is total (keys are
+/// finite or -inf, vocab ids distinct), so every reduction picks the same element: warp_argmax in each warp,
+/// then in warp 0 over the warps' winners (two redux.sync steps each). Against the block reduction it
+/// replaced (cub's warp-reductions order as loops: butterflies, then thread 0's fold), NVIDIA H200, A/B in
+/// one call, two rounds, sample_bench us a launch in the chain (the late race runs in launches of more than
+/// one wave): 64 x 128256 bf16 13.24-13.27 -> 12.56-12.59, fp32 17.64-17.81 -> 17.08-17.15; 256 x 128256
+/// bf16 23.00 -> 22.70-22.72 (67.0-67.1% -> 67.9-68.0% of copy), fp32 38.31-38.44 -> 38.00-38.15 (80.2-80.5%
+/// -> 80.9-81.2%); 1 / 8 rows 0.05-0.1 us; the toy SMC cycle (K 8) at 8 / 64 requests 620.0 / 3,332.5 ->
+/// 614.5 / 3,316.2 us.
 __device__ __forceinline__ RaceState block_race_winner(const RaceState& mine, RaceState* totals) {
-#if __CUDA_ARCH__ >= 800
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
@@ -991,9 +894,6 @@ __device__ __forceinline__ RaceState block_race_winner(const RaceState& mine, Ra
     best.index = across.index;
   }
   return best;
-#else
-  return block_reduce_in_order<UNROLL>(mine, RaceStateOp{}, kPassThreads, totals);
-#endif
 }
 
 /// Cluster mode's limits (the launcher also checks that the device schedules the cluster): at most 8 tiles a
@@ -1093,16 +993,6 @@ template <class Best> struct RowStanding {
   Best subtile;
 };
 
-template <PassMode MODE, class Best> struct RowStandingOp {
-  float c, alpha;
-  __device__ __forceinline__ RowStanding<Best> operator()(const RowStanding<Best>& a,
-                                                          const RowStanding<Best>& b) const {
-    return RowStanding<Best>{merge_states<MODE>(a.state, b.state, c, alpha),
-                             better_subtile(a.subtile, b.subtile)};
-  }
-};
-
-#if __CUDA_ARCH__ >= 800
 /// The lane holding this warp's best sub-tile standing in better_subtile's order (the larger key, ties to
 /// the smaller index; a standing with index < 0 holds none), and its index, on every lane: three redux.sync
 /// over the key's order_key (its high word, then its low word among the lanes that share the high word, then
@@ -1130,21 +1020,20 @@ template <class Best> struct WarpStanding {
   uint32_t flags;
   Best subtile;
 };
-#endif
 
 /// The sub-tile standing of a job that does not race (score positions, greedy, kRace rows past their sample
 /// position): block_row_standing reduces the merged state only.
 struct NoSubtileRace {};
 
 /// A job's merged state and sub-tile race standing from its threads' (each thread's sub-tiles already merged
-/// in ascending order), on thread 0; the call holds two __syncthreads(). On sm_80+ without rescaling merges:
+/// in ascending order), on thread 0; the call holds two __syncthreads(). Without rescaling merges:
 /// the row's max M first (a redux.sync a warp, then every thread folds the warps' maxima from shared memory),
 /// then each thread's sums relative to M, 2^((m_t - M) c) sum_t (and with alpha c), a float butterfly a warp,
 /// the flags' OR and the best sub-tile (warp_best_subtile) a warp, and thread 0 adds the warps' sums in warp
 /// order. The sums are relative to one max, not rescaled at every step, so the row's log Z is as accurate as
 /// before or more; the sub-tile winner is the same (better_subtile is a total order on the offered
-/// sub-tiles). Before sm_80, block_reduce_in_order over RowStandingOp. `valid` threads hold a sub-tile (the
-/// others hold empty standings). Against block_reduce_in_order (the butterflies of 12-word standings, each
+/// sub-tiles). `valid` threads hold a sub-tile (the others hold empty standings). Against the block reduction
+/// it replaced (cub's warp-reductions order as loops: the butterflies of 12-word standings, each
 /// step a merge with exponentials, then thread 0's merges of the warps' totals): NVIDIA H200, A/B in one
 /// call, two rounds, sample_bench us a launch in the chain: 256 x 128256 bf16 22.47 -> 21.77-21.78 (69.0%
 /// -> 71.2% of copy), fp32 37.46-37.51 -> 36.48 (82.7% -> 85.0%), 256 x 151936 fp32 42.90-43.10
@@ -1156,14 +1045,13 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
                                                                 float c, float alpha, int valid) {
   static_assert(MODE != PassMode::kGreedy, "greedy jobs merge in block_merge_greedy");
   constexpr bool kRaces = !std::is_same_v<Best, NoSubtileRace>;
-#if __CUDA_ARCH__ >= 800
   constexpr int kWarps = kPassThreads / kWarpSize;
   __shared__ float warp_maxima[kWarps];
   __shared__ WarpStanding<Best> warp_standings[kWarps];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int warps = (valid + kWarpSize - 1) / kWarpSize; // the warps that hold a sub-tile (>= 1)
-  const float warp_max = warp_max_nan<UNROLL>(state.max);
+  const float warp_max = warp_max_nan(state.max);
   if (lane == 0)
     warp_maxima[warp] = warp_max;
   __syncthreads();
@@ -1211,38 +1099,25 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
     out.subtile = total.subtile;
   }
   return out;
-#else
-  if constexpr (kRaces) {
-    __shared__ RowStanding<Best> standing_totals[kPassThreads / kWarpSize];
-    return block_reduce_in_order<UNROLL>(RowStanding<Best>{state, subtile},
-                                         RowStandingOp<MODE, Best>{c, alpha}, valid, standing_totals);
-  } else {
-    __shared__ PassState merge_totals[kPassThreads / kWarpSize];
-    return RowStanding<Best>{
-        block_reduce_in_order<UNROLL>(state, MergeOp<MODE>{c, alpha}, valid, merge_totals), {}};
-  }
-#endif
 }
 
-/// block_row_standing with NoSubtileRace and block_merge_greedy for the jobs that do not race, against
-/// block_reduce_in_order over MergeOp: NVIDIA H200, A/B in one call, one round, toy cycles (N 8, K 4, V
-/// 128256 bf16), graph us at 1 / 8 / 64 requests: SMC 152.0 / 346.4 / 1,768.4 -> 151.6 / 347.1 / 1,754.8
+/// block_row_standing with NoSubtileRace and block_merge_greedy for the jobs that do not race, against the
+/// block reduction of merge_states they replaced: NVIDIA H200, A/B in one call, one round, toy cycles (N 8, K
+/// 4, V 128256 bf16), graph us at 1 / 8 / 64 requests: SMC 152.0 / 346.4 / 1,768.4 -> 151.6 / 347.1 / 1,754.8
 /// (non-model at 64 requests 447.4 -> 429.4, 1.59x -> 1.52x its floor), speculative 111.6 / 145.1 / 356.1 ->
 /// 109.1 / 142.3 / 353.4 (non-model at 1 request 47.8 -> 45.5); sample_bench within 0.1 us (its rows race).
 ///
 /// A greedy job's merged state from its threads' (each thread's sub-tiles merged in ascending order), on
-/// thread 0; the call holds a __syncthreads(). On sm_80+ warp_merge_greedy a warp, then thread 0 merges the
-/// warps' states in warp order; before, block_reduce_in_order. The same state either way:
-/// merge_states<kGreedy> selects the greatest max, ties to the smallest vocab id (a total order on the states
-/// that hold an element), and ORs the flags.
+/// thread 0; the call holds a __syncthreads(). warp_merge_greedy a warp, then thread 0 merges the warps'
+/// states in warp order: the same state as any reduction of merge_states<kGreedy>, which selects the greatest
+/// max, ties to the smallest vocab id (a total order on the states that hold an element), and ORs the flags.
 template <int UNROLL>
 __device__ __forceinline__ PassState block_merge_greedy(const PassState& state, float c) {
   constexpr int kWarps = kPassThreads / kWarpSize;
   __shared__ PassState warp_states[kWarps];
-#if __CUDA_ARCH__ >= 800
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
-  PassState merged = warp_merge_greedy<UNROLL>(state, c);
+  PassState merged = warp_merge_greedy(state);
   if (lane == 0)
     warp_states[warp] = merged;
   __syncthreads();
@@ -1252,9 +1127,6 @@ __device__ __forceinline__ PassState block_merge_greedy(const PassState& state, 
       merged = merge_states<PassMode::kGreedy>(merged, warp_states[w], c, 1.0f);
   }
   return merged;
-#else
-  return block_reduce_in_order<UNROLL>(state, MergeOp<PassMode::kGreedy>{c, 1.0f}, kPassThreads, warp_states);
-#endif
 }
 
 /// Arguments of the pass kernel (launch arguments: fixed for the life of a captured graph).
@@ -1598,12 +1470,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
         if (writer) {
           winner = race_subtile_shared<DTYPE>(tile_copy, args.logits.vocab, tile_begin,
                                               subtile.index % kSubTiles, noise, subtile.max, power_c);
-          winner = block_race_winner<UNROLL>(winner, race_totals);
+          winner = block_race_winner(winner, race_totals);
         }
       } else {
         winner = race_subtile<DTYPE>(row_logits, args.logits.vocab, tile_begin, subtile.index % kSubTiles,
                                      place.aligned, noise, subtile.max, power_c);
-        winner = block_race_winner<UNROLL>(winner, race_totals);
+        winner = block_race_winner(winner, race_totals);
       }
     }
   } else {
@@ -1694,8 +1566,8 @@ inline constexpr int kPassMinBlocksLarge = SMCGRAPH_PASS_MIN_BLOCKS_LARGE;
 inline constexpr int kPassMinBlocksWalk = SMCGRAPH_PASS_MIN_BLOCKS_WALK;
 /// The staged walk's instance (walkers a job, one tile in registers, two in shared memory): its CTAs an SM.
 inline constexpr int kPassMinBlocksStaged = SMCGRAPH_PASS_MIN_BLOCKS_STAGED;
-/// The unrolling of the pass's fixed-count loops (the Philox rounds, the warp reductions,
-/// block_reduce_in_order) in an instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or
+/// The unrolling of the pass's fixed-count loops (the Philox rounds, the warp reductions, the block folds
+/// over the warps) in an instance: loops (1) in the kPassMinBlocks one, whose launches of a wave or
 /// less run cold in a cycle and wait on their code coming from HBM; unrolled in the kPassMinBlocksLarge one,
 /// whose launches of many waves fetch their code once and are bound by instruction issue. The same bits
 /// either way. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch (loops in both instances ->

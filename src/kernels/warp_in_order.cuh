@@ -2,8 +2,9 @@
 // operations, written as short loops: cub unrolls them, and the cycle's stage kernels run from cold
 // instruction caches and, in the real model's cycle, a flushed L2, where their time follows their code size
 // (sample_bench's cold columns; docs/toy_and_kernel_results.md, "Thirty-third session"). The same operations
-// in the same order give the same bits. Used by the sampler pass's block reductions (logits_pass.cuh) and the
-// resampling (resample_device.cuh). Internal: compiled by nvcc only.
+// in the same order give the same bits. Used by the resampling (resample_device.cuh); the sampler pass
+// (logits_pass.cuh) used them for its block reductions until the fifty-second session moved those to
+// redux.sync, and still takes shuffle_from. Internal: compiled by nvcc only.
 #pragma once
 
 #include <cstdint>
