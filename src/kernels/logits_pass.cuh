@@ -81,7 +81,8 @@
 #pragma once
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#error "smcgraph's sampler pass needs compute capability 8.0 or newer (max.NaN, redux.sync): set gpu_arch to 80 or above"
+// max.NaN and redux.sync (the pass's maxima and warp reductions) need sm_80.
+#error "smcgraph's sampler pass needs compute capability >= 8.0: set the gpu_arch option to 80 or above"
 #endif
 
 #include <climits>
