@@ -526,24 +526,34 @@ __device__ __forceinline__ float warp_max_nan(float value) {
   return from_order_key(__reduce_max_sync(0xffffffffu, order_key(value)));
 }
 
+/// A warp reduction's winner: its index (-1 when none) and the lane that holds it.
+struct WarpArgmax {
+  int index, lane;
+};
+
+/// What a lane that is no candidate offers to warp_smallest_candidate.
+inline constexpr int kNoCandidate = 0x7fffffff;
+
+/// The smallest index the lanes of this warp offer (kNoCandidate from a lane that is no candidate), and the
+/// lane that offers it, on every lane (one redux.sync.min and a ballot): warp_argmax's and
+/// warp_best_subtile's last step, after each has found the lanes that hold its maximum. Index -1 and any lane
+/// when no lane is a candidate.
+__device__ __forceinline__ WarpArgmax warp_smallest_candidate(int offered) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int best = __reduce_min_sync(kAll, offered);
+  const int lane = (__ffs(__ballot_sync(kAll, offered == best)) - 1) & 31;
+  return WarpArgmax{best == kNoCandidate ? -1 : best, lane};
+}
+
 /// The lane of this warp that holds the largest `value` (never NaN here), ties to the smallest `index`, and
 /// that index, on every lane: two redux.sync, the max over order_key, then the min over the indices of the
 /// lanes whose value equals it as a float (so -0 ties +0, as the float comparisons of merge_states and
 /// offer_element do). A lane without a candidate has index < 0; when no lane has one, index is -1 and the
 /// lane any. The order (the larger value, ties to the smaller index) is total on the lanes that hold a
 /// candidate, so this picks what any reduction of merge_states<kGreedy> or of the race's comparisons would.
-struct WarpArgmax {
-  int index, lane;
-};
-
 __device__ __forceinline__ WarpArgmax warp_argmax(float value, int index) {
-  constexpr unsigned kAll = 0xffffffffu;
-  constexpr int kNone = 0x7fffffff;
-  const float m = from_order_key(__reduce_max_sync(kAll, order_key(value)));
-  const int candidate = index >= 0 && value == m ? index : kNone;
-  const int best = __reduce_min_sync(kAll, candidate);
-  const int lane = (__ffs(__ballot_sync(kAll, candidate == best)) - 1) & 31;
-  return WarpArgmax{best == kNone ? -1 : best, lane};
+  const float m = warp_max_nan(value); // every lane takes part (a collective: not behind the && below)
+  return warp_smallest_candidate(index >= 0 && value == m ? index : kNoCandidate);
 }
 
 /// The greedy merge of a warp's lanes, on every lane: warp_argmax over the lanes' maxima (a lane's greedy max
@@ -1001,7 +1011,6 @@ template <class Best> struct RowStanding {
 /// equal as doubles get equal order keys, as better_subtile's comparison has them.
 __device__ __forceinline__ WarpArgmax warp_best_subtile(double key, int index) {
   constexpr unsigned kAll = 0xffffffffu;
-  constexpr int kNone = 0x7fffffff;
   const int64_t k = order_key(key + 0.0);
   const int high = static_cast<int>(k >> 32);
   const unsigned low = static_cast<unsigned>(k);
@@ -1009,10 +1018,7 @@ __device__ __forceinline__ WarpArgmax warp_best_subtile(double key, int index) {
   const int best_high = __reduce_max_sync(kAll, held ? high : INT_MIN);
   const bool high_ties = held && high == best_high;
   const unsigned best_low = __reduce_max_sync(kAll, high_ties ? low : 0u);
-  const int candidate = high_ties && low == best_low ? index : kNone;
-  const int best = __reduce_min_sync(kAll, candidate);
-  const int lane = (__ffs(__ballot_sync(kAll, candidate == best)) - 1) & 31;
-  return WarpArgmax{best == kNone ? -1 : best, lane};
+  return warp_smallest_candidate(high_ties && low == best_low ? index : kNoCandidate);
 }
 
 /// A warp's part of a job's row standing (block_row_standing).
@@ -1112,8 +1118,7 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
 /// thread 0; the call holds a __syncthreads(). warp_merge_greedy a warp, then thread 0 merges the warps'
 /// states in warp order: the same state as any reduction of merge_states<kGreedy>, which selects the greatest
 /// max, ties to the smallest vocab id (a total order on the states that hold an element), and ORs the flags.
-template <int UNROLL>
-__device__ __forceinline__ PassState block_merge_greedy(const PassState& state, float c) {
+template <int UNROLL> __device__ __forceinline__ PassState block_merge_greedy(const PassState& state) {
   constexpr int kWarps = kPassThreads / kWarpSize;
   __shared__ PassState warp_states[kWarps];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
@@ -1125,7 +1130,7 @@ __device__ __forceinline__ PassState block_merge_greedy(const PassState& state, 
   if (threadIdx.x == 0) {
 #pragma unroll(UNROLL)
     for (int w = 1; w < kWarps; ++w)
-      merged = merge_states<PassMode::kGreedy>(merged, warp_states[w], c, 1.0f);
+      merged = merge_states<PassMode::kGreedy>(merged, warp_states[w], 0.0f, 1.0f); // greedy: no c, alpha
   }
   return merged;
 }
@@ -1486,7 +1491,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // The whole CTA (cub's partial-block path measured slower here: greedy draft samples of the toy's
     // speculative cycle, +3 us a cycle at 1 request).
     if constexpr (MODE == PassMode::kGreedy)
-      state = block_merge_greedy<UNROLL>(state, job.c);
+      state = block_merge_greedy<UNROLL>(state);
     else
       state = block_row_standing<MODE, UNROLL>(state, NoSubtileRace{}, job.c, job.alpha, kPassThreads).state;
     if (cluster)
