@@ -1047,7 +1047,15 @@ struct NoSubtileRace {};
 /// -> 42.12-42.15, 64 x 128256 fp32 17.19 -> 16.01, bf16 12.51-12.55 -> 12.30-12.33, 1 x 128256 fp32 6.37
 /// -> 6.09, bf16 6.21 -> 6.16; 1 x 32000 bf16 5.46 -> 5.54; the toy SMC cycle at 64 requests, K 4 / 8:
 /// 1,774.0 / 3,318.4 -> 1,767.8 / 3,305.9 us, the other cycles within 0.5%.
-template <PassMode MODE, int UNROLL, class Best>
+///
+/// ONE_WARP: where one warp holds every sub-tile (valid <= 32: bf16 / fp16 rows of at most 4 tiles, V <=
+/// 32768; fp32 rows of at most 2), warp 0 returns its own reduction and no barrier runs: the same bits, since
+/// the other warps would add nothing. NVIDIA H200, A/B in one call, two rounds, sample_bench us a launch in
+/// the chain (fifty-third session): x 32000 bf16 at 1 / 8 / 64 rows 5.52-5.53 / 5.65-5.66 / 7.55-7.58 ->
+/// 5.04 / 5.18 / 7.07, every other shape within 0.06 us. The register walk's instance keeps the barriers
+/// (kOneWarpMerge): with the path in it, ptxas scheduled its tile loop differently and 256 x 128256 bf16
+/// measured 21.98-22.01 -> 22.15-22.17 us, against 9.36-9.38 -> 9.11-9.15 at 256 x 32000.
+template <PassMode MODE, int UNROLL, bool ONE_WARP, class Best>
 __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState& state, const Best& subtile,
                                                                 float c, float alpha, int valid) {
   static_assert(MODE != PassMode::kGreedy, "greedy jobs merge in block_merge_greedy");
@@ -1058,15 +1066,21 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int warps = (valid + kWarpSize - 1) / kWarpSize; // the warps that hold a sub-tile (>= 1)
+  // One warp holds every sub-tile (bf16 rows of at most 4 tiles, fp32 of 2): warp 0 alone, no barrier, the
+  // same bits (ONE_WARP: the instance takes this path).
+  const bool one_warp = ONE_WARP && warps == 1;
   const float warp_max = warp_max_nan(state.max);
-  if (lane == 0)
-    warp_maxima[warp] = warp_max;
-  __syncthreads();
-  float m = warp_maxima[0];
+  float m = warp_max;
+  if (!one_warp) {
+    if (lane == 0)
+      warp_maxima[warp] = warp_max;
+    __syncthreads();
+    m = warp_maxima[0];
 #pragma unroll(UNROLL)
-  for (int w = 1; w < kWarps; ++w)
-    if (w < warps)
-      m = max_nan(m, warp_maxima[w]);
+    for (int w = 1; w < kWarps; ++w)
+      if (w < warps)
+        m = max_nan(m, warp_maxima[w]);
+  }
   float sum = 0.0f, sum_power = 0.0f;
   if (state.max != -INFINITY) { // a NaN max (or M) gives NaN sums; the flags carry it
     const float shift = (state.max - m) * c;
@@ -1084,10 +1098,17 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
     const WarpArgmax best = warp_best_subtile(subtile.key, subtile.index);
     warp_best = device::warp_in_order::shuffle_from(subtile, best.lane);
   }
+  RowStanding<Best> out;
+  if (one_warp) {
+    if (threadIdx.x == 0) {
+      out.state = PassState{m, sum, MODE == PassMode::kRacePower ? sum_power : sum, -1, flags};
+      out.subtile = warp_best;
+    }
+    return out;
+  }
   if (lane == 0)
     warp_standings[warp] = WarpStanding<Best>{sum, sum_power, flags, warp_best};
   __syncthreads();
-  RowStanding<Best> out;
   if (threadIdx.x == 0) {
     WarpStanding<Best> total = warp_standings[0];
 #pragma unroll(UNROLL)
@@ -1115,15 +1136,19 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
 /// 109.1 / 142.3 / 353.4 (non-model at 1 request 47.8 -> 45.5); sample_bench within 0.1 us (its rows race).
 ///
 /// A greedy job's merged state from its threads' (each thread's sub-tiles merged in ascending order), on
-/// thread 0; the call holds a __syncthreads(). warp_merge_greedy a warp, then thread 0 merges the warps'
-/// states in warp order: the same state as any reduction of merge_states<kGreedy>, which selects the greatest
-/// max, ties to the smallest vocab id (a total order on the states that hold an element), and ORs the flags.
-template <int UNROLL> __device__ __forceinline__ PassState block_merge_greedy(const PassState& state) {
+/// thread 0; the call holds a __syncthreads() unless one warp holds all `valid` sub-tiles (ONE_WARP).
+/// warp_merge_greedy a warp, then thread 0 merges the warps' states in warp order: the same state as any
+/// reduction of merge_states<kGreedy>, which selects the greatest max, ties to the smallest vocab id (a total
+/// order on the states that hold an element), and ORs the flags.
+template <int UNROLL, bool ONE_WARP>
+__device__ __forceinline__ PassState block_merge_greedy(const PassState& state, int valid) {
   constexpr int kWarps = kPassThreads / kWarpSize;
   __shared__ PassState warp_states[kWarps];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize,
             warp = static_cast<int>(threadIdx.x) / kWarpSize;
   PassState merged = warp_merge_greedy(state);
+  if (ONE_WARP && valid <= kWarpSize) // one warp holds every sub-tile (block_row_standing's ONE_WARP)
+    return merged;
   if (lane == 0)
     warp_states[warp] = merged;
   __syncthreads();
@@ -1319,6 +1344,9 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
                         uint32_t param_flags, uint4* tile_copy, uint4* walk_staging) {
   __shared__ PassState warp_states[kSubTiles]; // a one-tile or cluster job's sub-tile states
   constexpr bool kWalk = WALK != PassWalk::kNone, kStaged = WALK == PassWalk::kStaged;
+  // block_row_standing's and block_merge_greedy's one-warp path (rows of at most 32 sub-tiles) in every
+  // instance but the register walk's, whose code stays as it was (block_row_standing's comment says why).
+  constexpr bool kOneWarpMerge = WALK != PassWalk::kRegisters;
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const bool warp_leader = threadIdx.x % kWarpSize == 0;
@@ -1450,7 +1478,7 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // serial step folds 4 warp aggregates, not 8).
     const int valid_threads = min(subtile_count, kPassThreads);
     const RowStanding<Best> standing =
-        block_row_standing<MODE, UNROLL>(state, subtile, job.c, job.alpha, valid_threads);
+        block_row_standing<MODE, UNROLL, kOneWarpMerge>(state, subtile, job.c, job.alpha, valid_threads);
     // Every loaded state is consumed (a cluster job's sub-tiles are one a thread, `mine`), so the peers'
     // shared memory is no longer needed: they may leave once every CTA has arrived here.
     if (cluster)
@@ -1491,9 +1519,12 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     // The whole CTA (cub's partial-block path measured slower here: greedy draft samples of the toy's
     // speculative cycle, +3 us a cycle at 1 request).
     if constexpr (MODE == PassMode::kGreedy)
-      state = block_merge_greedy<UNROLL>(state);
+      state = block_merge_greedy<UNROLL, kOneWarpMerge>(state, subtile_count);
     else
-      state = block_row_standing<MODE, UNROLL>(state, NoSubtileRace{}, job.c, job.alpha, kPassThreads).state;
+      state = block_row_standing<MODE, UNROLL, kOneWarpMerge>(state, NoSubtileRace{}, job.c, job.alpha,
+                                                              kOneWarpMerge ? min(subtile_count, kPassThreads)
+                                                                            : kPassThreads)
+                  .state;
     if (cluster)
       cluster_arrive_relaxed(); // every loaded state is consumed (above)
   }
