@@ -1129,6 +1129,8 @@ TEST_CASE(
   // at position 1 (positions 2, 3 are not read: NaN there), request 1 at position 3; one token out of range.
   const DType dtype = DType::kBFloat16;
   const int rows = 4, positions = 4, vocab = 32001, particles = 2, token_stride = positions - 1;
+  // On, whatever SMCGRAPH_DISABLE_SAMPLER_CLUSTER=1 set (the guard restores it), as the sample() case does.
+  smcgraph::set_sample_clusters(true);
   REQUIRE(smcgraph::sample_uses_clusters(rows * positions, vocab, dtype) == device_has_clusters());
   Batch batch = random_batch(rng, dtype, rows * positions, vocab, vocab, 0.01);
   const std::vector<int32_t> steps = {1, positions - 1};
