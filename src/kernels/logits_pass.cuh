@@ -505,12 +505,12 @@ template <DType DTYPE> __device__ __forceinline__ float thread_max(const TileVec
   return m;
 }
 
-/// `op` (commutative) over this warp's lanes' values, on every lane: an xor butterfly, each step combining
-/// the same two values on both lanes of a pair, so every lane ends with the same bits.
-template <int UNROLL, class Op> __device__ __forceinline__ float warp_all_reduce(float value, const Op& op) {
+/// The sum over this warp's lanes of `value`, on every lane: an xor butterfly, each step adding the same two
+/// numbers on both lanes of a pair, so every lane ends with the same bits.
+template <int UNROLL> __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll(UNROLL)
   for (int offset = 16; offset >= 1; offset /= 2)
-    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
   return value;
 }
 
@@ -1088,10 +1088,9 @@ __device__ __forceinline__ RowStanding<Best> block_row_standing(const PassState&
     if constexpr (MODE == PassMode::kRacePower)
       sum_power = state.sum_power * fast_exp2(alpha * shift);
   }
-  const auto add = [](float a, float b) { return a + b; };
-  sum = warp_all_reduce<UNROLL>(sum, add);
+  sum = warp_sum<UNROLL>(sum);
   if constexpr (MODE == PassMode::kRacePower)
-    sum_power = warp_all_reduce<UNROLL>(sum_power, add);
+    sum_power = warp_sum<UNROLL>(sum_power);
   const uint32_t flags = __reduce_or_sync(0xffffffffu, state.flags);
   Best warp_best{};
   if constexpr (kRaces) {
