@@ -387,6 +387,20 @@ inline constexpr int kUnrollVectors = SMCGRAPH_PASS_VECTORS_PER_THREAD;
 template <DType DTYPE>
 inline constexpr int kSplitLength = kPassThreads* kUnrollVectors* DTypeTraits<DTYPE>::kPerVector;
 
+/// A global load issued where it stands in the program: as volatile asm, the compiler neither sinks it into
+/// the branches that use its value nor drops it on the paths that do not. For values a kernel needs on most
+/// paths whose address is known early (LogitsPassKernel's Philox keys). A plain weak load, as `*p` would be.
+__device__ __forceinline__ uint64_t load_now(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t load_now(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 /// The 16-byte vectors of one tile a thread owns, loaded: thread t takes vectors t, t + 256, t + 512, ... of
 /// the tile (kUnrollVectors of them, all loads issued before any is used), vector u holding logits
 /// first[u] .. first[u] + count[u] (count 0: past the end of the row, -inf loaded: load_tile).
@@ -1670,6 +1684,11 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
 
   const float temperature = args.params.temperature[row];
   const float alpha = args.params.alpha ? args.params.alpha[row] : 1.0f;
+  // The keys are loaded here, with the parameters, on every path: left to the compiler, their loads sank
+  // past the branch on the temperature below (the greedy path does not read them), so they issued only once
+  // the temperature had arrived, a second round trip before the race noise (load_now).
+  const uint64_t seed = load_now(args.random.seeds + request);
+  const uint32_t draw_counter = load_now(args.random.draw_counters + request);
   uint32_t param_flags = 0;
   if (!(temperature >= 0.0f) || isinf(temperature))
     param_flags |= kFlagBadParameter;
@@ -1679,8 +1698,8 @@ __global__ void __launch_bounds__(kPassThreads, MIN_BLOCKS) LogitsPassKernel(con
   JobContext job;
   job.c = temperature > 0.0f ? kLog2e / temperature : 0.0f;
   job.alpha = alpha;
-  job.seed = args.random.seeds[request];
-  job.draw_counter = args.random.draw_counters[request];
+  job.seed = seed;
+  job.draw_counter = draw_counter;
   job.particle = static_cast<uint32_t>(row % particles);
   job.stream_word = args.stream_word;
 

@@ -362,6 +362,11 @@ void launch_logits_pass(const char* where, PassArgs args, SampleWorkspace& works
   // register-walk CTA draws it while its first tile loads; the staged walk's last walker draws it after the
   // merge (fewer registers live on the walk).
   args.early_noise = args.walk ? !meeting.walk.staged() : int64_t{logits.rows} * args.splits <= wave;
+  // SMCGRAPH_SAMPLER_NOISE=late: only the job's last CTA draws (A/B runs; the same bits).
+  static const bool late_noise =
+      env_choice<bool>("smcgraph::sample", "SMCGRAPH_SAMPLER_NOISE", {{"early", false}, {"late", true}});
+  if (late_noise && !args.walk)
+    args.early_noise = false;
   // Those launches also race early (PassArgs::early_race); SMCGRAPH_SAMPLER_RACE=late keeps the element race
   // after the merge (A/B runs; the same bits).
   static const bool late_race =
