@@ -389,15 +389,17 @@ inline constexpr int kSplitLength = kPassThreads* kUnrollVectors* DTypeTraits<DT
 
 /// A global load issued where it stands in the program: as volatile asm, the compiler neither sinks it into
 /// the branches that use its value nor drops it on the paths that do not. For values a kernel needs on most
-/// paths whose address is known early (LogitsPassKernel's Philox keys). A plain weak load, as `*p` would be.
+/// paths whose address is known early (LogitsPassKernel's Philox keys). A plain weak load, as `*p` would be;
+/// the "memory" clobber keeps it after the PDL wait (pdl_enter), since the predecessor may write what it
+/// reads (the draw counters: advance_draw_counters).
 __device__ __forceinline__ uint64_t load_now(const uint64_t* p) {
   uint64_t v;
-  asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint32_t load_now(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
