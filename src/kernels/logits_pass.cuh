@@ -1499,21 +1499,22 @@ __device__ void run_job(const PassArgs& args, const JobContext& job, const JobPl
     if (cluster)
       cluster_arrive_relaxed();
     bool raced = false;
-    if (EARLY && early_race) {
-      // The winning sub-tile's own race decided the token. Only thread 0 reads the standing (it writes the
-      // outputs; the others only leave), so it keeps its own: no broadcast and no barrier. NVIDIA H200, A/B
-      // in one call (the head's logits_pass.cuh in a second build), two rounds, sample_bench us a launch in
-      // the chain: 1 / 8 / 64 x 128256 bf16 6.00-6.01 / 6.45-6.46 / 12.07-12.11 -> 5.87 / 6.33 /
-      // 12.06-12.13; 1 x 151936 bf16 6.19-6.20 -> 6.07; 1 x 32000 bf16 4.91-4.96 -> 4.81; the toy SMC cycle
-      // at 1 request (one round), K 4 / 8: 149.0 / 260.1 -> 147.7 / 259.3 us. Only the one-wave instances'
-      // code changes.
-      if constexpr (EARLY) {
+    if constexpr (EARLY) {
+      if (early_race) {
+        // The winning sub-tile's own race decided the token. Only thread 0 reads the standing (it writes the
+        // outputs; the others only leave), so it keeps its own: no broadcast and no barrier. NVIDIA H200, A/B
+        // in one call (the head's logits_pass.cuh in a second build), two rounds, sample_bench us a launch in
+        // the chain: 1 / 8 / 64 x 128256 bf16 6.00-6.01 / 6.45-6.46 / 12.07-12.11 -> 5.87 / 6.33 /
+        // 12.06-12.13; 1 x 151936 bf16 6.19-6.20 -> 6.07; 1 x 32000 bf16 4.91-4.96 -> 4.81; the toy SMC
+        // cycle at 1 request (one round), K 4 / 8: 149.0 / 260.1 -> 147.7 / 259.3 us. Only the one-wave
+        // instances' code changes.
         state = standing.state;
         subtile = standing.subtile;
         winner = RaceState{0.0f, subtile.winner.logit, subtile.winner.index};
         raced = true;
       }
-    } else {
+    }
+    if (!raced) { // raced is uniform across the launch (early_race)
       if (threadIdx.x == 0)
         row_standing = standing;
       __syncthreads();
